@@ -1,0 +1,33 @@
+"""kvray: KV-cache offload and prefix reuse for LLM inference.
+
+The core (keys, pages, index, tiers, policies, the in-process :class:`PageStore`) imports
+neither Ray nor an inference engine; Ray lives in :mod:`kvray.cluster`, engines in
+:mod:`kvray.engines`.
+
+Example::
+
+    import torch
+    from kvray import PageLayout, PageStore, StoreConfig
+
+    layout = PageLayout(layers=2, kv_heads=2, head_dim=8, page_tokens=16, dtype="float32")
+    store = PageStore(StoreConfig(layout=layout, host_pages=64))
+    tokens = list(range(64))
+    store.store(tokens, torch.randn(layout.request_shape(64)))
+    hit = store.load(tokens)          # 64 tokens come back bit-exact
+"""
+
+from kvray.config import PageLayout, StoreConfig, TierSizes
+from kvray.errors import KvrayError
+from kvray.keys import ModelFingerprint, page_keys
+from kvray.store import LoadResult, PageStore
+
+__all__ = [
+    "KvrayError",
+    "LoadResult",
+    "ModelFingerprint",
+    "PageLayout",
+    "PageStore",
+    "StoreConfig",
+    "TierSizes",
+    "page_keys",
+]

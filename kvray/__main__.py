@@ -1,0 +1,3 @@
+from kvray.cli import main
+
+main()

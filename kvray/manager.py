@@ -1,0 +1,194 @@
+"""Cache manager: the control plane of one cache, with no page bytes in it.
+
+Verbs (the shape of vLLM's offloading manager):
+
+- ``lookup(keys)``: the longest cached prefix, with each page's tier, slot and checksum.
+- ``pin`` / ``unpin``: protect pages being read; a pinned page is never evicted or moved.
+- ``touch(handles)``: record a hit (heat, recency) and tell the policy.
+- ``reserve(tier, mover)``: a free slot in ``tier``, evicting by the policy if needed.
+  Eviction demotes the victim to the tier the policy names, as a two-phase move
+  (:meth:`relocate`), or drops it.
+- ``complete_store`` / ``abort_store``: publish a page written into a reserved slot, or
+  give the slot back.
+- ``relocate(handle, tier, mover)``: reserve at the destination, let ``mover`` copy and
+  verify, then publish the new location and only then free the source. If the copy
+  fails the page stays where it was.
+
+The data plane supplies ``mover(handle, src_tier, src_slot, dst_tier, dst_slot)``: the
+:class:`~kvray.store.PageStore` copies bytes, the simulator adds modeled time. Both run the
+same manager, index, slot accounting and policy (DESIGN.md, seam 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvray.errors import KvrayError
+from kvray.index import PrefixIndex
+from kvray.metrics import CacheMetrics
+from kvray.policy.base import PageContext, PlacementPolicy
+from kvray.tiers import SlotAllocator, Tier
+
+Mover = Callable[[int, Tier, int, Tier, int], None]
+
+
+@dataclass(frozen=True)
+class Match:
+    """The cached prefix of a request: one entry per page, root first."""
+
+    handles: np.ndarray
+    tiers: np.ndarray
+    slots: np.ndarray
+    checksums: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+
+class CacheManager:
+    """Index + slot accounting + placement policy for a set of tiers.
+
+    Example::
+
+        manager = CacheManager({Tier.HOST: 2, Tier.DISK: 8}, LRUPolicy())
+        slot = manager.reserve(Tier.HOST, mover=lambda *move: None)
+        manager.complete_store(key=1, tier=Tier.HOST, slot=slot, checksum=0)
+        manager.lookup([1, 2]).tiers        # array([1]): page 1 is on the host tier
+    """
+
+    def __init__(
+        self,
+        capacities: Mapping[Tier, int],
+        policy: PlacementPolicy,
+        page_nbytes: int = 0,
+        used_slots: Mapping[Tier, Sequence[int]] | None = None,
+    ) -> None:
+        used_slots = used_slots or {}
+        self.capacities = {Tier(t): c for t, c in capacities.items() if c > 0}
+        self.slots = {t: SlotAllocator.with_used(c, list(used_slots.get(t, []))) for t, c in self.capacities.items()}
+        self.index = PrefixIndex()
+        self.policy = policy
+        self.policy.bind(self.index, self.capacities)
+        self.metrics = CacheMetrics(page_nbytes=page_nbytes)
+        self.slot_freed: Callable[[Tier, int], None] = lambda tier, slot: None
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return sorted(self.capacities)
+
+    # -- reads ---------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[int], count: bool = True) -> Match:
+        handles = self.index.lookup(keys)
+        match = Match(
+            handles,
+            self.index.tier[handles].copy(),
+            self.index.slot[handles].copy(),
+            self.index.checksum[handles].copy(),
+        )
+        if count:
+            self.metrics.lookups += 1
+            self.metrics.lookup_pages += len(keys)
+            for tier, n in zip(*np.unique(match.tiers, return_counts=True)):
+                self.metrics.hit_pages[Tier(int(tier)).label] += int(n)
+        return match
+
+    def pin(self, handles: np.ndarray) -> None:
+        self.index.pin(handles)
+
+    def unpin(self, handles: np.ndarray) -> None:
+        self.index.unpin(handles)
+
+    def touch(self, handles: np.ndarray) -> None:
+        self.index.touch(handles)
+        self.policy.on_access(handles)
+
+    # -- placement -----------------------------------------------------------------------
+    def admit(self, ctx: PageContext) -> Tier | None:
+        tier = self.policy.admit(ctx)
+        return tier if tier in self.slots else None
+
+    def reserve(self, tier: Tier, mover: Mover) -> int | None:
+        """A free slot of ``tier``; evicts by the policy until one frees. None if all pinned."""
+        allocator = self.slots[tier]
+        slot = allocator.alloc()
+        while slot is None:
+            victim = self.policy.victim(tier)
+            if victim is None:
+                return None
+            self.evict(victim, mover)
+            slot = allocator.alloc()
+        return slot
+
+    def evict(self, handle: int, mover: Mover) -> None:
+        """Demote ``handle`` where the policy says, or drop it when that is impossible."""
+        src = Tier(int(self.index.tier[handle]))
+        dst = self.policy.demote_target(handle, src)
+        if dst is None or dst not in self.slots or not self.relocate(handle, dst, mover):
+            self.drop(handle)
+
+    def relocate(self, handle: int, dst: Tier, mover: Mover) -> bool:
+        """Two-phase move of one page; False (page untouched at its source) on failure."""
+        src, src_slot = Tier(int(self.index.tier[handle])), int(self.index.slot[handle])
+        self.index.pin(np.array([handle]))  # the source must survive making room below
+        try:
+            dst_slot = self.reserve(dst, mover)
+        finally:
+            self.index.unpin(np.array([handle]))
+        if dst_slot is None:
+            return False
+        try:
+            mover(handle, src, src_slot, dst, dst_slot)
+        except KvrayError:
+            self.abort_store(dst, dst_slot)
+            return False
+        self.policy.on_remove(handle, src)
+        self.index.move(handle, dst, dst_slot)
+        self.policy.on_insert(handle, dst)
+        self._free(src, src_slot)
+        self.metrics.count_move(src.label, dst.label)
+        return True
+
+    def promote(self, handles: np.ndarray, mover: Mover) -> None:
+        """Move hit pages up where the policy asks (pinned pages stay put)."""
+        for handle in handles.tolist():
+            src = Tier(int(self.index.tier[handle]))
+            dst = self.policy.promote_target(handle, src)
+            if dst is not None and dst in self.slots and dst != src and self.index.pins[handle] == 0:
+                self.relocate(handle, dst, mover)
+
+    # -- writes --------------------------------------------------------------------------
+    def complete_store(self, key: int, tier: Tier, slot: int, checksum: int, depth: int = 0) -> int:
+        handle = self.index.add(key, tier, slot, checksum, depth)
+        self.policy.on_insert(handle, tier)
+        self.metrics.stored_pages += 1
+        return handle
+
+    def abort_store(self, tier: Tier, slot: int) -> None:
+        self._free(tier, slot)
+
+    def drop(self, handle: int) -> None:
+        """Forget a page and free its slot (eviction, corruption, a lost node)."""
+        tier, slot = Tier(int(self.index.tier[handle])), int(self.index.slot[handle])
+        self.policy.on_remove(handle, tier)
+        self.index.remove(handle)
+        self._free(tier, slot)
+        self.metrics.evicted_pages += 1
+
+    def _free(self, tier: Tier, slot: int) -> None:
+        self.slots[tier].free(slot)
+        self.slot_freed(tier, slot)
+
+    # -- state ---------------------------------------------------------------------------
+    def occupancy(self) -> dict[str, dict[str, float]]:
+        return {
+            t.label: {
+                "capacity": a.capacity,
+                "used": a.used,
+                "occupancy": a.occupancy,
+                "fragmentation": a.fragmentation(),
+            }
+            for t, a in sorted(self.slots.items())
+        }

@@ -1,0 +1,133 @@
+"""Disk pool: page slots in one file per model fingerprint, surviving restarts.
+
+Slot ``i`` of ``<dir>/<fingerprint>.kvpages`` starts at ``i * stride`` with a 64-byte
+header (magic, key, fingerprint, checksum, length) followed by the page bytes, written
+with one ``pwritev``. A new process pointed at the same directory rebuilds what it holds
+by reading the headers (:meth:`DiskPool.scan`); a freed slot has its magic cleared so it
+is never resurrected. The file and directory are private to the user (0600 / 0700), and
+the file name comes from the fingerprint alone, never from a user string.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvray.errors import StorageError
+
+MAGIC = b"KVRAYPG1"
+HEADER = struct.Struct("<8sHHI16s16sQQ")  # magic, version, flags, pad, key, fingerprint, checksum, nbytes
+HEADER_BYTES = 64
+VERSION = 1
+ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class StoredPage:
+    """What a slot's header says it holds."""
+
+    slot: int
+    key: int
+    fingerprint: bytes
+    checksum: int
+    nbytes: int
+
+
+class DiskPool:
+    """Fixed-size page slots in a file under ``directory``.
+
+    Example::
+
+        pool = DiskPool("/tmp/kv", capacity=16, page_nbytes=4096, fingerprint=fp.digest)
+        pool.write(0, key, page_bytes, checksum)
+        pool.read_into(0, out)        # -> StoredPage(...) describing what was read
+    """
+
+    kind = "disk"
+    stand_in = False
+
+    def __init__(
+        self, directory: str | Path, capacity: int, page_nbytes: int, fingerprint: bytes, fsync: bool = False
+    ) -> None:
+        self.directory = Path(directory)
+        self.capacity = capacity
+        self.page_nbytes = page_nbytes
+        self.fingerprint = fingerprint
+        self.fsync = fsync
+        self.stride = -(-(HEADER_BYTES + page_nbytes) // ALIGN) * ALIGN
+        self.path = self.directory / f"{fingerprint.hex()}.kvpages"
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"disk tier: cannot create directory {self.directory}: {exc.strerror}") from None
+        if not self.directory.is_dir() or not os.access(self.directory, os.W_OK | os.X_OK):
+            raise StorageError(f"disk tier: directory {self.directory} is not writable")
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise StorageError(f"disk tier: cannot open {self.path}: {exc.strerror}") from None
+
+    def _header(self, key: int, checksum: int) -> bytes:
+        raw = HEADER.pack(MAGIC, VERSION, 0, 0, key.to_bytes(16, "little"), self.fingerprint, checksum, self.page_nbytes)
+        return raw.ljust(HEADER_BYTES, b"\0")
+
+    def write(self, slot: int, key: int, page: np.ndarray, checksum: int) -> None:
+        """Write one page (``page_nbytes`` uint8) and its header into ``slot``."""
+        offset = slot * self.stride
+        buffers = [self._header(key, checksum), memoryview(page).cast("B")]
+        total = HEADER_BYTES + self.page_nbytes
+        try:
+            written = os.pwritev(self._fd, buffers, offset)
+            while written < total:  # short writes are legal; finish the rest
+                rest = b"".join(bytes(b) for b in buffers)[written:]
+                written += os.pwrite(self._fd, rest, offset + written)
+            if self.fsync:
+                os.fdatasync(self._fd)
+        except OSError as exc:
+            self._clear(slot)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise StorageError(f"disk tier {self.directory}: no space left writing slot {slot}") from None
+            raise StorageError(f"disk tier {self.directory}: write of slot {slot} failed: {exc.strerror}") from None
+
+    def read_into(self, slot: int, out: np.ndarray) -> StoredPage | None:
+        """Read ``slot`` into ``out``; None when the header is missing or torn."""
+        header = bytearray(HEADER_BYTES)
+        got = os.preadv(self._fd, [header, memoryview(out).cast("B")], slot * self.stride)
+        if got < HEADER_BYTES + self.page_nbytes:
+            return None
+        return self._parse(slot, bytes(header))
+
+    def _parse(self, slot: int, header: bytes) -> StoredPage | None:
+        magic, version, _, _, key, fingerprint, checksum, nbytes = HEADER.unpack_from(header)
+        if magic != MAGIC or version != VERSION or fingerprint != self.fingerprint or nbytes != self.page_nbytes:
+            return None
+        return StoredPage(slot, int.from_bytes(key, "little"), fingerprint, checksum, nbytes)
+
+    def free(self, slot: int) -> None:
+        self._clear(slot)
+
+    def _clear(self, slot: int) -> None:
+        try:
+            os.pwrite(self._fd, b"\0" * len(MAGIC), slot * self.stride)
+        except OSError:
+            pass  # a slot we cannot clear reads back as torn or fails its checksum
+
+    def scan(self) -> list[StoredPage]:
+        """Headers of every slot that holds a page of this fingerprint (restart recovery)."""
+        size = os.fstat(self._fd).st_size
+        found = []
+        for slot in range(min(self.capacity, size // self.stride + 1)):
+            header = os.pread(self._fd, HEADER_BYTES, slot * self.stride)
+            if len(header) == HEADER_BYTES and (page := self._parse(slot, header)) is not None:
+                found.append(page)
+        return found
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,82 @@
+"""Memory pools: host RAM and accelerator memory, one ``[capacity, page_nbytes]`` array each.
+
+Pages are written and read through zero-copy slot views, so packing a page from an engine
+tensor is one strided copy straight into the pool. A host pool can live in POSIX shared
+memory (``shared_name``) so that other processes on the node map the same slots and load
+pages without any copy through Ray (see :mod:`kvray.cluster`).
+"""
+
+from __future__ import annotations
+
+from multiprocessing import shared_memory
+
+import numpy as np
+import torch
+
+from kvray.errors import StorageError
+
+
+class HostPool:
+    """Page slots in host memory (optionally a named shared-memory segment).
+
+    Example::
+
+        pool = HostPool(capacity=8, page_nbytes=4096)
+        pool.view(0)[:] = 7          # a uint8 tensor aliasing slot 0
+    """
+
+    kind = "host"
+    stand_in = False
+
+    def __init__(self, capacity: int, page_nbytes: int, shared_name: str | None = None) -> None:
+        self.capacity = capacity
+        self.page_nbytes = page_nbytes
+        self._shm: shared_memory.SharedMemory | None = None
+        size = max(capacity * page_nbytes, 1)
+        if shared_name is None:
+            array = np.empty((capacity, page_nbytes), dtype=np.uint8)
+        else:
+            try:
+                self._shm = shared_memory.SharedMemory(name=shared_name, create=True, size=size)
+            except OSError as exc:
+                raise StorageError(f"host tier: cannot create shared memory {shared_name!r}: {exc}") from None
+            array = np.ndarray((capacity, page_nbytes), dtype=np.uint8, buffer=self._shm.buf)
+        self._array = array
+        self._tensor = torch.from_numpy(array)
+
+    @property
+    def shared_name(self) -> str | None:
+        return self._shm.name if self._shm else None
+
+    def view(self, slot: int) -> torch.Tensor:
+        return self._tensor[slot]
+
+    def close(self) -> None:
+        if self._shm is not None:
+            del self._tensor, self._array
+            self._shm.close()
+            self._shm.unlink()
+            self._shm = None
+
+
+class DevicePool:
+    """Page slots in accelerator memory; a CPU stand-in (``stand_in=True``) without CUDA.
+
+    The stand-in keeps the tier's accounting and copy paths real on machines without an
+    accelerator; :attr:`device` says which one is in use.
+    """
+
+    kind = "device"
+
+    def __init__(self, capacity: int, page_nbytes: int, device: str | None = None) -> None:
+        self.capacity = capacity
+        self.page_nbytes = page_nbytes
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.stand_in = self.device.type == "cpu"
+        self._tensor = torch.empty((capacity, page_nbytes), dtype=torch.uint8, device=self.device)
+
+    def view(self, slot: int) -> torch.Tensor:
+        return self._tensor[slot]
+
+    def close(self) -> None:
+        self._tensor = torch.empty(0, dtype=torch.uint8)
