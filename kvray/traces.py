@@ -1,0 +1,125 @@
+"""Request traces: Mooncake JSON Lines or Parquet with the same columns.
+
+A trace is a list of :class:`TraceRequest`: arrival time (ms), prompt and output lengths,
+and ``hash_ids``, one prefix-chained id per ``block_tokens``-token block of the prompt
+(512 in Mooncake's traces). Two requests share block i only if they share the whole
+prefix up to block i, exactly like kvray's own page keys, so the simulator and
+``kvray run`` use a trace id as a page key; where a real model runs,
+:func:`synthetic_tokens` derives deterministic token ids from the ids.
+
+Malformed input raises :class:`kvray.errors.TraceError` naming the file and line (row).
+
+Example::
+
+    trace = read_trace("data/traces/conversation_trace_first30min.jsonl")
+    trace[0].hash_ids[:3], len(trace)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvray.errors import TraceError
+
+MOONCAKE_BLOCK_TOKENS = 512
+COLUMNS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def _request(row: object, where: str) -> TraceRequest:
+    if not isinstance(row, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    missing = [c for c in COLUMNS if c not in row]
+    if missing:
+        raise TraceError(f"{where}: missing field(s) {', '.join(missing)}")
+    ts, inp, out, ids = (row[c] for c in COLUMNS)
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not np.isfinite(ts) or ts < 0:
+        raise TraceError(f"{where}: timestamp must be a non-negative number, got {ts!r}")
+    for name, value in (("input_length", inp), ("output_length", out)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TraceError(f"{where}: {name} must be a non-negative integer, got {value!r}")
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise TraceError(f"{where}: hash_ids must be a list of non-negative integers")
+    return TraceRequest(float(ts), inp, out, tuple(ids))
+
+
+def read_jsonl(path: Path) -> list[TraceRequest]:
+    requests = []
+    with path.open("rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise TraceError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+            requests.append(_request(row, f"{path}:{lineno}"))
+    return requests
+
+
+def read_parquet(path: Path) -> list[TraceRequest]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several unrelated types for a bad file
+        raise TraceError(f"{path}: not a readable Parquet file ({exc})") from None
+    missing = [c for c in COLUMNS if c not in table.column_names]
+    if missing:
+        raise TraceError(f"{path}: missing column(s) {', '.join(missing)}")
+    return [_request(row, f"{path}:row {i + 1}") for i, row in enumerate(table.select(list(COLUMNS)).to_pylist())]
+
+
+def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """Read a Mooncake JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) trace."""
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"{path}: no such trace file")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        requests = read_jsonl(path)
+    elif suffix in (".parquet", ".pq"):
+        requests = read_parquet(path)
+    else:
+        raise TraceError(f"{path}: unknown trace format {suffix!r} (expected .jsonl or .parquet)")
+    return requests[:limit] if limit is not None else requests
+
+
+def write_parquet(requests: list[TraceRequest], path: str | Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "timestamp": [r.timestamp_ms for r in requests],
+            "input_length": [r.input_length for r in requests],
+            "output_length": [r.output_length for r in requests],
+            "hash_ids": [list(r.hash_ids) for r in requests],
+        }
+    )
+    pq.write_table(table, path)
+
+
+def synthetic_tokens(hash_ids: tuple[int, ...], block_tokens: int, vocab_size: int) -> np.ndarray:
+    """Deterministic token ids for a trace request: block i's tokens depend on its id only.
+
+    Because trace ids are prefix-chained, equal ids imply equal prefixes, so the tokens
+    (and hence kvray's own chained keys) agree wherever the trace says prefixes agree.
+    """
+    blocks = [np.random.default_rng(h).integers(0, vocab_size, block_tokens, dtype=np.int32) for h in hash_ids]
+    return np.concatenate(blocks) if blocks else np.empty(0, dtype=np.int32)
+
+
+def unique_blocks(requests: list[TraceRequest]) -> int:
+    return len({h for r in requests for h in r.hash_ids})
