@@ -132,11 +132,11 @@ class CacheManager:
     def relocate(self, handle: int, dst: Tier, mover: Mover) -> bool:
         """Two-phase move of one page; False (page untouched at its source) on failure."""
         src, src_slot = Tier(int(self.index.tier[handle])), int(self.index.slot[handle])
-        self.index.pin(np.array([handle]))  # the source must survive making room below
+        self.index.pins[handle] += 1  # the source must survive making room below
         try:
             dst_slot = self.reserve(dst, mover)
         finally:
-            self.index.unpin(np.array([handle]))
+            self.index.pins[handle] -= 1
         if dst_slot is None:
             return False
         try:
@@ -160,9 +160,13 @@ class CacheManager:
                 self.relocate(handle, dst, mover)
 
     # -- writes --------------------------------------------------------------------------
-    def complete_store(self, key: int, tier: Tier, slot: int, checksum: int, depth: int = 0) -> int:
+    def complete_store(
+        self, key: int, tier: Tier, slot: int, checksum: int, depth: int = 0, ctx: PageContext | None = None
+    ) -> int:
         handle = self.index.add(key, tier, slot, checksum, depth)
         self.policy.on_insert(handle, tier)
+        if ctx is not None:
+            self.policy.on_admitted(handle, ctx)
         self.metrics.stored_pages += 1
         return handle
 

@@ -199,7 +199,8 @@ class PageStore:
             for i, key in enumerate(keys):
                 if key in self.manager.index:
                     continue
-                tier = self.manager.admit(PageContext(depth=i, request_pages=len(keys), priority=priority))
+                ctx = PageContext(depth=i, request_pages=len(keys), priority=priority)
+                tier = self.manager.admit(ctx)
                 slot = None if tier is None else self.manager.reserve(tier, self._move)
                 if slot is None:
                     continue  # not kept: the policy declined or every page of the tier is pinned
@@ -208,7 +209,7 @@ class PageStore:
                 except StorageError:
                     self.manager.abort_store(tier, slot)
                     raise
-                self.manager.complete_store(key, tier, slot, digest, depth=i)
+                self.manager.complete_store(key, tier, slot, digest, depth=i, ctx=ctx)
                 stored += 1
             self.metrics.observe("store", time.perf_counter() - t0)
         return stored

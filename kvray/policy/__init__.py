@@ -1,6 +1,9 @@
 """Placement policies and their registry.
 
-``make_policy("lru")`` builds a policy by name; :data:`POLICIES` lists what is registered.
+``make_policy("lru")`` builds a policy by name; :data:`POLICIES` lists what is registered
+(``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``belady`` (evaluation only: the
+simulator feeds it the future), ``rl`` (the shipped trained policy); ``rl:PATH`` loads a
+trained policy file).
 Unknown names raise :class:`kvray.errors.PolicyError` listing the known ones.
 """
 
@@ -9,11 +12,29 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvray.errors import PolicyError
+from kvray.policy.arc import ARCPolicy
 from kvray.policy.base import PageContext, PlacementPolicy
+from kvray.policy.belady import BeladyPolicy
+from kvray.policy.lfu import LFUPolicy
 from kvray.policy.lru import LRUPolicy
+from kvray.policy.threshold import ThresholdPolicy
+from kvray.policy.wfq import WFQPolicy
+
+
+def _rl(path: str | None = None) -> PlacementPolicy:
+    from kvray.policy.rl import RLPolicy  # loads weights; kept out of plain imports
+
+    return RLPolicy.load(path)
+
 
 POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "arc": ARCPolicy,
+    "wfq": WFQPolicy,
+    "threshold": ThresholdPolicy,
+    "belady": BeladyPolicy,
+    "rl": _rl,
 }
 
 
@@ -22,9 +43,24 @@ def register(name: str, factory: Callable[[], PlacementPolicy]) -> None:
 
 
 def make_policy(name: str) -> PlacementPolicy:
+    """A policy by registered name; ``rl:PATH`` loads a trained policy from ``PATH``."""
+    if name.startswith("rl:"):
+        return _rl(name[3:])
     if name not in POLICIES:
         raise PolicyError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
     return POLICIES[name]()
 
 
-__all__ = ["POLICIES", "PageContext", "PlacementPolicy", "LRUPolicy", "make_policy", "register"]
+__all__ = [
+    "ARCPolicy",
+    "BeladyPolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "POLICIES",
+    "PageContext",
+    "PlacementPolicy",
+    "ThresholdPolicy",
+    "WFQPolicy",
+    "make_policy",
+    "register",
+]

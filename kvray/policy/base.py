@@ -67,6 +67,14 @@ class PlacementPolicy(ABC):
     def promote_target(self, handle: int, tier: Tier) -> Tier | None:
         return None
 
+    def on_admitted(self, handle: int, ctx: PageContext) -> None:
+        """A new page was stored with ``ctx`` (after ``on_insert``); policies that keep
+        per-page context (tenant, priority) record it here."""
+
+    def nearest(self, tier: Tier) -> Tier:
+        """The present tier closest to ``tier``: itself, else the next slower, else the slowest."""
+        return next((t for t in self.tiers if t >= tier), self.tiers[-1])
+
     @abstractmethod
     def on_insert(self, handle: int, tier: Tier) -> None: ...
 
@@ -84,3 +92,121 @@ class PlacementPolicy(ABC):
     def _first_unpinned(self, handles: Iterable[int]) -> int | None:
         pins = self.index.pins
         return next((h for h in handles if pins[h] == 0), None)
+
+
+class TierMembers:
+    """The pages of each tier as a dense handle array, for vectorised scoring.
+
+    Removal swaps the last member into the hole, so add and remove are O(1) and a tier's
+    members are always ``handles(tier)`` without a Python-level walk.
+    """
+
+    def __init__(self, capacities: Mapping[Tier, int]) -> None:
+        self._members = {t: np.empty(max(cap, 1), dtype=np.int64) for t, cap in capacities.items()}
+        self._count = dict.fromkeys(capacities, 0)
+        self._pos: dict[int, int] = {}
+
+    def add(self, handle: int, tier: Tier) -> None:
+        n = self._count[tier]
+        members = self._members[tier]
+        if n == len(members):
+            self._members[tier] = members = np.concatenate([members, np.empty_like(members)])
+        members[n] = handle
+        self._pos[handle] = n
+        self._count[tier] = n + 1
+
+    def remove(self, handle: int, tier: Tier) -> None:
+        i = self._pos.pop(handle)
+        last = self._count[tier] - 1
+        members = self._members[tier]
+        if i != last:
+            moved = int(members[last])
+            members[i] = moved
+            self._pos[moved] = i
+        self._count[tier] = last
+
+    def handles(self, tier: Tier) -> np.ndarray:
+        return self._members[tier][: self._count[tier]]
+
+    def contains(self, handle: int) -> bool:
+        return handle in self._pos
+
+
+class ScoredPolicy(PlacementPolicy):
+    """Evicts the unpinned page with the lowest ``scores`` in its tier.
+
+    Subclasses define ``scores(handles)`` from the index columns (heat, recency, depth) or
+    from what they know; scores must change only on ``on_access`` or when a subclass calls
+    :meth:`rescored`. Scoring a whole tier per eviction would cost O(tier) each time, so
+    each tier keeps a short queue of its lowest-scored pages; the queue stays exact because
+    it is dropped whenever a score changes or a page scoring below its last entry arrives.
+
+    Example::
+
+        class Oldest(ScoredPolicy):
+            def scores(self, handles):
+                return self.index.last_access[handles].astype(float)
+    """
+
+    queue_length: ClassVar[int] = 64
+
+    def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
+        super().bind(index, capacities)
+        self.members = TierMembers({t: capacities[t] for t in self.tiers})
+        self._queues: dict[Tier, list[tuple[float, int]]] = {}
+
+    @abstractmethod
+    def scores(self, handles: np.ndarray | int) -> np.ndarray | float:
+        """Eviction scores (lowest leaves first) of an array of handles, or of one handle."""
+
+    def rescored(self, handles: Iterable[int] | None = None) -> None:
+        """Scores changed (of ``handles``, or of any page when None): queues are stale."""
+        self._queues.clear()
+
+    def on_insert(self, handle: int, tier: Tier) -> None:
+        self.members.add(handle, tier)
+        self._check_newcomer(handle, tier)
+
+    def on_admitted(self, handle: int, ctx: PageContext) -> None:
+        self._check_newcomer(handle, Tier(int(self.index.tier[handle])))
+
+    def _check_newcomer(self, handle: int, tier: Tier) -> None:
+        queue = self._queues.get(tier)
+        if queue and self.scores(handle) < queue[-1][0]:
+            del self._queues[tier]
+
+    def on_access(self, handles: np.ndarray) -> None:
+        self.rescored(handles)
+
+    def on_remove(self, handle: int, tier: Tier) -> None:
+        self.members.remove(handle, tier)
+
+    def victim(self, tier: Tier) -> int | None:
+        queue = self._queues.get(tier)
+        while queue:
+            score, handle = queue.pop(0)
+            if self._still_lowest(handle, tier, score):
+                return handle
+        queue = self._queues[tier] = self._lowest(tier)
+        return queue.pop(0)[1] if queue else None
+
+    def _still_lowest(self, handle: int, tier: Tier, score: float) -> bool:
+        index = self.index
+        return (
+            self.members.contains(handle)
+            and index.tier[handle] == tier
+            and index.pins[handle] == 0
+            and self.scores(handle) == score
+        )
+
+    def _lowest(self, tier: Tier) -> list[tuple[float, int]]:
+        """The ``queue_length`` lowest-scored unpinned pages of ``tier``, lowest first."""
+        handles = self.members.handles(tier)
+        handles = handles[self.index.pins[handles] == 0]
+        if len(handles) == 0:
+            return []
+        scores = np.asarray(self.scores(handles), dtype=np.float64)
+        k = min(self.queue_length, len(handles))
+        part = np.argpartition(scores, k - 1)[:k] if k < len(handles) else np.arange(len(handles))
+        part = part[np.lexsort((handles[part], scores[part]))]
+        return list(zip(scores[part].tolist(), handles[part].tolist()))

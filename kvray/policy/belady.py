@@ -1,0 +1,59 @@
+"""Belady's furthest-next-use oracle: the best a cache can do, for evaluation only.
+
+It needs the future, which no runtime has: the simulator tells it, before each request,
+when each of that request's pages is next used (:meth:`BeladyPolicy.observe_request`).
+A page never used again is not kept; otherwise the page used furthest in the future is
+evicted, the deepest first among pages next used by the same request (a prefix's tail
+is worthless without its head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from kvray.index import PrefixIndex
+from kvray.policy.base import PageContext, ScoredPolicy
+from kvray.tiers import Tier
+
+
+class BeladyPolicy(ScoredPolicy):
+    """Offline optimal eviction by next use; ``observe_request`` must precede each request.
+
+    Example::
+
+        policy = BeladyPolicy()
+        policy.observe_request(keys=[7, 8], next_uses=[12.0, np.inf])  # page 8 is never reused
+    """
+
+    name = "belady"
+
+    def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
+        super().bind(index, capacities)
+        self._next = np.full(1024, np.inf)
+        self._upcoming = np.empty(0)
+
+    def observe_request(self, keys: Sequence[int], next_uses: Sequence[float]) -> None:
+        """The request about to be served: its page keys and, per page, when it is next used."""
+        self._upcoming = np.asarray(next_uses, dtype=np.float64)
+        self.rescored()
+        for key, nxt in zip(keys, self._upcoming.tolist()):
+            handle = self.index.handle_of(key)
+            if handle is not None:
+                self._next[handle] = nxt
+
+    def admit(self, ctx: PageContext) -> Tier | None:
+        return None if self._upcoming[ctx.depth] == np.inf else self.tiers[0]
+
+    def on_insert(self, handle: int, tier: Tier) -> None:
+        if handle >= len(self._next):
+            self._next = np.concatenate([self._next, np.full(len(self._next) + handle, np.inf)])
+        super().on_insert(handle, tier)
+
+    def on_admitted(self, handle: int, ctx: PageContext) -> None:
+        self._next[handle] = self._upcoming[ctx.depth]
+        super().on_admitted(handle, ctx)
+
+    def scores(self, handles: np.ndarray | int) -> np.ndarray | float:
+        return -(self._next[handles] * 65536.0 + self.index.depth[handles])

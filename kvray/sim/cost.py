@@ -1,0 +1,166 @@
+"""Cost model of one serving node: how long a page takes to reach the engine from each
+tier, how long prefill takes, and how requests queue for the prefill engine.
+
+A scenario (``simulations/*.yaml``) is validated once here by pydantic; afterwards every
+figure is trusted. Bandwidths are GB/s (1e9 bytes/s), latencies microseconds. A tier's
+``read_gbps`` is the rate at which a page reaches the engine's memory from that tier
+(for disk and remote that includes the last PCIe hop), ``write_gbps`` the rate at which
+a page is written into it. The simulator turns these into modeled time in place of the
+bytes the runtime would move (DESIGN.md, seam 2).
+
+Example::
+
+    scenario = load_scenario("simulations/h100-llama8b.yaml")
+    model = CostModel(scenario)
+    model.load_ms(Tier.HOST, pages=4), model.prefill_ms(tokens=2048)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvray.config import PageLayout, load_yaml
+from kvray.tiers import Tier
+
+TIER_NAMES = {t.label: t for t in Tier}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TierSpec(_Strict):
+    """One tier: its size in pages and how fast pages get in and out of it."""
+
+    capacity_pages: int = Field(gt=0)
+    read_gbps: float = Field(gt=0)
+    write_gbps: float = Field(gt=0)
+    latency_us: float = Field(default=0.0, ge=0)
+
+
+class ComputeSpec(_Strict):
+    """Prefill cost: a fixed launch overhead plus a cost per prompt token that is not cached."""
+
+    prefill_us_per_token: float = Field(gt=0)
+    prefill_overhead_ms: float = Field(default=0.0, ge=0)
+    servers: int = Field(default=1, gt=0, le=4096)
+
+
+class Scenario(_Strict):
+    """A node (or one engine's share of it): page layout, tiers, network and compute.
+
+    Tiers are named ``device``, ``host``, ``disk``, ``remote``; an absent tier does not
+    exist. ``remote`` pages cross the network: ``network_gbps`` caps their read rate.
+    """
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    layout: PageLayout
+    tiers: dict[str, TierSpec]
+    network_gbps: float = Field(default=25.0, gt=0)
+    network_latency_us: float = Field(default=5.0, ge=0)
+    compute: ComputeSpec
+
+    @model_validator(mode="after")
+    def _known_tiers(self) -> Scenario:
+        unknown = sorted(set(self.tiers) - set(TIER_NAMES))
+        if unknown:
+            raise ValueError(f"unknown tier(s) {', '.join(unknown)}; expected {', '.join(TIER_NAMES)}")
+        if not self.tiers:
+            raise ValueError("a scenario needs at least one tier")
+        return self
+
+    def capacities(self) -> dict[Tier, int]:
+        return {TIER_NAMES[name]: spec.capacity_pages for name, spec in self.tiers.items()}
+
+    def scaled(self, fast_pages: int) -> dict[Tier, int]:
+        """Tier sizes with device + host = ``fast_pages``, every tier keeping its ratio to them."""
+        caps = self.capacities()
+        fast = caps.get(Tier.DEVICE, 0) + caps.get(Tier.HOST, 0)
+        if fast == 0:
+            raise ValueError(f"scenario {self.name!r} has neither a device nor a host tier to size")
+        scale = fast_pages / fast
+        sized = {t: max(1, round(c * scale)) for t, c in caps.items()}
+        if Tier.DEVICE in sized and Tier.HOST in sized:
+            sized[Tier.HOST] = max(1, fast_pages - sized[Tier.DEVICE])
+        return sized
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario YAML; errors (ConfigError) name the file and field."""
+    return load_yaml(path, Scenario)
+
+
+DEFAULT_SCENARIO = Path(__file__).resolve().parents[2] / "simulations" / "h100-llama8b.yaml"
+
+
+class CostModel:
+    """Modeled times (milliseconds) of page moves and prefill for one scenario.
+
+    Example::
+
+        model = CostModel(load_scenario(DEFAULT_SCENARIO))
+        model.load_ms(Tier.DISK, 1) > model.load_ms(Tier.HOST, 1)   # True
+    """
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.page_nbytes = scenario.layout.page_nbytes
+        self.page_tokens = scenario.layout.page_tokens
+        self._read_ms = {}
+        self._write_ms = {}
+        for name, spec in scenario.tiers.items():
+            tier = TIER_NAMES[name]
+            read_gbps, latency = spec.read_gbps, spec.latency_us
+            if tier == Tier.REMOTE:
+                read_gbps = min(read_gbps, scenario.network_gbps)
+                latency += scenario.network_latency_us
+            self._read_ms[tier] = latency / 1e3 + self.page_nbytes / (read_gbps * 1e6)
+            self._write_ms[tier] = spec.latency_us / 1e3 + self.page_nbytes / (spec.write_gbps * 1e6)
+        self._per_token_ms = scenario.compute.prefill_us_per_token / 1e3
+        self._overhead_ms = scenario.compute.prefill_overhead_ms
+
+    def load_ms(self, tier: Tier, pages: int = 1) -> float:
+        """Time to bring ``pages`` pages from ``tier`` to the engine."""
+        return self._read_ms[tier] * pages
+
+    def move_ms(self, src: Tier, dst: Tier) -> float:
+        """Time to move one page between tiers: read it out of ``src``, write it into ``dst``."""
+        return self._read_ms[src] + self._write_ms[dst]
+
+    def prefill_ms(self, tokens: int) -> float:
+        """Time to compute the KV of ``tokens`` prompt tokens that were not cached."""
+        return self._overhead_ms + tokens * self._per_token_ms if tokens > 0 else 0.0
+
+    def page_prefill_ms(self) -> float:
+        return self.page_tokens * self._per_token_ms
+
+
+
+class PrefillQueue:
+    """First-come first-served prefill engines: requests wait while every engine is busy.
+
+    Replaying the trace's real arrival times through it is what makes a policy's saved
+    prefill time show up as less queueing under load, as it does on a busy server.
+
+    Example::
+
+        queue = PrefillQueue(servers=1)
+        queue.serve(arrival_ms=0, service_ms=10), queue.serve(arrival_ms=5, service_ms=10)  # (0, 5)
+    """
+
+    def __init__(self, servers: int) -> None:
+        self._free_at = [0.0] * servers
+
+    def serve(self, arrival_ms: float, service_ms: float) -> float:
+        """Run a request on the earliest free engine; returns how long it waited."""
+        i = min(range(len(self._free_at)), key=self._free_at.__getitem__)
+        start = max(arrival_ms, self._free_at[i])
+        self._free_at[i] = start + service_ms
+        return start - arrival_ms
+
+    def backlog_ms(self, now_ms: float) -> float:
+        """Work still queued ahead of a request arriving at ``now_ms`` (the load signal)."""
+        return max(0.0, min(self._free_at) - now_ms)
