@@ -4,6 +4,8 @@ Verbs (the shape of vLLM's offloading manager):
 
 - ``lookup(keys)``: the longest cached prefix, with each page's tier, slot and checksum.
 - ``pin`` / ``unpin``: protect pages being read; a pinned page is never evicted or moved.
+- ``keep`` / ``release``: a lighter guard for pages that must not be *dropped* while a
+  store or move builds on them; they may still be demoted.
 - ``touch(handles)``: record a hit (heat, recency) and tell the policy.
 - ``reserve(tier, mover)``: a free slot in ``tier``, evicting by the policy if needed.
   Eviction demotes the victim to the tier the policy names, as a two-phase move
@@ -23,6 +25,7 @@ same manager, index, slot accounting and policy (DESIGN.md, seam 2).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -77,6 +80,7 @@ class CacheManager:
         self.policy.bind(self.index, self.capacities)
         self.metrics = CacheMetrics(page_nbytes=page_nbytes)
         self.slot_freed: Callable[[Tier, int], None] = lambda tier, slot: None
+        self._kept: Counter[int] = Counter()
 
     @property
     def tiers(self) -> list[Tier]:
@@ -103,6 +107,14 @@ class CacheManager:
 
     def unpin(self, handles: np.ndarray) -> None:
         self.index.unpin(handles)
+
+    def keep(self, handle: int) -> None:
+        self._kept[handle] += 1
+
+    def release(self, handle: int) -> None:
+        self._kept[handle] -= 1
+        if not self._kept[handle]:
+            del self._kept[handle]
 
     def touch(self, handles: np.ndarray) -> None:
         self.index.touch(handles)
@@ -146,11 +158,11 @@ class CacheManager:
     def relocate(self, handle: int, dst: Tier, mover: Mover) -> bool:
         """Two-phase move of one page; False (page untouched at its source) on failure."""
         src, src_slot = Tier(int(self.index.tier[handle])), int(self.index.slot[handle])
-        self.index.pin(np.array([handle]))  # the source must survive making room below
+        self.keep(handle)  # the source must survive making room below
         try:
             dst_slot = self.reserve(dst, mover)
         finally:
-            self.index.unpin(np.array([handle]))
+            self.release(handle)
         if dst_slot is None:
             return False
         try:
@@ -191,10 +203,10 @@ class CacheManager:
 
     def drop(self, *handles: int) -> int:
         """Forget pages and their descendants, freeing their slots (eviction, corruption,
-        a lost node). Returns how many pages went; 0 if any of them is pinned."""
+        a lost node). Returns how many pages went; 0 if any of them is pinned or kept."""
         index = self.index
         doomed = index.subtree(handles) if index.has_children(handles).any() else list(handles)
-        if (index.pins[doomed] > 0).any():
+        if (index.pins[doomed] > 0).any() or any(h in self._kept for h in doomed):
             return 0
         for handle in doomed:
             tier, slot = Tier(int(index.tier[handle])), int(index.slot[handle])

@@ -64,7 +64,8 @@ def request_bytes(kv: torch.Tensor) -> np.ndarray:
     A view when ``kv`` is a contiguous CPU tensor (the usual case); a copy otherwise.
     """
     host = kv.detach().cpu().contiguous()
-    return host.view(torch.uint8).numpy().reshape(host.shape[0], host.shape[1], host.shape[2], -1)
+    row_bytes = host[0, 0, 0].numel() * host.element_size() if host.shape[2] else 0
+    return host.view(torch.uint8).numpy().reshape(host.shape[0], host.shape[1], host.shape[2], row_bytes)
 
 
 def page_chunks(layout: PageLayout, kv_bytes: np.ndarray, page_index: int) -> list[np.ndarray]:

@@ -221,13 +221,13 @@ class PageStore:
         return stored
 
     def _store_one(self, i: int, key: int, parent: int, pages: int, sources: ChunkSource, priority: int) -> int | None:
-        """Reserve, write and publish one page. Its parent stays pinned meanwhile, so making
+        """Reserve, write and publish one page. Its parent is kept meanwhile, so making
         room never drops the chain it is joining."""
         tier = self.manager.admit(PageContext(depth=i, request_pages=pages, priority=priority))
         if tier is None:
             return None
-        guard = np.array([parent] if parent != ROOT else [], dtype=np.int64)
-        self.manager.pin(guard)
+        if parent != ROOT:
+            self.manager.keep(parent)
         try:
             slot = self.manager.reserve(tier, self._move)
             if slot is None:
@@ -239,7 +239,8 @@ class PageStore:
                 self.manager.abort_store(tier, slot)
                 raise
         finally:
-            self.manager.unpin(guard)
+            if parent != ROOT:
+                self.manager.release(parent)
         return self.manager.complete_store(key, tier, slot, digest, parent=parent, depth=i)
 
     # -- data plane ----------------------------------------------------------------------
