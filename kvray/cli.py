@@ -68,6 +68,96 @@ def sim(
         _print_result(result.as_dict())
 
 
+@app.command()
+def train(
+    scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
+    trace: list[Path] = typer.Option(..., "--trace", help="training trace(s); each is split by time"),
+    timesteps: int = typer.Option(50_000, "--timesteps", min=1),
+    out: Path = typer.Option(..., "--out", help="policy folder, e.g. policies/mine"),
+    seed: int = typer.Option(0, "--seed"),
+    train_fraction: float = typer.Option(0.6, "--train-fraction", help="first part of each trace (by time) trained on"),
+    holdout: list[Path] = typer.Option([], "--holdout", help="traces held out whole, evaluated in the card"),
+    evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score the policy on held-out data"),
+) -> None:
+    """Train the RL placement policy with PPO; writes policy.safetensors and card.json."""
+    from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+    from kvray.sim.train import train as run_training
+
+    with _errors():
+        spec = load_scenario(scenario or DEFAULT_SCENARIO)
+
+        def score(folder: Path, held_out: list) -> dict:
+            from kvray.sim.evaluate import compare, goals
+            from kvray.traces import read_trace
+
+            sets = {f"{t.stem}@{train_fraction:g}": h for t, h in zip(trace, held_out)}
+            sets.update({t.stem: read_trace(t) for t in holdout})
+            rows = compare(sets, ["lru", "arc", "belady", f"rl:{folder}"], [0.05, 0.10], spec,
+                           progress=lambda what: console.print(f"evaluating {what}"))
+            for row in rows:
+                row["policy"] = "rl" if row["policy"].startswith("rl:") else row["policy"]
+            return {"goals": goals(rows), "rows": [{k: r[k] for k in _CARD_KEYS} for r in rows]}
+
+        card = run_training(spec, trace, timesteps, out, seed, train_fraction, progress=True,
+                            evaluate=score if evaluate else None, tensorboard=out / "tensorboard")
+    console.print(f"wrote {out}: {card['training']['timesteps']} steps in {card['training']['wall_s']} s")
+    if "evaluation" in card:
+        print(json.dumps(card["evaluation"]["goals"], indent=2))
+
+
+_CARD_KEYS = ("trace", "capacity_fraction", "policy", "token_hit_rate", "mean_ttft_ms", "p99_ttft_ms")
+
+
+@app.command(name="eval")
+def eval_(
+    trace: list[str] = typer.Option(..., "--trace", help="PATH or PATH@F (only requests after fraction F of its time)"),
+    policy: list[str] = typer.Option(["lru", "lfu", "arc", "wfq", "threshold", "belady", "rl"], "--policy"),
+    fraction: list[float] = typer.Option([0.02, 0.05, 0.10, 0.25], "--capacity-fraction"),
+    scenario: Path = typer.Option(None, "--scenario"),
+    out: Path = typer.Option(Path("results/eval"), "--out", help="folder for eval.json and plots"),
+    card: Path = typer.Option(None, "--card", help="model card whose training curve to plot (default: the rl policy's)"),
+) -> None:
+    """Compare policies over traces and capacities; writes eval.json and plots."""
+    from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, decision_time_us, load_scorer
+    from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+    from kvray.sim.evaluate import compare, goals, load_trace_spec, plot, write_report
+
+    with _errors():
+        spec = load_scenario(scenario or DEFAULT_SCENARIO)
+        traces = dict(load_trace_spec(t) for t in trace)
+        total = len(traces) * len(policy) * len(fraction)
+        with _progress(total, "eval") as tick:
+            done = iter(range(total))
+            rows = compare(traces, policy, fraction, spec, progress=lambda what: tick(next(done)))
+        summary = {"capacity": goals(rows, learned=next((p for p in policy if p.startswith("rl")), "rl"))}
+        learned = next((p for p in policy if p.startswith("rl")), None)
+        if learned is not None:
+            scorer, _ = load_scorer(learned[3:] if learned.startswith("rl:") else DEFAULT_POLICY)
+            summary["rl_decision_us_batched"] = decision_time_us(scorer)
+        card_path = card or (Path(learned[3:]) if learned and learned.startswith("rl:") else DEFAULT_POLICY) / CARD_FILE
+        model_card = json.loads(card_path.read_text()) if card_path.is_file() else None
+        path = write_report(out, rows, summary)
+        plots = plot(rows, out, model_card)
+    console.print(f"wrote {path} and {', '.join(p.name for p in plots)}")
+    print(json.dumps(summary, indent=2))
+
+
+@app.command()
+def calibrate(
+    out: Path = typer.Option(Path("simulations/this-machine.yaml"), "--out"),
+    disk_dir: Path = typer.Option(None, "--disk-dir", help="where to measure the disk (default: the temp dir)"),
+    repeats: int = typer.Option(3, "--repeats", min=1),
+) -> None:
+    """Measure memcpy, disk, loopback and a small Llama's prefill here; write a scenario."""
+    from kvray.sim.calibrate import calibrate as measure, write_scenario
+
+    with console.status("measuring memcpy, disk, loopback and prefill"):
+        scenario = measure(disk_dir, repeats)
+    write_scenario(scenario, out)
+    console.print(f"wrote {out}")
+    print(json.dumps(scenario.model_dump(), indent=2))
+
+
 @contextmanager
 def _errors() -> Iterator[None]:
     """Bad input ends the command with its message (exit code 2), not a traceback."""

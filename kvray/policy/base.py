@@ -27,6 +27,22 @@ from kvray.tiers import Tier
 
 
 @dataclass(frozen=True)
+class RequestInfo:
+    """What the cache knows as a request arrives, told to the policy before it is served.
+
+    ``tier_cost`` is each tier's time to bring a page to the engine relative to
+    recomputing it (prefill); ``backlog_ms`` the work queued ahead (load). ``future`` is
+    set only by the simulator, only for the offline oracle: per page of the request, the
+    index of the next request that uses it (``inf`` if none).
+    """
+
+    keys: tuple[int, ...]
+    backlog_ms: float = 0.0
+    tier_cost: Mapping[Tier, float] | None = None
+    future: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
 class PageContext:
     """What is known online about a page being stored."""
 
@@ -50,6 +66,7 @@ class PlacementPolicy(ABC):
     """
 
     name: ClassVar[str] = "base"
+    needs_future: ClassVar[bool] = False  # an offline oracle: only the simulator can run it
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         """Attach to the index and tier sizes of the manager that consults this policy."""
@@ -66,6 +83,9 @@ class PlacementPolicy(ABC):
 
     def promote_target(self, handle: int, tier: Tier) -> Tier | None:
         return None
+
+    def on_request(self, info: RequestInfo) -> None:
+        """A request is about to be served (before its lookup)."""
 
     def on_admitted(self, handle: int, ctx: PageContext) -> None:
         """A new page was stored with ``ctx`` (after ``on_insert``); policies that keep

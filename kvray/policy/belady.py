@@ -1,7 +1,7 @@
 """Belady's furthest-next-use oracle: the best a cache can do, for evaluation only.
 
 It needs the future, which no runtime has: the simulator tells it, before each request,
-when each of that request's pages is next used (:meth:`BeladyPolicy.observe_request`).
+when each of that request's pages is next used (``RequestInfo.future`` in :meth:`BeladyPolicy.on_request`).
 A page never used again is not kept; otherwise the page used furthest in the future is
 evicted, the deepest first among pages next used by the same request (a prefix's tail
 is worthless without its head).
@@ -9,36 +9,41 @@ is worthless without its head).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 
+from kvray.errors import PolicyError
 from kvray.index import PrefixIndex
-from kvray.policy.base import PageContext, ScoredPolicy
+from kvray.policy.base import PageContext, RequestInfo, ScoredPolicy
 from kvray.tiers import Tier
 
 
 class BeladyPolicy(ScoredPolicy):
-    """Offline optimal eviction by next use; ``observe_request`` must precede each request.
+    """Offline optimal eviction by next use; ``on_request`` with the future precedes each request.
 
     Example::
 
         policy = BeladyPolicy()
-        policy.observe_request(keys=[7, 8], next_uses=[12.0, np.inf])  # page 8 is never reused
+        manager = CacheManager({Tier.HOST: 64}, policy)
+        policy.on_request(RequestInfo(keys=(7, 8), future=np.array([12.0, np.inf])))  # 8: never reused
     """
 
     name = "belady"
+    needs_future = True
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         super().bind(index, capacities)
         self._next = np.full(1024, np.inf)
         self._upcoming = np.empty(0)
 
-    def observe_request(self, keys: Sequence[int], next_uses: Sequence[float]) -> None:
-        """The request about to be served: its page keys and, per page, when it is next used."""
-        self._upcoming = np.asarray(next_uses, dtype=np.float64)
+    def on_request(self, info: RequestInfo) -> None:
+        """Learn when each page of the request about to be served is next used."""
+        if info.future is None:
+            raise PolicyError("belady needs the future of the trace: it runs only in the simulator")
+        self._upcoming = np.asarray(info.future, dtype=np.float64)
         self.rescored()
-        for key, nxt in zip(keys, self._upcoming.tolist()):
+        for key, nxt in zip(info.keys, self._upcoming.tolist()):
             handle = self.index.handle_of(key)
             if handle is not None:
                 self._next[handle] = nxt

@@ -29,8 +29,9 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from kvray.errors import ConfigError
+from kvray.index import ROOT
 from kvray.manager import CacheManager
-from kvray.policy.base import PageContext, PlacementPolicy
+from kvray.policy.base import PageContext, PlacementPolicy, RequestInfo
 from kvray.sim.cost import CostModel, PrefillQueue, Scenario
 from kvray.sim.report import ReplayResult, ReplayTally, hit_tokens
 from kvray.tiers import Tier
@@ -98,6 +99,7 @@ class Simulator:
         self.policy = policy
         self.background_ms = 0.0  # modeled time of moves between tiers, off the TTFT path
         self._load_ms = np.array([self.cost.load_ms(t) if t in self.manager.slots else 0.0 for t in Tier])
+        self.tier_cost = {t: self.cost.load_ms(t) / self.cost.page_prefill_ms() for t in self.manager.slots}
 
     def mover(self, handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:
         """The data plane of the simulator: a move costs modeled time, no bytes."""
@@ -105,10 +107,17 @@ class Simulator:
 
     def serve(self, request: TraceRequest, future: np.ndarray | None = None) -> tuple[list[str], float]:
         """Serve one request; returns the tier label of each hit page and its modeled TTFT (ms)."""
+        hit_tiers, ttft_ms = self.begin(request, future)
+        self.store(request, len(hit_tiers))
+        return hit_tiers, ttft_ms
+
+    def begin(self, request: TraceRequest, future: np.ndarray | None = None) -> tuple[list[str], float]:
+        """Everything of serving a request but storing its new pages: lookup, modeled TTFT,
+        hit recording and promotion."""
         keys = request.hash_ids
         manager = self.manager
-        if future is not None:
-            self.policy.observe_request(keys, future)
+        backlog = self.queue.backlog_ms(request.timestamp_ms)
+        self.policy.on_request(RequestInfo(keys, backlog, self.tier_cost, future))
         match = manager.lookup(keys)
         hit_tiers = [LABELS[t] for t in match.tiers.tolist()]
         manager.pin(match.handles)
@@ -118,21 +127,34 @@ class Simulator:
         manager.unpin(match.handles)
         manager.touch(match.handles)
         manager.promote(match.handles, self.mover)
-        self.store(request, len(match))
         return hit_tiers, wait_ms + load_ms + prefill_ms
 
     def store(self, request: TraceRequest, first: int) -> None:
-        """Keep the request's pages from ``first`` on where the policy admits them."""
+        """Keep the request's pages from ``first`` on where the policy admits them, each
+        under its parent, stopping at the first page not kept (its descendants could never
+        match): the same steps, in the same order, as :meth:`kvray.store.PageStore.store`."""
         keys, manager, index = request.hash_ids, self.manager, self.manager.index
         tenant = session_of(request)
+        parent = ROOT if first == 0 else index.handle_of(keys[first - 1])
         for depth in range(first, len(keys)):
-            if keys[depth] in index:
-                continue
             ctx = PageContext(depth=depth, request_pages=len(keys), tenant=tenant)
             tier = manager.admit(ctx)
-            slot = None if tier is None else manager.reserve(tier, self.mover)
-            if slot is not None:
-                manager.complete_store(keys[depth], tier, slot, checksum=0, depth=depth, ctx=ctx)
+            if tier is None:
+                return
+            slot = self._reserve_under(parent, tier)
+            if slot is None:
+                return
+            parent = manager.complete_store(keys[depth], tier, slot, checksum=0, parent=parent, depth=depth, ctx=ctx)
+
+    def _reserve_under(self, parent: int, tier: Tier) -> int | None:
+        """A slot in ``tier`` for a child of ``parent``, which is kept while room is made."""
+        if parent == ROOT:
+            return self.manager.reserve(tier, self.mover)
+        self.manager.keep(parent)
+        try:
+            return self.manager.reserve(tier, self.mover)
+        finally:
+            self.manager.release(parent)
 
     def replay(
         self,
@@ -141,7 +163,7 @@ class Simulator:
         progress: Callable[[int], None] | None = None,
     ) -> ReplayResult:
         """Serve every request in order; the first ``warmup_requests`` fill the cache unmeasured."""
-        futures = next_uses(trace) if hasattr(self.policy, "observe_request") else None
+        futures = next_uses(trace) if self.policy.needs_future else None
         tally = ReplayTally(self.block_tokens)
         moved_before = 0
         for i, request in enumerate(trace):
