@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvray.errors import KvrayError
-from kvray.index import PrefixIndex
+from kvray.index import ROOT, PrefixIndex
 from kvray.metrics import CacheMetrics
 from kvray.policy.base import PageContext, PlacementPolicy
 from kvray.tiers import SlotAllocator, Tier
@@ -217,6 +217,8 @@ class CacheManager:
         """Forget pages and their descendants, freeing their slots (eviction, corruption,
         a lost node). Returns how many pages went; 0 if any of them is pinned or kept."""
         index = self.index
+        if self._keeps_descendant(handles):
+            return 0  # cheap refusal before walking a possibly large subtree
         doomed = index.subtree(handles) if index.has_children(handles).any() else list(handles)
         if (index.pins[doomed] > 0).any() or any(h in self._kept for h in doomed):
             return 0
@@ -227,6 +229,18 @@ class CacheManager:
             self._free(tier, slot)
         self.metrics.evicted_pages += len(doomed)
         return len(doomed)
+
+    def _keeps_descendant(self, handles: Sequence[int]) -> bool:
+        """Whether a kept page is one of ``handles`` or below them: walk up from the few
+        kept pages (a chain's depth) instead of down the handles' subtrees."""
+        targets = set(handles)
+        parent = self.index.parent
+        for handle in self._kept:
+            while handle != ROOT:
+                if handle in targets:
+                    return True
+                handle = int(parent[handle])
+        return False
 
     def _free(self, tier: Tier, slot: int) -> None:
         self.slots[tier].free(slot)

@@ -49,7 +49,16 @@ class BeladyPolicy(ScoredPolicy):
                 self._next[handle] = nxt
 
     def admit(self, ctx: PageContext) -> Tier | None:
-        return None if self._upcoming[ctx.depth] == np.inf else self.tiers[0]
+        """Keep a page unless it is never used again or, with every tier full, it would be
+        the page used furthest ahead (it would be the first to go)."""
+        upcoming = self._upcoming[ctx.depth]
+        if upcoming == np.inf:
+            return None
+        members = [self.members.handles(t) for t in self.tiers]
+        if all(len(m) >= self.capacities[t] for m, t in zip(members, self.tiers)):
+            if upcoming >= max(self._next[m].max(initial=-np.inf) for m in members):
+                return None
+        return self.tiers[0]
 
     def on_insert(self, handle: int, tier: Tier) -> None:
         if handle >= len(self._next):

@@ -44,7 +44,11 @@ class MLPScorer:
     def __init__(self, weights: list[np.ndarray], biases: list[np.ndarray]) -> None:
         self.layers = [(w.T.astype(np.float32).copy(), b.astype(np.float32)) for w, b in zip(weights, biases)]
 
+    chunk_rows: int = 2048  # rows per pass: activations stay in cache
+
     def score(self, rows: np.ndarray) -> np.ndarray:
+        if len(rows) > self.chunk_rows:
+            return np.concatenate([self.score(rows[i : i + self.chunk_rows]) for i in range(0, len(rows), self.chunk_rows)])
         x = rows
         for i, (w, b) in enumerate(self.layers):
             x = x @ w + b

@@ -10,7 +10,10 @@ environment only answers, for the manager, the questions a policy would.
 
 Reward is hindsight regret in units of one page's prefill time: the modeled cost the
 choice adds at the page's next use (loaded from the tier it will have aged into, or
-recomputed) minus that of the best choice among the same options. Only the reward uses
+recomputed), plus ``slot_cost`` for a slot held by a page that is not used while cached
+(what it displaced: the cost of a slot in a tight cache), minus that of the best choice
+among the same options, capped at ``max_regret`` so that a few costly choices (dropping
+a long chain) do not drown out the many small ones. Only the reward uses
 the future; observations never do. Episodes are windows of ``episode_requests`` requests
 starting at random points of the trace, after a warm-up that fills the cache with LRU.
 
@@ -50,6 +53,8 @@ class PlacementEnv(gym.Env):
         scenario: Scenario,
         capacities: Mapping[Tier, int] | None = None,
         episode_requests: int = 400,
+        slot_cost: float = 0.3,
+        max_regret: float = 1.0,
     ) -> None:
         self.trace = list(trace)
         self.scenario = scenario
@@ -60,7 +65,8 @@ class PlacementEnv(gym.Env):
         self.warmup_requests = int(sum(self.capacities.values()) / self.rate)
         self.observation_space = gym.spaces.Box(-10.0, 10.0, (CANDIDATES * len(FEATURES),), np.float32)
         self.action_space = gym.spaces.Discrete(CANDIDATES)
-        self._pressure = dict.fromkeys(self.capacities, 0.0)
+        self.slot_cost = slot_cost
+        self.max_regret = max_regret
         self._decisions: Decisions | None = None
 
     # -- gymnasium API -------------------------------------------------------------------
@@ -112,7 +118,7 @@ class PlacementEnv(gym.Env):
                 ctx = PageContext(depth=depth, request_pages=len(keys), tenant=tenant)
                 options, rows = self.policy.admission_rows(ctx)
                 choice = options[(yield self._obs(rows)) % len(options)]
-                self._reward = -self._admission_regret(options, choice, keys[depth])
+                self._reward = -min(self._admission_regret(options, choice, keys[depth:]), self.max_regret)
                 if choice is None or not (yield from self._room_under(parent, choice)):
                     break  # not kept: its descendants could never match
                 slot = manager.reserve(choice, sim.mover)  # a slot is free: no eviction here
@@ -143,8 +149,7 @@ class PlacementEnv(gym.Env):
                 dst = policy.demote_target(victim, tier)
                 losses = [self._eviction_loss(h, tier, dst) for h in candidates]
                 loss = losses[candidates.index(victim)]
-                self._reward = -(loss - min(losses))
-                self._pressure[tier] += 0.01 * (loss - self._pressure[tier])
+                self._reward = -min(loss - min(losses), self.max_regret)
                 if not (yield from self._evict(victim, dst)):
                     pins[victim] += 1
                     refused.append(victim)
@@ -171,44 +176,42 @@ class PlacementEnv(gym.Env):
         return np.clip(padded(rows), -10.0, 10.0).reshape(-1)
 
     # -- hindsight costs (rewards only) --------------------------------------------------
-    def _cost_at_next_use(self, tier: Tier | None, key: int) -> float:
-        """Modeled cost (in page prefills) of the page's next use if it is now placed in
-        ``tier`` and then ages down the tiers at the trace's rate of new pages."""
-        distance = self._next_use.get(key, np.inf) - self._now
-        if distance == np.inf:
-            return 0.0
+    def _distance(self, key: int) -> float:
+        return self._next_use.get(key, np.inf) - self._now
+
+    def _kept_cost(self, tier: Tier, key: int) -> float:
+        """Modeled cost (in page prefills) of keeping the page in ``tier``: at its next use
+        it is loaded from the tier it has aged into by then (pages age down the tiers at
+        the trace's rate of new pages); a page not used before it would leave the cache
+        costs its recomputation, if it is used at all, plus ``slot_cost`` for the slot
+        it held in vain."""
+        distance = self._distance(key)
         reach = 0.0
         for t in sorted(self.capacities):
-            if tier is not None and t >= tier:
+            if t >= tier:
                 reach += self.capacities[t] / self.rate
                 if distance <= reach:
                     return self.policy.tier_cost[t]
-        return DROP_COST
+        return (DROP_COST if distance < np.inf else 0.0) + self.slot_cost
 
-    def _admission_regret(self, options: list[Tier | None], choice: Tier | None, key: int) -> float:
+    def _dropped_cost(self, keys: Sequence[int]) -> float:
+        """Recomputing each of ``keys`` that is used again (a page dropped takes the rest
+        of its chain with it)."""
+        return sum(DROP_COST for key in keys if self._distance(key) < np.inf)
+
+    def _admission_regret(self, options: list[Tier | None], choice: Tier | None, keys: Sequence[int]) -> float:
         def loss(tier: Tier | None) -> float:
-            return self._cost_at_next_use(tier, key) + self._displacement(tier)
+            return self._dropped_cost(keys) if tier is None else self._kept_cost(tier, keys[0])
 
-        losses = [loss(t) for t in options]
-        return loss(choice) - min(losses)
-
-    def _displacement(self, tier: Tier | None) -> float:
-        """Expected cost of the pages a new page pushes out of ``tier`` and, in cascade, of
-        the tiers below it that are full (running means of realised eviction losses)."""
-        if tier is None:
-            return 0.0
-        slots = self.sim.manager.slots
-        return sum(self._pressure[t] for t in slots if t >= tier and slots[t].free_count == 0)
+        return loss(choice) - min(loss(t) for t in options)
 
     def _eviction_loss(self, handle: int, tier: Tier, dst: Tier | None) -> float:
-        """Added cost of the page (and, when it is dropped, of its descendants, which go too)."""
-        index = self.sim.manager.index
-        gone = index.subtree([handle]) if dst is None and index.has_children([handle])[0] else [handle]
-        return sum(
-            self._cost_at_next_use(dst, key) - self._cost_at_next_use(Tier(int(index.tier[h])), key)
-            for h in gone
-            for key in (index.key_of(h),)
-        )
+        """Added cost of evicting the page. (A dropped page takes its cached descendants
+        with it; they are not charged here: walking every candidate's subtree would cost
+        more than the replay, and the oldest pages a policy picks from are mostly leaves.)"""
+        key = self.sim.manager.index.key_of(handle)
+        after = self._dropped_cost((key,)) if dst is None else self._kept_cost(dst, key)
+        return after - self._kept_cost(tier, key)
 
 
 gym.register("kvray/Placement-v0", entry_point=PlacementEnv)

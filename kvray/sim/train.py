@@ -146,7 +146,7 @@ def train(
     logger_dir = str(tensorboard) if tensorboard is not None and _has_tensorboard() else None
     model = PPO(
         _scorer_policy_class(), env, n_steps=512, batch_size=256, n_epochs=4, gamma=0.0, gae_lambda=1.0,
-        learning_rate=1e-3, ent_coef=0.003, seed=seed, device="cpu", verbose=0, tensorboard_log=logger_dir,
+        learning_rate=1e-3, ent_coef=0.02, seed=seed, device="cpu", verbose=0, tensorboard_log=logger_dir,
     )
 
     curve: list[dict] = []
