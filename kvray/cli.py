@@ -147,12 +147,13 @@ def calibrate(
     out: Path = typer.Option(Path("simulations/this-machine.yaml"), "--out"),
     disk_dir: Path = typer.Option(None, "--disk-dir", help="where to measure the disk (default: the temp dir)"),
     repeats: int = typer.Option(3, "--repeats", min=1),
+    size_mib: int = typer.Option(64, "--size-mib", min=1, help="bytes per copy, disk and socket run"),
 ) -> None:
     """Measure memcpy, disk, loopback and a small Llama's prefill here; write a scenario."""
     from kvray.sim.calibrate import calibrate as measure, write_scenario
 
     with console.status("measuring memcpy, disk, loopback and prefill"):
-        scenario = measure(disk_dir, repeats)
+        scenario = measure(disk_dir, repeats, size_mib)
     write_scenario(scenario, out)
     console.print(f"wrote {out}")
     print(json.dumps(scenario.model_dump(), indent=2))

@@ -203,12 +203,12 @@ class ScoredPolicy(PlacementPolicy):
 
     def victim(self, tier: Tier) -> int | None:
         queue = self._queues.get(tier)
-        while queue:
-            score, handle = queue.pop(0)
-            if self._still_lowest(handle, tier, score):
-                return handle
+        while queue:  # entries leave only once stale: asking twice gives the same answer
+            if self._still_lowest(queue[0][1], tier, queue[0][0]):
+                return queue[0][1]
+            queue.pop(0)
         queue = self._queues[tier] = self._lowest(tier)
-        return queue.pop(0)[1] if queue else None
+        return queue[0][1] if queue else None
 
     def _still_lowest(self, handle: int, tier: Tier, score: float) -> bool:
         index = self.index
