@@ -129,12 +129,12 @@ def eval_(
         with _progress(total, "eval") as tick:
             done = iter(range(total))
             rows = compare(traces, policy, fraction, spec, progress=lambda what: tick(next(done)))
-        summary = {"capacity": goals(rows, learned=next((p for p in policy if p.startswith("rl")), "rl"))}
         learned = next((p for p in policy if p.startswith("rl")), None)
+        summary: dict = {"capacity": goals(rows, learned=learned or "rl")}
+        folder = Path(learned[3:]) if learned and learned.startswith("rl:") else DEFAULT_POLICY
         if learned is not None:
-            scorer, _ = load_scorer(learned[3:] if learned.startswith("rl:") else DEFAULT_POLICY)
-            summary["rl_decision_us_batched"] = decision_time_us(scorer)
-        card_path = card or (Path(learned[3:]) if learned and learned.startswith("rl:") else DEFAULT_POLICY) / CARD_FILE
+            summary["rl_decision_us_batched"] = decision_time_us(load_scorer(folder)[0])
+        card_path = card or folder / CARD_FILE
         model_card = json.loads(card_path.read_text()) if card_path.is_file() else None
         path = write_report(out, rows, summary)
         plots = plot(rows, out, model_card)
@@ -157,6 +157,30 @@ def calibrate(
     write_scenario(scenario, out)
     console.print(f"wrote {out}")
     print(json.dumps(scenario.model_dump(), indent=2))
+
+
+@app.command()
+def generate(
+    out: Path = typer.Option(..., "--out", help="trace file to write (.jsonl or .parquet)"),
+    sessions: int = typer.Option(500, "--sessions"),
+    seed: int = typer.Option(0, "--seed"),
+    spec: Path = typer.Option(None, "--spec", help="WorkloadSpec YAML (fields of kvray.sim.workloads)"),
+) -> None:
+    """Generate a seeded chat workload (sessions, shared prompts and documents) as a trace."""
+    from kvray.config import load_yaml
+    from kvray.sim.workloads import WorkloadSpec, generate as make
+    from kvray.traces import write_parquet
+
+    with _errors():
+        shape = load_yaml(spec, WorkloadSpec) if spec else WorkloadSpec(sessions=sessions)
+        trace = make(shape, seed)
+    if out.suffix == ".parquet":
+        write_parquet(trace, out)
+    else:
+        out.write_text("".join(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                                           "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
+                               for r in trace))
+    console.print(f"wrote {len(trace)} requests to {out}")
 
 
 @contextmanager

@@ -46,8 +46,7 @@ def test_episode_drives_the_real_manager_and_ends_with_modeled_ttft():
 def test_dropping_every_new_page_keeps_the_cache_empty():
     env = PlacementEnv(TRACE, SCENARIO, CAPACITY, episode_requests=10)
     env.warmup_requests = 0
-    drop = len(env.sim.manager.tiers) if hasattr(env, "sim") else 3  # options: tiers..., not kept
-    run(env, [drop] * 1000)
+    run(env, [len(CAPACITY)] * 1000)  # the options are the tiers, then "not kept"
     assert len(env.sim.manager.index) == 0
 
 

@@ -26,7 +26,8 @@ class WFQPolicy(PlacementPolicy):
 
         policy = WFQPolicy()
         manager = CacheManager({Tier.HOST: 64}, policy)
-        manager.complete_store(key, Tier.HOST, slot, 0, ctx=PageContext(0, 4, priority=2, tenant="a"))
+        ctx = PageContext(depth=0, request_pages=4, priority=2, tenant="a")
+        manager.complete_store(key, Tier.HOST, slot, 0, parent=ROOT, ctx=ctx)
     """
 
     name = "wfq"

@@ -82,7 +82,7 @@ class PlacementEnv(gym.Env):
             self.sim.serve(self.trace[i])
         self.ttft_ms: list[float] = []
         self._decisions = self._replay(start, start + self.episode_requests)
-        return self._first_decision(), {}
+        return next(self._decisions), {}
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
         assert self._decisions is not None, "call reset() first"
@@ -94,10 +94,6 @@ class PlacementEnv(gym.Env):
             info = {"mean_ttft_ms": float(np.mean(self.ttft_ms)) if self.ttft_ms else 0.0}
             return np.zeros(self.observation_space.shape, np.float32), self._reward, True, False, info
         return obs, self._reward, False, False, {}
-
-    def _first_decision(self) -> np.ndarray:
-        obs = next(self._decisions)
-        return obs
 
     # -- the replay, paused at every decision ------------------------------------------
     def _learn_future(self, i: int) -> None:
