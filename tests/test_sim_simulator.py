@@ -101,3 +101,13 @@ def test_bad_input_fails_with_a_message_naming_it(tmp_path):
     assert result.exit_code == 2 and "tiers.disk.read_gbps" in result.output
     result = runner.invoke(app, ["sim", "--trace", TRACE, "--limit", "5", "--warmup-requests", "5", "--json"])
     assert result.exit_code == 2 and "--warmup-requests" in result.output
+
+
+@pytest.mark.parametrize("policy, reference", [("lru", 0.155), ("belady", 0.396)])
+def test_single_tier_block_hit_ratio_matches_the_trace_readme(policy, reference):
+    """data/traces/README.md: synthetic trace, one cache of 5% of the unique blocks."""
+    scenario = load_scenario("simulations/reference-single-tier.yaml")
+    requests = read_trace("data/traces/synthetic_trace.jsonl")
+    sim = Simulator(scenario, make_policy(policy), fast_capacity(scenario, requests, fraction=0.05))
+    sim.replay(requests)
+    assert sim.manager.metrics.snapshot()["page_hit_rate"] == pytest.approx(reference, abs=0.01)
