@@ -84,3 +84,20 @@ def test_eval_compares_policies_and_saves_plots(tiny_policy, tmp_path):
     files = plot(rows, tmp_path, card)
     assert {f.name for f in files} == {"conv_at_0.5.png", "training_curve.png"}
     assert all(f.stat().st_size > 1000 for f in files) and (tmp_path / "eval.json").is_file()
+
+
+def test_rl_policy_runs_inside_the_runtime_page_store(tiny_layout):
+    """The same policy object works in PageStore, which sends no on_request."""
+    import torch
+
+    from kvray.config import StoreConfig, TierSizes
+    from kvray.store import PageStore
+    from tests.conftest import prefix_kv
+
+    store = PageStore(StoreConfig(layout=tiny_layout, tiers=TierSizes(device=2, host=4)), policy=make_policy("rl"))
+    for start in range(0, 40, 8):
+        tokens = list(range(start, start + 16))
+        store.store(tokens, prefix_kv(tiny_layout, tokens))
+        hit = store.load(tokens)
+        assert torch.equal(hit.kv, prefix_kv(tiny_layout, tokens)[:, :, : hit.tokens])
+    assert len(store) <= 6

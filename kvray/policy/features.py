@@ -69,6 +69,7 @@ class FeaturePolicy(LRUPolicy):
         self.tier_cost: dict[Tier, float] = {t: 0.1 * (1 + int(t)) for t in self.tiers}
         self._backlog = 0.0
         self._hit_fraction: float | None = None
+        self._last_depth, self._last_pages = -1, -1
         self._stored_hit_fraction = np.zeros(1024, dtype=np.float32)
 
     def on_request(self, info: RequestInfo) -> None:
@@ -90,9 +91,12 @@ class FeaturePolicy(LRUPolicy):
 
     def _request_hit_fraction(self, ctx: PageContext) -> float:
         """Share of the current request that was cached: the first new page's depth is the
-        hit length, since a request's new pages are stored in order after its hits."""
-        if self._hit_fraction is None:
+        hit length, since a request's new pages are stored in order after its hits. A new
+        request is also recognised without ``on_request`` (a caller that never sends it):
+        within one request, stored depths only grow."""
+        if self._hit_fraction is None or ctx.depth <= self._last_depth or ctx.request_pages != self._last_pages:
             self._hit_fraction = ctx.depth / max(ctx.request_pages, 1)
+        self._last_depth, self._last_pages = ctx.depth, ctx.request_pages
         return self._hit_fraction
 
     def admission_rows(self, ctx: PageContext) -> tuple[list[Tier | None], np.ndarray]:
