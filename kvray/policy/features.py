@@ -93,8 +93,9 @@ class FeaturePolicy(LRUPolicy):
         """Share of the current request that was cached: the first new page's depth is the
         hit length, since a request's new pages are stored in order after its hits. A new
         request is also recognised without ``on_request`` (a caller that never sends it):
-        within one request, stored depths only grow."""
-        if self._hit_fraction is None or ctx.depth <= self._last_depth or ctx.request_pages != self._last_pages:
+        within one request, stored depths only grow (a page is asked about twice: admission
+        and publication)."""
+        if self._hit_fraction is None or ctx.depth < self._last_depth or ctx.request_pages != self._last_pages:
             self._hit_fraction = ctx.depth / max(ctx.request_pages, 1)
         self._last_depth, self._last_pages = ctx.depth, ctx.request_pages
         return self._hit_fraction
