@@ -235,9 +235,10 @@ class PageStore:
             parent_key = None if parent == ROOT else self.manager.index.key_of(parent)
             try:
                 digest = self._write_page(tier, slot, key, parent_key, sources(i))
-            except StorageError:
+            except StorageError as exc:
                 self.manager.abort_store(tier, slot)
-                raise
+                slots = self.manager.slots[tier]
+                raise StorageError(f"{exc} ({tier.label} tier {slots.used}/{slots.capacity} slots in use)") from None
         finally:
             if parent != ROOT:
                 self.manager.release(parent)
