@@ -54,9 +54,9 @@ class BeladyPolicy(ScoredPolicy):
         upcoming = self._upcoming[ctx.depth]
         if upcoming == np.inf:
             return None
-        members = [self.members.handles(t) for t in self.tiers]
-        if all(len(m) >= self.capacities[t] for m, t in zip(members, self.tiers)):
-            if upcoming >= max(self._next[m].max(initial=-np.inf) for m in members):
+        if all(len(self.members.handles(t)) >= self.capacities[t] for t in self.tiers):
+            victims = [v for v in map(self.victim, self.tiers) if v is not None]  # each tier's furthest
+            if victims and upcoming >= self._next[victims].max():
                 return None
         return self.tiers[0]
 
