@@ -8,6 +8,7 @@ Example::
 
     model = tiny_llama()                              # 2 layers, 4 heads / 2 KV heads
     bench = tiny_llama("bench-llama", torch.bfloat16)
+    path = seeded_checkpoint(tmp_dir)               # the same model as files, for vLLM
 """
 
 from __future__ import annotations
@@ -38,3 +39,24 @@ def tiny_llama(name: str = "tiny-llama", dtype: torch.dtype = torch.float32, see
     config = LlamaConfig(**json.loads((model_dir(name) / "config.json").read_text()))
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def seeded_checkpoint(out_dir: str | Path, name: str = "tiny-llama", std: float = 0.1, seed: int = 0) -> Path:
+    """Write a safetensors checkpoint of the named config with seeded N(0, std) weights
+    (norm weights 1) to ``out_dir``, for engines that load weights from files.
+
+    Weights this large make attention sharp enough that output tokens depend on the
+    whole prompt, so comparing tokens detects a wrong KV page; tiny uniform weights
+    (vLLM's ``load_format="dummy"``) would hide one.
+    """
+    model = tiny_llama(name, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in sorted(model.named_parameters()):
+            if "norm" in param_name:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out

@@ -4,10 +4,13 @@ vLLM lives in its own virtual environment (``.venv-vllm``, see the Makefile), so
 benchmarks in kvray's main environment start this module there with
 :func:`run_in_vllm_env` and read back one JSON object. Inside the vLLM environment::
 
-    python -m kvray.engines.vllm_runs '{"run": "generate", "model": "tiny-llama", "kvray": {"host_pages": 256}, ...}'
+    python -m kvray.engines.vllm_runs '{"run": "serve", "model": "tiny-llama", "block_size": 64, "max_tokens": 8,
+                                       "engines": [{"kvray": {"host_pages": 256}, "prompts": [[1, 2, 3]]}]}'
 
-Every run uses a model config from data/models/ with ``load_format="dummy"`` (seeded
-random weights), ``skip_tokenizer_init=True``, ``enforce_eager=True`` and the engine in
+Every run uses a model config from data/models/ with ``load_format="dummy"``, or a seeded
+random checkpoint of one (see :func:`kvray.engines.tiny.seeded_checkpoint`: correctness
+tests need outputs that depend on the whole prompt, which vLLM's dummy weights in +-1e-3
+do not give), ``skip_tokenizer_init=True``, ``enforce_eager=True`` and the engine in
 this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy sampling.
 """
 
@@ -52,13 +55,19 @@ def run_in_vllm_env(spec: dict, timeout: float = 300) -> dict:
 
 
 def make_llm(model: str, kvray: dict | None, prefix_caching: bool, block_size: int, dtype: str = "float32"):
-    """A vLLM engine on a data/models/ config, with ``KVRayConnector`` when ``kvray`` is given."""
+    """A vLLM engine with ``KVRayConnector`` when ``kvray`` is given.
+
+    ``model`` is a data/models/ name (dummy weights) or a directory holding a checkpoint,
+    such as :func:`kvray.engines.tiny.seeded_checkpoint` writes (its weights are loaded).
+    """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     from kvray.engines.tiny import model_dir
 
+    path = Path(model) if Path(model).is_dir() else model_dir(model)
+    weights = "safetensors" if any(path.glob("*.safetensors")) else "dummy"
     transfer = None
     if kvray is not None:
         transfer = KVTransferConfig(
@@ -66,7 +75,7 @@ def make_llm(model: str, kvray: dict | None, prefix_caching: bool, block_size: i
             kv_role="kv_both", kv_connector_extra_config=kvray,
         )
     return LLM(
-        model=str(model_dir(model)), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+        model=str(path), load_format=weights, skip_tokenizer_init=True, enforce_eager=True,
         dtype=dtype, max_model_len=4096, block_size=block_size, enable_prefix_caching=prefix_caching,
         kv_cache_memory_bytes=256 << 20, kv_transfer_config=transfer, seed=0,
     )
@@ -89,38 +98,62 @@ def generate(llm, prompt: list[int], max_tokens: int) -> tuple[list[int], float]
 
 
 def break_store(connector, how: str) -> None:
-    """Make the connector's backing store fail the way real ones do.
+    """Make the connector's disk tier fail the way real storage does.
 
-    ``truncate``: the disk tier's file loses its contents (wiped by someone else);
-    ``close``: its file descriptor is gone, so every read and write raises ``OSError``.
+    ``wipe``: the page file loses its contents (someone else truncated it);
+    ``io-error``: every read and write of it raises ``OSError`` (its descriptor now
+    names a directory, as after a failed remount; it stays a valid descriptor, so no
+    other file can be hit by mistake).
     """
     from kvray.tiers import Tier
 
     disk = connector.store.pools[Tier.DISK]
-    if how == "truncate":
+    if how == "wipe":
         os.truncate(disk.path, 0)
-    elif how == "close":
-        os.close(disk._fd)
+    elif how == "io-error":
+        directory = os.open("/", os.O_RDONLY)
+        os.dup2(directory, disk._fd)
+        os.close(directory)
     else:
-        raise ConfigError(f"unknown fault {how!r}: use truncate or close")
+        raise ConfigError(f"unknown fault {how!r}: use wipe or io-error")
 
 
-def run_generate(spec: dict) -> dict:
-    """Serve ``prompts`` in order on one engine; optional faults between prompts."""
-    llm = make_llm(spec["model"], spec.get("kvray"), spec.get("prefix_caching", False), spec.get("block_size", 64))
-    connector = connector_of(llm) if spec.get("kvray") is not None else None
+def serve_prompts(spec: dict, engine: dict) -> dict:
+    """Serve ``engine["prompts"]`` in order on one engine, with optional faults before some
+    of them; report each prompt's output tokens and the connector's counters for it."""
+    try:
+        llm = make_llm(spec["model"], engine.get("kvray"), False, spec["block_size"])
+    except Exception as exc:  # reported to the caller, who asserts on bad settings
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    connector = connector_of(llm) if engine.get("kvray") is not None else None
+    recovered = len(connector.store) if connector else 0
     results = []
-    for i, prompt in enumerate(spec["prompts"]):
-        fault = spec.get("faults", {}).get(str(i))
-        if fault:
+    for i, prompt in enumerate(engine["prompts"]):
+        if fault := engine.get("faults", {}).get(str(i)):
             break_store(connector, fault)
         before = dict(connector.counters) if connector else {}
-        tokens, seconds = generate(llm, prompt, spec.get("max_tokens", 8))
-        after = dict(connector.counters) if connector else {}
-        results.append(
-            {"tokens": tokens, "seconds": seconds, "counters": {k: after[k] - before[k] for k in after}}
-        )
-    return {"results": results, "recovered_pages": spec.get("kvray") and len(connector.store) if connector and connector.store else 0}
+        tokens, seconds = generate(llm, prompt, spec["max_tokens"])
+        counters = {k: v - before[k] for k, v in connector.counters.items()} if connector else {}
+        results.append({"tokens": tokens, "seconds": seconds, "counters": counters})
+    close_llm(llm)
+    return {"results": results, "recovered_pages": recovered}
+
+
+def close_llm(llm) -> None:
+    """Shut an engine down (its connector closes its store) so another can start here."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def run_serve(spec: dict) -> dict:
+    """Several engines one after another in this process (vLLM's import is the slow part)."""
+    return {"engines": [serve_prompts(spec, engine) for engine in spec["engines"]]}
 
 
 def run_ttft(spec: dict) -> dict:
@@ -136,7 +169,7 @@ def run_ttft(spec: dict) -> dict:
     return {"ttft_s": statistics.median(times), "counters": dict(connector.counters) if connector else {}}
 
 
-RUNS = {"generate": run_generate, "ttft": run_ttft}
+RUNS = {"serve": run_serve, "ttft": run_ttft}
 
 
 def main(argv: list[str]) -> None:
