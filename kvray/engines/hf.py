@@ -175,23 +175,24 @@ class CachedCausalLM:
         return DynamicCache(ddp_cache_data=per_layer, config=self.model.config)
 
     def _store_new_pages(self, arr: np.ndarray, cache, first_page: int) -> int:
-        """Pack the cache's full pages from ``first_page`` on and hand them to the store.
-
-        Only the new pages are packed (the loaded prefix is already stored); their keys are
-        the tail of the prompt's key chain, so they extend the cached prefix exactly.
-        """
+        """Pack the cache's full pages that kvray lacks (from ``first_page`` on) and store them
+        as the continuation of the cached chain; pages loaded or stored before are skipped."""
         page = self.layout.page_tokens
         full_pages = min(arr.size, cache.get_seq_length()) // page
         if full_pages <= first_page:
             return 0
-        keys = self.store.keys(arr[: full_pages * page], salt=self.salt)[first_page:]
-        start, end = first_page * page, full_pages * page
+        keys = self.store.keys(arr[: full_pages * page], salt=self.salt)
+        first = max(first_page, self.store.manager.index.match(keys))
+        if first == full_pages:
+            return 0
+        start, end = first * page, full_pages * page
         # [layers, 2, kv_heads, tokens, head_dim] -> [pages, layers, 2, page, kv_heads, head_dim]
         kv = torch.stack([torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in cache.layers])
-        pages = kv.unflatten(3, (len(keys), page)).permute(3, 0, 1, 4, 2, 5).contiguous().cpu()
-        raw = pages.view(torch.uint8).reshape(len(keys), self.layout.page_nbytes).numpy()
+        pages = kv.unflatten(3, (full_pages - first, page)).permute(3, 0, 1, 4, 2, 5).contiguous().cpu()
+        raw = pages.view(torch.uint8).reshape(full_pages - first, self.layout.page_nbytes).numpy()
+        parent = keys[first - 1] if first else None
         try:
-            return self.store.put_pages(keys, raw, self.store.fingerprint.digest)
+            return self.store.put_pages(keys[first:], raw, self.store.fingerprint.digest, parent_key=parent)
         except KvrayError as exc:
-            log.warning("kvray could not store %d pages: %s", len(keys), exc)
+            log.warning("kvray could not store %d pages: %s", full_pages - first, exc)
             return 0

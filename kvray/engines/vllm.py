@@ -127,10 +127,12 @@ class PageLoad:
 
 @dataclass
 class PageSave:
-    """Full prompt blocks to copy out after the forward, and the page keys they get."""
+    """Full prompt blocks to copy out after the forward, the page keys they get, and the key
+    of the cached page their chain continues (``None`` from the first page)."""
 
     keys: list[int]
     block_ids: list[int]
+    parent_key: int | None
 
 
 @dataclass
@@ -141,9 +143,9 @@ class KVRayMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVRayWorkerMetadata(KVConnectorWorkerMetadata):
-    """Pages copied out of vLLM's cache this step: ``(keys, [n, page_nbytes] uint8)``."""
+    """Pages copied out of vLLM's cache this step, as (save order, ``[n, page_nbytes]`` uint8)."""
 
-    saved: list[tuple[list[int], np.ndarray]] = field(default_factory=list)
+    saved: list[tuple[PageSave, np.ndarray]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVRayWorkerMetadata)
@@ -241,7 +243,7 @@ class KVRayConnector(KVConnectorBase_V1):
         self._loads: dict[str, tuple[int, np.ndarray]] = {}
         # worker side
         self._codec: BlockCodec | None = None
-        self._saved: list[tuple[list[int], np.ndarray]] = []
+        self._saved: list[tuple[PageSave, np.ndarray]] = []
         if role == KVConnectorRole.SCHEDULER:
             self.store = open_store(vllm_config, self.settings)
             log.info("kvray store for %s: %s, %d pages recovered", self.store.config.model_name, self.layout, len(self.store))
@@ -309,21 +311,24 @@ class KVRayConnector(KVConnectorBase_V1):
         """Ask the worker for the prompt pages that become complete in this step and that
         kvray does not hold yet (pages it just loaded, for instance, are skipped)."""
         done = min((computed + out.num_scheduled_tokens.get(req_id, 0)) // self.layout.page_tokens, len(tracked.keys))
-        wanted = [i for i in range(tracked.saved_pages, done) if tracked.keys[i] not in self.store.manager.index]
+        first = max(tracked.saved_pages, self.store.manager.index.match(tracked.keys[:done]))
         tracked.saved_pages = max(tracked.saved_pages, done)
-        if wanted:
-            meta.saves.append(PageSave([tracked.keys[i] for i in wanted], [tracked.block_ids[i] for i in wanted]))
+        if first < done:
+            parent = tracked.keys[first - 1] if first else None
+            meta.saves.append(PageSave(tracked.keys[first:done], tracked.block_ids[first:done], parent))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker = connector_output.kv_connector_worker_meta
         if not isinstance(worker, KVRayWorkerMetadata):
             return
-        for keys, pages in worker.saved:
+        for save, pages in worker.saved:
             try:
-                self.counters["saved_pages"] += self.store.put_pages(keys, pages, self.store.fingerprint.digest)
+                stored = self.store.put_pages(save.keys, pages, self.store.fingerprint.digest, save.parent_key)
             except Exception as exc:  # storing is best effort: the pages are simply not cached
                 self.counters["failures"] += 1
-                log.warning("kvray could not store %d pages: %r", len(keys), exc)
+                log.warning("kvray could not store %d pages: %r", len(save.keys), exc)
+            else:
+                self.counters["saved_pages"] += stored
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._forget(request.request_id)
@@ -374,7 +379,7 @@ class KVRayConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVRayMetadata)
         for save in meta.saves:
             pages = self._codec.read(save.block_ids).contiguous()
-            self._saved.append((save.keys, pages.view(torch.uint8).reshape(len(save.keys), -1).numpy()))
+            self._saved.append((save, pages.view(torch.uint8).reshape(len(save.keys), -1).numpy()))
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._saved:

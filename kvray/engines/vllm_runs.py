@@ -156,17 +156,22 @@ def run_serve(spec: dict) -> dict:
     return {"engines": [serve_prompts(spec, engine) for engine in spec["engines"]]}
 
 
-def run_ttft(spec: dict) -> dict:
-    """Median TTFT (one output token) of prompts sharing a prefix, after a warm-up prompt
-    that put the prefix in the cache under test (vLLM's prefix cache or kvray)."""
+def ttft(spec: dict, engine: dict) -> dict:
+    """Median TTFT (one output token) of ``prompts[1:]``, which share a prefix with
+    ``prompts[0]``: that warm-up prompt put the prefix in the cache under test (vLLM's own
+    prefix cache, or kvray with vLLM's turned off)."""
     import statistics
 
-    llm = make_llm(spec["model"], spec.get("kvray"), spec["prefix_caching"], spec["block_size"])
-    prompts = spec["prompts"]
-    generate(llm, prompts[0], 1)
-    times = [generate(llm, prompt, 1)[1] for prompt in prompts[1:]]
-    connector = connector_of(llm) if spec.get("kvray") is not None else None
-    return {"ttft_s": statistics.median(times), "counters": dict(connector.counters) if connector else {}}
+    llm = make_llm(spec["model"], engine.get("kvray"), engine["prefix_caching"], spec["block_size"])
+    generate(llm, spec["prompts"][0], 1)
+    times = [generate(llm, prompt, 1)[1] for prompt in spec["prompts"][1:]]
+    counters = dict(connector_of(llm).counters) if engine.get("kvray") is not None else {}
+    close_llm(llm)
+    return {"ttft_s": statistics.median(times), "counters": counters}
+
+
+def run_ttft(spec: dict) -> dict:
+    return {"engines": [ttft(spec, engine) for engine in spec["engines"]]}
 
 
 RUNS = {"serve": run_serve, "ttft": run_ttft}
