@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from benchmarks import BenchResult, benchmark, median_seconds
+from benchmarks import BenchResult, benchmark, paired_medians
 from kvray.config import StoreConfig, TierSizes
 from kvray.engines.hf import CachedCausalLM, model_layout
 from kvray.engines.tiny import tiny_llama
@@ -35,8 +35,9 @@ def _prompt(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, 8000, n)
 
 
-def _hf_figures(quick: bool) -> tuple[float, float, float]:
-    """Median seconds of: kvray hit, suffix-only with the prefix cached in the model, full prefill."""
+def _hf_figures(quick: bool) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Paired median seconds of (kvray hit, suffix only with the prefix KV in the model's
+    cache) and of (kvray hit, full prefill)."""
     model = tiny_llama(MODEL)
     layout = model_layout(model.config, model.dtype, PAGE)
     store = PageStore(StoreConfig(layout=layout, model_name=MODEL, tiers=TierSizes(host=64)))
@@ -56,25 +57,24 @@ def _hf_figures(quick: bool) -> tuple[float, float, float]:
 
         def suffix_only() -> None:
             model(input_ids=suffix, cache=prefix_cache, use_cache=True, logits_to_keep=1)
-            prefix_cache.crop(PREFIX)
+            prefix_cache.crop(-(PROMPT - PREFIX))  # back to the prefix alone
 
         def recompute() -> None:
             model(input_ids=whole, use_cache=True, logits_to_keep=1)
 
-        hit = median_seconds(kvray_hit, repeats)
-        suffix_s = median_seconds(suffix_only, repeats)
-        full_s = median_seconds(recompute, max(1, repeats // 2))
+        against_suffix = paired_medians(kvray_hit, suffix_only, repeats)
+        against_full = paired_medians(kvray_hit, recompute, max(2, repeats // 2))
     store.close()
-    return hit, suffix_s, full_s
+    return against_suffix, against_full
 
 
 @benchmark("hf_ttft")
 def hf_ttft(quick: bool) -> list[BenchResult]:
-    hit, suffix_s, full_s = _hf_figures(quick)
+    (hit, suffix_s), (hit_again, full_s) = _hf_figures(quick)
     params = {**SHAPE, "prompt_tokens": PROMPT, "cached_tokens": PREFIX, "page_tokens": PAGE, "tier": "host"}
     return [
         BenchResult("hf_ttft_hit_vs_suffix_only", hit * 1e3, suffix_s * 1e3, "ms", "<= 1.3", params),
-        BenchResult("hf_ttft_hit_vs_recompute", hit * 1e3, full_s * 1e3, "ms", "<= 0.25", params),
+        BenchResult("hf_ttft_hit_vs_recompute", hit_again * 1e3, full_s * 1e3, "ms", "<= 0.25", params),
     ]
 
 

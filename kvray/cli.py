@@ -38,6 +38,17 @@ def demo() -> None:
     print_table(run_benchmarks(only=[], quick=True, progress=True))
 
 
+@app.command("chat-demo")
+def chat_demo(
+    model: str = typer.Option("tiny-llama", help="model config under data/models/ (random weights)"),
+    turns: int = typer.Option(6, min=1, help="conversation turns"),
+) -> None:
+    """A multi-turn conversation on a real Llama: TTFT per turn, recomputing vs with kvray."""
+    from kvray.engines.demo import conversation_demo
+
+    conversation_demo(model_name=model, turns=turns, console=Console())
+
+
 def main() -> None:
     app()
 

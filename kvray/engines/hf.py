@@ -144,17 +144,10 @@ class CachedCausalLM:
         """Greedy decode after a cached prefill; the pages of prompt + reply are stored too,
         so that the next turn of a conversation finds its whole history cached."""
         first = self.prefill(tokens)
-        reply = [int(first.logits.argmax())]
-        cache = first.cache
-        for _ in range(max_new_tokens - 1):
-            step = self.model(
-                input_ids=torch.tensor([[reply[-1]]], device=self.model.device), cache=cache, use_cache=True
-            )
-            cache = step.cache
-            reply.append(int(step.logits[0, -1].argmax()))
+        reply, cache = greedy_decode(self.model, first.logits, first.cache, max_new_tokens)
         if first.miss_reason is None:
             history = np.concatenate([as_token_array(tokens), np.asarray(reply[:-1], dtype=np.int32)])
-            self._store_new_pages(history, cache, (len(tokens) // self.layout.page_tokens))
+            self._store_new_pages(history, cache, len(tokens) // self.layout.page_tokens)
         return reply, first
 
     # -- between DynamicCache and pages ---------------------------------------------------
@@ -196,3 +189,15 @@ class CachedCausalLM:
         except KvrayError as exc:
             log.warning("kvray could not store %d pages: %s", full_pages - first, exc)
             return 0
+
+
+@torch.inference_mode()
+def greedy_decode(model: torch.nn.Module, logits: torch.Tensor, cache, max_new_tokens: int) -> tuple[list[int], object]:
+    """``max_new_tokens`` greedy tokens following a prefill's last ``logits`` and ``cache``;
+    the cache comes back holding the KV of all but the last token."""
+    reply = [int(logits.argmax())]
+    for _ in range(max_new_tokens - 1):
+        step = model(input_ids=torch.tensor([[reply[-1]]], device=model.device), cache=cache, use_cache=True)
+        cache = step.cache
+        reply.append(int(step.logits[0, -1].argmax()))
+    return reply, cache
