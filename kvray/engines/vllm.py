@@ -236,11 +236,7 @@ class KVRayConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._track(new.req_id, new.prompt_token_ids or [])
             tracked.block_ids = list(new.block_ids[0])
-            load = self._loads.pop(new.req_id, None)
-            if load is not None:
-                first, pages = load
-                meta.loads.append(PageLoad(tracked.block_ids[first : first + len(pages)], pages))
-                self.counters["loaded_pages"] += len(pages)
+            self._plan_load(meta, new.req_id, tracked)
             self._plan_save(meta, new.req_id, tracked, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -248,14 +244,23 @@ class KVRayConnector(KVConnectorBase_V1):
             if tracked is None:
                 continue
             new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in cached.resumed_req_ids:  # back from preemption: all its blocks are new
                 tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+                self._plan_load(meta, req_id, tracked)
             elif new_blocks:
                 tracked.block_ids.extend(new_blocks[0])
             self._plan_save(meta, req_id, tracked, cached.num_computed_tokens[i], scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
         return meta
+
+    def _plan_load(self, meta: KVRayMetadata, req_id: str, tracked: _Tracked) -> None:
+        """Hand the pages staged for ``req_id`` to the worker, with the blocks they fill."""
+        load = self._loads.pop(req_id, None)
+        if load is not None:
+            first, pages = load
+            meta.loads.append(PageLoad(tracked.block_ids[first : first + len(pages)], pages))
+            self.counters["loaded_pages"] += len(pages)
 
     def _plan_save(self, meta: KVRayMetadata, req_id: str, tracked: _Tracked, computed: int, out) -> None:
         """Ask the worker for the prompt pages that become complete in this step and that
