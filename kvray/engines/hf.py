@@ -114,8 +114,8 @@ class CachedCausalLM:
         if loadable and reason is None:
             try:
                 hit = self.store.load(arr[:loadable], salt=self.salt)
-            except KvrayError as exc:
-                reason = f"kvray load failed: {exc}"
+            except (KvrayError, OSError) as exc:  # a cache must never fail the request: recompute
+                reason = f"kvray load failed: {exc!r}"
                 log.warning("%s; recomputing the prompt", reason)
             else:
                 cached, by_tier = hit.tokens, hit.pages_by_tier
@@ -186,8 +186,8 @@ class CachedCausalLM:
         parent = keys[first - 1] if first else None
         try:
             return self.store.put_pages(keys[first:], raw, self.store.fingerprint.digest, parent_key=parent)
-        except KvrayError as exc:
-            log.warning("kvray could not store %d pages: %s", full_pages - first, exc)
+        except (KvrayError, OSError) as exc:
+            log.warning("kvray could not store %d pages: %r", full_pages - first, exc)
             return 0
 
 

@@ -97,8 +97,8 @@ def generate(llm, prompt: list[int], max_tokens: int) -> tuple[list[int], float]
     return list(out[0].outputs[0].token_ids), time.perf_counter() - t0
 
 
-def break_store(connector, how: str) -> None:
-    """Make the connector's disk tier fail the way real storage does.
+def break_store(store, how: str) -> None:
+    """Make a :class:`~kvray.store.PageStore`'s disk tier fail the way real storage does.
 
     ``wipe``: the page file loses its contents (someone else truncated it);
     ``io-error``: every read and write of it raises ``OSError`` (its descriptor now
@@ -107,7 +107,7 @@ def break_store(connector, how: str) -> None:
     """
     from kvray.tiers import Tier
 
-    disk = connector.store.pools[Tier.DISK]
+    disk = store.pools[Tier.DISK]
     if how == "wipe":
         os.truncate(disk.path, 0)
     elif how == "io-error":
@@ -130,7 +130,7 @@ def serve_prompts(spec: dict, engine: dict) -> dict:
     results = []
     for i, prompt in enumerate(engine["prompts"]):
         if fault := engine.get("faults", {}).get(str(i)):
-            break_store(connector, fault)
+            break_store(connector.store, fault)
         before = dict(connector.counters) if connector else {}
         tokens, seconds = generate(llm, prompt, spec["max_tokens"])
         counters = {k: v - before[k] for k, v in connector.counters.items()} if connector else {}

@@ -13,6 +13,7 @@ import torch
 
 from kvray import PageStore, StoreConfig, TierSizes
 from kvray.engines.hf import CachedCausalLM, model_layout
+from kvray.engines.vllm_runs import break_store
 from kvray.errors import LayoutError, RequestError
 from kvray.tiers import Tier
 
@@ -141,6 +142,18 @@ def test_corrupt_disk_page_shortens_the_hit_and_logits_stay_exact(llama_fp32, tm
     assert hit.cached_tokens == 2 * PAGE
     assert store.stats()["corrupt_pages"] == 1
     assert (hit.logits - recompute(llama_fp32, tokens)).abs().max().item() <= FP32_TOL
+
+
+@pytest.mark.parametrize("fault", ["wipe", "io-error"])
+def test_failing_disk_tier_means_recompute_not_a_failed_request(llama_fp32, tmp_path, fault):
+    tokens = prompt(100, seed=11)
+    store = make_store(llama_fp32, TierSizes(disk=64), tmp_path)
+    lm = CachedCausalLM(llama_fp32, store)
+    lm.prefill(tokens)
+    break_store(store, fault)
+    result = lm.prefill(tokens)
+    assert result.cached_tokens == 0
+    assert (result.logits - recompute(llama_fp32, tokens)).abs().max().item() <= FP32_TOL
 
 
 def test_bad_requests_raise_clear_errors(llama_fp32):
