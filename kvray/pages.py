@@ -99,14 +99,6 @@ def copy_bytes(dst: np.ndarray | torch.Tensor, src: np.ndarray | torch.Tensor) -
         as_tensor(dst).copy_(as_tensor(src))
 
 
-def checksum(chunks: list[np.ndarray]) -> int:
-    """xxh3-64 of a page given as host byte runs: what stored pages carry and reads check."""
-    hasher = xxhash.xxh3_64()
-    for chunk in chunks:
-        hasher.update(chunk)
-    return hasher.intdigest()
-
-
 def transfer(chunks: list[np.ndarray], runs: list, into_slot: bool) -> int:
     """Copy a page between the caller's host ``chunks`` and a slot's ``runs``; return the
     checksum of the bytes moved.

@@ -37,7 +37,7 @@ from kvray.errors import FingerprintMismatch, LayoutError, StorageError
 from kvray.index import ROOT
 from kvray.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.manager import CacheManager
-from kvray.pages import check_request_kv, checksum, copy_bytes, page_chunks, request_bytes, slot_runs, torch_dtype, transfer
+from kvray.pages import check_request_kv, copy_bytes, page_chunks, request_bytes, slot_runs, torch_dtype, transfer
 from kvray.policy import PageContext, PlacementPolicy, make_policy
 from kvray.tiers import DevicePool, DiskPool, HostPool, StoredPage, Tier
 
@@ -248,9 +248,10 @@ class PageStore:
             parent_key = None if parent == ROOT else self.manager.index.key_of(parent)
             try:
                 digest = self._write_page(tier, slot, key, parent_key, sources(i))
-            except StorageError:
+            except StorageError as exc:
                 self.manager.abort_store(tier, slot)
-                raise
+                slots = self.manager.slots[tier]
+                raise StorageError(f"{exc} ({tier.label} tier {slots.used}/{slots.capacity} slots in use)") from None
         finally:
             if parent != ROOT:
                 self.manager.release(parent)
@@ -260,16 +261,14 @@ class PageStore:
     def _write_page(self, tier: Tier, slot: int, key: int, parent_key: int | None, chunks: Chunks) -> int:
         pool = self.pools[tier]
         if isinstance(pool, DiskPool):
-            digest = checksum(chunks)
-            pool.write(slot, key, parent_key, chunks, digest)
-            return digest
+            return pool.write(slot, key, parent_key, chunks)
         return transfer(chunks, slot_runs(pool.view(slot), chunks), into_slot=True)
 
     def _read_page(self, tier: Tier, slot: int, expected: int, chunks: Chunks) -> bool:
         pool = self.pools[tier]
         if isinstance(pool, DiskPool):
-            stored = pool.read_into(slot, chunks)
-            return stored is not None and stored.checksum == expected and checksum(chunks) == expected
+            stored, digest = pool.read_into(slot, chunks)
+            return stored is not None and stored.checksum == expected and digest == expected
         runs = slot_runs(pool.view(slot), chunks)
         if not self.config.verify_reads:
             for chunk, run in zip(chunks, runs):
@@ -286,7 +285,8 @@ class PageStore:
         if not self._read_page(src, src_slot, expected, [buffer]):
             raise StorageError(f"{src.label} tier: page {key:#x} failed verification before its move")
         parent = int(index.parent[handle])
-        self._write_page(dst, dst_slot, key, None if parent == ROOT else index.key_of(parent), [buffer])
+        if self._write_page(dst, dst_slot, key, None if parent == ROOT else index.key_of(parent), [buffer]) != expected:
+            raise StorageError(f"{dst.label} tier: page {key:#x} changed while it was copied")
         self.metrics.observe(f"{src.label}->{dst.label}", time.perf_counter() - t0)
 
     def _slot_freed(self, tier: Tier, slot: int) -> None:

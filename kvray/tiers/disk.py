@@ -2,8 +2,8 @@
 
 Slot ``i`` of ``<dir>/<fingerprint>.kvpages`` starts at ``i * stride`` with a 128-byte
 header (magic, key, parent key, fingerprint, checksum, length) followed by the page
-bytes, written with one ``pwritev`` straight from the caller's buffers (an engine's KV
-tensor slices, no staging copy). A new process pointed at the same directory rebuilds what it holds
+bytes, written straight from the caller's buffers (an engine's KV tensor slices, no
+staging copy) and hashed on the way. A new process pointed at the same directory rebuilds what it holds
 by reading the headers (:meth:`DiskPool.scan`); a freed slot has its magic cleared so it
 is never resurrected. The file and directory are private to the user (0600 / 0700), and
 the file name comes from the fingerprint alone, never from a user string.
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from kvray.errors import StorageError
 
@@ -47,8 +48,8 @@ class DiskPool:
     Example::
 
         pool = DiskPool("/tmp/kv", capacity=16, page_nbytes=4096, fingerprint=fp.digest)
-        pool.write(0, key, None, [page_bytes], checksum)
-        pool.read_into(0, [out])      # -> StoredPage(...) describing what was read
+        digest = pool.write(0, key, None, [page_bytes])
+        page, read_digest = pool.read_into(0, [out])   # page: the slot's header
     """
 
     kind = "disk"
@@ -83,16 +84,22 @@ class DiskPool:
         )  # fmt: skip
         return raw.ljust(HEADER_BYTES, b"\0")
 
-    def write(self, slot: int, key: int, parent_key: int | None, chunks: list[np.ndarray], checksum: int) -> None:
-        """Write one page, given as byte chunks that add up to ``page_nbytes``, into ``slot``."""
-        offset = slot * self.stride
-        buffers = [self._header(key, parent_key, checksum), *chunks]
-        total = HEADER_BYTES + self.page_nbytes
+    def write(self, slot: int, key: int, parent_key: int | None, chunks: list[np.ndarray]) -> int:
+        """Write one page, given as byte chunks that add up to ``page_nbytes``; return its checksum.
+
+        Each chunk is hashed just before its ``pwrite``, while it is in cache, and the header
+        (with the checksum) goes last: a write cut short leaves a slot without a valid
+        header, which a restart ignores and a read rejects.
+        """
+        offset = slot * self.stride + HEADER_BYTES
+        hasher = xxhash.xxh3_64()
         try:
-            written = os.pwritev(self._fd, buffers, offset)
-            while written < total:  # short writes are legal; finish the rest
-                rest = b"".join(bytes(b) for b in buffers)[written:]
-                written += os.pwrite(self._fd, rest, offset + written)
+            for chunk in chunks:
+                hasher.update(chunk)
+                self._pwrite_all(chunk, offset)
+                offset += chunk.size
+            digest = hasher.intdigest()
+            self._pwrite_all(self._header(key, parent_key, digest), slot * self.stride)
             if self.fsync:
                 os.fdatasync(self._fd)
         except OSError as exc:
@@ -100,14 +107,30 @@ class DiskPool:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise StorageError(f"disk tier {self.directory}: no space left writing slot {slot}") from None
             raise StorageError(f"disk tier {self.directory}: write of slot {slot} failed: {exc.strerror}") from None
+        return digest
 
-    def read_into(self, slot: int, chunks: list[np.ndarray]) -> StoredPage | None:
-        """Read ``slot`` scattered into ``chunks``; None when the header is missing or torn."""
-        header = bytearray(HEADER_BYTES)
-        got = os.preadv(self._fd, [header, *chunks], slot * self.stride)
-        if got < HEADER_BYTES + self.page_nbytes:
-            return None
-        return self._parse(slot, bytes(header))
+    def _pwrite_all(self, data: np.ndarray | bytes, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        while view:  # short writes are legal; finish the rest
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def read_into(self, slot: int, chunks: list[np.ndarray]) -> tuple[StoredPage | None, int]:
+        """Read ``slot`` into ``chunks``: (its header, or None if missing or torn; the
+        checksum of the bytes read). Each chunk is hashed right after its ``pread``."""
+        base = slot * self.stride
+        header = os.pread(self._fd, HEADER_BYTES, base)
+        page = self._parse(slot, header) if len(header) == HEADER_BYTES else None
+        if page is None:
+            return None, 0
+        hasher = xxhash.xxh3_64()
+        offset = base + HEADER_BYTES
+        for chunk in chunks:
+            if os.preadv(self._fd, [chunk], offset) < chunk.size:
+                return None, 0
+            hasher.update(chunk)
+            offset += chunk.size
+        return page, hasher.intdigest()
 
     def _parse(self, slot: int, header: bytes) -> StoredPage | None:
         magic, version, flags, _, key, parent, fingerprint, checksum, nbytes = HEADER.unpack_from(header)
