@@ -162,6 +162,8 @@ def ttft(spec: dict, engine: dict) -> dict:
     prefix cache, or kvray with vLLM's turned off)."""
     import statistics
 
+    if "omp_threads_bind" in spec:  # read by vLLM's CPU worker when the engine starts
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec["omp_threads_bind"]
     llm = make_llm(spec["model"], engine.get("kvray"), engine["prefix_caching"], spec["block_size"])
     generate(llm, spec["prompts"][0], 1)
     times = [generate(llm, prompt, 1)[1] for prompt in spec["prompts"][1:]]
