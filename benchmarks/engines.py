@@ -11,12 +11,14 @@ real Llama's, and a 2,048-token prefill takes 2-4 s on a CPU core.
   with the prefix KV already in the model's cache: kvray's overhead over a perfect cache.
 - ``hf_ttft_hit_vs_recompute``: the same hit against a full 2,048-token prefill.
 - ``vllm_ttft_kvray_hit_vs_vllm_prefix_cache``: vLLM with kvray loading a 1,792-token
-  prefix (vLLM's prefix caching off) against vLLM's own in-memory prefix cache hit on the
-  same prompts. Runs in the vLLM environment (see the Makefile's ``vllm-env``), its OpenMP
+  prefix against vLLM's own in-memory prefix cache hit on prompts of the same shape, paired
+  request by request in one engine (see :func:`kvray.engines.vllm_runs.run_ttft`). Runs in the vLLM environment (see the Makefile's ``vllm-env``), its OpenMP
   threads bound to one core for the reason given at :data:`HF_THREADS`.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import numpy as np
 import torch
@@ -96,22 +98,22 @@ def hf_ttft(quick: bool) -> list[BenchResult]:
 @benchmark("vllm_ttft_kvray_hit_vs_vllm_prefix_cache")
 def vllm_ttft(quick: bool) -> list[BenchResult]:
     block = 64
-    prefix = _prompt(PREFIX, seed=1).tolist()
-    prompts = [prefix + _prompt(PROMPT - PREFIX, seed=2 + i).tolist() for i in range(4 if quick else 8)]
+    pairs = 3 if quick else 8
+    suffixes = [_prompt(PROMPT - PREFIX, seed=2 + i).tolist() for i in range(1 + 2 * pairs)]
     spec = {
-        "run": "ttft", "model": MODEL, "block_size": block, "prompts": prompts, "omp_threads_bind": "0",
-        "engines": [{"kvray": None, "prefix_caching": True}, {"kvray": {"host_pages": 256}, "prefix_caching": False}],
+        "run": "ttft", "model": MODEL, "block_size": block, "omp_threads_bind": "0",
+        "kvray": {"host_pages": 256}, "prefix": _prompt(PREFIX, seed=1).tolist(), "suffixes": suffixes,
     }
-    vllm_alone, with_kvray = run_in_vllm_env(spec, timeout=600)["engines"]
-    loaded = with_kvray["counters"]["loaded_pages"]
-    expected = (len(prompts) - 1) * PREFIX // block
+    run = run_in_vllm_env(spec, timeout=600)
+    loaded, expected = run["counters"]["loaded_pages"], pairs * PREFIX // block
     if loaded != expected:
         raise AssertionError(f"kvray loaded {loaded} pages, expected {expected}: the figure would not be a hit")
     params = {**SHAPE, "prompt_tokens": PROMPT, "cached_tokens": PREFIX, "block_tokens": block, "tier": "host",
               "omp_threads": 1}
     return [
         BenchResult(
-            "vllm_ttft_kvray_hit_vs_vllm_prefix_cache", with_kvray["ttft_s"] * 1e3, vllm_alone["ttft_s"] * 1e3,
+            "vllm_ttft_kvray_hit_vs_vllm_prefix_cache", statistics.median(run["times_s"]["kvray"]) * 1e3,
+            statistics.median(run["times_s"]["vllm"]) * 1e3,
             "ms", "<= 1.5", params,
         )
     ]

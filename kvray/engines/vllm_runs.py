@@ -156,24 +156,32 @@ def run_serve(spec: dict) -> dict:
     return {"engines": [serve_prompts(spec, engine) for engine in spec["engines"]]}
 
 
-def ttft(spec: dict, engine: dict) -> dict:
-    """Median TTFT (one output token) of ``prompts[1:]``, which share a prefix with
-    ``prompts[0]``: that warm-up prompt put the prefix in the cache under test (vLLM's own
-    prefix cache, or kvray with vLLM's turned off)."""
-    import statistics
+def run_ttft(spec: dict) -> dict:
+    """TTFT (one output token) of a kvray hit and of a vLLM prefix-cache hit, paired
+    request by request in one engine so that both see the same machine load.
 
+    The engine has vLLM's prefix caching on and the connector attached. A warm-up prompt
+    puts the shared prefix in both caches. Then, for each pair of suffixes: one prompt
+    hits vLLM's own cache (the connector finds nothing beyond it), and, after
+    ``reset_prefix_cache()`` empties vLLM's cache (untimed), the other loads the prefix
+    from kvray. Which goes first alternates.
+    """
     if "omp_threads_bind" in spec:  # read by vLLM's CPU worker when the engine starts
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec["omp_threads_bind"]
-    llm = make_llm(spec["model"], engine.get("kvray"), engine["prefix_caching"], spec["block_size"])
-    generate(llm, spec["prompts"][0], 1)
-    times = [generate(llm, prompt, 1)[1] for prompt in spec["prompts"][1:]]
-    counters = dict(connector_of(llm).counters) if engine.get("kvray") is not None else {}
+    llm = make_llm(spec["model"], spec["kvray"], True, spec["block_size"])
+    connector = connector_of(llm)
+    prefix, suffixes = spec["prefix"], spec["suffixes"]
+    generate(llm, prefix + suffixes[0], 1)
+    times: dict[str, list[float]] = {"vllm": [], "kvray": []}
+    for i in range(1, len(suffixes) - 1, 2):
+        order = ["vllm", "kvray"] if i % 4 == 1 else ["kvray", "vllm"]
+        for kind, suffix in zip(order, suffixes[i : i + 2]):
+            if kind == "kvray":
+                llm.reset_prefix_cache()
+            times[kind].append(generate(llm, prefix + suffix, 1)[1])
+    counters = dict(connector.counters)
     close_llm(llm)
-    return {"ttft_s": statistics.median(times), "counters": counters}
-
-
-def run_ttft(spec: dict) -> dict:
-    return {"engines": [ttft(spec, engine) for engine in spec["engines"]]}
+    return {"times_s": times, "counters": counters}
 
 
 RUNS = {"serve": run_serve, "ttft": run_ttft}
