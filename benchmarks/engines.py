@@ -13,7 +13,7 @@ real Llama's, and a 2,048-token prefill takes 2-4 s on a CPU core.
 - ``vllm_ttft_kvray_hit_vs_vllm_prefix_cache``: vLLM with kvray loading a 1,792-token
   prefix against vLLM's own in-memory prefix cache hit on prompts of the same shape, paired
   request by request in one engine (see :func:`kvray.engines.vllm_runs.run_ttft`). Runs in the vLLM environment (see the Makefile's ``vllm-env``), its OpenMP
-  threads bound to one core for the reason given at :data:`HF_THREADS`.
+  threads bound to one core (see :mod:`kvray.engines.timing`).
 """
 
 from __future__ import annotations
@@ -26,17 +26,14 @@ import torch
 from benchmarks import BenchResult, benchmark, paired_medians
 from kvray.config import StoreConfig, TierSizes
 from kvray.engines.hf import CachedCausalLM, model_layout
+from kvray.engines.timing import torch_threads
 from kvray.engines.tiny import tiny_llama
 from kvray.engines.vllm_runs import run_in_vllm_env
 from kvray.store import PageStore
 
 MODEL = "bench-llama"
 PROMPT, PREFIX, PAGE = 2048, 1792, 256
-# One intra-op thread for the transformers runs: on a 2-core machine that other work shares,
-# a 2-thread forward stalls at every OpenMP barrier while a core is taken, which costs the
-# 256-token suffix (same number of ops, each 8x smaller) far more than the full prefill and
-# swung the hit/recompute ratio between 0.15 and 0.45 from run to run; with one thread both
-# sides pay the same per-op cost and the ratio measures the work saved.
+# One intra-op thread: see kvray.engines.timing for why.
 HF_THREADS = 1
 SHAPE = {"model": MODEL, "layers": 4, "hidden": 1024, "ffn": 3584, "heads": 8, "kv_heads": 2, "head_dim": 128,
          "dtype": "float32"}
@@ -81,12 +78,8 @@ def _hf_figures(quick: bool) -> tuple[tuple[float, float], tuple[float, float]]:
 
 @benchmark("hf_ttft")
 def hf_ttft(quick: bool) -> list[BenchResult]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(HF_THREADS)
-    try:
+    with torch_threads(HF_THREADS):
         (hit, suffix_s), (hit_again, full_s) = _hf_figures(quick)
-    finally:
-        torch.set_num_threads(threads)
     params = {**SHAPE, "prompt_tokens": PROMPT, "cached_tokens": PREFIX, "page_tokens": PAGE, "tier": "host",
               "torch_threads": HF_THREADS}
     return [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -42,11 +43,12 @@ def demo() -> None:
 def chat_demo(
     model: str = typer.Option("tiny-llama", help="model config under data/models/ (random weights)"),
     turns: int = typer.Option(6, min=1, help="conversation turns"),
+    plot: Path | None = typer.Option(None, help="also save TTFT per turn as a chart (PNG) here"),
 ) -> None:
     """A multi-turn conversation on a real Llama: TTFT per turn, recomputing vs with kvray."""
     from kvray.engines.demo import conversation_demo
 
-    conversation_demo(model_name=model, turns=turns, console=Console())
+    conversation_demo(model_name=model, turns=turns, console=Console(), plot=plot)
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Each turn's prompt is the whole conversation so far, so without a KV cache the model
 recomputes every earlier turn; with kvray the history's pages are loaded and only the new
-user message is computed. Both servers produce the reply greedily from the same weights,
+user message is computed. Forwards run on one thread (see :mod:`kvray.engines.timing`). Both servers produce the reply greedily from the same weights,
 and the table says whether the replies agree (they must).
 
 Example::
@@ -14,6 +14,8 @@ Example::
 from __future__ import annotations
 
 import time
+from contextlib import closing
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ from rich.table import Table
 
 from kvray.config import StoreConfig, TierSizes
 from kvray.engines.hf import CachedCausalLM, greedy_decode, model_layout
+from kvray.engines.timing import torch_threads
 from kvray.engines.tiny import tiny_llama
 from kvray.store import PageStore
 
@@ -45,9 +48,11 @@ def conversation_demo(
     page_tokens: int = 64,
     seed: int = 0,
     console: Console | None = None,
+    plot: Path | None = None,
 ) -> list[dict]:
     """Serve ``turns`` turns of one conversation twice (recompute vs kvray); print and return
-    TTFT per turn. Token ids are synthetic (no tokenizer is needed for KV reuse)."""
+    TTFT per turn, and save it as a chart to ``plot`` if given. Token ids are synthetic
+    (no tokenizer is needed for KV reuse)."""
     model = tiny_llama(model_name, seed=seed)
     layout = model_layout(model.config, model.dtype, page_tokens)
     store = PageStore(StoreConfig(layout=layout, model_name=model_name, tiers=TierSizes(host=4096)))
@@ -56,7 +61,7 @@ def conversation_demo(
     vocab = model.config.vocab_size
     history = rng.integers(3, vocab, system_tokens).astype(np.int32)
     rows = []
-    try:
+    with torch_threads(1), closing(store):
         for turn in range(1, turns + 1):
             prompt = np.concatenate([history, rng.integers(3, vocab, user_tokens).astype(np.int32)])
             plain_reply, plain_ttft = _recompute(model, prompt, reply_tokens)
@@ -67,9 +72,9 @@ def conversation_demo(
                 "same_reply": reply == plain_reply,
             })
             history = np.concatenate([prompt, np.asarray(reply, dtype=np.int32)])
-    finally:
-        store.close()
     _print(rows, model_name, console or Console())
+    if plot is not None:
+        _plot(rows, model_name, Path(plot))
     return rows
 
 
@@ -85,3 +90,23 @@ def _print(rows: list[dict], model_name: str, console: Console) -> None:
             "[green]yes[/]" if row["same_reply"] else "[red]NO[/]",
         )
     console.print(table)
+
+
+def _plot(rows: list[dict], model_name: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    turns = [r["turn"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(turns, [r["ttft_recompute_ms"] for r in rows], "o-", label="recompute the history")
+    ax.plot(turns, [r["ttft_kvray_ms"] for r in rows], "o-", label="history from kvray")
+    ax.set(xlabel="turn", ylabel="time to first token (ms)", title=f"{model_name}: multi-turn conversation")
+    ax.set_xticks(turns)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

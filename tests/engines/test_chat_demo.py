@@ -23,7 +23,9 @@ def test_later_turns_reuse_history_and_agree_with_recompute():
     assert "TTFT kvray" in out.getvalue()
 
 
-def test_chat_demo_command_prints_the_table():
-    result = CliRunner().invoke(app, ["chat-demo", "--turns", "2"])
+def test_chat_demo_command_prints_the_table_and_saves_the_chart(tmp_path):
+    chart = tmp_path / "ttft.png"
+    result = CliRunner().invoke(app, ["chat-demo", "--turns", "2", "--plot", str(chart)])
     assert result.exit_code == 0, result.output
     assert "time to first token per turn" in result.output
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
