@@ -69,7 +69,12 @@ class ConnectorSettings(BaseModel):
     ``disk_dir`` with ``disk_pages`` puts pages in files there; a later engine process
     started on the same directory finds them (one live engine per directory at a time:
     concurrent sharing is the Ray runtime's job). ``model_name`` defaults to vLLM's
-    served model name; it goes into every page key with the layout, as does ``salt``.
+    served model name; it goes into every page key with the layout, as do ``salt`` and
+    each request's own ``cache_salt``.
+
+    Example::
+
+        ConnectorSettings(host_pages=4096, disk_pages=65536, disk_dir="/var/cache/kvray", salt="tenant-a")
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -138,6 +143,8 @@ class PageSave:
 
 @dataclass
 class KVRayMetadata(KVConnectorMetadata):
+    """What the scheduler side asks of the worker for one step: pages to load, blocks to save."""
+
     loads: list[PageLoad] = field(default_factory=list)
     saves: list[PageSave] = field(default_factory=list)
 
@@ -206,7 +213,9 @@ class KVRayConnector(KVConnectorBase_V1):
         staged = self._staged.get(request.request_id)
         if staged is not None and staged[1] == num_computed_tokens:
             return len(staged[2]) * self.layout.page_tokens, False
-        tracked = self._track(request.request_id, request.prompt_token_ids)
+        tracked = self._track(request)
+        if tracked is None:
+            return 0, False
         page = self.layout.page_tokens
         loadable = (len(request.prompt_token_ids) - 1) // page  # the last token is always computed
         first = num_computed_tokens // page
@@ -234,7 +243,9 @@ class KVRayConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVRayMetadata()
         for new in scheduler_output.scheduled_new_reqs:
-            tracked = self._track(new.req_id, new.prompt_token_ids or [])
+            tracked = self._requests.get(new.req_id)
+            if tracked is None:  # not cacheable (see _track)
+                continue
             tracked.block_ids = list(new.block_ids[0])
             self._plan_load(meta, new.req_id, tracked)
             self._plan_save(meta, new.req_id, tracked, new.num_computed_tokens, scheduler_output)
@@ -289,11 +300,19 @@ class KVRayConnector(KVConnectorBase_V1):
         self._forget(request.request_id)
         return False, None
 
-    def _track(self, req_id: str, prompt: list[int]) -> _Tracked:
-        tracked = self._requests.get(req_id)
+    def _track(self, request: Request) -> _Tracked | None:
+        """State of a request whose KV depends on its token ids alone; ``None`` for the rest
+        (images or other multimodal inputs, prompt embeddings, LoRA adapters), which kvray
+        neither loads nor stores, since equal tokens would not mean equal KV."""
+        tracked = self._requests.get(request.request_id)
         if tracked is None:
-            keys = self.store.keys(np.asarray(prompt, dtype=np.int32), salt=self.settings.salt) if prompt else []
-            tracked = self._requests[req_id] = _Tracked(keys)
+            if not request.prompt_token_ids or request.mm_features or request.lora_request is not None:
+                return None
+            if request.prompt_embeds is not None:
+                return None
+            salt = self.settings.salt if request.cache_salt is None else f"{self.settings.salt}|{request.cache_salt}"
+            keys = self.store.keys(np.asarray(request.prompt_token_ids, dtype=np.int32), salt=salt)
+            tracked = self._requests[request.request_id] = _Tracked(keys)
         return tracked
 
     def _forget(self, req_id: str) -> None:

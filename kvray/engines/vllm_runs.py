@@ -86,14 +86,19 @@ def connector_of(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
 
 
-def generate(llm, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    """Greedy output tokens of one prompt and the wall time of the call."""
+def generate(llm, prompt: list[int] | dict, max_tokens: int) -> tuple[list[int], float]:
+    """Greedy output tokens of one prompt (token ids, or ``{"tokens": [...], "cache_salt": ...}``)
+    and the wall time of the call."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if isinstance(prompt, dict):
+        request = TokensPrompt(prompt_token_ids=prompt["tokens"], cache_salt=prompt["cache_salt"])
+    else:
+        request = TokensPrompt(prompt_token_ids=prompt)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
     t0 = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    out = llm.generate([request], params, use_tqdm=False)
     return list(out[0].outputs[0].token_ids), time.perf_counter() - t0
 
 

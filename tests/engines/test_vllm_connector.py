@@ -58,12 +58,14 @@ def disk_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def first_process(model, prompts, disk_dir) -> dict:
-    """vLLM alone on prompts a, b, other; then vLLM with kvray on a and b, kvray keeping
-    its pages in the shared disk directory."""
+    """vLLM alone on prompts a, b, other; then vLLM with kvray on a, b and b under another
+    tenant's cache salt, kvray keeping its pages in the shared disk directory."""
+    salted_b = {"tokens": prompts["b"], "cache_salt": "tenant-x"}
     alone, with_kvray = serve(
         model,
         {"kvray": None, "prompts": [prompts["a"], prompts["b"], prompts["other"]]},
-        {"kvray": {"host_pages": 0, "disk_pages": 256, "disk_dir": str(disk_dir)}, "prompts": [prompts["a"], prompts["b"]]},
+        {"kvray": {"host_pages": 0, "disk_pages": 256, "disk_dir": str(disk_dir)},
+         "prompts": [prompts["a"], prompts["b"], salted_b]},
     )
     return {"baseline": dict(zip(["a", "b", "other"], [r["tokens"] for r in alone["results"]])), "writer": with_kvray}
 
@@ -101,7 +103,7 @@ def test_outputs_depend_on_the_prefix(baseline):
 
 
 def test_second_request_loads_the_shared_prefix_from_kvray_and_matches_vllm_alone(disk_writer, prompts, baseline):
-    first, second = disk_writer["results"]
+    first, second, _ = disk_writer["results"]
     assert first["counters"]["hit_pages"] == 0
     assert first["counters"]["saved_pages"] == len(prompts["a"]) // BLOCK
     assert second["counters"]["loaded_pages"] == SHARED_PAGES
@@ -111,11 +113,18 @@ def test_second_request_loads_the_shared_prefix_from_kvray_and_matches_vllm_alon
 
 def test_second_engine_process_hits_pages_the_first_stored(disk_writer, disk_reader, prompts, baseline):
     stored = sum(r["counters"]["saved_pages"] for r in disk_writer["results"])
-    assert stored == len(prompts["a"]) // BLOCK + len(prompts["b"]) // BLOCK - SHARED_PAGES
+    assert stored == len(prompts["a"]) // BLOCK + 2 * (len(prompts["b"]) // BLOCK) - SHARED_PAGES
     assert disk_reader["recovered_pages"] == stored
     hit = disk_reader["results"][0]
     assert hit["counters"]["loaded_pages"] == len(prompts["b"]) // BLOCK  # b's own pages too, from the first process
     assert hit["tokens"] == baseline["b"]
+
+
+def test_another_tenants_cache_salt_never_shares_pages(disk_writer, prompts, baseline):
+    salted = disk_writer["results"][2]
+    assert salted["counters"]["hit_pages"] == 0 and salted["counters"]["loaded_pages"] == 0
+    assert salted["counters"]["saved_pages"] == len(prompts["b"]) // BLOCK
+    assert salted["tokens"] == baseline["b"]
 
 
 def test_wiped_backing_store_makes_vllm_recompute(disk_reader, baseline):
