@@ -1,4 +1,4 @@
-"""Real vLLM engine runs with and without ``KVRayConnector``, one engine per process.
+"""Real vLLM engine runs with and without ``KVRayConnector``, in a subprocess of vLLM's environment.
 
 vLLM lives in its own virtual environment (``.venv-vllm``, see the Makefile), so tests and
 benchmarks in kvray's main environment start this module there with
