@@ -37,7 +37,7 @@ from kvray.metrics import CacheMetrics
 from kvray.policy.base import PageContext, PlacementPolicy
 from kvray.tiers import SlotAllocator, Tier
 
-Mover = Callable[[int, Tier, int, Tier, int], None]
+Mover = Callable[[int, Tier, int, Tier, int], int | None]  # returns a checksum it computed, if any
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,8 @@ class CacheManager:
                     self.index.pin(np.array([victim]))
                     refused.append(victim)
         finally:
-            self.index.unpin(np.array(refused, dtype=np.int64))
+            if refused:
+                self.index.unpin(np.array(refused, dtype=np.int64))
         return slot
 
     def evict(self, handle: int, mover: Mover) -> bool:
@@ -166,10 +167,12 @@ class CacheManager:
         if dst_slot is None:
             return False
         try:
-            mover(handle, src, src_slot, dst, dst_slot)
+            digest = mover(handle, src, src_slot, dst, dst_slot)
         except KvrayError:
             self.abort_store(dst, dst_slot)
             return False
+        if digest is not None:
+            self.index.checksum[handle] = digest
         self.policy.on_remove(handle, src)
         self.index.move(handle, dst, dst_slot)
         self.policy.on_insert(handle, dst)

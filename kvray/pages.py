@@ -3,8 +3,8 @@
 A page is ``page_nbytes`` raw bytes; :func:`page_view` reinterprets those bytes, without a
 copy, as a tensor of :attr:`PageLayout.page_shape`. Engines hand kvray the KV of a request
 as one tensor ``[layers, 2, tokens, kv_heads, head_dim]``; :func:`check_request_kv`
-validates it once, and a page then moves as the byte runs it is made of in that tensor
-(:func:`page_chunks`): one copy per run into a slot, or one ``pwritev``, no staging buffer.
+validates it once, and a page then moves as a strided byte view of that tensor
+(:func:`request_page`): one copy into a slot, or one write per contiguous run, no staging buffer.
 The host data plane works on numpy byte views, which cost a fraction of a microsecond to
 slice, where torch ops cost several: that keeps per-page overhead small next to the copy.
 """
@@ -52,12 +52,6 @@ def check_request_kv(layout: PageLayout, kv: torch.Tensor, tokens: int) -> None:
         )
 
 
-def token_slice(layout: PageLayout, kv: torch.Tensor, page_index: int) -> torch.Tensor:
-    """The part of a request's KV that page ``page_index`` holds (a strided view)."""
-    start = page_index * layout.page_tokens
-    return kv[:, :, start : start + layout.page_tokens]
-
-
 def request_bytes(kv: torch.Tensor) -> np.ndarray:
     """A request's KV ``[layers, 2, tokens, ...]`` as host bytes ``[layers, 2, tokens, row_bytes]``.
 
@@ -68,49 +62,47 @@ def request_bytes(kv: torch.Tensor) -> np.ndarray:
     return host.view(torch.uint8).numpy().reshape(host.shape[0], host.shape[1], host.shape[2], row_bytes)
 
 
-def page_chunks(layout: PageLayout, kv_bytes: np.ndarray, page_index: int) -> list[np.ndarray]:
-    """Page ``page_index`` of a request (see :func:`request_bytes`) as its ``2 * layers`` byte runs.
+def request_page(layout: PageLayout, kv_bytes: np.ndarray, page_index: int) -> np.ndarray:
+    """Page ``page_index`` of a request (see :func:`request_bytes`) as a strided byte view.
 
-    In ``[layers, 2, tokens, kv_heads, head_dim]`` the tokens of one page form one
-    contiguous run per (layer, K/V); concatenated, the runs are exactly the page's bytes.
-    Tiers copy or ``pwritev``/``preadv`` these runs directly: no staging buffer.
+    The view's C-order bytes are exactly the page: ``[layers, 2, page_tokens, row_bytes]``
+    sliced out of the request, so a tier copies it with one strided copy, or writes its
+    contiguous runs (:func:`runs`) straight to disk: no staging buffer.
     """
     start = page_index * layout.page_tokens
-    end = start + layout.page_tokens
-    return [kv_bytes[layer, kind, start:end].reshape(-1) for layer in range(layout.layers) for kind in (0, 1)]
+    return kv_bytes[:, :, start : start + layout.page_tokens]
 
 
-def slot_runs(slot: np.ndarray | torch.Tensor, chunks: list[np.ndarray]) -> list:
-    """A slot's bytes split into runs the sizes of ``chunks``."""
-    runs, offset = [], 0
-    for chunk in chunks:
-        runs.append(slot[offset : offset + chunk.size])
-        offset += chunk.size
-    return runs
+def runs(page: np.ndarray) -> list[np.ndarray]:
+    """A page view's contiguous byte runs, in order (one for a contiguous page, one per
+    layer and K/V for a page sliced out of a request)."""
+    if page.flags.c_contiguous:
+        return [page.reshape(-1)]
+    return [page[index].reshape(-1) for index in np.ndindex(page.shape[:2])]
 
 
-def copy_bytes(dst: np.ndarray | torch.Tensor, src: np.ndarray | torch.Tensor) -> None:
-    """Copy flat uint8 bytes: numpy on the host (a plain memcpy, free of torch's thread
-    pool stalls on a busy machine), torch when one side lives on an accelerator."""
-    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
-        np.copyto(dst, src)
-    else:
-        as_tensor = lambda x: torch.from_numpy(x) if isinstance(x, np.ndarray) else x  # noqa: E731
-        as_tensor(dst).copy_(as_tensor(src))
+def copy_page(dst: np.ndarray | torch.Tensor, src: np.ndarray | torch.Tensor) -> None:
+    """Copy one page between a page view and a flat slot (either side), run by run.
 
-
-def transfer(chunks: list[np.ndarray], runs: list, into_slot: bool) -> int:
-    """Copy a page between the caller's host ``chunks`` and a slot's ``runs``; return the
-    checksum of the bytes moved.
-
-    Each run is hashed right after its copy, while it is still in cache, so a page
-    crosses the memory bus once: storing and verifying cost little more than a memcpy.
+    One ``np.copyto`` per contiguous run beats a single strided copy of the whole view
+    (numpy walks a 4-D view row by row); numpy on the host is a plain memcpy, free of
+    torch's thread-pool stalls on a busy machine; torch when a side is on an accelerator.
     """
-    hasher = xxhash.xxh3_64()
-    for chunk, run in zip(chunks, runs):
-        if into_slot:
-            copy_bytes(run, chunk)
+    view, flat = (dst, src) if dst.ndim > 1 else (src, dst)
+    offset = 0
+    for run in runs(view):
+        part = flat[offset : offset + run.size]
+        offset += run.size
+        if isinstance(part, np.ndarray):
+            np.copyto(*((run, part) if view is dst else (part, run)))
         else:
-            copy_bytes(chunk, run)
-        hasher.update(chunk)
+            host = torch.from_numpy(run)
+            (host.copy_(part) if view is dst else part.copy_(host))
+
+
+def hash_page(page: np.ndarray) -> int:
+    """xxh3-64 of a page view's bytes, run by run: what stored pages carry and reads check."""
+    hasher = xxhash.xxh3_64()
+    for run in runs(page):
+        hasher.update(run)
     return hasher.intdigest()

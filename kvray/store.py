@@ -10,15 +10,16 @@ plane (the tier pools holding bytes). Its verbs work on whole requests:
 - ``put_pages`` / ``get_pages``: the same by keys and raw page bytes, for the runtime's
   transfers between nodes (pages travel with their model fingerprint).
 - ``read_pages(keys, targets)``: the primitive under ``load`` and ``get_pages``, for
-  engines with their own cache layout (vLLM's paged blocks): it scatters each page into
-  the byte runs the caller names.
+  callers with their own buffers: it copies each page into the view the caller names.
 
-A page moves as the list of contiguous byte runs it is made of in the caller's memory
-(:func:`kvray.pages.page_chunks`), so storing or loading is one copy (memory tiers) or one
-``pwritev``/``preadv`` (disk) per page, with its checksum. Pages read are pinned until
-copied out; a page that fails its checksum is counted, dropped (with its descendants) and
-never returned, so a load yields a shorter prefix, never wrong KV. A request whose input
-is invalid raises before anything stored is touched.
+A page moves as a byte view of the caller's memory (:func:`kvray.pages.request_page`), so
+storing or loading is one strided copy (memory tiers) or one write/read per contiguous
+run (disk). Disk pages are hashed as they are written and verified on every read; memory
+pages too when ``checksum_memory`` is set, and otherwise get their checksum the moment
+they leave memory for disk. Pages read are pinned until copied out; a page that fails
+its checksum is counted, dropped (with its descendants) and never returned, so a load
+yields a shorter prefix, never wrong KV. A request whose input is invalid raises before
+anything stored is touched.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ from kvray.errors import FingerprintMismatch, LayoutError, StorageError
 from kvray.index import ROOT
 from kvray.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.manager import CacheManager
-from kvray.pages import check_request_kv, copy_bytes, page_chunks, request_bytes, slot_runs, torch_dtype, transfer
+from kvray.pages import check_request_kv, copy_page, hash_page, request_bytes, request_page, runs, torch_dtype
 from kvray.policy import PageContext, PlacementPolicy, make_policy
 from kvray.tiers import DevicePool, DiskPool, HostPool, StoredPage, Tier
 
-Chunks = list[np.ndarray]  # flat uint8 host arrays whose concatenation is one page
-ChunkSource = Callable[[int], Chunks]  # page index within the request -> its chunks
+PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
+UNHASHED = 0  # the checksum of a memory page stored without one (``checksum_memory`` off)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class PageStore:
         arr = as_token_array(tokens, self.config.max_request_tokens)
         check_request_kv(self.layout, kv, arr.size)
         kv_bytes = request_bytes(kv)
-        return self._store_pages(self.keys(arr, salt), lambda i: page_chunks(self.layout, kv_bytes, i), priority)
+        return self._store_pages(self.keys(arr, salt), lambda i: request_page(self.layout, kv_bytes, i), priority)
 
     def load(
         self, tokens: Sequence[int] | np.ndarray, salt: str = "", out: torch.Tensor | None = None
@@ -149,7 +150,7 @@ class PageStore:
         if out.device.type != "cpu":
             raise LayoutError(f"out tensor must be in host memory, got {out.device}")
         out_bytes = request_bytes(out)
-        got, by_tier = self.read_pages(keys, lambda i: page_chunks(self.layout, out_bytes, i))
+        got, by_tier = self.read_pages(keys, lambda i: request_page(self.layout, out_bytes, i))
         return LoadResult(got * self.layout.page_tokens, out[:, :, : got * self.layout.page_tokens], by_tier)
 
     # -- page verbs (runtime transfers) --------------------------------------------------
@@ -171,17 +172,17 @@ class PageStore:
             raise LayoutError(
                 f"pages must be uint8 [{len(keys)}, {self.layout.page_nbytes}], got {pages.dtype} {pages.shape}"
             )
-        return self._store_pages(list(keys), lambda i: [pages[i]], parent_key=parent_key)
+        return self._store_pages(list(keys), lambda i: pages[i], parent_key=parent_key)
 
     def get_pages(self, keys: Sequence[int]) -> tuple[list[int], np.ndarray]:
         """Raw bytes of the longest cached, verified prefix of ``keys``: (keys found, pages)."""
         out = np.empty((len(keys), self.layout.page_nbytes), dtype=np.uint8)
-        got, _ = self.read_pages(keys, lambda i: [out[i]])
+        got, _ = self.read_pages(keys, lambda i: out[i])
         return list(keys[:got]), out[:got]
 
     # -- the two paths every verb goes through -------------------------------------------
-    def read_pages(self, keys: Sequence[int], targets: ChunkSource) -> tuple[int, dict[str, int]]:
-        """Pin the cached prefix of ``keys``, scatter each verified page into ``targets(i)``, unpin.
+    def read_pages(self, keys: Sequence[int], targets: PageSource) -> tuple[int, dict[str, int]]:
+        """Pin the cached prefix of ``keys``, copy each verified page into ``targets(i)``, unpin.
 
         Returns the number of leading pages delivered and their count per tier; a page
         that fails verification ends the prefix and is dropped.
@@ -210,7 +211,7 @@ class PageStore:
         return delivered, {Tier(int(t)).label: int(n) for t, n in zip(labels, counts)}
 
     def _store_pages(
-        self, keys: list[int], sources: ChunkSource, priority: int = 0, parent_key: int | None = None
+        self, keys: list[int], sources: PageSource, priority: int = 0, parent_key: int | None = None
     ) -> int:
         """Store the pages of one chain in order (after ``parent_key``'s page, if given);
         stop at the first page not kept, since its descendants could never be matched."""
@@ -233,7 +234,7 @@ class PageStore:
             self.metrics.observe("store", time.perf_counter() - t0)
         return stored
 
-    def _store_one(self, i: int, key: int, parent: int, pages: int, sources: ChunkSource, priority: int) -> int | None:
+    def _store_one(self, i: int, key: int, parent: int, pages: int, sources: PageSource, priority: int) -> int | None:
         """Reserve, write and publish one page. Its parent is kept meanwhile, so making
         room never drops the chain it is joining."""
         ctx = PageContext(depth=i, request_pages=pages, priority=priority)
@@ -259,36 +260,38 @@ class PageStore:
         return self.manager.complete_store(key, tier, slot, digest, parent=parent, depth=i, ctx=ctx)
 
     # -- data plane ----------------------------------------------------------------------
-    def _write_page(self, tier: Tier, slot: int, key: int, parent_key: int | None, chunks: Chunks) -> int:
+    def _write_page(self, tier: Tier, slot: int, key: int, parent_key: int | None, page: np.ndarray) -> int:
+        """Write ``page`` into ``slot``; return its checksum (UNHASHED for an unhashed memory page)."""
         pool = self.pools[tier]
         if isinstance(pool, DiskPool):
-            return pool.write(slot, key, parent_key, chunks)
-        return transfer(chunks, slot_runs(pool.view(slot), chunks), into_slot=True)
+            return pool.write(slot, key, parent_key, runs(page))
+        copy_page(pool.view(slot), page)
+        return hash_page(page) if self.config.checksum_memory else UNHASHED
 
-    def _read_page(self, tier: Tier, slot: int, expected: int, chunks: Chunks) -> bool:
+    def _read_page(self, tier: Tier, slot: int, expected: int, page: np.ndarray) -> bool:
+        """Copy ``slot`` into ``page``; False when the bytes fail verification."""
         pool = self.pools[tier]
         if isinstance(pool, DiskPool):
-            stored, digest = pool.read_into(slot, chunks)
+            stored, digest = pool.read_into(slot, runs(page))
             return stored is not None and stored.checksum == expected and digest == expected
-        runs = slot_runs(pool.view(slot), chunks)
-        if not self.config.verify_reads:
-            for chunk, run in zip(chunks, runs):
-                copy_bytes(chunk, run)
-            return True
-        return transfer(chunks, runs, into_slot=False) == expected
+        copy_page(page, pool.view(slot))
+        return not self.config.checksum_memory or hash_page(page) == expected
 
-    def _move(self, handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:
-        """Data-plane half of a two-phase move: copy and verify; the source stays intact."""
+    def _move(self, handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> int | None:
+        """Data-plane half of a two-phase move: copy and verify; the source stays intact.
+
+        Returns the page's checksum when the move computed it (a memory page reaching disk).
+        """
         t0 = time.perf_counter()
         index = self.manager.index
         key, expected = index.key_of(handle), int(index.checksum[handle])
         buffer = np.empty(self.layout.page_nbytes, dtype=np.uint8)
-        if not self._read_page(src, src_slot, expected, [buffer]):
+        if not self._read_page(src, src_slot, expected, buffer):
             raise StorageError(f"{src.label} tier: page {key:#x} failed verification before its move")
         parent = int(index.parent[handle])
-        if self._write_page(dst, dst_slot, key, None if parent == ROOT else index.key_of(parent), [buffer]) != expected:
-            raise StorageError(f"{dst.label} tier: page {key:#x} changed while it was copied")
+        digest = self._write_page(dst, dst_slot, key, None if parent == ROOT else index.key_of(parent), buffer)
         self.metrics.observe(f"{src.label}->{dst.label}", time.perf_counter() - t0)
+        return digest if dst == Tier.DISK else None
 
     def _slot_freed(self, tier: Tier, slot: int) -> None:
         pool = self.pools[tier]

@@ -102,7 +102,8 @@ def test_move_interrupted_between_copy_and_publish_leaves_the_source_readable(tm
 def test_concurrent_clients_never_see_torn_pages_and_counters_add_up(tmp_path):
     """8 threads store and load overlapping prefixes through tight tiers (demotions and
     evictions race with reads); every load is checked bit for bit."""
-    store = PageStore(StoreConfig(layout=TINY, tiers=TierSizes(device=3, host=5, disk=12), disk_dir=tmp_path))
+    config = StoreConfig(layout=TINY, tiers=TierSizes(device=3, host=5, disk=12), disk_dir=tmp_path, checksum_memory=True)
+    store = PageStore(config)
     shared = list(range(8))  # a system prompt every client shares
     seen = {"hit_pages": 0, "lookups": 0, "lookup_pages": 0}
     lock, errors = threading.Lock(), []

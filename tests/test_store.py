@@ -237,11 +237,25 @@ def test_truncated_file_loses_only_the_cut_pages(tmp_path):
     assert make_store(tmp_path, disk=8).lookup(tokens) == 16
 
 
-def test_corrupt_host_page_is_caught_by_verified_reads():
-    store = make_store(host=4)
+def test_corrupt_host_page_is_caught_when_memory_is_checksummed():
+    store = PageStore(StoreConfig(layout=TINY, tiers=TierSizes(host=4), checksum_memory=True))
     tokens = list(range(16))
     store.store(tokens, prefix_kv(TINY, tokens))
     handle = store.manager.index.handle_of(store.keys(tokens)[1])
     store.pools[1].view(int(store.manager.index.slot[handle]))[0] ^= 0xFF
     assert store.load(tokens).tokens == 4
     assert store.stats()["corrupt_pages"] == 1
+
+
+def test_memory_page_gets_its_checksum_when_demoted_to_disk(tmp_path):
+    store = make_store(tmp_path, host=1, disk=8)  # memory pages unhashed (the default)
+    tokens = list(range(12))
+    store.store(tokens, prefix_kv(TINY, tokens))  # pages 0 and 1 demoted to disk
+    index = store.manager.index
+    first = index.handle_of(store.keys(tokens)[0])
+    assert int(index.tier[first]) == 2 and int(index.checksum[first]) != 0
+    (path,) = (tmp_path / "disk").iterdir()
+    with open(path, "r+b") as fh:
+        fh.seek(_page_offset(store, tokens, 1))
+        fh.write(b"\xff\xff")
+    assert store.load(tokens).tokens == 4 and store.stats()["corrupt_pages"] == 1

@@ -87,7 +87,7 @@ class DiskPool:
     def write(self, slot: int, key: int, parent_key: int | None, chunks: list[np.ndarray]) -> int:
         """Write one page, given as byte chunks that add up to ``page_nbytes``; return its checksum.
 
-        Each chunk is hashed just before its ``pwrite``, while it is in cache, and the header
+        Each chunk is hashed right after its ``pwrite``, while it is in cache, and the header
         (with the checksum) goes last: a write cut short leaves a slot without a valid
         header, which a restart ignores and a read rejects.
         """
@@ -95,8 +95,8 @@ class DiskPool:
         hasher = xxhash.xxh3_64()
         try:
             for chunk in chunks:
-                hasher.update(chunk)
                 self._pwrite_all(chunk, offset)
+                hasher.update(chunk)  # after the write, which left the chunk in cache
                 offset += chunk.size
             digest = hasher.intdigest()
             self._pwrite_all(self._header(key, parent_key, digest), slot * self.stride)
