@@ -74,6 +74,7 @@ class CacheManager:
         self.policy.bind(self.index, self.capacities)
         self.metrics = CacheMetrics(page_nbytes=page_nbytes)
         self.slot_freed: Callable[[Tier, int], None] = lambda tier, slot: None
+        self.page_dropped: Callable[[int], None] = lambda key: None  # a key left this cache
 
     @property
     def tiers(self) -> list[Tier]:
@@ -173,9 +174,10 @@ class CacheManager:
         """Forget a page and free its slot (eviction, corruption, a lost node)."""
         tier, slot = Tier(int(self.index.tier[handle])), int(self.index.slot[handle])
         self.policy.on_remove(handle, tier)
-        self.index.remove(handle)
+        key = self.index.remove(handle)
         self._free(tier, slot)
         self.metrics.evicted_pages += 1
+        self.page_dropped(key)
 
     def _free(self, tier: Tier, slot: int) -> None:
         self.slots[tier].free(slot)

@@ -1,0 +1,217 @@
+"""The controller actor: the cluster's metadata, and no page bytes.
+
+It keeps the global prefix index (:class:`~kvray.index.PrefixIndex`, with each page's
+node in the ``node`` column), the heat of every page, pins of pages being read, and the
+placement rule for new pages: the requesting engine's node when the request fits there,
+otherwise spread over all nodes by consistent hashing (:class:`HashRing`). Engines talk to
+it once per request (``lookup_pin`` answers the cached prefix, where each page lives and
+where each missing page should go) and report back without waiting (``release``,
+``commit``). Page bytes move between engines and store actors only.
+
+The index is kept honest three ways: stores report pages they evicted with every write;
+an engine reports pages the index promised but a store no longer had; a node that leaves
+has all its locations dropped (``remove_node``), and a store that restarts re-announces
+the pages its disk tier kept.
+
+Example::
+
+    plan = ray.get(controller.lookup_pin.remote(keys, my_node))
+    plan.hit_nodes          # node of each cached page, root first
+    plan.targets            # node for each page still to store
+    controller.release.remote(plan.lease, {"host": 3}, lost={})
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+
+from kvray.cluster.config import RuntimeConfig
+from kvray.cluster.hashring import HashRing
+from kvray.cluster.metrics import export_cluster_stats
+from kvray.index import PrefixIndex
+from kvray.tiers import Tier
+
+NO_NODE = -1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The controller's answer to one request."""
+
+    lease: int
+    hit_nodes: list[str]
+    targets: list[str]
+
+    @property
+    def hit_pages(self) -> int:
+        return len(self.hit_nodes)
+
+
+class Controller:
+    """Global prefix index, page locations, heat, pins and placement; see the module doc."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        self.index = PrefixIndex()
+        self.ring = HashRing()
+        self.node_ids: list[str] = []
+        self._node_ix: dict[str, int] = {}
+        self.stores: dict[str, ray.actor.ActorHandle] = {}
+        self.ranks: dict[str, int] = {}
+        self._leases: dict[int, np.ndarray] = {}
+        self._next_lease = 0
+        self._doomed: set[int] = set()
+        self.lookups = 0
+        self.lookup_pages = 0
+        self.hit_pages: Counter = Counter()
+        self.bytes_between_nodes = 0
+        self.lost_pages = 0
+
+    # -- membership ---------------------------------------------------------------------
+    def register_store(self, node_id: str, store: ray.actor.ActorHandle, rank: int | None = None,
+                       kept_keys: Sequence[int] | None = None) -> None:
+        """Add a node's store; with ``kept_keys`` (a restart) forget what it no longer holds."""
+        if node_id not in self._node_ix:
+            self._node_ix[node_id] = len(self.node_ids)
+            self.node_ids.append(node_id)
+        self.stores[node_id] = store
+        if rank is None:
+            self.ranks.pop(node_id, None)  # a restarted store is outside the collective group
+        else:
+            self.ranks[node_id] = rank
+        self.ring.add(node_id)
+        if kept_keys is not None:
+            kept = set(kept_keys)
+            self._drop_where(self._on_node(node_id), lambda h: self.index.key_of(h) not in kept)
+
+    def remove_node(self, node_id: str) -> int:
+        """A node left: drop every page located there; returns how many."""
+        self.stores.pop(node_id, None)
+        self.ranks.pop(node_id, None)
+        self.ring.remove(node_id)
+        if node_id not in self._node_ix:
+            return 0
+        return self._drop_where(self._on_node(node_id), lambda h: True)
+
+    def runtime_config(self) -> RuntimeConfig:
+        return self.config
+
+    def members(self) -> dict:
+        """Live stores and their collective ranks (what clients route by)."""
+        return {"stores": dict(self.stores), "ranks": dict(self.ranks)}
+
+    def _on_node(self, node_id: str) -> np.ndarray:
+        handles = np.fromiter(map(self.index.handle_of, self.index.keys()), dtype=np.int64, count=len(self.index))
+        return handles[self.index.node[handles] == self._node_ix[node_id]]
+
+    def _drop_where(self, handles: np.ndarray, condition) -> int:
+        dropped = 0
+        for handle in handles.tolist():
+            if condition(handle):
+                self._drop(handle)
+                dropped += 1
+        self.lost_pages += dropped
+        return dropped
+
+    def _drop(self, handle: int) -> None:
+        if self.index.pins[handle] > 0:
+            self._doomed.add(handle)  # dropped when its last reader releases it
+        else:
+            self.index.remove(handle)
+
+    # -- the per-request verbs ----------------------------------------------------------------
+    def lookup_pin(self, keys: Sequence[int], requester: str | None) -> Plan:
+        """Cached prefix of ``keys`` (pinned under a lease) and a node for each missing page."""
+        handles = self.index.lookup(keys)
+        handles = handles[: self._first_doomed(handles)]
+        self.index.pin(handles)
+        self.index.touch(handles)
+        self._next_lease += 1
+        self._leases[self._next_lease] = handles
+        self.lookups += 1
+        self.lookup_pages += len(keys)
+        hit_nodes = [self.node_ids[i] for i in self.index.node[handles].tolist()]
+        return Plan(self._next_lease, hit_nodes, self._place(keys[len(handles):], len(keys), requester))
+
+    def _first_doomed(self, handles: np.ndarray) -> int:
+        for i, h in enumerate(handles.tolist()):
+            if h in self._doomed:
+                return i
+        return len(handles)
+
+    def _place(self, missing: Sequence[int], request_pages: int, requester: str | None) -> list[str]:
+        if not missing or not self.stores:
+            return []
+        if requester in self.stores and request_pages <= self.config.local_limit:
+            return [requester] * len(missing)
+        return self.ring.owners(missing)
+
+    def release(self, lease: int, hits_by_tier: Mapping[str, int], lost: Mapping[str, Sequence[int]],
+                bytes_between_nodes: int = 0) -> None:
+        """End a lease: unpin, count the hits the engine got, drop locations that failed."""
+        handles = self._leases.pop(lease)
+        self.index.unpin(handles)
+        self.hit_pages.update(hits_by_tier)
+        self.bytes_between_nodes += bytes_between_nodes
+        for node_id, keys in lost.items():
+            self.lost_pages += self._forget(node_id, keys)
+        for handle in [h for h in self._doomed if self.index.pins[h] == 0]:
+            self._doomed.discard(handle)
+            self.index.remove(handle)
+
+    def commit(self, keys: Sequence[int], nodes: Sequence[str], depths: Sequence[int],
+               dropped: Mapping[str, Sequence[int]]) -> None:
+        """Publish pages stores now hold; forget the ones stores report evicted."""
+        for node_id, gone in dropped.items():
+            self._forget(node_id, gone)
+        for key, node_id, depth in zip(keys, nodes, depths):
+            if key not in self.index and node_id in self._node_ix:
+                self.index.add(key, Tier.HOST, 0, 0, depth=depth, node=self._node_ix[node_id])
+
+    def _forget(self, node_id: str, keys: Sequence[int]) -> int:
+        ix = self._node_ix.get(node_id, NO_NODE)
+        forgotten = 0
+        for key in keys:
+            handle = self.index.handle_of(key)
+            if handle is not None and handle not in self._doomed and self.index.node[handle] == ix:
+                self._drop(handle)
+                forgotten += 1
+        return forgotten
+
+    # -- state ----------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        hits = sum(self.hit_pages.values())
+        snap = {
+            "nodes": list(self.stores),
+            "indexed_pages": len(self.index),
+            "index_bytes": self.index.memory_bytes(),
+            "lookups": self.lookups,
+            "lookup_pages": self.lookup_pages,
+            "page_hit_rate": hits / self.lookup_pages if self.lookup_pages else 0.0,
+            "hit_pages_by_tier": dict(self.hit_pages),
+            "bytes_between_nodes": self.bytes_between_nodes,
+            "lost_pages": self.lost_pages,
+            "open_leases": len(self._leases),
+        }
+        export_cluster_stats(snap)
+        return snap
+
+    def status(self, timeout_s: float = 10.0) -> dict:
+        """Cluster snapshot plus every live store's tier stats (metadata calls only)."""
+        refs = {node: store.stats.remote() for node, store in self.stores.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        per_node = {}
+        for node, ref in refs.items():
+            try:
+                per_node[node] = ray.get(ref) if ref in ready else {"error": "no answer"}
+            except ray.exceptions.RayError as exc:
+                per_node[node] = {"error": type(exc).__name__}
+        return {"cluster": self.snapshot(), "stores": per_node}
+
+
+ControllerActor = ray.remote(max_restarts=0)(Controller)
