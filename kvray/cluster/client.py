@@ -45,7 +45,7 @@ from kvray.keys import ModelFingerprint
 from kvray.tiers import Tier
 
 REMOTE = Tier.REMOTE.label
-STORE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
+STORE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
 
 
 @dataclass
@@ -128,8 +128,8 @@ class KvrayClient:
         pending = [(run, self._start_run(keys, run)) for run in runs]
         loaded = Loaded(0)
         complete = True
-        for run, (path, ref, fetched) in pending:
-            got, by_tier = self._finish_run(run, path, ref, fetched)
+        for run, (path, ref) in pending:
+            got, by_tier = self._finish_run(run, path, ref)
             if complete:
                 for tier, n in by_tier.items():
                     loaded.by_tier[tier] = loaded.by_tier.get(tier, 0) + n
@@ -150,21 +150,22 @@ class KvrayClient:
         return "collective" if collective_ok and nbytes >= self.config.collective_min_bytes else "object_store"
 
     def _start_run(self, keys: Sequence[int], run: _Run):
-        """Launch one run's transfer; returns (path, ref, extra ref to keep alive)."""
+        """Launch one run's transfer; returns (path, ref)."""
         path = self._path(run)
         sub = list(keys[run.start : run.stop])
         store = self.stores.get(run.node)
         if store is None:
-            return path, None, None
+            return path, None
         if path == "local":
-            return path, store.read_into.remote(sub, self.buffer.name, self.buffer.capacity, list(range(run.start, run.stop))), None
+            return path, store.read_into.remote(sub, self.buffer.name, self.buffer.capacity, list(range(run.start, run.stop)))
         if path == "collective":
-            send = store.send_pages.remote(sub, self.ranks[self.node_id])
-            recv = self.local_store.recv_into.remote(self.buffer.name, self.buffer.capacity, run.start, self.ranks[run.node])
-            return path, recv, send
-        return path, store.get_pages.remote(sub), None
+            pull = self.local_store.pull.remote(
+                sub, store, self.ranks[run.node], self.buffer.name, self.buffer.capacity, run.start
+            )
+            return path, pull
+        return path, store.get_pages.remote(sub)
 
-    def _finish_run(self, run: _Run, path: str, ref, extra) -> tuple[int, dict[str, int]]:
+    def _finish_run(self, run: _Run, path: str, ref) -> tuple[int, dict[str, int]]:
         if ref is None:
             return 0, {}
         try:
@@ -172,7 +173,6 @@ class KvrayClient:
                 return ray.get(ref, timeout=self.timeout_s)
             if path == "collective":
                 got = ray.get(ref, timeout=self.timeout_s)
-                ray.get(extra, timeout=self.timeout_s)
                 return got, {REMOTE: got}
             pages = ray.get(ref, timeout=self.timeout_s)
             self.buffer.pages[run.start : run.start + len(pages)] = pages

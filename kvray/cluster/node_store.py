@@ -6,8 +6,9 @@ node's device, host and disk pools. Engines on the same node hand it a
 call each (``read_into`` / ``write_from``): the store copies between its slots and the
 buffer, so page bytes never pass through Ray. Other nodes reach its pages through the
 object store (``get_pages`` returns one ``[n, page_nbytes]`` array, which Ray keeps in the
-object store and hands over zero-copy) or through the collective path (``send_pages`` to
-a peer's ``recv_into``).
+object store and hands over zero-copy) or through the collective path (a peer's
+``pull`` asks this store to ``send_pages`` and receives them straight into its engine's
+landing buffer).
 
 Every page that leaves this store (evicted past the last tier, corrupt) is remembered and
 reported with the next write, so the controller's index never keeps it for long. A store
@@ -51,6 +52,7 @@ class NodeStore:
         self.store.manager.page_dropped = self._on_drop
         self._buffers: dict[str, LandingBuffer] = {}
         self._rank: int | None = None
+        self._peer_locks: dict[int, threading.Lock] = {}
         self.sent_bytes = 0
         self.received_bytes = 0
         context = ray.get_runtime_context()
@@ -125,7 +127,10 @@ class NodeStore:
         return rank
 
     def send_pages(self, keys: Sequence[int], dst_rank: int) -> int:
-        """Send the cached prefix of ``keys`` to ``dst_rank``: a page count, then the pages."""
+        """Send the cached prefix of ``keys`` to ``dst_rank``: a page count, then the pages.
+
+        Only a peer's :meth:`pull` calls this, so sends to one peer never interleave.
+        """
         from ray.util import collective
 
         _, pages = self.store.get_pages(keys)
@@ -135,16 +140,23 @@ class NodeStore:
         self.sent_bytes += pages.nbytes
         return len(pages)
 
-    def recv_into(self, buffer: str, capacity: int, offset: int, src_rank: int) -> int:
-        """Receive pages from ``src_rank`` straight into buffer pages ``offset..``."""
+    def pull(self, keys: Sequence[int], source, src_rank: int, buffer: str, capacity: int, offset: int) -> int:
+        """Have ``source`` send the cached prefix of ``keys`` and receive it into buffer rows ``offset..``.
+
+        One pull per source at a time (a lock per peer): gloo matches sends and receives
+        of a pair in order, so two transfers between the same pair must not overlap.
+        """
         from ray.util import collective
 
-        count = torch.zeros(1, dtype=torch.int64)
-        collective.recv(count, src_rank, COLLECTIVE_GROUP)
-        n = int(count.item())
-        if n:
-            pages = self._buffer(buffer, capacity).pages[offset : offset + n]
-            collective.recv(torch.from_numpy(pages), src_rank, COLLECTIVE_GROUP)
+        with self._peer_locks.setdefault(src_rank, threading.Lock()):
+            sent = source.send_pages.remote(list(keys), self._rank)
+            count = torch.zeros(1, dtype=torch.int64)
+            collective.recv(count, src_rank, COLLECTIVE_GROUP)
+            n = int(count.item())
+            if n:
+                pages = self._buffer(buffer, capacity).pages[offset : offset + n]
+                collective.recv(torch.from_numpy(pages), src_rank, COLLECTIVE_GROUP)
+            ray.get(sent)
         self.received_bytes += n * self.page_nbytes
         return n
 
