@@ -14,6 +14,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from kvray.config import PageLayout, StoreConfig, TierSizes, _Frozen
+from kvray.errors import PolicyError
+from kvray.policy import make_policy
 
 # The default page: 512 tokens (one Mooncake trace block) of a 2-layer slice of a
 # Qwen2.5-0.5B-shaped KV (2 KV heads, head dim 64, fp16): 512 KiB, small enough that a
@@ -54,6 +56,14 @@ class RuntimeConfig(_Frozen):
     local_pages_limit: int | None = Field(default=None, ge=0)
     max_request_pages: int = Field(default=256, gt=0)
     store_resources: dict[str, float] = {}
+
+    @model_validator(mode="after")
+    def _known_policy(self) -> RuntimeConfig:
+        try:
+            make_policy(self.policy)
+        except PolicyError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
     @model_validator(mode="after")
     def _fits(self) -> RuntimeConfig:
