@@ -61,16 +61,21 @@ def benchmark(name: str) -> Callable[[Bench], Bench]:
     return register
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` unmeasured runs."""
+def paired_medians(
+    kvray: Callable[[], object], baseline: Callable[[], object], repeats: int, warmup: int = 1
+) -> tuple[float, float]:
+    """Median wall times of ``kvray`` and ``baseline``, run alternately so that both see
+    the same machine state (other load, caches, frequency) and their ratio is fair."""
     for _ in range(warmup):
-        fn()
-    times = []
+        kvray()
+        baseline()
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, sink in ((kvray, times[0]), (baseline, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            sink.append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def run_benchmarks(only: list[str], quick: bool, progress: bool) -> list[BenchResult]:

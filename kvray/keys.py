@@ -79,11 +79,8 @@ def page_keys(
     step = page * TOKEN_DTYPE.itemsize
     prev = fingerprint.seed_key(salt)
     keys: list[int] = []
-    hasher = xxhash.xxh3_128()
+    digest, to_int = xxhash.xxh3_128_digest, int.from_bytes
     for start in range(0, (arr.size // page) * step, step):
-        hasher.reset()
-        hasher.update(prev)
-        hasher.update(data[start : start + step])
-        prev = hasher.digest()
-        keys.append(int.from_bytes(prev, "little"))
+        prev = digest(prev + data[start : start + step])
+        keys.append(to_int(prev, "little"))
     return keys

@@ -4,12 +4,16 @@ Verbs (the shape of vLLM's offloading manager):
 
 - ``lookup(keys)``: the longest cached prefix, with each page's tier, slot and checksum.
 - ``pin`` / ``unpin``: protect pages being read; a pinned page is never evicted or moved.
+- ``keep`` / ``release``: a lighter guard for pages that must not be *dropped* while a
+  store or move builds on them; they may still be demoted.
 - ``touch(handles)``: record a hit (heat, recency) and tell the policy.
 - ``reserve(tier, mover)``: a free slot in ``tier``, evicting by the policy if needed.
   Eviction demotes the victim to the tier the policy names, as a two-phase move
   (:meth:`relocate`), or drops it.
 - ``complete_store`` / ``abort_store``: publish a page written into a reserved slot, or
-  give the slot back.
+  give the slot back. A page is published under its parent (the previous page of its
+  request), which keeps the index prefix-closed; ``drop`` removes a page's descendants
+  with it.
 - ``relocate(handle, tier, mover)``: reserve at the destination, let ``mover`` copy and
   verify, then publish the new location and only then free the source. If the copy
   fails the page stays where it was.
@@ -21,6 +25,7 @@ same manager, index, slot accounting and policy (DESIGN.md, seam 2).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -53,9 +58,10 @@ class CacheManager:
 
     Example::
 
+        from kvray.index import ROOT
         manager = CacheManager({Tier.HOST: 2, Tier.DISK: 8}, LRUPolicy())
         slot = manager.reserve(Tier.HOST, mover=lambda *move: None)
-        manager.complete_store(key=1, tier=Tier.HOST, slot=slot, checksum=0)
+        manager.complete_store(key=1, tier=Tier.HOST, slot=slot, checksum=0, parent=ROOT)
         manager.lookup([1, 2]).tiers        # array([1]): page 1 is on the host tier
     """
 
@@ -75,6 +81,7 @@ class CacheManager:
         self.metrics = CacheMetrics(page_nbytes=page_nbytes)
         self.slot_freed: Callable[[Tier, int], None] = lambda tier, slot: None
         self.page_dropped: Callable[[int], None] = lambda key: None  # a key left this cache
+        self._kept: Counter[int] = Counter()
 
     @property
     def tiers(self) -> list[Tier]:
@@ -102,6 +109,14 @@ class CacheManager:
     def unpin(self, handles: np.ndarray) -> None:
         self.index.unpin(handles)
 
+    def keep(self, handle: int) -> None:
+        self._kept[handle] += 1
+
+    def release(self, handle: int) -> None:
+        self._kept[handle] -= 1
+        if not self._kept[handle]:
+            del self._kept[handle]
+
     def touch(self, handles: np.ndarray) -> None:
         self.index.touch(handles)
         self.policy.on_access(handles)
@@ -112,32 +127,43 @@ class CacheManager:
         return tier if tier in self.slots else None
 
     def reserve(self, tier: Tier, mover: Mover) -> int | None:
-        """A free slot of ``tier``; evicts by the policy until one frees. None if all pinned."""
+        """A free slot of ``tier``; evicts by the policy until one frees. None if none can leave."""
         allocator = self.slots[tier]
         slot = allocator.alloc()
-        while slot is None:
-            victim = self.policy.victim(tier)
-            if victim is None:
-                return None
-            self.evict(victim, mover)
-            slot = allocator.alloc()
+        refused: list[int] = []  # victims that could not leave; pinned so the policy skips them
+        try:
+            while slot is None:
+                victim = self.policy.victim(tier)
+                if victim is None:
+                    return None
+                if self.evict(victim, mover):
+                    slot = allocator.alloc()
+                else:
+                    self.index.pin(np.array([victim]))
+                    refused.append(victim)
+        finally:
+            self.index.unpin(np.array(refused, dtype=np.int64))
         return slot
 
-    def evict(self, handle: int, mover: Mover) -> None:
-        """Demote ``handle`` where the policy says, or drop it when that is impossible."""
+    def evict(self, handle: int, mover: Mover) -> bool:
+        """Demote ``handle`` where the policy says, else drop it (with its descendants).
+
+        False when neither is possible (a descendant is pinned): the page stays.
+        """
         src = Tier(int(self.index.tier[handle]))
         dst = self.policy.demote_target(handle, src)
-        if dst is None or dst not in self.slots or not self.relocate(handle, dst, mover):
-            self.drop(handle)
+        if dst is not None and dst in self.slots and self.relocate(handle, dst, mover):
+            return True
+        return self.drop(handle) > 0
 
     def relocate(self, handle: int, dst: Tier, mover: Mover) -> bool:
         """Two-phase move of one page; False (page untouched at its source) on failure."""
         src, src_slot = Tier(int(self.index.tier[handle])), int(self.index.slot[handle])
-        self.index.pin(np.array([handle]))  # the source must survive making room below
+        self.keep(handle)  # the source must survive making room below
         try:
             dst_slot = self.reserve(dst, mover)
         finally:
-            self.index.unpin(np.array([handle]))
+            self.release(handle)
         if dst_slot is None:
             return False
         try:
@@ -161,23 +187,36 @@ class CacheManager:
                 self.relocate(handle, dst, mover)
 
     # -- writes --------------------------------------------------------------------------
-    def complete_store(self, key: int, tier: Tier, slot: int, checksum: int, depth: int = 0) -> int:
-        handle = self.index.add(key, tier, slot, checksum, depth)
-        self.policy.on_insert(handle, tier)
+    def complete_store(self, key: int, tier: Tier, slot: int, checksum: int, *, parent: int, depth: int = 0) -> int:
+        """Publish a page written into a reserved slot, under its ``parent`` handle (or ``index.ROOT``)."""
+        handle = self.restore(key, tier, slot, checksum, parent=parent, depth=depth)
         self.metrics.stored_pages += 1
+        return handle
+
+    def restore(self, key: int, tier: Tier, slot: int, checksum: int, *, parent: int, depth: int = 0) -> int:
+        """Publish a page found already in place (a disk tier after a restart)."""
+        handle = self.index.add(key, tier, slot, checksum, parent=parent, depth=depth)
+        self.policy.on_insert(handle, tier)
         return handle
 
     def abort_store(self, tier: Tier, slot: int) -> None:
         self._free(tier, slot)
 
-    def drop(self, handle: int) -> None:
-        """Forget a page and free its slot (eviction, corruption, a lost node)."""
-        tier, slot = Tier(int(self.index.tier[handle])), int(self.index.slot[handle])
-        self.policy.on_remove(handle, tier)
-        key = self.index.remove(handle)
-        self._free(tier, slot)
-        self.metrics.evicted_pages += 1
-        self.page_dropped(key)
+    def drop(self, *handles: int) -> int:
+        """Forget pages and their descendants, freeing their slots (eviction, corruption,
+        a lost node). Returns how many pages went; 0 if any of them is pinned or kept."""
+        index = self.index
+        doomed = index.subtree(handles) if index.has_children(handles).any() else list(handles)
+        if (index.pins[doomed] > 0).any() or any(h in self._kept for h in doomed):
+            return 0
+        for handle in doomed:
+            tier, slot = Tier(int(index.tier[handle])), int(index.slot[handle])
+            self.policy.on_remove(handle, tier)
+            key = index.remove(handle)
+            self._free(tier, slot)
+            self.page_dropped(key)
+        self.metrics.evicted_pages += len(doomed)
+        return len(doomed)
 
     def _free(self, tier: Tier, slot: int) -> None:
         self.slots[tier].free(slot)

@@ -3,15 +3,17 @@
 A page is ``page_nbytes`` raw bytes; :func:`page_view` reinterprets those bytes, without a
 copy, as a tensor of :attr:`PageLayout.page_shape`. Engines hand kvray the KV of a request
 as one tensor ``[layers, 2, tokens, kv_heads, head_dim]``; :func:`check_request_kv`
-validates it once, and storing or loading page ``i`` is then a single strided copy between
-the request tensor's token slice and a page view of the slot's memory (no staging buffer).
+validates it once, and a page then moves as the byte runs it is made of in that tensor
+(:func:`page_chunks`): one copy per run into a slot, or one ``pwritev``, no staging buffer.
+The host data plane works on numpy byte views, which cost a fraction of a microsecond to
+slice, where torch ops cost several: that keeps per-page overhead small next to the copy.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import xxhash
 import torch
+import xxhash
 
 from kvray.config import PageLayout
 from kvray.errors import LayoutError
@@ -56,8 +58,67 @@ def token_slice(layout: PageLayout, kv: torch.Tensor, page_index: int) -> torch.
     return kv[:, :, start : start + layout.page_tokens]
 
 
-def checksum(page: torch.Tensor | np.ndarray) -> int:
-    """xxh3-64 of a page's bytes: what stored pages carry and every verified read checks."""
-    if isinstance(page, torch.Tensor):
-        page = page.detach().cpu().contiguous().view(torch.uint8).numpy()
-    return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(page)).cast("B"))
+def request_bytes(kv: torch.Tensor) -> np.ndarray:
+    """A request's KV ``[layers, 2, tokens, ...]`` as host bytes ``[layers, 2, tokens, row_bytes]``.
+
+    A view when ``kv`` is a contiguous CPU tensor (the usual case); a copy otherwise.
+    """
+    host = kv.detach().cpu().contiguous()
+    row_bytes = host[0, 0, 0].numel() * host.element_size() if host.shape[2] else 0
+    return host.view(torch.uint8).numpy().reshape(host.shape[0], host.shape[1], host.shape[2], row_bytes)
+
+
+def page_chunks(layout: PageLayout, kv_bytes: np.ndarray, page_index: int) -> list[np.ndarray]:
+    """Page ``page_index`` of a request (see :func:`request_bytes`) as its ``2 * layers`` byte runs.
+
+    In ``[layers, 2, tokens, kv_heads, head_dim]`` the tokens of one page form one
+    contiguous run per (layer, K/V); concatenated, the runs are exactly the page's bytes.
+    Tiers copy or ``pwritev``/``preadv`` these runs directly: no staging buffer.
+    """
+    start = page_index * layout.page_tokens
+    end = start + layout.page_tokens
+    return [kv_bytes[layer, kind, start:end].reshape(-1) for layer in range(layout.layers) for kind in (0, 1)]
+
+
+def slot_runs(slot: np.ndarray | torch.Tensor, chunks: list[np.ndarray]) -> list:
+    """A slot's bytes split into runs the sizes of ``chunks``."""
+    runs, offset = [], 0
+    for chunk in chunks:
+        runs.append(slot[offset : offset + chunk.size])
+        offset += chunk.size
+    return runs
+
+
+def copy_bytes(dst: np.ndarray | torch.Tensor, src: np.ndarray | torch.Tensor) -> None:
+    """Copy flat uint8 bytes: numpy on the host (a plain memcpy, free of torch's thread
+    pool stalls on a busy machine), torch when one side lives on an accelerator."""
+    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        as_tensor = lambda x: torch.from_numpy(x) if isinstance(x, np.ndarray) else x  # noqa: E731
+        as_tensor(dst).copy_(as_tensor(src))
+
+
+def checksum(chunks: list[np.ndarray]) -> int:
+    """xxh3-64 of a page given as host byte runs: what stored pages carry and reads check."""
+    hasher = xxhash.xxh3_64()
+    for chunk in chunks:
+        hasher.update(chunk)
+    return hasher.intdigest()
+
+
+def transfer(chunks: list[np.ndarray], runs: list, into_slot: bool) -> int:
+    """Copy a page between the caller's host ``chunks`` and a slot's ``runs``; return the
+    checksum of the bytes moved.
+
+    Each run is hashed right after its copy, while it is still in cache, so a page
+    crosses the memory bus once: storing and verifying cost little more than a memcpy.
+    """
+    hasher = xxhash.xxh3_64()
+    for chunk, run in zip(chunks, runs):
+        if into_slot:
+            copy_bytes(run, chunk)
+        else:
+            copy_bytes(chunk, run)
+        hasher.update(chunk)
+    return hasher.intdigest()

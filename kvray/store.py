@@ -9,16 +9,23 @@ plane (the tier pools holding bytes). Its verbs work on whole requests:
 - ``load(tokens)``: the KV of the longest cached prefix, checksum-verified.
 - ``put_pages`` / ``get_pages``: the same by keys and raw page bytes, for the runtime's
   transfers between nodes (pages travel with their model fingerprint).
+- ``read_pages(keys, targets)``: the primitive under ``load`` and ``get_pages``, for
+  engines with their own cache layout (vLLM's paged blocks): it scatters each page into
+  the byte runs the caller names.
 
-Pages read are pinned until copied out; a page that fails its checksum is counted,
-dropped and never returned, so a load yields a shorter prefix, never wrong KV. A request
-whose input is invalid raises before anything stored is touched.
+A page moves as the list of contiguous byte runs it is made of in the caller's memory
+(:func:`kvray.pages.page_chunks`), so storing or loading is one copy (memory tiers) or one
+``pwritev``/``preadv`` (disk) per page, with its checksum. Pages read are pinned until
+copied out; a page that fails its checksum is counted, dropped (with its descendants) and
+never returned, so a load yields a shorter prefix, never wrong KV. A request whose input
+is invalid raises before anything stored is touched.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,14 +33,16 @@ import numpy as np
 import torch
 
 from kvray.config import StoreConfig
-from kvray.errors import FingerprintMismatch, LayoutError, RequestError, StorageError
+from kvray.errors import FingerprintMismatch, LayoutError, StorageError
+from kvray.index import ROOT
 from kvray.keys import ModelFingerprint, as_token_array, page_keys
-from kvray.manager import CacheManager, Match
-from kvray.pages import check_request_kv, checksum, page_view, token_slice, torch_dtype
+from kvray.manager import CacheManager
+from kvray.pages import check_request_kv, checksum, copy_bytes, page_chunks, request_bytes, slot_runs, torch_dtype, transfer
 from kvray.policy import PageContext, PlacementPolicy, make_policy
-from kvray.tiers import DevicePool, DiskPool, HostPool, Tier
+from kvray.tiers import DevicePool, DiskPool, HostPool, StoredPage, Tier
 
-PageSink = Callable[[int, torch.Tensor], None]
+Chunks = list[np.ndarray]  # flat uint8 host arrays whose concatenation is one page
+ChunkSource = Callable[[int], Chunks]  # page index within the request -> its chunks
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,7 @@ class PageStore:
             self.pools[Tier.DEVICE] = DevicePool(sizes.device, nbytes)
         if sizes.host:
             self.pools[Tier.HOST] = HostPool(sizes.host, nbytes, shared_name=config.host_shared_memory)
-        recovered = []
+        recovered: list[StoredPage] = []
         if sizes.disk:
             disk = DiskPool(config.disk_dir, sizes.disk, nbytes, self.fingerprint.digest, fsync=config.disk_fsync)
             self.pools[Tier.DISK] = disk
@@ -78,13 +87,24 @@ class PageStore:
             page_nbytes=nbytes,
             used_slots={Tier.DISK: [p.slot for p in recovered]},
         )
-        for page in recovered:
-            self.manager.index.add(page.key, Tier.DISK, page.slot, page.checksum)
-            self.manager.policy.on_insert(self.manager.index.handle_of(page.key), Tier.DISK)
         self.manager.slot_freed = self._slot_freed
         self.metrics = self.manager.metrics
-        self._staging = np.empty(nbytes, dtype=np.uint8)
         self._lock = threading.RLock()
+        self._recover(recovered)
+
+    def _recover(self, pages: list[StoredPage]) -> None:
+        """Re-index pages found on disk, parents first; free those whose parent is gone."""
+        children: dict[int | None, list[StoredPage]] = defaultdict(list)
+        for page in pages:
+            children[page.parent_key].append(page)
+        stack = [(page, ROOT) for page in children.pop(None, [])]
+        while stack:
+            page, parent = stack.pop()
+            handle = self.manager.restore(page.key, Tier.DISK, page.slot, page.checksum, parent=parent)
+            stack.extend((child, handle) for child in children.pop(page.key, []))
+        for orphans in children.values():
+            for page in orphans:
+                self.manager.abort_store(Tier.DISK, page.slot)
 
     # -- keys ----------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray, salt: str = "") -> list[int]:
@@ -95,59 +115,69 @@ class PageStore:
         """Leading tokens of ``tokens`` whose KV is cached (counts as a lookup, moves nothing)."""
         keys = self.keys(tokens, salt)
         with self._lock:
-            return len(self.manager.lookup(keys)) * self.layout.page_tokens
+            return self.manager.index.match(keys) * self.layout.page_tokens
 
     def store(self, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor, salt: str = "", priority: int = 0) -> int:
         """Keep the KV of each full page of ``tokens`` that is not cached yet; returns pages stored."""
         arr = as_token_array(tokens, self.config.max_request_tokens)
         check_request_kv(self.layout, kv, arr.size)
-        keys = self.keys(arr, salt)
-        return self._store_pages(keys, lambda i, dst: dst.copy_(token_slice(self.layout, kv, i)), priority)
+        kv_bytes = request_bytes(kv)
+        return self._store_pages(self.keys(arr, salt), lambda i: page_chunks(self.layout, kv_bytes, i), priority)
 
     def load(
         self, tokens: Sequence[int] | np.ndarray, salt: str = "", out: torch.Tensor | None = None
     ) -> LoadResult:
         """KV of the longest cached prefix of ``tokens``, every page checksum-verified.
 
-        ``out`` (shape ``[layers, 2, >=tokens, kv_heads, head_dim]``) receives the KV in
-        place; otherwise a new tensor is returned.
+        ``out`` (contiguous ``[layers, 2, >=tokens, kv_heads, head_dim]``) receives the KV
+        in place; otherwise a new tensor is returned.
         """
         keys = self.keys(tokens, salt)
-        page = self.layout.page_tokens
+        tokens_wanted = len(keys) * self.layout.page_tokens
         if out is None:
-            out = torch.empty(self.layout.request_shape(len(keys) * page), dtype=torch_dtype(self.layout))
-        elif out.dtype != torch_dtype(self.layout) or out.dim() != 5 or out.shape[2] < len(keys) * page:
-            raise LayoutError(f"out tensor {tuple(out.shape)} {out.dtype} cannot hold {len(keys) * page} tokens")
-        got, by_tier = self.read_pages(keys, lambda i, src: token_slice(self.layout, out, i).copy_(src))
-        return LoadResult(got * page, out[:, :, : got * page], by_tier)
+            out = torch.empty(self.layout.request_shape(tokens_wanted), dtype=torch_dtype(self.layout))
+        elif (
+            out.dtype != torch_dtype(self.layout)
+            or tuple(out.shape[:2]) + tuple(out.shape[3:]) != self.layout.request_shape(0)[:2] + self.layout.request_shape(0)[3:]
+            or out.shape[2] < tokens_wanted
+            or not out.is_contiguous()
+        ):
+            raise LayoutError(
+                f"out tensor {tuple(out.shape)} {out.dtype} cannot hold {tokens_wanted} tokens of layout "
+                f"{self.layout.request_shape(tokens_wanted)} {self.layout.dtype} (contiguous)"
+            )
+        if out.device.type != "cpu":
+            raise LayoutError(f"out tensor must be in host memory, got {out.device}")
+        out_bytes = request_bytes(out)
+        got, by_tier = self.read_pages(keys, lambda i: page_chunks(self.layout, out_bytes, i))
+        return LoadResult(got * self.layout.page_tokens, out[:, :, : got * self.layout.page_tokens], by_tier)
 
     # -- page verbs (runtime transfers) --------------------------------------------------
     def put_pages(self, keys: Sequence[int], pages: np.ndarray, fingerprint: bytes) -> int:
-        """Store raw pages (``[n, page_nbytes]`` uint8) under ``keys``; returns pages stored."""
+        """Store raw pages (``[n, page_nbytes]`` uint8) of one chain of ``keys``; returns pages stored."""
         if fingerprint != self.fingerprint.digest:
             raise FingerprintMismatch(
                 f"pages carry model fingerprint {fingerprint.hex()}, this store holds {self.fingerprint.hex}"
             )
-        pages = np.asarray(pages)
+        pages = np.ascontiguousarray(pages)
         if pages.dtype != np.uint8 or pages.shape != (len(keys), self.layout.page_nbytes):
             raise LayoutError(
                 f"pages must be uint8 [{len(keys)}, {self.layout.page_nbytes}], got {pages.dtype} {pages.shape}"
             )
-        tensor = torch.from_numpy(pages)
-        return self._store_pages(list(keys), lambda i, dst: dst.view(torch.uint8).view(-1).copy_(tensor[i]))
+        return self._store_pages(list(keys), lambda i: [pages[i]])
 
     def get_pages(self, keys: Sequence[int]) -> tuple[list[int], np.ndarray]:
         """Raw bytes of the longest cached, verified prefix of ``keys``: (keys found, pages)."""
         out = np.empty((len(keys), self.layout.page_nbytes), dtype=np.uint8)
-        target = torch.from_numpy(out)
-        got, _ = self.read_pages(keys, lambda i, src: target[i].copy_(src.reshape(-1).view(torch.uint8)))
+        got, _ = self.read_pages(keys, lambda i: [out[i]])
         return list(keys[:got]), out[:got]
 
     # -- the two paths every verb goes through -------------------------------------------
-    def read_pages(self, keys: Sequence[int], sink: PageSink) -> tuple[int, dict[str, int]]:
-        """Pin the cached prefix, verify and hand each page (a view) to ``sink``; unpin.
+    def read_pages(self, keys: Sequence[int], targets: ChunkSource) -> tuple[int, dict[str, int]]:
+        """Pin the cached prefix of ``keys``, scatter each verified page into ``targets(i)``, unpin.
 
-        Returns the number of leading pages delivered; a corrupt page ends the prefix.
+        Returns the number of leading pages delivered and their count per tier; a page
+        that fails verification ends the prefix and is dropped.
         """
         with self._lock:
             match = self.manager.lookup(keys)
@@ -156,88 +186,94 @@ class PageStore:
         t0 = time.perf_counter()
         try:
             for i in range(len(match)):
-                if not self._deliver(match, i, sink):
+                tier, slot, expected = Tier(int(match.tiers[i])), int(match.slots[i]), int(match.checksums[i])
+                if not self._read_page(tier, slot, expected, targets(i)):
                     break
                 delivered += 1
         finally:
             with self._lock:
                 self.manager.unpin(match.handles)
                 if delivered < len(match):
-                    self._drop_corrupt(int(match.handles[delivered]))
+                    self.metrics.corrupt_pages += 1
+                    self.manager.drop(int(match.handles[delivered]))
                 self.manager.touch(match.handles[:delivered])
                 self.manager.promote(match.handles[:delivered], self._move)
                 self.metrics.observe("load", time.perf_counter() - t0)
-        by_tier: dict[str, int] = {}
-        for tier in match.tiers[:delivered].tolist():
-            by_tier[Tier(tier).label] = by_tier.get(Tier(tier).label, 0) + 1
-        return delivered, by_tier
+        labels, counts = np.unique(match.tiers[:delivered], return_counts=True)
+        return delivered, {Tier(int(t)).label: int(n) for t, n in zip(labels, counts)}
 
-    def _deliver(self, match: Match, i: int, sink: PageSink) -> bool:
-        tier, slot, expected = Tier(int(match.tiers[i])), int(match.slots[i]), int(match.checksums[i])
-        raw = self._read_slot(tier, slot, self._staging if tier == Tier.DISK else None)
-        if raw is None or ((tier == Tier.DISK or self.config.verify_reads) and checksum(raw) != expected):
-            return False
-        sink(i, page_view(self.layout, raw))
-        return True
-
-    def _read_slot(self, tier: Tier, slot: int, staging: np.ndarray | None) -> torch.Tensor | None:
-        pool = self.pools[tier]
-        if isinstance(pool, DiskPool):
-            stored = pool.read_into(slot, staging)
-            return torch.from_numpy(staging) if stored is not None else None
-        return pool.view(slot)
-
-    def _drop_corrupt(self, handle: int) -> None:
-        self.metrics.corrupt_pages += 1
-        if self.manager.index.pins[handle] == 0:
-            self.manager.drop(handle)
-
-    def _store_pages(self, keys: list[int], fill: PageSink, priority: int = 0) -> int:
+    def _store_pages(self, keys: list[int], sources: ChunkSource, priority: int = 0) -> int:
+        """Store the pages of one chain in order; stop at the first page not kept, since
+        its descendants could never be matched."""
         stored = 0
+        parent = ROOT
         t0 = time.perf_counter()
         with self._lock:
             for i, key in enumerate(keys):
-                if key in self.manager.index:
-                    continue
-                tier = self.manager.admit(PageContext(depth=i, request_pages=len(keys), priority=priority))
-                slot = None if tier is None else self.manager.reserve(tier, self._move)
-                if slot is None:
-                    continue  # not kept: the policy declined or every page of the tier is pinned
-                try:
-                    digest = self._write_slot(tier, slot, key, fill, i)
-                except StorageError:
-                    self.manager.abort_store(tier, slot)
-                    raise
-                self.manager.complete_store(key, tier, slot, digest, depth=i)
-                stored += 1
+                handle = self.manager.index.handle_of(key)
+                if handle is None:
+                    handle = self._store_one(i, key, parent, len(keys), sources, priority)
+                    if handle is None:
+                        break
+                    stored += 1
+                parent = handle
             self.metrics.observe("store", time.perf_counter() - t0)
         return stored
 
-    def _write_slot(self, tier: Tier, slot: int, key: int, fill: PageSink, i: int) -> int:
+    def _store_one(self, i: int, key: int, parent: int, pages: int, sources: ChunkSource, priority: int) -> int | None:
+        """Reserve, write and publish one page. Its parent is kept meanwhile, so making
+        room never drops the chain it is joining."""
+        tier = self.manager.admit(PageContext(depth=i, request_pages=pages, priority=priority))
+        if tier is None:
+            return None
+        if parent != ROOT:
+            self.manager.keep(parent)
+        try:
+            slot = self.manager.reserve(tier, self._move)
+            if slot is None:
+                return None  # nothing in the tier can leave
+            parent_key = None if parent == ROOT else self.manager.index.key_of(parent)
+            try:
+                digest = self._write_page(tier, slot, key, parent_key, sources(i))
+            except StorageError:
+                self.manager.abort_store(tier, slot)
+                raise
+        finally:
+            if parent != ROOT:
+                self.manager.release(parent)
+        return self.manager.complete_store(key, tier, slot, digest, parent=parent, depth=i)
+
+    # -- data plane ----------------------------------------------------------------------
+    def _write_page(self, tier: Tier, slot: int, key: int, parent_key: int | None, chunks: Chunks) -> int:
         pool = self.pools[tier]
         if isinstance(pool, DiskPool):
-            staging = torch.from_numpy(self._staging)
-            fill(i, page_view(self.layout, staging))
-            digest = checksum(self._staging)
-            pool.write(slot, key, self._staging, digest)
+            digest = checksum(chunks)
+            pool.write(slot, key, parent_key, chunks, digest)
             return digest
-        view = pool.view(slot)
-        fill(i, page_view(self.layout, view))
-        return checksum(view)
+        return transfer(chunks, slot_runs(pool.view(slot), chunks), into_slot=True)
+
+    def _read_page(self, tier: Tier, slot: int, expected: int, chunks: Chunks) -> bool:
+        pool = self.pools[tier]
+        if isinstance(pool, DiskPool):
+            stored = pool.read_into(slot, chunks)
+            return stored is not None and stored.checksum == expected and checksum(chunks) == expected
+        runs = slot_runs(pool.view(slot), chunks)
+        if not self.config.verify_reads:
+            for chunk, run in zip(chunks, runs):
+                copy_bytes(chunk, run)
+            return True
+        return transfer(chunks, runs, into_slot=False) == expected
 
     def _move(self, handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:
-        """Data-plane half of a two-phase move: copy, verify, and leave the source intact."""
+        """Data-plane half of a two-phase move: copy and verify; the source stays intact."""
         t0 = time.perf_counter()
-        key = self.manager.index.key_of(handle)
-        expected = int(self.manager.index.checksum[handle])
-        raw = self._read_slot(src, src_slot, np.empty(self.layout.page_nbytes, dtype=np.uint8))
-        if raw is None or checksum(raw) != expected:
+        index = self.manager.index
+        key, expected = index.key_of(handle), int(index.checksum[handle])
+        buffer = np.empty(self.layout.page_nbytes, dtype=np.uint8)
+        if not self._read_page(src, src_slot, expected, [buffer]):
             raise StorageError(f"{src.label} tier: page {key:#x} failed verification before its move")
-        dst_pool = self.pools[dst]
-        if isinstance(dst_pool, DiskPool):
-            dst_pool.write(dst_slot, key, raw.cpu().numpy(), expected)
-        else:
-            dst_pool.view(dst_slot).copy_(raw)
+        parent = int(index.parent[handle])
+        self._write_page(dst, dst_slot, key, None if parent == ROOT else index.key_of(parent), [buffer])
         self.metrics.observe(f"{src.label}->{dst.label}", time.perf_counter() - t0)
 
     def _slot_freed(self, tier: Tier, slot: int) -> None:

@@ -1,8 +1,9 @@
 """Disk pool: page slots in one file per model fingerprint, surviving restarts.
 
-Slot ``i`` of ``<dir>/<fingerprint>.kvpages`` starts at ``i * stride`` with a 64-byte
-header (magic, key, fingerprint, checksum, length) followed by the page bytes, written
-with one ``pwritev``. A new process pointed at the same directory rebuilds what it holds
+Slot ``i`` of ``<dir>/<fingerprint>.kvpages`` starts at ``i * stride`` with a 128-byte
+header (magic, key, parent key, fingerprint, checksum, length) followed by the page
+bytes, written with one ``pwritev`` straight from the caller's buffers (an engine's KV
+tensor slices, no staging copy). A new process pointed at the same directory rebuilds what it holds
 by reading the headers (:meth:`DiskPool.scan`); a freed slot has its magic cleared so it
 is never resurrected. The file and directory are private to the user (0600 / 0700), and
 the file name comes from the fingerprint alone, never from a user string.
@@ -21,9 +22,10 @@ import numpy as np
 from kvray.errors import StorageError
 
 MAGIC = b"KVRAYPG1"
-HEADER = struct.Struct("<8sHHI16s16sQQ")  # magic, version, flags, pad, key, fingerprint, checksum, nbytes
-HEADER_BYTES = 64
-VERSION = 1
+HEADER = struct.Struct("<8sHHI16s16s16sQQ")  # magic, version, flags, pad, key, parent, fingerprint, checksum, nbytes
+HEADER_BYTES = 128
+VERSION = 2
+FLAG_HAS_PARENT = 1
 ALIGN = 4096
 
 
@@ -33,6 +35,7 @@ class StoredPage:
 
     slot: int
     key: int
+    parent_key: int | None  # None: the first page of a chain
     fingerprint: bytes
     checksum: int
     nbytes: int
@@ -44,8 +47,8 @@ class DiskPool:
     Example::
 
         pool = DiskPool("/tmp/kv", capacity=16, page_nbytes=4096, fingerprint=fp.digest)
-        pool.write(0, key, page_bytes, checksum)
-        pool.read_into(0, out)        # -> StoredPage(...) describing what was read
+        pool.write(0, key, None, [page_bytes], checksum)
+        pool.read_into(0, [out])      # -> StoredPage(...) describing what was read
     """
 
     kind = "disk"
@@ -72,14 +75,18 @@ class DiskPool:
         except OSError as exc:
             raise StorageError(f"disk tier: cannot open {self.path}: {exc.strerror}") from None
 
-    def _header(self, key: int, checksum: int) -> bytes:
-        raw = HEADER.pack(MAGIC, VERSION, 0, 0, key.to_bytes(16, "little"), self.fingerprint, checksum, self.page_nbytes)
+    def _header(self, key: int, parent_key: int | None, checksum: int) -> bytes:
+        flags = 0 if parent_key is None else FLAG_HAS_PARENT
+        raw = HEADER.pack(
+            MAGIC, VERSION, flags, 0, key.to_bytes(16, "little"), (parent_key or 0).to_bytes(16, "little"),
+            self.fingerprint, checksum, self.page_nbytes,
+        )  # fmt: skip
         return raw.ljust(HEADER_BYTES, b"\0")
 
-    def write(self, slot: int, key: int, page: np.ndarray, checksum: int) -> None:
-        """Write one page (``page_nbytes`` uint8) and its header into ``slot``."""
+    def write(self, slot: int, key: int, parent_key: int | None, chunks: list[np.ndarray], checksum: int) -> None:
+        """Write one page, given as byte chunks that add up to ``page_nbytes``, into ``slot``."""
         offset = slot * self.stride
-        buffers = [self._header(key, checksum), memoryview(page).cast("B")]
+        buffers = [self._header(key, parent_key, checksum), *chunks]
         total = HEADER_BYTES + self.page_nbytes
         try:
             written = os.pwritev(self._fd, buffers, offset)
@@ -94,19 +101,20 @@ class DiskPool:
                 raise StorageError(f"disk tier {self.directory}: no space left writing slot {slot}") from None
             raise StorageError(f"disk tier {self.directory}: write of slot {slot} failed: {exc.strerror}") from None
 
-    def read_into(self, slot: int, out: np.ndarray) -> StoredPage | None:
-        """Read ``slot`` into ``out``; None when the header is missing or torn."""
+    def read_into(self, slot: int, chunks: list[np.ndarray]) -> StoredPage | None:
+        """Read ``slot`` scattered into ``chunks``; None when the header is missing or torn."""
         header = bytearray(HEADER_BYTES)
-        got = os.preadv(self._fd, [header, memoryview(out).cast("B")], slot * self.stride)
+        got = os.preadv(self._fd, [header, *chunks], slot * self.stride)
         if got < HEADER_BYTES + self.page_nbytes:
             return None
         return self._parse(slot, bytes(header))
 
     def _parse(self, slot: int, header: bytes) -> StoredPage | None:
-        magic, version, _, _, key, fingerprint, checksum, nbytes = HEADER.unpack_from(header)
+        magic, version, flags, _, key, parent, fingerprint, checksum, nbytes = HEADER.unpack_from(header)
         if magic != MAGIC or version != VERSION or fingerprint != self.fingerprint or nbytes != self.page_nbytes:
             return None
-        return StoredPage(slot, int.from_bytes(key, "little"), fingerprint, checksum, nbytes)
+        parent_key = int.from_bytes(parent, "little") if flags & FLAG_HAS_PARENT else None
+        return StoredPage(slot, int.from_bytes(key, "little"), parent_key, fingerprint, checksum, nbytes)
 
     def free(self, slot: int) -> None:
         self._clear(slot)

@@ -22,7 +22,7 @@ class HostPool:
     Example::
 
         pool = HostPool(capacity=8, page_nbytes=4096)
-        pool.view(0)[:] = 7          # a uint8 tensor aliasing slot 0
+        pool.view(0)[:] = 7          # a uint8 array aliasing slot 0
     """
 
     kind = "host"
@@ -42,18 +42,17 @@ class HostPool:
                 raise StorageError(f"host tier: cannot create shared memory {shared_name!r}: {exc}") from None
             array = np.ndarray((capacity, page_nbytes), dtype=np.uint8, buffer=self._shm.buf)
         self._array = array
-        self._tensor = torch.from_numpy(array)
 
     @property
     def shared_name(self) -> str | None:
         return self._shm.name if self._shm else None
 
-    def view(self, slot: int) -> torch.Tensor:
-        return self._tensor[slot]
+    def view(self, slot: int) -> np.ndarray:
+        return self._array[slot]
 
     def close(self) -> None:
         if self._shm is not None:
-            del self._tensor, self._array
+            del self._array
             self._shm.close()
             self._shm.unlink()
             self._shm = None
@@ -74,9 +73,12 @@ class DevicePool:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.stand_in = self.device.type == "cpu"
         self._tensor = torch.empty((capacity, page_nbytes), dtype=torch.uint8, device=self.device)
+        self._host_view = self._tensor.numpy() if self.stand_in else None
 
-    def view(self, slot: int) -> torch.Tensor:
-        return self._tensor[slot]
+    def view(self, slot: int) -> np.ndarray | torch.Tensor:
+        """Slot bytes: a numpy view for the CPU stand-in, a device tensor on an accelerator."""
+        return self._host_view[slot] if self._host_view is not None else self._tensor[slot]
 
     def close(self) -> None:
+        self._host_view = None
         self._tensor = torch.empty(0, dtype=torch.uint8)
