@@ -157,7 +157,7 @@ class KvrayClient:
         if store is None:
             return path, None
         if path == "local":
-            return path, store.read_into.remote(sub, self.buffer.name, self.buffer.capacity, list(range(run.start, run.stop)))
+            return path, store.read_into.remote(sub, self.buffer.name, self.buffer.capacity, run.start)
         if path == "collective":
             pull = self.local_store.pull.remote(
                 sub, store, self.ranks[run.node], self.buffer.name, self.buffer.capacity, run.start
@@ -186,35 +186,42 @@ class KvrayClient:
 
     # -- store --------------------------------------------------------------------------------------
     def store(self, keys: Sequence[int], start: int, plan: Plan) -> int:
-        """Keep buffer rows ``start..len(keys)`` where the plan says; returns pages stored."""
+        """Keep buffer rows ``start..len(keys)`` where the plan says; returns pages stored.
+
+        Each maximal run of pages bound for one node goes as one chain (same-node by shared
+        memory, others by the object store); the controller then learns the longest chain
+        that landed, continuing the cached prefix.
+        """
         self._check(keys)
-        targets = plan.targets[start - plan.hit_pages :] if start >= plan.hit_pages else []
-        rows_by_node: dict[str, list[int]] = defaultdict(list)
-        for row, node in zip(range(start, len(keys)), targets):
-            rows_by_node[node].append(row)
-        refs = {}
-        for node, rows in rows_by_node.items():
-            store = self.stores.get(node)
+        if start < plan.hit_pages:
+            raise RequestError(f"store from page {start} would rewrite the {plan.hit_pages} pages the plan found cached")
+        targets = plan.targets[start - plan.hit_pages :]
+        runs = [_Run(node, start + g[0][0], start + g[-1][0] + 1)
+                for node, g in ((n, list(g)) for n, g in itertools.groupby(enumerate(targets), key=lambda x: x[1]))]
+        refs = []
+        for run in runs:
+            store = self.stores.get(run.node)
+            sub = list(keys[run.start : run.stop])
             if store is None:
-                continue
-            sub = [keys[r] for r in rows]
-            if node == self.node_id:
-                refs[node] = store.write_from.remote(sub, self.buffer.name, self.buffer.capacity, rows)
+                refs.append(None)
+            elif run.node == self.node_id:
+                refs.append(store.write_from.remote(sub, self.buffer.name, self.buffer.capacity, run.start))
             else:
-                refs[node] = store.put_pages.remote(sub, self.buffer.pages[rows])
-        stored, dropped, done_keys, done_nodes, depths = 0, {}, [], [], []
-        for node, ref in refs.items():
+                refs.append(store.put_pages.remote(sub, self.buffer.pages[run.start : run.stop]))
+        stored, landed, dropped = 0, start, defaultdict(list)
+        for run, ref in zip(runs, refs):
             try:
-                n, gone = ray.get(ref, timeout=self.timeout_s)
+                n, gone = ray.get(ref, timeout=self.timeout_s) if ref is not None else (0, [])
             except STORE_ERRORS:
-                continue  # not kept: the node left while we wrote
-            stored += n
-            dropped[node] = gone
-            rows = rows_by_node[node]
-            done_keys += [keys[r] for r in rows]
-            done_nodes += [node] * len(rows)
-            depths += rows
-        self.controller.commit.remote(done_keys, done_nodes, depths, dropped)
+                ref = None  # not kept: the node left while we wrote
+            else:
+                stored += n
+                dropped[run.node].extend(gone)
+            if ref is not None and landed == run.start:
+                landed = run.stop
+        parent = keys[start - 1] if start else None
+        nodes = [n for n in targets[: landed - start]]
+        self.controller.commit.remote(parent, list(keys[start:landed]), nodes, start, dict(dropped))
         return stored
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ import ray
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.hashring import HashRing
 from kvray.cluster.metrics import export_cluster_stats
-from kvray.index import PrefixIndex
+from kvray.index import ROOT, PrefixIndex
 from kvray.tiers import Tier
 
 NO_NODE = -1
@@ -110,19 +110,33 @@ class Controller:
         return handles[self.index.node[handles] == self._node_ix[node_id]]
 
     def _drop_where(self, handles: np.ndarray, condition) -> int:
-        dropped = 0
+        before = len(self.index)
         for handle in handles.tolist():
-            if condition(handle):
+            if self._indexed(handle) and condition(handle):
                 self._drop(handle)
-                dropped += 1
+        dropped = before - len(self.index)
         self.lost_pages += dropped
         return dropped
 
+    def _indexed(self, handle: int) -> bool:
+        try:
+            self.index.key_of(handle)
+        except KeyError:
+            return False  # went with an ancestor dropped earlier in the same sweep
+        return True
+
     def _drop(self, handle: int) -> None:
-        if self.index.pins[handle] > 0:
-            self._doomed.add(handle)  # dropped when its last reader releases it
-        else:
-            self.index.remove(handle)
+        """Forget a page and its descendants (they can never match without it).
+
+        If a reader holds any of them, the whole subtree waits in ``_doomed`` (invisible to
+        lookups) until its last lease ends.
+        """
+        subtree = self.index.subtree([handle])
+        if (self.index.pins[subtree] > 0).any():
+            self._doomed.add(handle)
+            return
+        for h in subtree:  # children before parents
+            self.index.remove(h)
 
     # -- the per-request verbs ----------------------------------------------------------------
     def lookup_pin(self, keys: Sequence[int], requester: str | None) -> Plan:
@@ -139,9 +153,11 @@ class Controller:
         return Plan(self._next_lease, hit_nodes, self._place(keys[len(handles):], len(keys), requester))
 
     def _first_doomed(self, handles: np.ndarray) -> int:
-        for i, h in enumerate(handles.tolist()):
-            if h in self._doomed:
-                return i
+        """Length of the chain before its first doomed page (its descendants are doomed too)."""
+        if self._doomed:
+            for i, h in enumerate(handles.tolist()):
+                if h in self._doomed:
+                    return i
         return len(handles)
 
     def _place(self, missing: Sequence[int], request_pages: int, requester: str | None) -> list[str]:
@@ -160,28 +176,38 @@ class Controller:
         self.bytes_between_nodes += bytes_between_nodes
         for node_id, keys in lost.items():
             self.lost_pages += self._forget(node_id, keys)
-        for handle in [h for h in self._doomed if self.index.pins[h] == 0]:
-            self._doomed.discard(handle)
-            self.index.remove(handle)
+        for handle in list(self._doomed):
+            if not (self.index.pins[self.index.subtree([handle])] > 0).any():
+                self._doomed.discard(handle)
+                self._drop(handle)
 
-    def commit(self, keys: Sequence[int], nodes: Sequence[str], depths: Sequence[int],
-               dropped: Mapping[str, Sequence[int]]) -> None:
-        """Publish pages stores now hold; forget the ones stores report evicted."""
+    def commit(self, parent_key: int | None, keys: Sequence[int], nodes: Sequence[str], depth: int,
+               dropped: Mapping[str, Sequence[int]]) -> int:
+        """Publish a chain of pages stores now hold (``keys[i]`` on ``nodes[i]``, the first one
+        a child of ``parent_key``); forget the pages stores report evicted. Returns pages added."""
         for node_id, gone in dropped.items():
             self._forget(node_id, gone)
-        for key, node_id, depth in zip(keys, nodes, depths):
-            if key not in self.index and node_id in self._node_ix:
-                self.index.add(key, Tier.HOST, 0, 0, depth=depth, node=self._node_ix[node_id])
+        parent = ROOT if parent_key is None else self.index.handle_of(parent_key)
+        added = 0
+        for i, (key, node_id) in enumerate(zip(keys, nodes)):
+            if parent is None or parent in self._doomed or node_id not in self._node_ix:
+                break  # the chain broke (its parent left meanwhile): the rest could never match
+            handle = self.index.handle_of(key)
+            if handle is None:
+                handle = self.index.add(key, Tier.HOST, 0, 0, parent=parent, depth=depth + i, node=self._node_ix[node_id])
+                added += 1
+            parent = handle
+        return added
 
     def _forget(self, node_id: str, keys: Sequence[int]) -> int:
+        """Drop the pages among ``keys`` that the index places on ``node_id``; returns pages dropped."""
         ix = self._node_ix.get(node_id, NO_NODE)
-        forgotten = 0
+        before = len(self.index)
         for key in keys:
             handle = self.index.handle_of(key)
             if handle is not None and handle not in self._doomed and self.index.node[handle] == ix:
                 self._drop(handle)
-                forgotten += 1
-        return forgotten
+        return before - len(self.index)
 
     # -- state ----------------------------------------------------------------------------------
     def snapshot(self) -> dict:

@@ -88,18 +88,24 @@ class NodeStore:
         }
 
     # -- same-node data plane -----------------------------------------------------------
-    def read_into(self, keys: Sequence[int], buffer: str, capacity: int, rows: Sequence[int]) -> tuple[int, dict[str, int]]:
-        """Copy the cached, verified prefix of ``keys`` into buffer ``rows`` (one per key)."""
-        target = torch.from_numpy(self._buffer(buffer, capacity).pages)
-        return self.store.read_pages(keys, lambda i, src: target[rows[i]].copy_(src.reshape(-1).view(torch.uint8)))
-
-    def write_from(self, keys: Sequence[int], buffer: str, capacity: int, rows: Sequence[int]) -> tuple[int, list[int]]:
-        """Store buffer ``rows`` under ``keys``; returns (stored, keys dropped since the last report)."""
+    def read_into(self, keys: Sequence[int], buffer: str, capacity: int, row: int) -> tuple[int, dict[str, int]]:
+        """Copy the cached, verified prefix of ``keys`` into buffer rows ``row..``."""
         pages = self._buffer(buffer, capacity).pages
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows))) if rows else True
-        batch = pages[rows[0] : rows[0] + len(rows)] if contiguous and rows else pages[list(rows)]
-        stored = self.store.put_pages(keys, batch, self.store.fingerprint.digest)
+        return self._read(keys, lambda i: [pages[row + i]])
+
+    def write_from(self, keys: Sequence[int], buffer: str, capacity: int, row: int) -> tuple[int, list[int]]:
+        """Store buffer rows ``row..`` as one chain under ``keys``; returns (stored, keys dropped since the last report)."""
+        pages = self._buffer(buffer, capacity).pages[row : row + len(keys)]
+        stored = self.store.put_pages(keys, pages, self.store.fingerprint.digest)
         return stored, self._take_dropped()
+
+    def _read(self, keys: Sequence[int], targets) -> tuple[int, dict[str, int]]:
+        """``PageStore.read_pages``, where a page evicted here but still in the controller's
+        index (the report is on its way) makes the run a miss rather than an error."""
+        try:
+            return self.store.read_pages(keys, targets)
+        except KeyError:
+            return 0, {}
 
     def release_buffer(self, buffer: str) -> None:
         buf = self._buffers.pop(buffer, None)
@@ -109,9 +115,10 @@ class NodeStore:
     # -- cross-node data plane: object store ----------------------------------------------
     def get_pages(self, keys: Sequence[int]) -> np.ndarray:
         """The cached, verified prefix of ``keys`` as one array (travels by object store)."""
-        _, pages = self.store.get_pages(keys)
-        self.sent_bytes += pages.nbytes
-        return pages
+        pages = np.empty((len(keys), self.page_nbytes), dtype=np.uint8)
+        got, _ = self._read(keys, lambda i: [pages[i]])
+        self.sent_bytes += got * self.page_nbytes
+        return pages[:got]
 
     def put_pages(self, keys: Sequence[int], pages: np.ndarray) -> tuple[int, list[int]]:
         stored = self.store.put_pages(keys, pages, self.store.fingerprint.digest)
@@ -133,11 +140,10 @@ class NodeStore:
         """
         from ray.util import collective
 
-        _, pages = self.store.get_pages(keys)
+        pages = self.get_pages(keys)
         collective.send(torch.tensor([len(pages)], dtype=torch.int64), dst_rank, COLLECTIVE_GROUP)
         if len(pages):
             collective.send(torch.from_numpy(pages), dst_rank, COLLECTIVE_GROUP)
-        self.sent_bytes += pages.nbytes
         return len(pages)
 
     def pull(self, keys: Sequence[int], source, src_rank: int, buffer: str, capacity: int, offset: int) -> int:
