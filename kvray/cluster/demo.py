@@ -1,6 +1,6 @@
 """``kvray demo``: the real conversation trace on local Ray nodes, two policies side by side.
 
-It replays the first requests of the bundled Mooncake conversation trace on ``nodes``
+It replays a slice (from request 1000 on) of the bundled Mooncake conversation trace on ``nodes``
 local Ray nodes (one engine and one store per node), once per contender, and prints a
 table of what was measured: token hit rate, hits per tier, mean and p99 time to first
 token, bytes moved. The contenders are LRU and the best other heuristic registered (LFU or
@@ -24,7 +24,8 @@ from kvray.policy import POLICIES
 from kvray.traces import read_trace
 
 DEMO_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "conversation_trace_first30min.jsonl"
-DEMO_HOST_PAGES = 400
+DEMO_HOST_PAGES = 1200  # per node, 512 KiB pages: ~0.6 GiB of host tier per node
+DEMO_START = 1000  # ~5 minutes in: conversations already under way come back for more turns
 TIER_ORDER = ("device", "host", "disk", "remote")
 
 
@@ -41,9 +42,11 @@ def contenders() -> dict[str, RuntimeConfig]:
 
 
 def run_demo(requests: int, nodes: int, out_dir: str | Path, console: Console) -> dict[str, ReplayResult]:
-    trace = read_trace(DEMO_TRACE, limit=requests)
+    trace = read_trace(DEMO_TRACE)[DEMO_START : DEMO_START + requests]
     results: dict[str, ReplayResult] = {}
-    console.print(f"replaying {len(trace)} requests of {DEMO_TRACE.name} on {nodes} local Ray nodes")
+    console.print(
+        f"replaying requests {DEMO_START}..{DEMO_START + len(trace) - 1} of {DEMO_TRACE.name} on {nodes} local Ray nodes"
+    )
     with RayConnection(nodes=nodes, object_store_mb=150):
         for label, config in contenders().items():
             settings = ReplaySettings(name=f"demo-{nodes}-nodes", nodes=nodes, runtime=config)
