@@ -193,9 +193,8 @@ class KvrayClient:
         that landed, continuing the cached prefix.
         """
         self._check(keys)
-        if start < plan.hit_pages:
-            raise RequestError(f"store from page {start} would rewrite the {plan.hit_pages} pages the plan found cached")
-        targets = plan.targets[start - plan.hit_pages :]
+        # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
+        targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
         runs = [_Run(node, start + g[0][0], start + g[-1][0] + 1)
                 for node, g in ((n, list(g)) for n, g in itertools.groupby(enumerate(targets), key=lambda x: x[1]))]
         refs = []
@@ -220,8 +219,7 @@ class KvrayClient:
             if ref is not None and landed == run.start:
                 landed = run.stop
         parent = keys[start - 1] if start else None
-        nodes = [n for n in targets[: landed - start]]
-        self.controller.commit.remote(parent, list(keys[start:landed]), nodes, start, dict(dropped))
+        self.controller.commit.remote(parent, list(keys[start:landed]), targets[: landed - start], start, dict(dropped))
         return stored
 
     def close(self) -> None:

@@ -105,8 +105,11 @@ class Controller:
         """Live stores and their collective ranks (what clients route by)."""
         return {"stores": dict(self.stores), "ranks": dict(self.ranks)}
 
+    def _handles(self) -> np.ndarray:
+        return np.fromiter(map(self.index.handle_of, self.index.keys()), dtype=np.int64, count=len(self.index))
+
     def _on_node(self, node_id: str) -> np.ndarray:
-        handles = np.fromiter(map(self.index.handle_of, self.index.keys()), dtype=np.int64, count=len(self.index))
+        handles = self._handles()
         return handles[self.index.node[handles] == self._node_ix[node_id]]
 
     def _drop_where(self, handles: np.ndarray, condition) -> int:
@@ -210,11 +213,17 @@ class Controller:
         return before - len(self.index)
 
     # -- state ----------------------------------------------------------------------------------
+    def pages_by_node(self) -> dict[str, int]:
+        """Indexed pages per node (every node that ever joined, live or not)."""
+        counts = np.bincount(self.index.node[self._handles()], minlength=len(self.node_ids))
+        return {node: int(n) for node, n in zip(self.node_ids, counts.tolist())}
+
     def snapshot(self) -> dict:
         hits = sum(self.hit_pages.values())
         snap = {
             "nodes": list(self.stores),
             "indexed_pages": len(self.index),
+            "pages_by_node": self.pages_by_node(),
             "index_bytes": self.index.memory_bytes(),
             "lookups": self.lookups,
             "lookup_pages": self.lookup_pages,
