@@ -58,9 +58,9 @@ class NodeStore:
         context = ray.get_runtime_context()
         self.restarted = context.was_current_actor_reconstructed
         if self.restarted:  # the disk tier survived; the host tier and collective rank did not
-            ray.get_actor(controller, namespace=NAMESPACE).register_store.remote(
+            ray.get(ray.get_actor(controller, namespace=NAMESPACE).register_store.remote(
                 node_id, context.current_actor, None, list(self.store.manager.index.keys())
-            )
+            ))
 
     # -- bookkeeping -----------------------------------------------------------------
     def _on_drop(self, key: int) -> None:

@@ -80,7 +80,7 @@ class RayConnection:
 
 
 def alive_nodes(resources: dict[str, float] | None = None) -> list[str]:
-    """Ids of live nodes that offer ``resources``, head first."""
+    """Ids of live nodes that offer ``resources``."""
     needed = resources or {}
     return [
         n["NodeID"]
@@ -102,8 +102,12 @@ class Runtime:
         nodes = alive_nodes(config.store_resources)
         if not nodes:
             raise ClusterError(f"no live Ray node offers {config.store_resources or 'any resources'} for a store")
-        controller = ControllerActor.options(
-            name=controller_name(config.name), namespace=NAMESPACE, num_cpus=0, scheduling_strategy=on_node(nodes[0])
+        here = ray.get_runtime_context().get_node_id()
+        controller = ControllerActor.options(  # beside the driver: it lives as long as the job does
+            name=controller_name(config.name),
+            namespace=NAMESPACE,
+            num_cpus=0,
+            scheduling_strategy=on_node(here if here in alive_nodes() else nodes[0]),
         ).remote(config)
         stores = {node: spawn_store(config, node) for node in nodes}
         ray.get([s.ping.remote() for s in stores.values()])
