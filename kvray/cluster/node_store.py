@@ -42,9 +42,11 @@ COLLECTIVE_GROUP = "kvray-pages"
 class NodeStore:
     """Owns one node's tiers; see the module docstring."""
 
-    def __init__(self, config: RuntimeConfig, node_id: str, controller: str) -> None:
+    def __init__(self, config: RuntimeConfig, node_id: str | None, controller: str) -> None:
+        """``node_id`` None: wherever Ray placed it (by ``store_resources``, e.g. on a node the
+        autoscaler launched for it)."""
         self.config = config
-        self.node_id = node_id
+        self.node_id = node_id = node_id or ray.get_runtime_context().get_node_id()
         self.store = PageStore(config.store_config(node_id))
         self.page_nbytes = config.layout.page_nbytes
         self._dropped: list[int] = []
