@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-MODULES = ("benchmarks.core",)
+MODULES = ("benchmarks.core", "benchmarks.runtime")
 
 
 @dataclass
