@@ -45,7 +45,7 @@ from kvray.keys import ModelFingerprint
 from kvray.tiers import Tier
 
 REMOTE = Tier.REMOTE.label
-STORE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
+STORE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
 
 
 @dataclass

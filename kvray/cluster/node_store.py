@@ -53,6 +53,7 @@ class NodeStore:
         self._dropped_lock = threading.Lock()
         self.store.manager.page_dropped = self._on_drop
         self._buffers: dict[str, LandingBuffer] = {}
+        self._buffers_lock = threading.Lock()
         self._rank: int | None = None
         self._peer_locks: dict[int, threading.Lock] = {}
         self.sent_bytes = 0
@@ -75,9 +76,12 @@ class NodeStore:
         return dropped
 
     def _buffer(self, name: str, capacity: int) -> LandingBuffer:
-        buf = self._buffers.get(name)
-        if buf is None:
-            buf = self._buffers[name] = LandingBuffer.attach(name, capacity, self.page_nbytes)
+        # Under a lock: two threads mapping the same new buffer would leave one mapping
+        # unreferenced, and its collection unmaps memory the other thread is copying.
+        with self._buffers_lock:
+            buf = self._buffers.get(name)
+            if buf is None:
+                buf = self._buffers[name] = LandingBuffer.attach(name, capacity, self.page_nbytes)
         return buf
 
     def info(self) -> dict:
@@ -110,7 +114,8 @@ class NodeStore:
             return 0, {}
 
     def release_buffer(self, buffer: str) -> None:
-        buf = self._buffers.pop(buffer, None)
+        with self._buffers_lock:
+            buf = self._buffers.pop(buffer, None)
         if buf is not None:
             buf.close()
 
