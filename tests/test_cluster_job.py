@@ -57,6 +57,17 @@ def wait_for_job_server(ray_bin: Path, port: int, env: dict, timeout_s: float = 
     raise TimeoutError(f"the job server on port {port} did not come up: {probe.stderr[-1000:]}")
 
 
+def submit_when_an_agent_is_up(command: list[str], env: dict, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """``ray job submit``, retried while the head's job agent has not registered yet (on a
+    busy machine the dashboard answers before its agent does)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        if job.returncode == 0 or "No available agent" not in job.stderr or time.monotonic() > deadline:
+            return job
+        time.sleep(2)
+
+
 def test_ray_job_submit_runs_kvray_and_prints_the_json():
     # Short: Ray's unix socket paths under the temp dir must stay under 108 bytes.
     tmp = Path(tempfile.mkdtemp(prefix="kvr", dir="/tmp"))
@@ -78,17 +89,20 @@ def submit_a_job(tmp_path: Path) -> None:
     port, dashboard = free_port(), free_port()
     head = subprocess.Popen(
         [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
-         f"--dashboard-port={dashboard}", "--object-store-memory=150000000", f"--temp-dir={tmp_path / 'ray'}"],
+         f"--dashboard-port={dashboard}", "--object-store-memory=150000000", f"--temp-dir={tmp_path / 'ray'}",
+         # Own agent ports: the defaults may be held by the session cluster's nodes.
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--metrics-export-port={free_port()}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
         wait_for_dashboard(dashboard)
         wait_for_job_server(ray_bin, dashboard, env)
-        job = subprocess.run(
+        job = submit_when_an_agent_is_up(
             [str(ray_bin), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", ".", "--",
              "python", "-m", "kvray", "run", "--trace", "data/traces/conversation_trace_first30min.jsonl",
              "--limit", "12", "--host-pages", "64", "--prefill-us-per-token", "1", "--json"],
-            env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
+            env,
         )
     finally:
         os.killpg(head.pid, signal.SIGTERM)
