@@ -48,7 +48,7 @@ class ReplaySettings(_Frozen):
     """
 
     name: str = "default"
-    nodes: int = Field(default=2, ge=1, le=16)
+    nodes: int = Field(default=1, ge=1, le=16)
     runtime: RuntimeConfig = RuntimeConfig()
     prefill_us_per_token: float = Field(default=5.0, ge=0)
     limit: int | None = Field(default=None, gt=0)
