@@ -89,7 +89,10 @@ def test_fake_autoscaler_launches_a_tier_node_for_a_store_and_retires_it(tmp_pat
     config_path = tmp_path / "autoscaler.json"
     config_path.write_text(json.dumps(fake))
     ray_bin = Path(sys.executable).parent / "ray"
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "PYTHONPATH": str(ROOT)}
+    # Token auth off, explicitly: this head listens on loopback only for this test, and with
+    # RAY_AUTH_MODE unset `ray start` and `ray.init` disagree once ~/.ray/auth_token exists.
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "PYTHONPATH": str(ROOT),
+           "RAY_AUTH_MODE": "disabled"}
     head = subprocess.Popen(
         [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
          "--object-store-memory=100000000", f"--autoscaling-config={config_path}"],

@@ -66,6 +66,16 @@ class _Run:
     stop: int
 
 
+def _runs(nodes: Sequence[str], start: int) -> list[_Run]:
+    """Maximal runs of consecutive pages on one node, numbered from row ``start``."""
+    runs, row = [], start
+    for node, group in itertools.groupby(nodes):
+        n = sum(1 for _ in group)
+        runs.append(_Run(node, row, row + n))
+        row += n
+    return runs
+
+
 class KvrayClient:
     """Per-process handle on a kvray runtime; see the module docstring."""
 
@@ -119,13 +129,7 @@ class KvrayClient:
     # -- load -----------------------------------------------------------------------------------
     def load(self, keys: Sequence[int], plan: Plan) -> Loaded:
         """Bring the plan's cached pages into buffer rows ``0..``; stops at the first page missing."""
-        runs = [
-            _Run(node, group[0][0], group[-1][0] + 1)
-            for node, group in (
-                (node, list(g)) for node, g in itertools.groupby(enumerate(plan.hit_nodes), key=lambda x: x[1])
-            )
-        ]
-        pending = [(run, self._start_run(keys, run)) for run in runs]
+        pending = [(run, self._start_run(keys, run)) for run in _runs(plan.hit_nodes, 0)]
         loaded = Loaded(0)
         complete = True
         for run, (path, ref) in pending:
@@ -172,7 +176,10 @@ class KvrayClient:
             if path == "local":
                 return ray.get(ref, timeout=self.timeout_s)
             if path == "collective":
-                got = ray.get(ref, timeout=self.timeout_s)
+                try:
+                    got = ray.get(ref, timeout=self.timeout_s)
+                except ray.exceptions.RayTaskError:
+                    return 0, {}  # the peer died mid-transfer: gloo fails the receive
                 return got, {REMOTE: got}
             pages = ray.get(ref, timeout=self.timeout_s)
             self.buffer.pages[run.start : run.start + len(pages)] = pages
@@ -195,8 +202,7 @@ class KvrayClient:
         self._check(keys)
         # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
         targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
-        runs = [_Run(node, start + g[0][0], start + g[-1][0] + 1)
-                for node, g in ((n, list(g)) for n, g in itertools.groupby(enumerate(targets), key=lambda x: x[1]))]
+        runs = _runs(targets, start)
         refs = []
         for run in runs:
             store = self.stores.get(run.node)
