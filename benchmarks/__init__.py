@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-MODULES = ("benchmarks.core", "benchmarks.load", "benchmarks.policy", "benchmarks.engines")
+MODULES = ("benchmarks.core", "benchmarks.load", "benchmarks.policy", "benchmarks.engines", "benchmarks.runtime")
 
 
 @dataclass

@@ -10,8 +10,20 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kvray.errors import KvrayError
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvray: tiered KV-cache offload and reuse")
 console = Console(stderr=True)
+
+
+@contextmanager
+def reported_errors() -> Iterator[None]:
+    """Bad input ends the command with its one-line message (exit code 2), not a traceback."""
+    try:
+        yield
+    except KvrayError as exc:
+        console.print(f"[red]kvray: {exc}[/]", soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -33,12 +45,69 @@ def bench(
 
 
 @app.command()
-def demo() -> None:
-    """The main job on an embedded default: the benchmarks, quick."""
-    from benchmarks import run_benchmarks
-    from benchmarks.report import print_table
+def demo(
+    requests: int = typer.Option(400, "--requests", help="requests of the bundled conversation trace to replay"),
+    nodes: int = typer.Option(2, "--nodes", min=2, help="local Ray nodes to start"),
+    out: str = typer.Option("results", "--out", help="directory for the JSON and the plot"),
+) -> None:
+    """Replay a slice of the real conversation trace on local Ray nodes; compare policies."""
+    from kvray.cluster.demo import run_demo
 
-    print_table(run_benchmarks(only=[], quick=True, progress=True))
+    with reported_errors():
+        run_demo(requests=requests, nodes=nodes, out_dir=out, console=console)
+
+
+@app.command()
+def run(
+    trace: str = typer.Option(..., "--trace", help="Mooncake JSONL or Parquet trace"),
+    policy: str | None = typer.Option(None, "--policy", help="placement policy of every node's tiers (default lru)"),
+    nodes: int | None = typer.Option(None, "--nodes", help="local Ray nodes to start (ignored with --address)"),
+    scenario: str | None = typer.Option(None, "--scenario", help="YAML file of replay settings"),
+    address: str | None = typer.Option(None, "--address", help="existing Ray cluster (default: $RAY_ADDRESS)"),
+    limit: int | None = typer.Option(None, "--limit", help="replay only the first N requests"),
+    host_pages: int | None = typer.Option(None, "--host-pages", help="host-tier pages per node"),
+    disk_pages: int | None = typer.Option(None, "--disk-pages", help="disk-tier pages per node (needs --disk-root)"),
+    disk_root: str | None = typer.Option(None, "--disk-root", help="directory for the nodes' disk tiers"),
+    prefill_us: float | None = typer.Option(None, "--prefill-us-per-token", help="calibrated prefill cost"),
+    json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Replay a trace on the Ray runtime with real page bytes; report measured TTFT and hits."""
+    from kvray.cluster.replay import run_replay, settings_from
+
+    with reported_errors():
+        settings = settings_from(
+            scenario,
+            runtime={"policy": policy, "disk_root": disk_root},
+            tiers={"host": host_pages, "disk": disk_pages},
+            replay={"nodes": nodes, "limit": limit, "prefill_us_per_token": prefill_us},
+        )
+        result = run_replay(trace, settings, address=address, progress=not json_out)
+    if result.wrong_pages:
+        console.print(f"[red]{result.wrong_pages} pages came back with wrong KV[/]")
+        raise typer.Exit(2)
+    if json_out:
+        print(json.dumps(result.as_dict()))
+    else:
+        from kvray.cluster.demo import print_results
+
+        print_results({settings.runtime.policy: result}, console)
+
+
+@app.command()
+def status(
+    address: str | None = typer.Option(None, "--address", help="Ray cluster (default: $RAY_ADDRESS or a local one)"),
+    name: str = typer.Option("kvray", "--name", help="kvray runtime name"),
+    json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Metrics of a running kvray runtime: hit rate, hits per tier, occupancy, latency, bytes moved."""
+    from kvray.cluster.status import fetch_status, print_status
+
+    with reported_errors():
+        snapshot = fetch_status(address, name)
+    if json_out:
+        print(json.dumps(snapshot, default=str))
+    else:
+        print_status(snapshot, console)
 
 
 @app.command()
@@ -57,7 +126,7 @@ def sim(
     from kvray.sim.simulator import simulate
     from kvray.traces import read_trace
 
-    with _errors():
+    with reported_errors():
         requests = read_trace(trace, limit=limit)
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
         with _progress(len(requests), f"sim {policy}", enabled=not json_out) as tick:
@@ -83,7 +152,7 @@ def train(
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
     from kvray.sim.train import train as run_training
 
-    with _errors():
+    with reported_errors():
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
 
         def score(folder: Path, held_out: list) -> dict:
@@ -122,7 +191,7 @@ def eval_(
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
     from kvray.sim.evaluate import compare, goals, load_trace_spec, plot, write_report
 
-    with _errors():
+    with reported_errors():
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
         traces = dict(load_trace_spec(t) for t in trace)
         total = len(traces) * len(policy) * len(fraction)
@@ -171,7 +240,7 @@ def generate(
     from kvray.sim.workloads import WorkloadSpec, generate as make
     from kvray.traces import write_parquet
 
-    with _errors():
+    with reported_errors():
         shape = load_yaml(spec, WorkloadSpec) if spec else WorkloadSpec(sessions=sessions)
         trace = make(shape, seed)
     if out.suffix == ".parquet":
@@ -181,18 +250,6 @@ def generate(
                                            "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
                                for r in trace))
     console.print(f"wrote {len(trace)} requests to {out}")
-
-
-@contextmanager
-def _errors() -> Iterator[None]:
-    """Bad input ends the command with its message (exit code 2), not a traceback."""
-    from kvray.errors import KvrayError
-
-    try:
-        yield
-    except KvrayError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
 
 
 @contextmanager

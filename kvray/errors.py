@@ -43,3 +43,7 @@ class TraceError(KvrayError, ValueError):
 
 class PolicyError(KvrayError, ValueError):
     """A placement policy name, file or observation space is invalid."""
+
+
+class ClusterError(KvrayError):
+    """The Ray runtime cannot start or lost something it needs (no nodes, no controller)."""

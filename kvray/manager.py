@@ -80,6 +80,7 @@ class CacheManager:
         self.policy.bind(self.index, self.capacities)
         self.metrics = CacheMetrics(page_nbytes=page_nbytes)
         self.slot_freed: Callable[[Tier, int], None] = lambda tier, slot: None
+        self.page_dropped: Callable[[int], None] = lambda key: None  # a key left this cache
         self._kept: Counter[int] = Counter()
 
     @property
@@ -228,8 +229,9 @@ class CacheManager:
         for handle in doomed:
             tier, slot = Tier(int(index.tier[handle])), int(index.slot[handle])
             self.policy.on_remove(handle, tier)
-            index.remove(handle)
+            key = index.remove(handle)
             self._free(tier, slot)
+            self.page_dropped(key)
         self.metrics.evicted_pages += len(doomed)
         return len(doomed)
 

@@ -26,3 +26,37 @@ def prefix_kv(layout: PageLayout, tokens) -> torch.Tensor:
 @pytest.fixture
 def tiny_layout() -> PageLayout:
     return TINY
+
+
+# -- Ray: one real multi-node cluster per test session (tests marked ``ray``) -----------------
+RAY_NODES = 3
+RAY_OBJECT_STORE_BYTES = 150 << 20
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Three local Ray nodes (separate raylets and object stores), shared by every ``ray`` test.
+
+    No dashboard (it costs ~1 GB); metrics are reported every second so Prometheus
+    exports can be checked without long waits. Tests that need to lose a node add their
+    own and remove it, so the three stay.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "object_store_memory": RAY_OBJECT_STORE_BYTES,
+            "include_dashboard": False,
+            "_system_config": {"metrics_report_interval_ms": 1000},
+        },
+    )
+    for _ in range(RAY_NODES - 1):
+        cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="kvray", log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

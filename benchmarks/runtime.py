@@ -1,0 +1,184 @@
+"""Benchmarks of the Ray runtime on two local Ray nodes (separate raylets, object stores).
+
+- ``same_node_load_vs_memcpy``: an engine (this process) loading a request's pages from its
+  node's host tier through the client API (controller lookup + pin, the store actor copying
+  verified pages into the engine's shared-memory buffer, release), against ``numpy.copyto``
+  of the same bytes.
+- ``cross_node_transfer_vs_loopback_tcp``: the same load when the pages live on the other
+  node, by Ray's object store and by the collective path (gloo), against a raw TCP socket on
+  loopback moving the same bytes in this run. The goal applies to the path kvray picks for
+  that size (``RuntimeConfig.collective_min_bytes``).
+- ``controller_lookup_vs_empty_call``: lookup + pin of a cached 64-page request against an
+  empty call to an actor on the same node.
+- ``controller_memory_per_page``: the controller's index bytes per indexed page (budget 200),
+  beside a plain ``dict`` of key -> (node, tier) measured the same way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import socket
+import sys
+import threading
+
+import numpy as np
+import ray
+
+from benchmarks import BenchResult, benchmark, paired_medians
+from kvray.cluster import KvrayClient, RayConnection, Runtime, RuntimeConfig
+from kvray.cluster.controller import Controller, Plan
+from kvray.cluster.runtime import on_node
+from kvray.config import PageLayout, TierSizes
+
+# Llama-3-8B-like pages (8 KV heads x 128, bf16, 128 tokens, 4 layers): 2 MiB each.
+LAYOUT = PageLayout(layers=4, kv_heads=8, head_dim=128, page_tokens=128, dtype="bfloat16")
+REQUEST_PAGES = 32  # 64 MiB
+SIZES = {"2MiB": 1, "64MiB": 32}
+
+
+class _Bench:
+    """Two local nodes, a runtime, and a client in this process (on the head node)."""
+
+    _instance: _Bench | None = None
+
+    def __init__(self) -> None:
+        self.connection = None
+        if not ray.is_initialized():
+            self.connection = RayConnection(nodes=2, object_store_mb=400).__enter__()
+        self.config = RuntimeConfig(name="bench", layout=LAYOUT, tiers=TierSizes(host=2 * REQUEST_PAGES + 8),
+                                    local_pages_limit=1 << 20)
+        self.runtime = Runtime.start(self.config)
+        self.client = KvrayClient.connect("bench", buffer_pages=REQUEST_PAGES)
+        self.here = self.client.node_id
+        self.there = next(n for n in self.runtime.stores if n != self.here)
+        self.requests = {node: self._cached_request(node, seed) for seed, node in enumerate((self.here, self.there))}
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls) -> _Bench:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def _cached_request(self, node: str, seed: int) -> list[int]:
+        keys = self.client.keys_for_trace(list(range(seed * 1000, seed * 1000 + REQUEST_PAGES)))
+        self.client.buffer.pages[:] = np.random.default_rng(seed).integers(0, 256, self.client.buffer.pages.shape, dtype=np.uint8)
+        self.client.store(keys, 0, Plan(0, [], [node] * REQUEST_PAGES))
+        ray.get(self.runtime.controller.snapshot.remote())  # the commit has landed
+        return keys
+
+    def load(self, keys: list[int], collective_min_bytes: int) -> None:
+        self.client.config = self.config.model_copy(update={"collective_min_bytes": collective_min_bytes})
+        plan = self.client.lookup(keys)
+        loaded = self.client.load(keys, plan)
+        self.client.release(plan, loaded)
+        assert loaded.pages == len(keys), loaded
+
+    def close(self) -> None:
+        self.client.close()
+        self.runtime.close()
+        if self.connection is not None:
+            self.connection.__exit__(None, None, None)
+
+
+class _LoopbackTCP:
+    """One persistent TCP connection on 127.0.0.1; ``move(n)`` sends n bytes across it."""
+
+    def __init__(self, nbytes: int) -> None:
+        server = socket.create_server(("127.0.0.1", 0))
+        self.tx = socket.create_connection(server.getsockname())
+        self.rx, _ = server.accept()
+        server.close()
+        self.src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        self.dst = np.empty(nbytes, dtype=np.uint8)
+
+    def move(self) -> None:
+        sender = threading.Thread(target=self.tx.sendall, args=(memoryview(self.src),))
+        sender.start()
+        view, got = memoryview(self.dst), 0
+        while got < len(view):
+            got += self.rx.recv_into(view[got:])
+        sender.join()
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+@benchmark("same_node_load_vs_memcpy")
+def same_node_load(quick: bool) -> list[BenchResult]:
+    bench = _Bench.get()
+    keys = bench.requests[bench.here]
+    nbytes = len(keys) * LAYOUT.page_nbytes
+    src = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    kvray, base = paired_medians(lambda: bench.load(keys, 1 << 40), lambda: np.copyto(dst, src), 7 if quick else 21)
+    return [BenchResult("same_node_load_vs_memcpy[64MiB]", _gbps(nbytes, kvray), _gbps(nbytes, base), "GB/s", ">= 0.8",
+                        {"pages": len(keys), "page_bytes": LAYOUT.page_nbytes, "checksum_memory": bench.config.checksum_memory})]
+
+
+@benchmark("cross_node_transfer_vs_loopback_tcp")
+def cross_node(quick: bool) -> list[BenchResult]:
+    bench = _Bench.get()
+    results = []
+    for label, pages in SIZES.items():
+        keys = bench.requests[bench.there][:pages]
+        nbytes = pages * LAYOUT.page_nbytes
+        tcp = _LoopbackTCP(nbytes)
+        picked = "collective" if nbytes >= bench.config.collective_min_bytes else "object_store"
+        for path, threshold in (("object_store", 1 << 40), ("collective", 0)):
+            kvray, base = paired_medians(lambda: bench.load(keys, threshold), tcp.move, 5 if quick else 15)
+            results.append(BenchResult(
+                f"cross_node_transfer_vs_loopback_tcp[{path},{label}]", _gbps(nbytes, kvray), _gbps(nbytes, base), "GB/s",
+                ">= 0.5" if path == picked else None, {"picked_by_kvray": path == picked, "pages": pages},
+            ))
+        tcp.close()
+    return results
+
+
+@ray.remote(num_cpus=0)
+class _Empty:
+    def call(self) -> None:
+        return None
+
+
+@benchmark("controller_lookup_vs_empty_call")
+def controller_lookup(quick: bool) -> list[BenchResult]:
+    bench = _Bench.get()
+    keys = bench.requests[bench.here]
+    request = keys + bench.client.keys_for_trace(list(range(5000, 5000 + 64 - len(keys))))  # 64 pages, 32 cached
+    empty = _Empty.options(scheduling_strategy=on_node(bench.here)).remote()
+    controller = bench.runtime.controller
+
+    def lookup() -> None:
+        plan = ray.get(controller.lookup_pin.remote(request, bench.here))
+        controller.release.remote(plan.lease, {}, {})
+
+    kvray, base = paired_medians(lookup, lambda: ray.get(empty.call.remote()), 50 if quick else 200, warmup=5)
+    ray.kill(empty)
+    return [BenchResult("controller_lookup_vs_empty_call[64 pages]", kvray * 1e6, base * 1e6, "us", "<= 1.5",
+                        {"pages": 64, "cached": len(keys)})]
+
+
+@benchmark("controller_memory_per_page")
+def controller_memory(quick: bool) -> list[BenchResult]:
+    """In-process: the controller's index is plain Python; no Ray needed to weigh it."""
+    pages = 50_000 if quick else 200_000
+    controller = Controller(RuntimeConfig(name="weigh"))
+    nodes = [f"{i:056x}" for i in range(4)]
+    for node in nodes:
+        controller.register_store(node, None)
+    keys = np.random.default_rng(0).integers(0, 2**63, pages, dtype=np.int64).tolist()
+    keys = [k << 64 | k for k in keys]  # 128-bit keys, like page_keys
+    for start in range(0, pages, 64):
+        chain = keys[start : start + 64]
+        controller.commit(None, chain, [nodes[(start // 64) % 4]] * len(chain), 0, {})
+    per_page = controller.index.memory_bytes() / len(controller.index)
+    plain = {k: (i % 4, 1) for i, k in enumerate(keys)}
+    plain_bytes = sys.getsizeof(plain) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in plain.items())
+    return [BenchResult("controller_memory_per_page_vs_dict", per_page, plain_bytes / pages, "bytes", None,
+                        {"pages": pages, "budget_bytes": 200, "within_budget": per_page <= 200})]

@@ -1,0 +1,31 @@
+"""kvray on Ray: per-node store actors, a metadata-only controller, and a client API.
+
+The only part of kvray that imports Ray. The pieces, from the bottom:
+
+- :mod:`~kvray.cluster.node_store`: one actor per node owning that node's tiers
+  (a :class:`kvray.store.PageStore`), placed with node affinity.
+- :mod:`~kvray.cluster.controller`: the global prefix index, page locations, heat, pins
+  and the placement of new pages (local node, or a consistent-hash ring when a request is
+  larger than a node keeps). No page byte passes through it.
+- :mod:`~kvray.cluster.client`: what engines and jobs call, one round trip per request:
+  lookup + pin, load, store, release. Same-node bytes move through shared memory
+  (:mod:`~kvray.cluster.shm`), cross-node bytes through Ray's object store or a
+  collective (gloo on CPU, NCCL on GPU), chosen by size.
+- :mod:`~kvray.cluster.runtime`: starting or joining Ray and placing the actors.
+- :mod:`~kvray.cluster.replay`: ``kvray run`` and ``kvray demo``, trace replay on all of it.
+
+Example::
+
+    from kvray.cluster import KvrayClient, RayConnection, Runtime, RuntimeConfig
+
+    with RayConnection(nodes=2):
+        runtime = Runtime.start(RuntimeConfig())
+        client = KvrayClient.connect(runtime.config.name)
+"""
+
+from kvray.cluster.client import KvrayClient, Loaded
+from kvray.cluster.config import RuntimeConfig
+from kvray.cluster.controller import Plan
+from kvray.cluster.runtime import RayConnection, Runtime
+
+__all__ = ["KvrayClient", "Loaded", "Plan", "RayConnection", "Runtime", "RuntimeConfig"]

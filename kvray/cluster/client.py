@@ -1,0 +1,235 @@
+"""The client API engines and jobs call: lookup + pin, load, store, release.
+
+Each verb covers a whole request with one controller round trip at most:
+
+- ``lookup(keys)``: the controller pins the cached prefix under a lease and says where each
+  cached page is and where each missing page should go (:class:`~kvray.cluster.controller.Plan`).
+- ``load(keys, plan)``: pages arrive in the client's :class:`LandingBuffer` rows ``0..n``,
+  from this node's store by shared memory, from other nodes by Ray's object store or, for
+  transfers of at least ``collective_min_bytes``, by the collective path (the peer store
+  sends straight into this node's store, which writes into the buffer). Runs of pages on
+  different nodes move concurrently.
+- ``store(keys, start, plan)``: rows ``start..`` of the buffer go to the nodes the plan
+  chose (same-node by shared memory, others by the object store), then the controller is
+  told, without waiting.
+- ``release(plan, loaded)``: unpins, reports hits per tier and any page the index promised
+  that a store no longer had (that page is a miss, never wrong KV: every store verifies
+  its checksums and ends the prefix at the first bad page).
+
+Example::
+
+    client = KvrayClient.connect("kvray")
+    keys = client.keys_for_trace(request.hash_ids)
+    plan = client.lookup(keys)
+    loaded = client.load(keys, plan)            # client.buffer.pages[:loaded.pages] hold the KV
+    ... compute the KV of the rest into client.buffer.pages[loaded.pages:len(keys)] ...
+    client.release(plan, loaded)
+    client.store(keys, loaded.pages, plan)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import ray
+import xxhash
+
+from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
+from kvray.cluster.controller import Plan
+from kvray.cluster.shm import LandingBuffer
+from kvray.errors import ClusterError, RequestError
+from kvray.keys import ModelFingerprint
+from kvray.tiers import Tier
+
+REMOTE = Tier.REMOTE.label
+STORE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
+
+
+@dataclass
+class Loaded:
+    """What ``load`` delivered: the first ``pages`` rows of the buffer, by tier and path."""
+
+    pages: int
+    by_tier: dict[str, int] = field(default_factory=dict)
+    lost: dict[str, list[int]] = field(default_factory=dict)
+    bytes_between_nodes: int = 0
+    paths: dict[str, int] = field(default_factory=dict)  # transfer path -> pages
+
+
+@dataclass(frozen=True)
+class _Run:
+    node: str
+    start: int
+    stop: int
+
+
+def _runs(nodes: Sequence[str], start: int) -> list[_Run]:
+    """Maximal runs of consecutive pages on one node, numbered from row ``start``."""
+    runs, row = [], start
+    for node, group in itertools.groupby(nodes):
+        n = sum(1 for _ in group)
+        runs.append(_Run(node, row, row + n))
+        row += n
+    return runs
+
+
+class KvrayClient:
+    """Per-process handle on a kvray runtime; see the module docstring."""
+
+    def __init__(self, config: RuntimeConfig, controller, node_id: str | None = None,
+                 buffer_pages: int | None = None, timeout_s: float = 60.0) -> None:
+        self.config = config
+        self.controller = controller
+        self.node_id = node_id or ray.get_runtime_context().get_node_id()
+        self.fingerprint = ModelFingerprint.of(config.layout, config.model_name)
+        self.page_nbytes = config.layout.page_nbytes
+        self.buffer = LandingBuffer.create(buffer_pages or config.max_request_pages, self.page_nbytes)
+        self.timeout_s = timeout_s
+        self.refresh()
+
+    @classmethod
+    def connect(cls, name: str = "kvray", **kwargs) -> KvrayClient:
+        """Find the runtime ``name`` on the connected Ray cluster."""
+        try:
+            controller = ray.get_actor(controller_name(name), namespace=NAMESPACE)
+        except ValueError:
+            raise ClusterError(f"no kvray runtime named {name!r} on this Ray cluster (namespace {NAMESPACE!r})") from None
+        config = ray.get(controller.runtime_config.remote())
+        return cls(config, controller, **kwargs)
+
+    def refresh(self) -> None:
+        """Re-read the live stores and their collective ranks from the controller."""
+        members = ray.get(self.controller.members.remote())
+        self.stores: dict[str, ray.actor.ActorHandle] = members["stores"]
+        self.ranks: dict[str, int] = members["ranks"]
+
+    @property
+    def local_store(self):
+        return self.stores.get(self.node_id)
+
+    def keys_for_trace(self, hash_ids: Sequence[int], salt: str = "") -> list[int]:
+        """Page keys of a trace request: its prefix-chained block ids bound to this model."""
+        seed = self.fingerprint.seed_key(salt)
+        return [xxhash.xxh3_128_intdigest(seed + h.to_bytes(8, "little")) for h in hash_ids]
+
+    def _check(self, keys: Sequence[int]) -> None:
+        if not keys:
+            raise RequestError("empty request: no page keys")
+        if len(keys) > self.buffer.capacity:
+            raise RequestError(f"request of {len(keys)} pages exceeds max_request_pages={self.buffer.capacity}")
+
+    # -- lookup + pin ---------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[int]) -> Plan:
+        self._check(keys)
+        return ray.get(self.controller.lookup_pin.remote(list(keys), self.node_id))
+
+    # -- load -----------------------------------------------------------------------------------
+    def load(self, keys: Sequence[int], plan: Plan) -> Loaded:
+        """Bring the plan's cached pages into buffer rows ``0..``; stops at the first page missing."""
+        pending = [(run, self._start_run(keys, run)) for run in _runs(plan.hit_nodes, 0)]
+        loaded = Loaded(0)
+        complete = True
+        for run, (path, ref) in pending:
+            got, by_tier = self._finish_run(run, path, ref)
+            if complete:
+                for tier, n in by_tier.items():
+                    loaded.by_tier[tier] = loaded.by_tier.get(tier, 0) + n
+                loaded.pages += got
+                loaded.paths[path] = loaded.paths.get(path, 0) + got
+                if path != "local":
+                    loaded.bytes_between_nodes += got * self.page_nbytes
+            if got < run.stop - run.start:
+                loaded.lost.setdefault(run.node, []).extend(keys[run.start + got : run.stop])
+                complete = False
+        return loaded
+
+    def _path(self, run: _Run) -> str:
+        if run.node == self.node_id:
+            return "local"
+        nbytes = (run.stop - run.start) * self.page_nbytes
+        collective_ok = self.config.collective and run.node in self.ranks and self.node_id in self.ranks
+        return "collective" if collective_ok and nbytes >= self.config.collective_min_bytes else "object_store"
+
+    def _start_run(self, keys: Sequence[int], run: _Run):
+        """Launch one run's transfer; returns (path, ref)."""
+        path = self._path(run)
+        sub = list(keys[run.start : run.stop])
+        store = self.stores.get(run.node)
+        if store is None:
+            return path, None
+        if path == "local":
+            return path, store.read_into.remote(sub, self.buffer.name, self.buffer.capacity, run.start)
+        if path == "collective":
+            pull = self.local_store.pull.remote(
+                sub, store, self.ranks[run.node], self.buffer.name, self.buffer.capacity, run.start
+            )
+            return path, pull
+        return path, store.get_pages.remote(sub)
+
+    def _finish_run(self, run: _Run, path: str, ref) -> tuple[int, dict[str, int]]:
+        if ref is None:
+            return 0, {}
+        try:
+            if path == "local":
+                return ray.get(ref, timeout=self.timeout_s)
+            if path == "collective":
+                try:
+                    got = ray.get(ref, timeout=self.timeout_s)
+                except ray.exceptions.RayTaskError:
+                    return 0, {}  # the peer died mid-transfer: gloo fails the receive
+                return got, {REMOTE: got}
+            pages = ray.get(ref, timeout=self.timeout_s)
+            self.buffer.pages[run.start : run.start + len(pages)] = pages
+            return len(pages), {REMOTE: len(pages)}
+        except STORE_ERRORS:
+            return 0, {}  # the node or its store is gone: these pages are misses
+
+    # -- release ----------------------------------------------------------------------------------
+    def release(self, plan: Plan, loaded: Loaded) -> None:
+        self.controller.release.remote(plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes)
+
+    # -- store --------------------------------------------------------------------------------------
+    def store(self, keys: Sequence[int], start: int, plan: Plan) -> int:
+        """Keep buffer rows ``start..len(keys)`` where the plan says; returns pages stored.
+
+        Each maximal run of pages bound for one node goes as one chain (same-node by shared
+        memory, others by the object store); the controller then learns the longest chain
+        that landed, continuing the cached prefix.
+        """
+        self._check(keys)
+        # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
+        targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
+        runs = _runs(targets, start)
+        refs = []
+        for run in runs:
+            store = self.stores.get(run.node)
+            sub = list(keys[run.start : run.stop])
+            if store is None:
+                refs.append(None)
+            elif run.node == self.node_id:
+                refs.append(store.write_from.remote(sub, self.buffer.name, self.buffer.capacity, run.start))
+            else:
+                refs.append(store.put_pages.remote(sub, self.buffer.pages[run.start : run.stop]))
+        stored, landed, dropped = 0, start, defaultdict(list)
+        for run, ref in zip(runs, refs):
+            try:
+                n, gone = ray.get(ref, timeout=self.timeout_s) if ref is not None else (0, [])
+            except STORE_ERRORS:
+                ref = None  # not kept: the node left while we wrote
+            else:
+                stored += n
+                dropped[run.node].extend(gone)
+            if ref is not None and landed == run.start:
+                landed = run.stop
+        parent = keys[start - 1] if start else None
+        self.controller.commit.remote(parent, list(keys[start:landed]), targets[: landed - start], start, dict(dropped))
+        return stored
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.release_buffer.remote(self.buffer.name)
+        self.buffer.close()
+

@@ -1,0 +1,96 @@
+"""Settings of the Ray runtime, validated once where they enter (CLI, scenario YAML).
+
+Example::
+
+    cfg = RuntimeConfig(tiers=TierSizes(host=128, disk=512), disk_root="/tmp/kvray", policy="lru")
+    cfg.store_config("node-a").disk_dir          # /tmp/kvray/kvray-node-a
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from kvray.config import PageLayout, StoreConfig, TierSizes, _Frozen
+from kvray.errors import PolicyError
+from kvray.policy import make_policy
+
+# The default page: 512 tokens (one Mooncake trace block) of a 2-layer slice of a
+# Qwen2.5-0.5B-shaped KV (2 KV heads, head dim 64, fp16): 512 KiB, small enough that a
+# demo replays hundreds of requests with real bytes on a 2-core, 24 GiB machine.
+DEFAULT_LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=64, page_tokens=512, dtype="float16")
+
+
+NAMESPACE = "kvray"  # the Ray namespace of every kvray actor
+
+
+def controller_name(name: str) -> str:
+    return f"{name}-controller"
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class RuntimeConfig(_Frozen):
+    """What every store actor and the controller of one kvray runtime share.
+
+    ``tiers`` are per node. Pages of a request go to the requesting engine's node when the
+    request fits in ``local_pages_limit`` pages (default: the node's host tier), otherwise
+    they spread over all nodes by consistent hashing. Cross-node loads of at least
+    ``collective_min_bytes`` use the collective path (gloo on CPU), smaller ones Ray's
+    object store.
+    """
+
+    name: str = Field(default="kvray", pattern=r"^[A-Za-z0-9_-]{1,40}$")
+    layout: PageLayout = DEFAULT_LAYOUT
+    model_name: str = "kvray-replay"
+    tiers: TierSizes = TierSizes(host=256)
+    policy: str = "lru"
+    disk_root: Path | None = None
+    checksum_memory: bool = False
+    collective: bool = True
+    collective_min_bytes: int = Field(default=16 << 20, ge=0)
+    local_pages_limit: int | None = Field(default=None, ge=0)
+    max_request_pages: int = Field(default=256, gt=0)
+    store_resources: dict[str, float] = {}
+
+    @model_validator(mode="after")
+    def _known_policy(self) -> RuntimeConfig:
+        try:
+            make_policy(self.policy)
+        except PolicyError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    @model_validator(mode="after")
+    def _fits(self) -> RuntimeConfig:
+        if self.tiers.disk and self.disk_root is None:
+            raise ValueError("tiers.disk > 0 needs disk_root")
+        need = (self.tiers.host + self.tiers.device) * self.layout.page_nbytes
+        have = physical_memory_bytes()
+        if need > have:
+            raise ValueError(
+                f"tiers: host+device of {self.tiers.host + self.tiers.device} pages x "
+                f"{self.layout.page_nbytes} bytes = {need / 2**30:.1f} GiB per node exceeds "
+                f"this machine's memory ({have / 2**30:.1f} GiB)"
+            )
+        return self
+
+    @property
+    def local_limit(self) -> int:
+        return self.tiers.host if self.local_pages_limit is None else self.local_pages_limit
+
+    def store_config(self, node_id: str) -> StoreConfig:
+        disk_dir = self.disk_root / f"{self.name}-{node_id[:16]}" if self.disk_root else None
+        return StoreConfig(
+            layout=self.layout,
+            model_name=self.model_name,
+            tiers=self.tiers,
+            disk_dir=disk_dir,
+            policy=self.policy,
+            checksum_memory=self.checksum_memory,
+            max_request_tokens=self.max_request_pages * self.layout.page_tokens,
+        )

@@ -1,0 +1,252 @@
+"""The controller actor: the cluster's metadata, and no page bytes.
+
+It keeps the global prefix index (:class:`~kvray.index.PrefixIndex`, with each page's
+node in the ``node`` column), the heat of every page, pins of pages being read, and the
+placement rule for new pages: the requesting engine's node when the request fits there,
+otherwise spread over all nodes by consistent hashing (:class:`HashRing`). Engines talk to
+it once per request (``lookup_pin`` answers the cached prefix, where each page lives and
+where each missing page should go) and report back without waiting (``release``,
+``commit``). Page bytes move between engines and store actors only.
+
+The index is kept honest three ways: stores report pages they evicted with every write;
+an engine reports pages the index promised but a store no longer had; a node that leaves
+has all its locations dropped (``remove_node``), and a store that restarts re-announces
+the pages its disk tier kept.
+
+Example::
+
+    plan = ray.get(controller.lookup_pin.remote(keys, my_node))
+    plan.hit_nodes          # node of each cached page, root first
+    plan.targets            # node for each page still to store
+    controller.release.remote(plan.lease, {"host": 3}, lost={})
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+
+from kvray.cluster.config import RuntimeConfig
+from kvray.cluster.hashring import HashRing
+from kvray.cluster.metrics import export_cluster_stats
+from kvray.index import ROOT, PrefixIndex
+from kvray.tiers import Tier
+
+NO_NODE = -1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The controller's answer to one request."""
+
+    lease: int
+    hit_nodes: list[str]
+    targets: list[str]
+
+    @property
+    def hit_pages(self) -> int:
+        return len(self.hit_nodes)
+
+
+class Controller:
+    """Global prefix index, page locations, heat, pins and placement; see the module doc."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        self.index = PrefixIndex()
+        self.ring = HashRing()
+        self.node_ids: list[str] = []
+        self._node_ix: dict[str, int] = {}
+        self.stores: dict[str, ray.actor.ActorHandle] = {}
+        self.ranks: dict[str, int] = {}
+        self._leases: dict[int, np.ndarray] = {}
+        self._next_lease = 0
+        self._doomed: set[int] = set()
+        self.lookups = 0
+        self.lookup_pages = 0
+        self.hit_pages: Counter = Counter()
+        self.bytes_between_nodes = 0
+        self.lost_pages = 0
+
+    # -- membership ---------------------------------------------------------------------
+    def register_store(self, node_id: str, store: ray.actor.ActorHandle, rank: int | None = None,
+                       kept_keys: Sequence[int] | None = None) -> None:
+        """Add a node's store; with ``kept_keys`` (a restart) forget what it no longer holds."""
+        if node_id not in self._node_ix:
+            self._node_ix[node_id] = len(self.node_ids)
+            self.node_ids.append(node_id)
+        self.stores[node_id] = store
+        if rank is None:
+            self.ranks.pop(node_id, None)  # a restarted store is outside the collective group
+        else:
+            self.ranks[node_id] = rank
+        self.ring.add(node_id)
+        if kept_keys is not None:
+            kept = set(kept_keys)
+            self._drop_where(self._on_node(node_id), lambda h: self.index.key_of(h) not in kept)
+
+    def remove_node(self, node_id: str) -> int:
+        """A node left: drop every page located there; returns how many."""
+        self.stores.pop(node_id, None)
+        self.ranks.pop(node_id, None)
+        self.ring.remove(node_id)
+        if node_id not in self._node_ix:
+            return 0
+        return self._drop_where(self._on_node(node_id), lambda h: True)
+
+    def runtime_config(self) -> RuntimeConfig:
+        return self.config
+
+    def members(self) -> dict:
+        """Live stores and their collective ranks (what clients route by)."""
+        return {"stores": dict(self.stores), "ranks": dict(self.ranks)}
+
+    def _handles(self) -> np.ndarray:
+        return np.fromiter(map(self.index.handle_of, self.index.keys()), dtype=np.int64, count=len(self.index))
+
+    def _on_node(self, node_id: str) -> np.ndarray:
+        handles = self._handles()
+        return handles[self.index.node[handles] == self._node_ix[node_id]]
+
+    def _drop_where(self, handles: np.ndarray, condition) -> int:
+        before = len(self.index)
+        for handle in handles.tolist():
+            if self._indexed(handle) and condition(handle):
+                self._drop(handle)
+        dropped = before - len(self.index)
+        self.lost_pages += dropped
+        return dropped
+
+    def _indexed(self, handle: int) -> bool:
+        try:
+            self.index.key_of(handle)
+        except KeyError:
+            return False  # went with an ancestor dropped earlier in the same sweep
+        return True
+
+    def _drop(self, handle: int) -> None:
+        """Forget a page and its descendants (they can never match without it).
+
+        If a reader holds any of them, the whole subtree waits in ``_doomed`` (invisible to
+        lookups) until its last lease ends.
+        """
+        subtree = self.index.subtree([handle])
+        if (self.index.pins[subtree] > 0).any():
+            self._doomed.add(handle)
+            return
+        for h in subtree:  # children before parents
+            self.index.remove(h)
+
+    # -- the per-request verbs ----------------------------------------------------------------
+    def lookup_pin(self, keys: Sequence[int], requester: str | None) -> Plan:
+        """Cached prefix of ``keys`` (pinned under a lease) and a node for each missing page."""
+        handles = self.index.lookup(keys)
+        handles = handles[: self._first_doomed(handles)]
+        self.index.pin(handles)
+        self.index.touch(handles)
+        self._next_lease += 1
+        self._leases[self._next_lease] = handles
+        self.lookups += 1
+        self.lookup_pages += len(keys)
+        hit_nodes = [self.node_ids[i] for i in self.index.node[handles].tolist()]
+        return Plan(self._next_lease, hit_nodes, self._place(keys[len(handles):], len(keys), requester))
+
+    def _first_doomed(self, handles: np.ndarray) -> int:
+        """Length of the chain before its first doomed page (its descendants are doomed too)."""
+        if self._doomed:
+            for i, h in enumerate(handles.tolist()):
+                if h in self._doomed:
+                    return i
+        return len(handles)
+
+    def _place(self, missing: Sequence[int], request_pages: int, requester: str | None) -> list[str]:
+        if not missing or not self.stores:
+            return []
+        if requester in self.stores and request_pages <= self.config.local_limit:
+            return [requester] * len(missing)
+        return self.ring.owners(missing)
+
+    def release(self, lease: int, hits_by_tier: Mapping[str, int], lost: Mapping[str, Sequence[int]],
+                bytes_between_nodes: int = 0) -> None:
+        """End a lease: unpin, count the hits the engine got, drop locations that failed."""
+        handles = self._leases.pop(lease)
+        self.index.unpin(handles)
+        self.hit_pages.update(hits_by_tier)
+        self.bytes_between_nodes += bytes_between_nodes
+        for node_id, keys in lost.items():
+            self.lost_pages += self._forget(node_id, keys)
+        for handle in list(self._doomed):
+            if not (self.index.pins[self.index.subtree([handle])] > 0).any():
+                self._doomed.discard(handle)
+                self._drop(handle)
+
+    def commit(self, parent_key: int | None, keys: Sequence[int], nodes: Sequence[str], depth: int,
+               dropped: Mapping[str, Sequence[int]]) -> int:
+        """Publish a chain of pages stores now hold (``keys[i]`` on ``nodes[i]``, the first one
+        a child of ``parent_key``); forget the pages stores report evicted. Returns pages added."""
+        for node_id, gone in dropped.items():
+            self._forget(node_id, gone)
+        parent = ROOT if parent_key is None else self.index.handle_of(parent_key)
+        added = 0
+        for i, (key, node_id) in enumerate(zip(keys, nodes)):
+            if parent is None or parent in self._doomed or node_id not in self._node_ix:
+                break  # the chain broke (its parent left meanwhile): the rest could never match
+            handle = self.index.handle_of(key)
+            if handle is None:
+                handle = self.index.add(key, Tier.HOST, 0, 0, parent=parent, depth=depth + i, node=self._node_ix[node_id])
+                added += 1
+            parent = handle
+        return added
+
+    def _forget(self, node_id: str, keys: Sequence[int]) -> int:
+        """Drop the pages among ``keys`` that the index places on ``node_id``; returns pages dropped."""
+        ix = self._node_ix.get(node_id, NO_NODE)
+        before = len(self.index)
+        for key in keys:
+            handle = self.index.handle_of(key)
+            if handle is not None and handle not in self._doomed and self.index.node[handle] == ix:
+                self._drop(handle)
+        return before - len(self.index)
+
+    # -- state ----------------------------------------------------------------------------------
+    def pages_by_node(self) -> dict[str, int]:
+        """Indexed pages per node (every node that ever joined, live or not)."""
+        counts = np.bincount(self.index.node[self._handles()], minlength=len(self.node_ids))
+        return {node: int(n) for node, n in zip(self.node_ids, counts.tolist())}
+
+    def snapshot(self) -> dict:
+        hits = sum(self.hit_pages.values())
+        snap = {
+            "nodes": list(self.stores),
+            "indexed_pages": len(self.index),
+            "pages_by_node": self.pages_by_node(),
+            "index_bytes": self.index.memory_bytes(),
+            "lookups": self.lookups,
+            "lookup_pages": self.lookup_pages,
+            "page_hit_rate": hits / self.lookup_pages if self.lookup_pages else 0.0,
+            "hit_pages_by_tier": dict(self.hit_pages),
+            "bytes_between_nodes": self.bytes_between_nodes,
+            "lost_pages": self.lost_pages,
+            "open_leases": len(self._leases),
+        }
+        export_cluster_stats(snap)
+        return snap
+
+    def status(self, timeout_s: float = 10.0) -> dict:
+        """Cluster snapshot plus every live store's tier stats (metadata calls only)."""
+        refs = {node: store.stats.remote() for node, store in self.stores.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        per_node = {}
+        for node, ref in refs.items():
+            try:
+                per_node[node] = ray.get(ref) if ref in ready else {"error": "no answer"}
+            except ray.exceptions.RayError as exc:
+                per_node[node] = {"error": type(exc).__name__}
+        return {"cluster": self.snapshot(), "stores": per_node}
+
+
+ControllerActor = ray.remote(max_restarts=0)(Controller)

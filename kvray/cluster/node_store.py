@@ -1,0 +1,200 @@
+"""The per-node store actor: one :class:`~kvray.store.PageStore` owning a node's tiers.
+
+It is placed on its node with node affinity and is the only process that touches that
+node's device, host and disk pools. Engines on the same node hand it a
+:class:`~kvray.cluster.shm.LandingBuffer` name once and then move whole requests with one
+call each (``read_into`` / ``write_from``): the store copies between its slots and the
+buffer, so page bytes never pass through Ray. Other nodes reach its pages through the
+object store (``get_pages`` returns one ``[n, page_nbytes]`` array, which Ray keeps in the
+object store and hands over zero-copy) or through the collective path (a peer's
+``pull`` asks this store to ``send_pages`` and receives them straight into its engine's
+landing buffer).
+
+Every page that leaves this store (evicted past the last tier, corrupt) is remembered and
+reported with the next write, so the controller's index never keeps it for long. A store
+that restarts (``max_restarts``) rebuilds its disk tier from the slot file and tells the
+controller which pages survived.
+
+Example::
+
+    store = NodeStoreActor.options(scheduling_strategy=on_node(node_id)).remote(config, node_id)
+    ray.get(store.write_from.remote(keys, buf.name, buf.capacity, 0))
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import ray
+import torch
+
+from kvray.cluster.config import NAMESPACE, RuntimeConfig
+from kvray.cluster.metrics import export_store_stats
+from kvray.cluster.shm import LandingBuffer
+from kvray.store import PageStore
+
+COLLECTIVE_GROUP = "kvray-pages"
+
+
+class NodeStore:
+    """Owns one node's tiers; see the module docstring."""
+
+    def __init__(self, config: RuntimeConfig, node_id: str | None, controller: str) -> None:
+        """``node_id`` None: wherever Ray placed it (by ``store_resources``, e.g. on a node the
+        autoscaler launched for it)."""
+        self.config = config
+        self.node_id = node_id = node_id or ray.get_runtime_context().get_node_id()
+        self.store = PageStore(config.store_config(node_id))
+        self.page_nbytes = config.layout.page_nbytes
+        self._dropped: list[int] = []
+        self._dropped_lock = threading.Lock()
+        self.store.manager.page_dropped = self._on_drop
+        self._buffers: dict[str, LandingBuffer] = {}
+        self._buffers_lock = threading.Lock()
+        self._rank: int | None = None
+        self._peer_locks: dict[int, threading.Lock] = {}
+        self.sent_bytes = 0
+        self.received_bytes = 0
+        context = ray.get_runtime_context()
+        self.restarted = context.was_current_actor_reconstructed
+        if self.restarted:  # the disk tier survived; the host tier and collective rank did not
+            ray.get(ray.get_actor(controller, namespace=NAMESPACE).register_store.remote(
+                node_id, context.current_actor, None, list(self.store.manager.index.keys())
+            ))
+
+    # -- bookkeeping -----------------------------------------------------------------
+    def _on_drop(self, key: int) -> None:
+        with self._dropped_lock:
+            self._dropped.append(key)
+
+    def _take_dropped(self) -> list[int]:
+        with self._dropped_lock:
+            dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def _buffer(self, name: str, capacity: int) -> LandingBuffer:
+        # Under a lock: two threads mapping the same new buffer would leave one mapping
+        # unreferenced, and its collection unmaps memory the other thread is copying.
+        with self._buffers_lock:
+            buf = self._buffers.get(name)
+            if buf is None:
+                buf = self._buffers[name] = LandingBuffer.attach(name, capacity, self.page_nbytes)
+        return buf
+
+    def info(self) -> dict:
+        """Node id, whether this incarnation is a restart, and the pages it holds."""
+        return {
+            "node_id": self.node_id,
+            "restarted": self.restarted,
+            "keys": list(self.store.manager.index.keys()),
+            "tiers": self.config.tiers.model_dump(),
+        }
+
+    # -- same-node data plane -----------------------------------------------------------
+    def read_into(self, keys: Sequence[int], buffer: str, capacity: int, row: int) -> tuple[int, dict[str, int]]:
+        """Copy the cached, verified prefix of ``keys`` into buffer rows ``row..``."""
+        pages = self._buffer(buffer, capacity).pages
+        return self._read(keys, lambda i: pages[row + i])
+
+    def write_from(self, keys: Sequence[int], buffer: str, capacity: int, row: int) -> tuple[int, list[int]]:
+        """Store buffer rows ``row..`` as one chain under ``keys``; returns (stored, keys dropped since the last report)."""
+        pages = self._buffer(buffer, capacity).pages[row : row + len(keys)]
+        stored = self.store.put_pages(keys, pages, self.store.fingerprint.digest)
+        return stored, self._take_dropped()
+
+    def _read(self, keys: Sequence[int], targets) -> tuple[int, dict[str, int]]:
+        """``PageStore.read_pages``, where a page evicted here but still in the controller's
+        index (the report is on its way) makes the run a miss rather than an error."""
+        try:
+            return self.store.read_pages(keys, targets)
+        except KeyError:
+            return 0, {}
+
+    def release_buffer(self, buffer: str) -> None:
+        with self._buffers_lock:
+            buf = self._buffers.pop(buffer, None)
+        if buf is not None:
+            buf.close()
+
+    # -- cross-node data plane: object store ----------------------------------------------
+    def get_pages(self, keys: Sequence[int]) -> np.ndarray:
+        """The cached, verified prefix of ``keys`` as one array (travels by object store)."""
+        pages = np.empty((len(keys), self.page_nbytes), dtype=np.uint8)
+        got, _ = self._read(keys, lambda i: pages[i])
+        self.sent_bytes += got * self.page_nbytes
+        return pages[:got]
+
+    def put_pages(self, keys: Sequence[int], pages: np.ndarray) -> tuple[int, list[int]]:
+        stored = self.store.put_pages(keys, pages, self.store.fingerprint.digest)
+        self.received_bytes += pages.nbytes
+        return stored, self._take_dropped()
+
+    # -- cross-node data plane: collective -------------------------------------------------
+    def init_collective(self, world_size: int, rank: int, backend: str = "gloo") -> int:
+        from ray.util import collective
+
+        collective.init_collective_group(world_size, rank, backend=backend, group_name=COLLECTIVE_GROUP)
+        self._rank = rank
+        return rank
+
+    def send_pages(self, keys: Sequence[int], dst_rank: int) -> int:
+        """Send the cached prefix of ``keys`` to ``dst_rank``: a page count, then the pages.
+
+        Only a peer's :meth:`pull` calls this, so sends to one peer never interleave.
+        """
+        from ray.util import collective
+
+        pages = self.get_pages(keys)
+        collective.send(torch.tensor([len(pages)], dtype=torch.int64), dst_rank, COLLECTIVE_GROUP)
+        if len(pages):
+            collective.send(torch.from_numpy(pages), dst_rank, COLLECTIVE_GROUP)
+        return len(pages)
+
+    def pull(self, keys: Sequence[int], source, src_rank: int, buffer: str, capacity: int, offset: int) -> int:
+        """Have ``source`` send the cached prefix of ``keys`` and receive it into buffer rows ``offset..``.
+
+        One pull per source at a time (a lock per peer): gloo matches sends and receives
+        of a pair in order, so two transfers between the same pair must not overlap.
+        """
+        from ray.util import collective
+
+        with self._peer_locks.setdefault(src_rank, threading.Lock()):
+            sent = source.send_pages.remote(list(keys), self._rank)
+            count = torch.zeros(1, dtype=torch.int64)
+            collective.recv(count, src_rank, COLLECTIVE_GROUP)
+            n = int(count.item())
+            if n:
+                pages = self._buffer(buffer, capacity).pages[offset : offset + n]
+                collective.recv(torch.from_numpy(pages), src_rank, COLLECTIVE_GROUP)
+            ray.get(sent)
+        self.received_bytes += n * self.page_nbytes
+        return n
+
+    # -- state ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        stats = self.store.stats()
+        stats.update(
+            node_id=self.node_id,
+            pages=len(self.store),
+            sent_bytes=self.sent_bytes,
+            received_bytes=self.received_bytes,
+            restarted=self.restarted,
+            time=time.time(),
+        )
+        export_store_stats(self.node_id[:12], stats)
+        return stats
+
+    def ping(self) -> str:
+        return self.node_id
+
+    def close(self) -> None:
+        for buf in self._buffers.values():
+            buf.close()
+        self._buffers.clear()
+        self.store.close()
+
+
+NodeStoreActor = ray.remote(max_restarts=3, max_task_retries=0, max_concurrency=8)(NodeStore)

@@ -1,0 +1,218 @@
+"""Trace replay on the Ray runtime: what ``kvray run`` and ``kvray demo`` do.
+
+Requests of a trace (:func:`kvray.traces.read_trace`) go in order, round-robin, to one
+:class:`~kvray.cluster.engine.ReplayEngine` per node, so a conversation's next turn often
+lands on another node and its prefix must come from there (or be recomputed). Each
+engine measures its own time to first token: lookup + pin, loading the hit pages with
+their real bytes, and computing the missed tokens (a calibrated matmul, see
+:mod:`~kvray.cluster.prefill`). Page keys come from the trace's block ids; only full
+512-token pages get keys (a partial last block is recomputed, as in vLLM).
+
+``bytes_moved`` counts page bytes moved between tiers inside the nodes plus page bytes
+moved between nodes. A node that disappears mid-replay costs the requests routed to it a
+retry on another engine and its pages become misses; a page whose bytes are wrong is
+counted in ``wrong_pages`` (``kvray run`` fails if any is).
+
+Example::
+
+    result = run_replay("data/traces/conversation_trace_first30min.jsonl", ReplaySettings(limit=200, nodes=2))
+    print(result.as_dict()["token_hit_rate"])
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import ray
+from pydantic import Field, model_validator
+
+from kvray.cluster.config import RuntimeConfig
+from kvray.cluster.engine import ReplayEngineActor
+from kvray.cluster.runtime import RayConnection, Runtime, alive_nodes, on_node
+from kvray.config import _Frozen, load_yaml, validate
+from kvray.errors import ClusterError
+from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
+
+ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+class ReplaySettings(_Frozen):
+    """A replay's shape: the runtime, the nodes, the prefill cost, how much of the trace.
+
+    A ``--scenario`` YAML file holds these fields (``runtime`` nested); the CLI's options
+    override them.
+    """
+
+    name: str = "default"
+    nodes: int = Field(default=1, ge=1, le=16)
+    runtime: RuntimeConfig = RuntimeConfig()
+    prefill_us_per_token: float = Field(default=5.0, ge=0)
+    limit: int | None = Field(default=None, gt=0)
+    object_store_mb: int = Field(default=150, ge=80)
+
+    @model_validator(mode="after")
+    def _pages_are_trace_blocks(self) -> ReplaySettings:
+        if self.runtime.layout.page_tokens != MOONCAKE_BLOCK_TOKENS:
+            raise ValueError(
+                f"runtime.layout.page_tokens must be {MOONCAKE_BLOCK_TOKENS}: one page per trace block"
+            )
+        return self
+
+
+@dataclass
+class ReplayResult:
+    """Measured outcome of a replay; ``as_dict`` has the keys ``kvray sim`` prints."""
+
+    policy: str
+    scenario: str
+    requests: int = 0
+    tokens: int = 0
+    hit_tokens: int = 0
+    hit_tokens_by_tier: Counter = field(default_factory=Counter)
+    ttft_s: list[float] = field(default_factory=list)
+    bytes_moved: int = 0
+    wrong_pages: int = 0
+    paths: Counter = field(default_factory=Counter)
+    lost_nodes: list[str] = field(default_factory=list)
+
+    def add(self, outcome: dict) -> None:
+        self.requests += 1
+        self.tokens += outcome["tokens"]
+        self.hit_tokens += outcome["hit_tokens"]
+        self.hit_tokens_by_tier.update(outcome["hit_tokens_by_tier"])
+        self.ttft_s.append(outcome["ttft_s"])
+        self.wrong_pages += outcome["wrong_pages"]
+        self.paths.update(outcome["paths"])
+
+    def as_dict(self) -> dict:
+        ttft_ms = np.asarray(self.ttft_s) * 1e3
+        return {
+            "requests": self.requests,
+            "tokens": self.tokens,
+            "hit_tokens": self.hit_tokens,
+            "token_hit_rate": self.hit_tokens / self.tokens if self.tokens else 0.0,
+            "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
+            "mean_ttft_ms": float(ttft_ms.mean()) if len(ttft_ms) else 0.0,
+            "p99_ttft_ms": float(np.percentile(ttft_ms, 99)) if len(ttft_ms) else 0.0,
+            "bytes_moved": self.bytes_moved,
+            "policy": self.policy,
+            "scenario": self.scenario,
+        }
+
+
+def settings_from(scenario: str | Path | None, runtime: dict, tiers: dict, replay: dict) -> ReplaySettings:
+    """A scenario file's settings (or the defaults) with the given options laid over them.
+
+    ``None`` values leave the scenario's value; the result is validated once, and errors
+    name the scenario file.
+    """
+    base = load_yaml(scenario, ReplaySettings).model_dump() if scenario else ReplaySettings().model_dump()
+    base["runtime"].update({k: v for k, v in runtime.items() if v is not None})
+    base["runtime"]["tiers"].update({k: v for k, v in tiers.items() if v is not None})
+    base.update({k: v for k, v in replay.items() if v is not None})
+    return validate(ReplaySettings, base, source=str(scenario or "kvray run options"))
+
+
+class Replay:
+    """Engines on every store node of a started runtime, and the loop that feeds them."""
+
+    def __init__(self, runtime: Runtime, settings: ReplaySettings) -> None:
+        self.runtime = runtime
+        self.settings = settings
+        self.engines = {
+            node: ReplayEngineActor.options(num_cpus=0, scheduling_strategy=on_node(node)).remote(
+                runtime.config.name, settings.prefill_us_per_token
+            )
+            for node in runtime.stores
+        }
+        ray.get([e.node_id.remote() for e in self.engines.values()])
+
+    def run(self, trace: list[TraceRequest], progress: bool = True,
+            on_request: Callable[[int], None] | None = None) -> ReplayResult:
+        """Replay ``trace``; ``on_request(i)`` runs before request ``i`` (fault injection)."""
+        result = ReplayResult(self.runtime.config.policy, self.settings.name)
+        with _progress(progress, len(trace), f"replay {result.policy}") as advance:
+            for i, request in enumerate(trace):
+                if on_request is not None:
+                    on_request(i)
+                result.add(self._serve(i, request, result))
+                advance()
+        stats = self.runtime.store_stats()
+        cluster = ray.get(self.runtime.controller.snapshot.remote())
+        result.bytes_moved = sum(s["bytes_moved"] for s in stats.values()) + cluster["bytes_between_nodes"]
+        return result
+
+    def _serve(self, i: int, request: TraceRequest, result: ReplayResult) -> dict:
+        while self.engines:
+            nodes = list(self.engines)
+            node = nodes[i % len(nodes)]
+            try:
+                return ray.get(self.engines[node].serve.remote(list(request.hash_ids), request.input_length))
+            except ENGINE_ERRORS:
+                self._lose_node(node, result)
+        raise ClusterError("every replay engine is gone: no node left to serve requests")
+
+    def _lose_node(self, node: str, result: ReplayResult) -> None:
+        """A node's engine died: drop the node's locations and let the others re-route."""
+        self.engines.pop(node)
+        result.lost_nodes.append(node)
+        self.runtime.node_lost(node)
+        for gone in set(self.runtime.stores) - set(alive_nodes()):
+            self.runtime.node_lost(gone)
+        ray.get([e.refresh.remote() for e in self.engines.values()])
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            try:
+                ray.get(engine.close.remote(), timeout=30)
+            except (*ENGINE_ERRORS, TimeoutError):
+                pass  # died with its node; its buffer went with it
+            ray.kill(engine)
+
+
+class _progress:
+    """A rich progress bar (or nothing) around the replay loop."""
+
+    def __init__(self, enabled: bool, total: int, label: str) -> None:
+        self.enabled, self.total, self.label = enabled, total, label
+
+    def __enter__(self) -> Callable[[], None]:
+        if not self.enabled:
+            return lambda: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+
+        self.bar = Progress("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            TimeRemainingColumn(), transient=True)
+        self.bar.__enter__()
+        task = self.bar.add_task(self.label, total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.bar.__exit__(*exc)
+
+
+def replay_on_runtime(trace: list[TraceRequest], settings: ReplaySettings, progress: bool = True,
+                      on_request: Callable[[int], None] | None = None) -> ReplayResult:
+    """Start a runtime on the connected Ray, replay ``trace`` on it, and tear it down."""
+    runtime = Runtime.start(settings.runtime)
+    replay = None
+    try:
+        replay = Replay(runtime, settings)
+        return replay.run(trace, progress=progress, on_request=on_request)
+    finally:
+        if replay is not None:
+            replay.close()
+        runtime.close()
+
+
+def run_replay(trace_path: str | Path, settings: ReplaySettings, address: str | None = None,
+               progress: bool = True) -> ReplayResult:
+    """``kvray run``: read the trace, connect to (or start) Ray, replay, report."""
+    trace = read_trace(trace_path, limit=settings.limit)
+    with RayConnection(address=address, nodes=settings.nodes, object_store_mb=settings.object_store_mb):
+        return replay_on_runtime(trace, settings, progress=progress)

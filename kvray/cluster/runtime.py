@@ -1,0 +1,155 @@
+"""Starting kvray on Ray: the connection, the controller and one store actor per node.
+
+:class:`RayConnection` decides which Ray to use: an existing cluster (``address`` or
+``RAY_ADDRESS``), ``nodes`` local nodes through ``ray.cluster_utils.Cluster`` (separate
+raylets and object stores on one machine), or an embedded single-node Ray.
+:class:`Runtime` then places a controller and a :class:`~kvray.cluster.node_store.NodeStore`
+on every live node (node affinity, so a store never wanders off the node whose tiers it
+owns) and joins the stores in one collective group for the collective transfer path.
+
+All kvray actors live in the Ray namespace ``kvray`` under names derived from
+``RuntimeConfig.name``, so a job, an engine or ``kvray status`` finds them by name.
+
+Example::
+
+    with RayConnection(nodes=3) as ray_conn:
+        runtime = Runtime.start(RuntimeConfig(tiers=TierSizes(host=64)))
+        client = KvrayClient.connect(runtime.config.name)
+        ...
+        runtime.close()
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
+from kvray.cluster.controller import ControllerActor
+from kvray.cluster.node_store import NodeStoreActor
+from kvray.errors import ClusterError
+
+
+def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+def store_name(name: str, node_id: str) -> str:
+    return f"{name}-store-{node_id[:16]}"
+
+
+class RayConnection:
+    """Connect to (or start) Ray; a context manager that shuts down what it started.
+
+    ``nodes`` > 1 starts that many local nodes (the head plus workers), each with
+    ``cpus_per_node`` CPUs and an object store of ``object_store_mb``.
+    """
+
+    def __init__(self, address: str | None = None, nodes: int = 1, cpus_per_node: int = 1,
+                 object_store_mb: int = 200) -> None:
+        self.address = address or os.environ.get("RAY_ADDRESS") or None
+        self.nodes = nodes
+        self.cpus_per_node = cpus_per_node
+        self.object_store_bytes = object_store_mb << 20
+        self.cluster = None
+
+    def __enter__(self) -> RayConnection:
+        if self.address:
+            ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
+        elif self.nodes > 1:
+            from ray.cluster_utils import Cluster
+
+            self.cluster = Cluster(initialize_head=True, head_node_args={**self._node_args(), "include_dashboard": False})
+            for _ in range(self.nodes - 1):
+                self.cluster.add_node(**self._node_args())
+            self.cluster.wait_for_nodes()
+            ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        else:
+            ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, **self._node_args())
+        return self
+
+    def _node_args(self) -> dict:
+        return {"num_cpus": self.cpus_per_node, "object_store_memory": self.object_store_bytes}
+
+    def __exit__(self, *exc) -> None:
+        ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+
+
+def alive_nodes(resources: dict[str, float] | None = None) -> list[str]:
+    """Ids of live nodes that offer ``resources``."""
+    needed = resources or {}
+    return [
+        n["NodeID"]
+        for n in ray.nodes()
+        if n["Alive"] and all(n["Resources"].get(r, 0) >= q for r, q in needed.items())
+    ]
+
+
+class Runtime:
+    """The controller and store actors of one kvray instance (see the module docstring)."""
+
+    def __init__(self, config: RuntimeConfig, controller, stores: dict) -> None:
+        self.config = config
+        self.controller = controller
+        self.stores = stores
+
+    @classmethod
+    def start(cls, config: RuntimeConfig) -> Runtime:
+        nodes = alive_nodes(config.store_resources)
+        if not nodes:
+            raise ClusterError(f"no live Ray node offers {config.store_resources or 'any resources'} for a store")
+        here = ray.get_runtime_context().get_node_id()
+        controller = ControllerActor.options(  # beside the driver: it lives as long as the job does
+            name=controller_name(config.name),
+            namespace=NAMESPACE,
+            num_cpus=0,
+            scheduling_strategy=on_node(here if here in alive_nodes() else nodes[0]),
+        ).remote(config)
+        stores = {node: spawn_store(config, node) for node in nodes}
+        ray.get([s.ping.remote() for s in stores.values()])
+        ranks: dict[str, int | None] = dict.fromkeys(stores)
+        if config.collective and len(stores) > 1:
+            ranks = dict(zip(stores, ray.get([s.init_collective.remote(len(stores), r) for r, s in enumerate(stores.values())])))
+        ray.get([controller.register_store.remote(node, store, ranks[node]) for node, store in stores.items()])
+        return cls(config, controller, stores)
+
+    def node_lost(self, node_id: str) -> int:
+        """Tell the controller a node left; returns how many page locations it dropped."""
+        self.stores.pop(node_id, None)
+        return ray.get(self.controller.remove_node.remote(node_id))
+
+    def store_stats(self) -> dict[str, dict]:
+        refs = {node: store.stats.remote() for node, store in self.stores.items()}
+        stats = {}
+        for node, ref in refs.items():
+            try:
+                stats[node] = ray.get(ref, timeout=30)
+            except (ray.exceptions.RayError, TimeoutError):
+                continue  # a store on a node that left has no stats to give
+        return stats
+
+    def close(self) -> None:
+        """Release the stores' memory (shared segments, disk files stay) and stop the actors."""
+        for store in self.stores.values():
+            try:
+                ray.get(store.close.remote(), timeout=30)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # already gone with its node
+            ray.kill(store, no_restart=True)
+        ray.kill(self.controller, no_restart=True)
+        self.stores = {}
+
+
+def spawn_store(config: RuntimeConfig, node_id: str):
+    """A store actor pinned to ``node_id``, asking for the runtime's store resources."""
+    return NodeStoreActor.options(
+        name=store_name(config.name, node_id),
+        namespace=NAMESPACE,
+        num_cpus=0,
+        resources=dict(config.store_resources),
+        scheduling_strategy=on_node(node_id),
+    ).remote(config, node_id, controller_name(config.name))
