@@ -48,13 +48,19 @@ def bench(
 def demo(
     requests: int = typer.Option(400, "--requests", help="requests of the bundled conversation trace to replay"),
     nodes: int = typer.Option(2, "--nodes", min=2, help="local Ray nodes to start"),
-    out: str = typer.Option("results", "--out", help="directory for the JSON and the plot"),
+    out: str = typer.Option("results", "--out", help="directory for the JSON and the plots"),
+    chat_turns: int = typer.Option(4, "--chat-turns", min=0, help="turns of the real-model conversation (0: skip)"),
 ) -> None:
-    """Replay a slice of the real conversation trace on local Ray nodes; compare policies."""
+    """Replay a slice of the real conversation trace on local Ray nodes and compare policies;
+    then serve a multi-turn conversation on a real (random-weight) Llama, with and without kvray."""
     from kvray.cluster.demo import run_demo
 
     with reported_errors():
         run_demo(requests=requests, nodes=nodes, out_dir=out, console=console)
+    if chat_turns:
+        from kvray.engines.demo import conversation_demo
+
+        conversation_demo(turns=chat_turns, console=Console(), plot=Path(out) / "chat_ttft.png")
 
 
 @app.command()

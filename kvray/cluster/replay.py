@@ -101,6 +101,7 @@ class ReplayResult:
             "bytes_moved": self.bytes_moved,
             "policy": self.policy,
             "scenario": self.scenario,
+            "wrong_pages": self.wrong_pages,
         }
 
 
