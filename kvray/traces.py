@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,15 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+
+
+def full_blocks(hash_ids: Sequence[int], input_length: int, block_tokens: int) -> Sequence[int]:
+    """The block ids of a request that can be cached: its full ``block_tokens`` blocks.
+
+    A partial last block is recomputed, never cached (as in vLLM): the runtime keys only
+    full pages, and the simulator follows the same rule so their hits agree.
+    """
+    return hash_ids[: min(input_length // block_tokens, len(hash_ids))]
 
 
 def _request(row: object, where: str) -> TraceRequest:

@@ -203,16 +203,20 @@ class KvrayClient:
         # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
         targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
         runs = _runs(targets, start)
+        nodes = plan.hit_nodes[:start] + targets  # where each page of the request lives
         refs = []
         for run in runs:
             store = self.stores.get(run.node)
             sub = list(keys[run.start : run.stop])
+            # A chain continuing a prefix on the same node joins it there (evicting the
+            # parent then drops it too, as in the simulator); otherwise it starts a root.
+            parent = keys[run.start - 1] if run.start and nodes[run.start - 1] == run.node else None
             if store is None:
                 refs.append(None)
             elif run.node == self.node_id:
-                refs.append(store.write_from.remote(sub, self.buffer.name, self.buffer.capacity, run.start))
+                refs.append(store.write_from.remote(sub, self.buffer.name, self.buffer.capacity, run.start, parent))
             else:
-                refs.append(store.put_pages.remote(sub, self.buffer.pages[run.start : run.stop]))
+                refs.append(store.put_pages.remote(sub, self.buffer.pages[run.start : run.stop], parent))
         stored, landed, dropped = 0, start, defaultdict(list)
         for run, ref in zip(runs, refs):
             try:

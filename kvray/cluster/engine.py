@@ -23,6 +23,7 @@ import torch
 
 from kvray.cluster.client import KvrayClient
 from kvray.cluster.prefill import PrefillWorkload
+from kvray.traces import full_blocks
 
 
 class PagePattern:
@@ -65,8 +66,7 @@ class ReplayEngine:
     def serve(self, hash_ids: list[int], input_length: int) -> dict:
         """Serve one request; returns its measured TTFT and what the cache gave it."""
         t0 = time.perf_counter()
-        full_pages = min(input_length // self.page_tokens, len(hash_ids))
-        keys = self.client.keys_for_trace(hash_ids[:full_pages])
+        keys = self.client.keys_for_trace(full_blocks(hash_ids, input_length, self.page_tokens))
         rows = self.client.buffer.pages
         hit, by_tier, paths, plan, loaded = 0, {}, {}, None, None
         if keys:

@@ -99,10 +99,12 @@ class NodeStore:
         pages = self._buffer(buffer, capacity).pages
         return self._read(keys, lambda i: pages[row + i])
 
-    def write_from(self, keys: Sequence[int], buffer: str, capacity: int, row: int) -> tuple[int, list[int]]:
-        """Store buffer rows ``row..`` as one chain under ``keys``; returns (stored, keys dropped since the last report)."""
+    def write_from(self, keys: Sequence[int], buffer: str, capacity: int, row: int,
+                   parent_key: int | None = None) -> tuple[int, list[int]]:
+        """Store buffer rows ``row..`` as one chain under ``keys`` (after ``parent_key``'s page, if
+        given); returns (stored, keys dropped since the last report)."""
         pages = self._buffer(buffer, capacity).pages[row : row + len(keys)]
-        stored = self.store.put_pages(keys, pages, self.store.fingerprint.digest)
+        stored = self.store.put_pages(keys, pages, self.store.fingerprint.digest, parent_key)
         return stored, self._take_dropped()
 
     def _read(self, keys: Sequence[int], targets) -> tuple[int, dict[str, int]]:
@@ -127,8 +129,8 @@ class NodeStore:
         self.sent_bytes += got * self.page_nbytes
         return pages[:got]
 
-    def put_pages(self, keys: Sequence[int], pages: np.ndarray) -> tuple[int, list[int]]:
-        stored = self.store.put_pages(keys, pages, self.store.fingerprint.digest)
+    def put_pages(self, keys: Sequence[int], pages: np.ndarray, parent_key: int | None = None) -> tuple[int, list[int]]:
+        stored = self.store.put_pages(keys, pages, self.store.fingerprint.digest, parent_key)
         self.received_bytes += pages.nbytes
         return stored, self._take_dropped()
 

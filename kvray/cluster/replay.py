@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import ray
+import yaml
 from pydantic import Field, model_validator
 
 from kvray.cluster.config import RuntimeConfig
@@ -35,6 +36,7 @@ from kvray.cluster.engine import ReplayEngineActor
 from kvray.cluster.runtime import RayConnection, Runtime, alive_nodes, on_node
 from kvray.config import _Frozen, load_yaml, validate
 from kvray.errors import ClusterError
+from kvray.sim.cost import Scenario, load_scenario
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
 
 ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -105,13 +107,43 @@ class ReplayResult:
         }
 
 
+def settings_of_sim_scenario(scenario: Scenario) -> dict:
+    """What a ``kvray sim`` scenario (e.g. from ``kvray calibrate``) means for ``kvray run``:
+    one node with the scenario's page layout and device/host/disk sizes, prefill at its
+    ``prefill_us_per_token``. Replaying one trace both ways then compares the simulator with
+    the runtime (docs/sim-eval/README.md); the runtime's stand-in prefill has no fixed cost
+    and serves requests back to back, so a comparison scenario sets ``prefill_overhead_ms: 0``
+    and enough ``servers`` that no request queues. A ``remote`` tier has no meaning on one node.
+    """
+    tiers = {name: spec.capacity_pages for name, spec in scenario.tiers.items() if name != "remote"}
+    runtime = RuntimeConfig().model_dump() | {"layout": scenario.layout.model_dump(), "tiers": tiers}
+    return ReplaySettings().model_dump() | {
+        "name": scenario.name, "nodes": 1, "runtime": runtime,
+        "prefill_us_per_token": scenario.compute.prefill_us_per_token,
+    }
+
+
+def _is_sim_scenario(path: str | Path) -> bool:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # load_yaml reports it, naming the file
+    return isinstance(data, dict) and "compute" in data
+
+
 def settings_from(scenario: str | Path | None, runtime: dict, tiers: dict, replay: dict) -> ReplaySettings:
     """A scenario file's settings (or the defaults) with the given options laid over them.
 
+    The file holds replay settings or a simulator scenario (see :func:`settings_of_sim_scenario`).
     ``None`` values leave the scenario's value; the result is validated once, and errors
     name the scenario file.
     """
-    base = load_yaml(scenario, ReplaySettings).model_dump() if scenario else ReplaySettings().model_dump()
+    if scenario is None:
+        base = ReplaySettings().model_dump()
+    elif _is_sim_scenario(scenario):
+        base = settings_of_sim_scenario(load_scenario(scenario))
+    else:
+        base = load_yaml(scenario, ReplaySettings).model_dump()
     base["runtime"].update({k: v for k, v in runtime.items() if v is not None})
     base["runtime"]["tiers"].update({k: v for k, v in tiers.items() if v is not None})
     base.update({k: v for k, v in replay.items() if v is not None})

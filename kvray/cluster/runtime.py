@@ -67,7 +67,9 @@ class RayConnection:
             self.cluster.wait_for_nodes()
             ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
         else:
-            ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, **self._node_args())
+            # address="local": a fresh instance even when another Ray runs on this machine
+            ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
+                     **self._node_args())
         return self
 
     def _node_args(self) -> dict:

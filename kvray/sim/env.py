@@ -37,7 +37,7 @@ from kvray.policy.features import CANDIDATES, DROP_COST, FEATURES, FeaturePolicy
 from kvray.sim.cost import Scenario
 from kvray.sim.simulator import Simulator, next_uses, session_of
 from kvray.tiers import Tier
-from kvray.traces import TraceRequest, unique_blocks
+from kvray.traces import TraceRequest, full_blocks, unique_blocks
 
 Decisions = Generator[np.ndarray, int, None]
 
@@ -108,7 +108,7 @@ class PlacementEnv(gym.Env):
             self._learn_future(i)
             hit_tiers, ttft = sim.begin(request)
             self.ttft_ms.append(ttft)
-            keys, tenant = request.hash_ids, session_of(request)
+            keys, tenant = full_blocks(request.hash_ids, request.input_length, sim.block_tokens), session_of(request)
             parent = ROOT if not hit_tiers else manager.index.handle_of(keys[len(hit_tiers) - 1])
             for depth in range(len(hit_tiers), len(keys)):
                 ctx = PageContext(depth=depth, request_pages=len(keys), tenant=tenant)

@@ -35,7 +35,7 @@ from kvray.policy.base import PageContext, PlacementPolicy, RequestInfo
 from kvray.sim.cost import CostModel, PrefillQueue, Scenario
 from kvray.sim.report import ReplayResult, ReplayTally, hit_tokens
 from kvray.tiers import Tier
-from kvray.traces import TraceRequest, unique_blocks
+from kvray.traces import TraceRequest, full_blocks, unique_blocks
 
 LABELS = [t.label for t in Tier]
 
@@ -114,7 +114,7 @@ class Simulator:
     def begin(self, request: TraceRequest, future: np.ndarray | None = None) -> tuple[list[str], float]:
         """Everything of serving a request but storing its new pages: lookup, modeled TTFT,
         hit recording and promotion."""
-        keys = request.hash_ids
+        keys = full_blocks(request.hash_ids, request.input_length, self.block_tokens)
         manager = self.manager
         backlog = self.queue.backlog_ms(request.timestamp_ms)
         self.policy.on_request(RequestInfo(keys, backlog, self.tier_cost, future))
@@ -133,7 +133,8 @@ class Simulator:
         """Keep the request's pages from ``first`` on where the policy admits them, each
         under its parent, stopping at the first page not kept (its descendants could never
         match): the same steps, in the same order, as :meth:`kvray.store.PageStore.store`."""
-        keys, manager, index = request.hash_ids, self.manager, self.manager.index
+        keys = full_blocks(request.hash_ids, request.input_length, self.block_tokens)
+        manager, index = self.manager, self.manager.index
         tenant = session_of(request)
         parent = ROOT if first == 0 else index.handle_of(keys[first - 1])
         for depth in range(first, len(keys)):
