@@ -5,7 +5,7 @@ Hits must agree exactly for the deterministic policies: both run the same CacheM
 policy over the same full-page keys in the same order. Mean TTFT is measured on the runtime
 (Ray round trips, real page copies, a calibrated matmul prefill) and modeled by the
 simulator; on this shared 2-core machine the measured figure moves with whatever else runs,
-so the test asserts a looser bound (runtime within 0.7x..2x of the model) than the 15% goal
+so the test asserts a looser bound (runtime within 0.8x..2x of the model) than the 15% goal
 and prints the gap; docs/sim-eval/README.md holds figures measured on a quiet machine.
 """
 
@@ -65,7 +65,7 @@ def test_lru_hits_agree_exactly_and_mean_ttft_is_predicted(one_node):
     ratio = measured["mean_ttft_ms"] / simulated["mean_ttft_ms"]
     print(f"mean TTFT: sim {simulated['mean_ttft_ms']:.1f} ms, runtime {measured['mean_ttft_ms']:.1f} ms, "
           f"runtime/sim {ratio:.2f}")
-    assert 0.7 <= ratio <= 2.0
+    assert 0.8 <= ratio <= 2.0
 
 
 @pytest.mark.parametrize("policy", ["lfu", "arc"])
