@@ -19,9 +19,9 @@ import ray
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.cluster.controller import REBUILD_WAIT_S
 from kvray.cluster.engine import PagePattern
-from kvray.cluster.replay import Replay, ReplaySettings
 from kvray.config import PageLayout, TierSizes
 from kvray.traces import read_trace
+from tests.test_cluster_faults import replay_with_fault
 from tests.test_cluster_replay import TRACE
 
 pytestmark = [pytest.mark.ray, pytest.mark.fault]
@@ -59,7 +59,6 @@ def test_a_killed_controller_is_restarted_and_rebuilds_its_index_from_the_stores
     config, runtime = start(tiers=TierSizes(host=300))
     nodes = sorted(runtime.stores)
     trace = read_trace(TRACE)[1000:1040]
-    replay = Replay(runtime, ReplaySettings(name="controller-kill", nodes=3, runtime=config, prefill_us_per_token=1.0))
     seen: dict = {}
 
     def kill_at_half(i: int) -> None:
@@ -93,12 +92,7 @@ def test_a_killed_controller_is_restarted_and_rebuilds_its_index_from_the_stores
         seen["rebuilt"] = indexed_keys(runtime.controller)
         seen["nodes"] = snap["nodes"]
 
-    try:
-        result = replay.run(trace, progress=False, on_request=kill_at_half)
-        after = ray.get(runtime.controller.snapshot.remote())
-    finally:
-        replay.close()
-        runtime.close()
+    result, after = replay_with_fault(runtime, trace, kill_at_half)
     acknowledged = seen["indexed"] & seen["held"]
     lost = acknowledged - seen["rebuilt"]
     report("controller killed mid-replay", requests=result.requests + 1, wrong_pages=result.wrong_pages,
@@ -115,9 +109,8 @@ def test_a_killed_controller_is_restarted_and_rebuilds_its_index_from_the_stores
 def test_a_store_actor_killed_mid_replay_costs_misses_never_wrong_kv(ray_cluster):
     """One node's store process dies halfway (the node stays); Ray restarts it empty (no disk
     tier), the controller forgets its pages, the replay completes without wrong KV."""
-    config, runtime = start(tiers=TierSizes(host=300))
+    _, runtime = start(tiers=TierSizes(host=300))
     trace = read_trace(TRACE)[1000:1040]
-    replay = Replay(runtime, ReplaySettings(name="store-kill", nodes=3, runtime=config, prefill_us_per_token=1.0))
     victim = next(iter(runtime.stores))
     seen: dict = {}
 
@@ -128,20 +121,18 @@ def test_a_store_actor_killed_mid_replay_costs_misses_never_wrong_kv(ray_cluster
             ray.kill(runtime.stores[victim], no_restart=False)
             seen["t0"] = time.monotonic()
 
-    try:
-        result = replay.run(trace, progress=False, on_request=kill_at_half)
+    def inspect() -> tuple:
         deadline = time.monotonic() + 60
         while not ray.get(runtime.stores[victim].info.remote())["restarted"]:
             assert time.monotonic() < deadline, "the store actor did not come back"
             time.sleep(0.1)
         recovery_s = time.monotonic() - seen["t0"]
-        after = ray.get(runtime.controller.snapshot.remote())
         on_victim = set(ray.get(runtime.controller.__ray_call__.remote(
             lambda self: [self.index.key_of(h) for h in self._on_node(victim).tolist()])))
         victim_holds = {key for key, _ in ray.get(runtime.stores[victim].holdings.remote())["pages"]}
-    finally:
-        replay.close()
-        runtime.close()
+        return recovery_s, ray.get(runtime.controller.snapshot.remote()), on_victim, victim_holds
+
+    result, (recovery_s, after, on_victim, victim_holds) = replay_with_fault(runtime, trace, kill_at_half, inspect)
     report("store actor killed mid-replay", requests=result.requests, wrong_pages=result.wrong_pages,
            pages_on_killed_store=seen["before"], pages_forgotten=after["lost_pages"], recovery_s=round(recovery_s, 2))
     assert result.requests == len(trace) and result.wrong_pages == 0

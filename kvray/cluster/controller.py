@@ -95,11 +95,13 @@ class Controller:
         """
         t0 = time.perf_counter()
         prefix = store_name(self.config.name, "")
-        stores = [
-            ray.get_actor(a["name"], namespace=NAMESPACE)
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)
-        ]
+        stores = []
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["namespace"] == NAMESPACE and actor["name"].startswith(prefix):
+                try:
+                    stores.append(ray.get_actor(actor["name"], namespace=NAMESPACE))
+                except ValueError:
+                    continue  # stopped since it was listed
         refs = [store.holdings.remote() for store in stores]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=REBUILD_WAIT_S)
         children: dict[int | None, list[tuple[int, str]]] = defaultdict(list)
