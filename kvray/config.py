@@ -119,6 +119,8 @@ def load_yaml(path: str | Path, model: type[BaseModel]) -> Any:
         data = yaml.safe_load(path.read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     return validate(model, data, source=str(path))

@@ -78,7 +78,7 @@ def runs(page: np.ndarray) -> list[np.ndarray]:
     layer and K/V for a page sliced out of a request)."""
     if page.flags.c_contiguous:
         return [page.reshape(-1)]
-    return [page[index].reshape(-1) for index in np.ndindex(page.shape[:2])]
+    return [block.reshape(-1) for layer in page for block in layer]
 
 
 def copy_page(dst: np.ndarray | torch.Tensor, src: np.ndarray | torch.Tensor) -> None:
@@ -88,16 +88,20 @@ def copy_page(dst: np.ndarray | torch.Tensor, src: np.ndarray | torch.Tensor) ->
     (numpy walks a 4-D view row by row); numpy on the host is a plain memcpy, free of
     torch's thread-pool stalls on a busy machine; torch when a side is on an accelerator.
     """
-    view, flat = (dst, src) if dst.ndim > 1 else (src, dst)
+    into_view = dst.ndim > 1
+    view, flat = (dst, src) if into_view else (src, dst)
+    on_host = isinstance(flat, np.ndarray)
     offset = 0
     for run in runs(view):
         part = flat[offset : offset + run.size]
         offset += run.size
-        if isinstance(part, np.ndarray):
-            np.copyto(*((run, part) if view is dst else (part, run)))
+        if not on_host:
+            run = torch.from_numpy(run)
+        target, source = (run, part) if into_view else (part, run)
+        if on_host:
+            np.copyto(target, source)
         else:
-            host = torch.from_numpy(run)
-            (host.copy_(part) if view is dst else part.copy_(host))
+            target.copy_(source)
 
 
 def hash_page(page: np.ndarray) -> int:

@@ -22,6 +22,19 @@ LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=16, page_tokens=512, dtype="f
 _names = itertools.count()
 
 
+def replay_with_fault(runtime: Runtime, trace, fault, inspect=None) -> tuple:
+    """Replay ``trace`` on ``runtime`` with ``fault(i)`` run before request ``i``; returns the
+    result and what ``inspect()`` (default: the controller's snapshot) saw before teardown."""
+    replay = Replay(runtime, ReplaySettings(name="fault", nodes=len(runtime.stores), runtime=runtime.config,
+                                            prefill_us_per_token=1.0))
+    try:
+        result = replay.run(trace, progress=False, on_request=fault)
+        return result, (inspect or (lambda: ray.get(runtime.controller.snapshot.remote())))()
+    finally:
+        replay.close()
+        runtime.close()
+
+
 def test_a_node_removed_mid_replay_costs_misses_never_wrong_kv(ray_cluster):
     """A fourth node joins, takes part, and is removed (raylet, store and engine die)
     halfway through; the replay finishes and the index forgets the node's pages."""
@@ -31,7 +44,6 @@ def test_a_node_removed_mid_replay_costs_misses_never_wrong_kv(ray_cluster):
     runtime = Runtime.start(config)
     assert doomed.node_id in runtime.stores and len(runtime.stores) == 4
     trace = read_trace(TRACE)[1000:1040]
-    replay = Replay(runtime, ReplaySettings(name="fault", nodes=4, runtime=config, prefill_us_per_token=1.0))
     before = {}
 
     def remove_at_half(i: int) -> None:
@@ -39,12 +51,7 @@ def test_a_node_removed_mid_replay_costs_misses_never_wrong_kv(ray_cluster):
             before.update(ray.get(runtime.controller.pages_by_node.remote()))
             ray_cluster.remove_node(doomed)
 
-    try:
-        result = replay.run(trace, progress=False, on_request=remove_at_half)
-        after = ray.get(runtime.controller.snapshot.remote())
-    finally:
-        replay.close()
-        runtime.close()
+    result, after = replay_with_fault(runtime, trace, remove_at_half)
     assert result.requests == len(trace) and result.wrong_pages == 0
     assert result.lost_nodes == [doomed.node_id]
     assert before[doomed.node_id] > 0  # the node held pages when it went

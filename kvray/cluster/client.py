@@ -16,6 +16,10 @@ Each verb covers a whole request with one controller round trip at most:
   that a store no longer had (that page is a miss, never wrong KV: every store verifies
   its checksums and ends the prefix at the first bad page).
 
+While the controller is down (Ray restarts it and it rebuilds its index from the stores),
+``lookup`` answers a miss with nothing to store (lease ``NO_LEASE``) instead of failing:
+the engine computes the KV itself, as on any miss.
+
 Example::
 
     client = KvrayClient.connect("kvray")
@@ -38,14 +42,14 @@ import ray
 import xxhash
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
-from kvray.cluster.controller import Plan
+from kvray.cluster.controller import NO_LEASE, Plan
 from kvray.cluster.shm import LandingBuffer
 from kvray.errors import ClusterError, RequestError
 from kvray.keys import ModelFingerprint
 from kvray.tiers import Tier
 
 REMOTE = Tier.REMOTE.label
-STORE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
+ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
 
 
 @dataclass
@@ -124,7 +128,10 @@ class KvrayClient:
     # -- lookup + pin ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int]) -> Plan:
         self._check(keys)
-        return ray.get(self.controller.lookup_pin.remote(list(keys), self.node_id))
+        try:
+            return ray.get(self.controller.lookup_pin.remote(list(keys), self.node_id), timeout=self.timeout_s)
+        except ACTOR_ERRORS:
+            return Plan(NO_LEASE, [], [])  # the controller is restarting: a miss, nothing placed
 
     # -- load -----------------------------------------------------------------------------------
     def load(self, keys: Sequence[int], plan: Plan) -> Loaded:
@@ -184,7 +191,7 @@ class KvrayClient:
             pages = ray.get(ref, timeout=self.timeout_s)
             self.buffer.pages[run.start : run.start + len(pages)] = pages
             return len(pages), {REMOTE: len(pages)}
-        except STORE_ERRORS:
+        except ACTOR_ERRORS:
             return 0, {}  # the node or its store is gone: these pages are misses
 
     # -- release ----------------------------------------------------------------------------------
@@ -208,9 +215,7 @@ class KvrayClient:
         for run in runs:
             store = self.stores.get(run.node)
             sub = list(keys[run.start : run.stop])
-            # A chain continuing a prefix on the same node joins it there (evicting the
-            # parent then drops it too, as in the simulator); otherwise it starts a root.
-            parent = keys[run.start - 1] if run.start and nodes[run.start - 1] == run.node else None
+            parent = keys[run.start - 1] if run.start else None
             if store is None:
                 refs.append(None)
             elif run.node == self.node_id:
@@ -221,7 +226,7 @@ class KvrayClient:
         for run, ref in zip(runs, refs):
             try:
                 n, gone = ray.get(ref, timeout=self.timeout_s) if ref is not None else (0, [])
-            except STORE_ERRORS:
+            except ACTOR_ERRORS:
                 ref = None  # not kept: the node left while we wrote
             else:
                 stored += n

@@ -30,6 +30,10 @@ def controller_name(name: str) -> str:
     return f"{name}-controller"
 
 
+def store_name(name: str, node_id: str) -> str:
+    return f"{name}-store-{node_id[:16]}"
+
+
 def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

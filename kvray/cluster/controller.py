@@ -13,6 +13,11 @@ an engine reports pages the index promised but a store no longer had; a node tha
 has all its locations dropped (``remove_node``), and a store that restarts re-announces
 the pages its disk tier kept.
 
+The controller itself may die: Ray restarts it (``max_restarts``), and the new incarnation
+finds the runtime's store actors by name and rebuilds membership and index from what they
+hold (:meth:`Controller.rebuild`) before it answers anyone. Leases and pins of the old
+incarnation are gone; clients treat a request that meets the outage as a miss.
+
 Example::
 
     plan = ray.get(controller.lookup_pin.remote(keys, my_node))
@@ -23,20 +28,23 @@ Example::
 
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import ray
 
-from kvray.cluster.config import RuntimeConfig
+from kvray.cluster.config import NAMESPACE, RuntimeConfig, store_name
 from kvray.cluster.hashring import HashRing
 from kvray.cluster.metrics import export_cluster_stats
 from kvray.index import ROOT, PrefixIndex
 from kvray.tiers import Tier
 
 NO_NODE = -1
+NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
+REBUILD_WAIT_S = 10.0  # how long a restarted controller waits for each store's holdings
 
 
 @dataclass(frozen=True)
@@ -64,13 +72,58 @@ class Controller:
         self.stores: dict[str, ray.actor.ActorHandle] = {}
         self.ranks: dict[str, int] = {}
         self._leases: dict[int, np.ndarray] = {}
-        self._next_lease = 0
+        # Lease numbers start at the clock so a restarted controller never reuses one a
+        # client still holds from the previous incarnation.
+        self._next_lease = time.time_ns()
         self._doomed: set[int] = set()
         self.lookups = 0
         self.lookup_pages = 0
         self.hit_pages: Counter = Counter()
         self.bytes_between_nodes = 0
         self.lost_pages = 0
+        self.rebuilt_pages = 0
+        self.rebuild_s = 0.0
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self.rebuild()
+
+    def rebuild(self) -> int:
+        """Recover membership and index from the live store actors; returns pages indexed.
+
+        A page goes back only under its parent (roots first), so the index stays
+        prefix-closed; a store that does not answer within ``REBUILD_WAIT_S`` stays out
+        (its pages are misses until it registers again).
+        """
+        t0 = time.perf_counter()
+        prefix = store_name(self.config.name, "")
+        stores = []
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["namespace"] == NAMESPACE and actor["name"].startswith(prefix):
+                try:
+                    stores.append(ray.get_actor(actor["name"], namespace=NAMESPACE))
+                except ValueError:
+                    continue  # stopped since it was listed
+        refs = [store.holdings.remote() for store in stores]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=REBUILD_WAIT_S)
+        children: dict[int | None, list[tuple[int, str]]] = defaultdict(list)
+        for store, ref in zip(stores, refs):
+            try:
+                held = ray.get(ref) if ref in ready else None
+            except ray.exceptions.RayError:
+                held = None  # dying or restarting: it re-registers when it is back
+            if held is not None:
+                self.register_store(held["node_id"], store, held["rank"])
+                for key, parent in held["pages"]:
+                    children[parent].append((key, held["node_id"]))
+        stack = [(ROOT, 0, key, node) for key, node in children.pop(None, [])]
+        while stack:
+            parent, depth, key, node = stack.pop()
+            if self.index.handle_of(key) is not None:
+                continue  # the same page on two nodes: one location is enough
+            handle = self.index.add(key, Tier.HOST, 0, 0, parent=parent, depth=depth, node=self._node_ix[node])
+            stack.extend((handle, depth + 1, child, n) for child, n in children.pop(key, []))
+        self.rebuilt_pages = len(self.index)
+        self.rebuild_s = time.perf_counter() - t0
+        return self.rebuilt_pages
 
     # -- membership ---------------------------------------------------------------------
     def register_store(self, node_id: str, store: ray.actor.ActorHandle, rank: int | None = None,
@@ -172,9 +225,14 @@ class Controller:
 
     def release(self, lease: int, hits_by_tier: Mapping[str, int], lost: Mapping[str, Sequence[int]],
                 bytes_between_nodes: int = 0) -> None:
-        """End a lease: unpin, count the hits the engine got, drop locations that failed."""
-        handles = self._leases.pop(lease)
-        self.index.unpin(handles)
+        """End a lease: unpin, count the hits the engine got, drop locations that failed.
+
+        A lease this incarnation never granted (made before a restart, or ``NO_LEASE``)
+        pinned nothing here.
+        """
+        handles = self._leases.pop(lease, None)
+        if handles is not None:
+            self.index.unpin(handles)
         self.hit_pages.update(hits_by_tier)
         self.bytes_between_nodes += bytes_between_nodes
         for node_id, keys in lost.items():
@@ -232,6 +290,8 @@ class Controller:
             "bytes_between_nodes": self.bytes_between_nodes,
             "lost_pages": self.lost_pages,
             "open_leases": len(self._leases),
+            "rebuilt_pages": self.rebuilt_pages,
+            "rebuild_s": self.rebuild_s,
         }
         export_cluster_stats(snap)
         return snap
@@ -249,4 +309,4 @@ class Controller:
         return {"cluster": self.snapshot(), "stores": per_node}
 
 
-ControllerActor = ray.remote(max_restarts=0)(Controller)
+ControllerActor = ray.remote(max_restarts=-1, max_task_retries=0)(Controller)

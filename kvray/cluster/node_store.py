@@ -13,7 +13,9 @@ landing buffer).
 Every page that leaves this store (evicted past the last tier, corrupt) is remembered and
 reported with the next write, so the controller's index never keeps it for long. A store
 that restarts (``max_restarts``) rebuilds its disk tier from the slot file and tells the
-controller which pages survived.
+controller which pages survived. A controller that restarts asks every store for its
+``holdings`` (each page with its parent in the request chain) and rebuilds its index from
+them, so the store remembers the chain parent of each run written to it.
 
 Example::
 
@@ -34,6 +36,7 @@ import torch
 from kvray.cluster.config import NAMESPACE, RuntimeConfig
 from kvray.cluster.metrics import export_store_stats
 from kvray.cluster.shm import LandingBuffer
+from kvray.index import ROOT
 from kvray.store import PageStore
 
 COLLECTIVE_GROUP = "kvray-pages"
@@ -55,6 +58,7 @@ class NodeStore:
         self._buffers: dict[str, LandingBuffer] = {}
         self._buffers_lock = threading.Lock()
         self._rank: int | None = None
+        self._run_parents: dict[int, int | None] = {}  # first key of a run -> the key before it in its chain
         self._peer_locks: dict[int, threading.Lock] = {}
         self.sent_bytes = 0
         self.received_bytes = 0
@@ -69,6 +73,14 @@ class NodeStore:
     def _on_drop(self, key: int) -> None:
         with self._dropped_lock:
             self._dropped.append(key)
+            self._run_parents.pop(key, None)
+
+    def _stored(self, keys: Sequence[int], stored: int, parent: int | None) -> tuple[int, list[int]]:
+        """Remember the chain parent of a run that landed; the reply of a write."""
+        if stored:
+            with self._dropped_lock:
+                self._run_parents[keys[0]] = parent
+        return stored, self._take_dropped()
 
     def _take_dropped(self) -> list[int]:
         with self._dropped_lock:
@@ -93,6 +105,31 @@ class NodeStore:
             "tiers": self.config.tiers.model_dump(),
         }
 
+    def holdings(self) -> dict:
+        """What a restarted controller rebuilds its index from: this node, its collective
+        rank, and ``(key, parent key or None)`` of each page whose place in its chain is known.
+
+        Pages recovered from disk after this store restarted start runs whose chain parent
+        died with the old process; they (and pages after them) are left out: misses, never wrong KV.
+        """
+        index = self.store.manager.index
+        with self._dropped_lock:
+            run_parents = dict(self._run_parents)
+        pages = []
+        for key in list(index.keys()):
+            handle = index.handle_of(key)
+            if handle is None:
+                continue  # evicted while we walked
+            local = int(index.parent[handle])
+            if local != ROOT:
+                try:
+                    pages.append((key, index.key_of(local)))
+                except KeyError:
+                    continue  # its parent was evicted while we walked: so will it be
+            elif key in run_parents:
+                pages.append((key, run_parents[key]))
+        return {"node_id": self.node_id, "rank": self._rank, "pages": pages}
+
     # -- same-node data plane -----------------------------------------------------------
     def read_into(self, keys: Sequence[int], buffer: str, capacity: int, row: int) -> tuple[int, dict[str, int]]:
         """Copy the cached, verified prefix of ``keys`` into buffer rows ``row..``."""
@@ -100,12 +137,10 @@ class NodeStore:
         return self._read(keys, lambda i: pages[row + i])
 
     def write_from(self, keys: Sequence[int], buffer: str, capacity: int, row: int,
-                   parent_key: int | None = None) -> tuple[int, list[int]]:
-        """Store buffer rows ``row..`` as one chain under ``keys`` (after ``parent_key``'s page, if
-        given); returns (stored, keys dropped since the last report)."""
-        pages = self._buffer(buffer, capacity).pages[row : row + len(keys)]
-        stored = self.store.put_pages(keys, pages, self.store.fingerprint.digest, parent_key)
-        return stored, self._take_dropped()
+                   parent: int | None = None) -> tuple[int, list[int]]:
+        """Store buffer rows ``row..`` as one chain under ``keys`` (``parent``: the key before
+        ``keys[0]`` in the request, None at its start); returns (stored, keys dropped since the last report)."""
+        return self._put(keys, self._buffer(buffer, capacity).pages[row : row + len(keys)], parent)
 
     def _read(self, keys: Sequence[int], targets) -> tuple[int, dict[str, int]]:
         """``PageStore.read_pages``, where a page evicted here but still in the controller's
@@ -129,10 +164,18 @@ class NodeStore:
         self.sent_bytes += got * self.page_nbytes
         return pages[:got]
 
-    def put_pages(self, keys: Sequence[int], pages: np.ndarray, parent_key: int | None = None) -> tuple[int, list[int]]:
-        stored = self.store.put_pages(keys, pages, self.store.fingerprint.digest, parent_key)
+    def put_pages(self, keys: Sequence[int], pages: np.ndarray, parent: int | None = None) -> tuple[int, list[int]]:
         self.received_bytes += pages.nbytes
-        return stored, self._take_dropped()
+        return self._put(keys, pages, parent)
+
+    def _put(self, keys: Sequence[int], pages: np.ndarray, parent: int | None) -> tuple[int, list[int]]:
+        """Store one run. It joins its parent's chain when that page is here, so evicting the
+        parent drops the run too (as in the simulator and a single PageStore); otherwise it
+        starts a root here."""
+        local = parent if parent is not None and self.store.manager.index.handle_of(parent) is not None else None
+        return self._stored(keys, self.store.put_pages(keys, pages, self.store.fingerprint.digest, local), parent)
+        self.received_bytes += pages.nbytes
+        return self._stored(keys, stored, parent)
 
     # -- cross-node data plane: collective -------------------------------------------------
     def init_collective(self, world_size: int, rank: int, backend: str = "gloo") -> int:

@@ -144,8 +144,8 @@ def settings_from(scenario: str | Path | None, runtime: dict, tiers: dict, repla
         base = settings_of_sim_scenario(load_scenario(scenario))
     else:
         base = load_yaml(scenario, ReplaySettings).model_dump()
-    base["runtime"].update({k: v for k, v in runtime.items() if v is not None})
     base["runtime"]["tiers"].update({k: v for k, v in tiers.items() if v is not None})
+    base["runtime"].update({k: v for k, v in runtime.items() if v is not None})
     base.update({k: v for k, v in replay.items() if v is not None})
     return validate(ReplaySettings, base, source=str(scenario or "kvray run options"))
 

@@ -26,7 +26,7 @@ import os
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
+from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name, store_name
 from kvray.cluster.controller import ControllerActor
 from kvray.cluster.node_store import NodeStoreActor
 from kvray.errors import ClusterError
@@ -34,10 +34,6 @@ from kvray.errors import ClusterError
 
 def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-
-
-def store_name(name: str, node_id: str) -> str:
-    return f"{name}-store-{node_id[:16]}"
 
 
 class RayConnection:

@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -44,9 +42,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvray.config import PageLayout, StoreConfig, TierSizes, validate
+from kvray.config import PageLayout, validate
 from kvray.engines.hf import DTYPE_NAMES
 from kvray.engines.vllm_blocks import BlockCodec
+from kvray.engines.vllm_settings import ConnectorSettings, connector_settings, store_config
 from kvray.errors import ConfigError
 from kvray.pages import torch_dtype
 from kvray.store import PageStore
@@ -61,31 +60,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-
-class ConnectorSettings(BaseModel):
-    """``kv_connector_extra_config`` of the connector, validated once at start-up.
-
-    ``disk_dir`` with ``disk_pages`` puts pages in files there; a later engine process
-    started on the same directory finds them (one live engine per directory at a time:
-    concurrent sharing is the Ray runtime's job). ``model_name`` defaults to vLLM's
-    served model name; it goes into every page key with the layout, as do ``salt`` and
-    each request's own ``cache_salt``.
-
-    Example::
-
-        ConnectorSettings(host_pages=4096, disk_pages=65536, disk_dir="/var/cache/kvray", salt="tenant-a")
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model_name: str | None = Field(default=None, min_length=1)
-    salt: str = ""
-    device_pages: int = Field(default=0, ge=0)
-    host_pages: int = Field(default=1024, ge=0)
-    disk_pages: int = Field(default=0, ge=0)
-    disk_dir: Path | None = None
-    policy: str = "lru"
 
 
 def page_layout(vllm_config: VllmConfig) -> PageLayout:
@@ -111,15 +85,7 @@ def page_layout(vllm_config: VllmConfig) -> PageLayout:
 
 
 def open_store(vllm_config: VllmConfig, settings: ConnectorSettings) -> PageStore:
-    model_name = settings.model_name or vllm_config.model_config.served_model_name
-    config = {
-        "layout": page_layout(vllm_config),
-        "model_name": model_name,
-        "tiers": TierSizes(device=settings.device_pages, host=settings.host_pages, disk=settings.disk_pages),
-        "disk_dir": settings.disk_dir,
-        "policy": settings.policy,
-    }
-    return PageStore(validate(StoreConfig, config, source="kv_connector_extra_config"))
+    return PageStore(store_config(settings, page_layout(vllm_config), vllm_config.model_config.served_model_name))
 
 
 # -- what travels between the two halves ------------------------------------------------
@@ -185,8 +151,7 @@ class KVRayConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.settings: ConnectorSettings = validate(ConnectorSettings, extra, source="kv_connector_extra_config")
+        self.settings = connector_settings(self._kv_transfer_config.kv_connector_extra_config)
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
             raise ConfigError(
                 f"KVRayConnector supports one KV cache group, this model has {len(kv_cache_config.kv_cache_groups)}"

@@ -28,6 +28,20 @@ HEADER_BYTES = 128
 VERSION = 2
 FLAG_HAS_PARENT = 1
 ALIGN = 4096
+WRITE_BATCH_BYTES = 4 << 20  # large enough to amortise the syscall, small enough to stay in cache
+
+
+def _batches(chunks: list[np.ndarray], limit: int) -> list[list[np.ndarray]]:
+    """Consecutive groups of chunks of at most ``limit`` bytes each (a larger chunk alone)."""
+    groups: list[list[np.ndarray]] = [[]]
+    size = 0
+    for chunk in chunks:
+        if groups[-1] and size + chunk.size > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(chunk)
+        size += chunk.size
+    return groups
 
 
 @dataclass(frozen=True)
@@ -87,19 +101,20 @@ class DiskPool:
     def write(self, slot: int, key: int, parent_key: int | None, chunks: list[np.ndarray]) -> int:
         """Write one page, given as byte chunks that add up to ``page_nbytes``; return its checksum.
 
-        Each chunk is hashed right after its ``pwrite``, while it is in cache, and the header
-        (with the checksum) goes last: a write cut short leaves a slot without a valid
-        header, which a restart ignores and a read rejects.
+        Chunks go out in ``pwritev`` batches of a few MiB, each batch hashed right after it
+        is written, while it is still in cache; the header (with the checksum) goes last,
+        so a write cut short leaves a slot without a valid header, which a restart ignores
+        and a read rejects.
         """
         offset = slot * self.stride + HEADER_BYTES
         hasher = xxhash.xxh3_64()
         try:
-            for chunk in chunks:
-                self._pwrite_all(chunk, offset)
-                hasher.update(chunk)  # after the write, which left the chunk in cache
-                offset += chunk.size
+            for batch in _batches(chunks, WRITE_BATCH_BYTES):
+                offset = self._pwritev_all(batch, offset)
+                for chunk in batch:
+                    hasher.update(chunk)
             digest = hasher.intdigest()
-            self._pwrite_all(self._header(key, parent_key, digest), slot * self.stride)
+            self._pwritev_all([np.frombuffer(self._header(key, parent_key, digest), np.uint8)], slot * self.stride)
             if self.fsync:
                 os.fdatasync(self._fd)
         except OSError as exc:
@@ -109,11 +124,18 @@ class DiskPool:
             raise StorageError(f"disk tier {self.directory}: write of slot {slot} failed: {exc.strerror}") from None
         return digest
 
-    def _pwrite_all(self, data: np.ndarray | bytes, offset: int) -> None:
-        view = memoryview(data).cast("B")
-        while view:  # short writes are legal; finish the rest
-            written = os.pwrite(self._fd, view, offset)
-            view, offset = view[written:], offset + written
+    def _pwritev_all(self, chunks: list[np.ndarray], offset: int) -> int:
+        """Write ``chunks`` at ``offset`` (finishing short writes); return the end offset."""
+        views = [memoryview(c).cast("B") for c in chunks]
+        while views:
+            written = os.pwritev(self._fd, views, offset)
+            offset += written
+            while views and written >= len(views[0]):
+                written -= len(views[0])
+                views.pop(0)
+            if views and written:
+                views[0] = views[0][written:]
+        return offset
 
     def read_into(self, slot: int, chunks: list[np.ndarray]) -> tuple[StoredPage | None, int]:
         """Read ``slot`` into ``chunks``: (its header, or None if missing or torn; the
