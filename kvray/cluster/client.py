@@ -210,7 +210,6 @@ class KvrayClient:
         # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
         targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
         runs = _runs(targets, start)
-        nodes = plan.hit_nodes[:start] + targets  # where each page of the request lives
         refs = []
         for run in runs:
             store = self.stores.get(run.node)

@@ -174,8 +174,6 @@ class NodeStore:
         starts a root here."""
         local = parent if parent is not None and self.store.manager.index.handle_of(parent) is not None else None
         return self._stored(keys, self.store.put_pages(keys, pages, self.store.fingerprint.digest, local), parent)
-        self.received_bytes += pages.nbytes
-        return self._stored(keys, stored, parent)
 
     # -- cross-node data plane: collective -------------------------------------------------
     def init_collective(self, world_size: int, rank: int, backend: str = "gloo") -> int:
