@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvray.cluster.replay import replay_on_runtime, settings_from
+from kvray.errors import ConfigError
 from kvray.sim.cost import load_scenario
 from kvray.sim.simulator import simulate
 from kvray.traces import read_trace
@@ -73,3 +74,16 @@ def test_hits_agree_exactly(policy, one_node):
     simulated, measured = both(policy, one_node, prefill_us=0.0)  # hits only: skip the prefill compute
     assert measured["hit_tokens"] == simulated["hit_tokens"] > 0
     assert measured["hit_tokens_by_tier"] == simulated["hit_tokens_by_tier"]
+
+
+def test_kvray_run_reads_a_sim_scenario_as_one_node(tmp_path):
+    scenario = load_scenario(SCENARIO)
+    settings = settings_from(SCENARIO, {}, {"host": 300}, {})
+    assert settings.nodes == 1 and settings.runtime.layout == scenario.layout
+    assert settings.runtime.tiers.host == 300 and settings.runtime.tiers.disk == 0  # options still override
+    assert settings.prefill_us_per_token == scenario.compute.prefill_us_per_token
+    with_disk = tmp_path / "disk.yaml"
+    with_disk.write_text(SCENARIO.read_text().replace(
+        "latency_us: 0}", "latency_us: 0}\n  disk: {capacity_pages: 100, read_gbps: 1, write_gbps: 1}"))
+    with pytest.raises(ConfigError, match=f"{with_disk}.*disk_root"):
+        settings_from(with_disk, {}, {}, {})
