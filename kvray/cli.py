@@ -68,7 +68,7 @@ def run(
     trace: str = typer.Option(..., "--trace", help="Mooncake JSONL or Parquet trace"),
     policy: str | None = typer.Option(None, "--policy", help="placement policy of every node's tiers (default lru)"),
     nodes: int | None = typer.Option(None, "--nodes", help="local Ray nodes to start (ignored with --address)"),
-    scenario: str | None = typer.Option(None, "--scenario", help="YAML file of replay settings"),
+    scenario: str | None = typer.Option(None, "--scenario", help="YAML file of replay settings, or a kvray sim scenario (one node)"),
     address: str | None = typer.Option(None, "--address", help="existing Ray cluster (default: $RAY_ADDRESS)"),
     limit: int | None = typer.Option(None, "--limit", help="replay only the first N requests"),
     host_pages: int | None = typer.Option(None, "--host-pages", help="host-tier pages per node"),

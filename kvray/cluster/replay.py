@@ -45,8 +45,8 @@ ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableEr
 class ReplaySettings(_Frozen):
     """A replay's shape: the runtime, the nodes, the prefill cost, how much of the trace.
 
-    A ``--scenario`` YAML file holds these fields (``runtime`` nested); the CLI's options
-    override them.
+    A ``--scenario`` YAML file holds these fields (``runtime`` nested) or is a simulator
+    scenario (:func:`settings_of_sim_scenario`); the CLI's options override them.
     """
 
     name: str = "default"
