@@ -112,15 +112,19 @@ def validate(model: type[BaseModel], data: Any, source: str = "config") -> Any:
         raise ConfigError(f"{source}: invalid {model.__name__}: {problems}") from None
 
 
-def load_yaml(path: str | Path, model: type[BaseModel]) -> Any:
-    """Read a YAML file and validate it as ``model``; errors name the file and the field."""
+def read_yaml(path: str | Path) -> Any:
+    """Parse a YAML file; unreadable, non-UTF-8 or malformed files raise ConfigError naming it."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return validate(model, data, source=str(path))
+
+
+def load_yaml(path: str | Path, model: type[BaseModel]) -> Any:
+    """Read a YAML file and validate it as ``model``; errors name the file and the field."""
+    return validate(model, read_yaml(path), source=str(path))

@@ -28,15 +28,14 @@ from pathlib import Path
 
 import numpy as np
 import ray
-import yaml
 from pydantic import Field, model_validator
 
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.engine import ReplayEngineActor
 from kvray.cluster.runtime import RayConnection, Runtime, alive_nodes, on_node
-from kvray.config import _Frozen, load_yaml, validate
+from kvray.config import _Frozen, read_yaml, validate
 from kvray.errors import ClusterError
-from kvray.sim.cost import Scenario, load_scenario
+from kvray.sim.cost import Scenario
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
 
 ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -123,14 +122,6 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
     }
 
 
-def _is_sim_scenario(path: str | Path) -> bool:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return False  # load_yaml reports it, naming the file
-    return isinstance(data, dict) and "compute" in data
-
-
 def settings_from(scenario: str | Path | None, runtime: dict, tiers: dict, replay: dict) -> ReplaySettings:
     """A scenario file's settings (or the defaults) with the given options laid over them.
 
@@ -140,10 +131,10 @@ def settings_from(scenario: str | Path | None, runtime: dict, tiers: dict, repla
     """
     if scenario is None:
         base = ReplaySettings().model_dump()
-    elif _is_sim_scenario(scenario):
-        base = settings_of_sim_scenario(load_scenario(scenario))
+    elif isinstance(data := read_yaml(scenario), dict) and "compute" in data:  # a simulator scenario
+        base = settings_of_sim_scenario(validate(Scenario, data, source=str(scenario)))
     else:
-        base = load_yaml(scenario, ReplaySettings).model_dump()
+        base = validate(ReplaySettings, data, source=str(scenario)).model_dump()
     base["runtime"]["tiers"].update({k: v for k, v in tiers.items() if v is not None})
     base["runtime"].update({k: v for k, v in runtime.items() if v is not None})
     base.update({k: v for k, v in replay.items() if v is not None})
