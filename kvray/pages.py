@@ -1,7 +1,6 @@
 """Page buffers and the copies between engine tensors and pages.
 
-A page is ``page_nbytes`` raw bytes; :func:`page_view` reinterprets those bytes, without a
-copy, as a tensor of :attr:`PageLayout.page_shape`. Engines hand kvray the KV of a request
+A page is ``page_nbytes`` raw bytes, laid out as :attr:`PageLayout.page_shape`. Engines hand kvray the KV of a request
 as one tensor ``[layers, 2, tokens, kv_heads, head_dim]``; :func:`check_request_kv`
 validates it once, and a page then moves as a strided byte view of that tensor
 (:func:`request_page`): one copy into a slot, or one write per contiguous run, no staging buffer.
@@ -28,15 +27,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 def torch_dtype(layout: PageLayout) -> torch.dtype:
     return TORCH_DTYPES[layout.dtype]
 
-
-def page_view(layout: PageLayout, raw: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """View ``page_nbytes`` bytes (uint8, contiguous) as a page tensor; no copy."""
-    tensor = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
-    if tensor.dtype != torch.uint8 or tensor.numel() != layout.page_nbytes:
-        raise LayoutError(
-            f"page buffer must be {layout.page_nbytes} uint8 bytes, got {tensor.numel()} {tensor.dtype}"
-        )
-    return tensor.view(torch_dtype(layout)).view(layout.page_shape)
 
 
 def check_request_kv(layout: PageLayout, kv: torch.Tensor, tokens: int) -> None:

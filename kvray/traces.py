@@ -4,8 +4,7 @@ A trace is a list of :class:`TraceRequest`: arrival time (ms), prompt and output
 and ``hash_ids``, one prefix-chained id per ``block_tokens``-token block of the prompt
 (512 in Mooncake's traces). Two requests share block i only if they share the whole
 prefix up to block i, exactly like kvray's own page keys, so the simulator and
-``kvray run`` use a trace id as a page key; where a real model runs,
-:func:`synthetic_tokens` derives deterministic token ids from the ids.
+``kvray run`` use a trace id as a page key.
 
 Malformed input raises :class:`kvray.errors.TraceError` naming the file and line (row).
 
@@ -120,15 +119,6 @@ def write_parquet(requests: list[TraceRequest], path: str | Path) -> None:
     )
     pq.write_table(table, path)
 
-
-def synthetic_tokens(hash_ids: tuple[int, ...], block_tokens: int, vocab_size: int) -> np.ndarray:
-    """Deterministic token ids for a trace request: block i's tokens depend on its id only.
-
-    Because trace ids are prefix-chained, equal ids imply equal prefixes, so the tokens
-    (and hence kvray's own chained keys) agree wherever the trace says prefixes agree.
-    """
-    blocks = [np.random.default_rng(h).integers(0, vocab_size, block_tokens, dtype=np.int32) for h in hash_ids]
-    return np.concatenate(blocks) if blocks else np.empty(0, dtype=np.int32)
 
 
 def unique_blocks(requests: list[TraceRequest]) -> int:
