@@ -72,26 +72,20 @@ def runs(page: np.ndarray) -> list[np.ndarray]:
 
 
 def copy_page(dst: np.ndarray | torch.Tensor, src: np.ndarray | torch.Tensor) -> None:
-    """Copy one page between a page view and a flat slot (either side), run by run.
+    """Copy one page between a page view and a flat slot (either side) in one call.
 
-    One ``np.copyto`` per contiguous run beats a single strided copy of the whole view
-    (numpy walks a 4-D view row by row); numpy on the host is a plain memcpy, free of
-    torch's thread-pool stalls on a busy machine; torch when a side is on an accelerator.
+    The slot is reshaped to the view's shape, so the copy is a single strided
+    ``np.copyto`` (numpy on the host: a plain memcpy per contiguous run, free of torch's
+    thread-pool stalls on a busy machine) or ``Tensor.copy_`` when a side is on an accelerator.
     """
     into_view = dst.ndim > 1
     view, flat = (dst, src) if into_view else (src, dst)
-    on_host = isinstance(flat, np.ndarray)
-    offset = 0
-    for run in runs(view):
-        part = flat[offset : offset + run.size]
-        offset += run.size
-        if not on_host:
-            run = torch.from_numpy(run)
-        target, source = (run, part) if into_view else (part, run)
-        if on_host:
-            np.copyto(target, source)
-        else:
-            target.copy_(source)
+    if isinstance(flat, np.ndarray):
+        shaped = flat.reshape(view.shape)
+        np.copyto(*((view, shaped) if into_view else (shaped, view)))
+        return
+    shaped, view = flat.view(view.shape), torch.from_numpy(view)
+    (view if into_view else shaped).copy_(shaped if into_view else view)
 
 
 def hash_page(page: np.ndarray) -> int:

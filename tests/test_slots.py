@@ -3,7 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvray.tiers import SlotAllocator
+from kvray.tiers import HostPool, SlotAllocator
+from kvray.tiers.memory import PAGE_ALIGN
 
 
 def longest_free_run(capacity, used):
@@ -39,3 +40,17 @@ def test_allocator_matches_set_model(capacity, ops):
 def test_with_used_restores_taken_slots():
     slots = SlotAllocator.with_used(5, [0, 3])
     assert [slots.alloc() for _ in range(4)] == [1, 2, 4, None]
+
+
+@given(capacity=st.integers(1, 9), page_nbytes=st.sampled_from([1, 64, 4096, 12_288, 1 << 16]))
+@settings(max_examples=25, deadline=None)
+def test_host_pool_slots_are_page_aligned_and_disjoint(capacity, page_nbytes):
+    """Slot 0 starts on a 4 KiB boundary (copies from torch tensors stay at memcpy speed),
+    and writing one slot never touches another."""
+    pool = HostPool(capacity, page_nbytes)
+    assert pool.view(0).ctypes.data % PAGE_ALIGN == 0
+    for slot in range(capacity):
+        pool.view(slot)[:] = slot
+    for slot in range(capacity):
+        assert pool.view(slot).shape == (page_nbytes,)
+        assert (pool.view(slot) == slot).all()

@@ -15,6 +15,22 @@ import torch
 
 from kvray.errors import StorageError
 
+PAGE_ALIGN = 4096
+
+
+def aligned_empty(rows: int, row_nbytes: int) -> np.ndarray:
+    """An uninitialised ``[rows, row_nbytes]`` uint8 array starting on a 4 KiB boundary.
+
+    Copies between a slot and an engine tensor run at memcpy speed only when the two
+    addresses agree modulo 4 KiB or differ by a cache line or more: numpy's own buffers
+    start 16 bytes past a page, torch's 64, and that 48-byte skew makes every load of the
+    copy alias a store just issued (measured: ~20% slower page copies). Page-aligned
+    slots, like a shared-memory pool's, avoid it for any cache-line-aligned tensor.
+    """
+    raw = np.empty(rows * row_nbytes + PAGE_ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % PAGE_ALIGN
+    return raw[start : start + rows * row_nbytes].reshape(rows, row_nbytes)
+
 
 class HostPool:
     """Page slots in host memory (optionally a named shared-memory segment).
@@ -34,7 +50,7 @@ class HostPool:
         self._shm: shared_memory.SharedMemory | None = None
         size = max(capacity * page_nbytes, 1)
         if shared_name is None:
-            array = np.empty((capacity, page_nbytes), dtype=np.uint8)
+            array = aligned_empty(capacity, page_nbytes)
         else:
             try:
                 self._shm = shared_memory.SharedMemory(name=shared_name, create=True, size=size)
