@@ -7,6 +7,7 @@ own kvray runtime (a controller and one store actor per node) under a unique nam
 from __future__ import annotations
 
 import itertools
+import secrets
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import ray
 
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.cluster.controller import Plan
+from kvray.cluster.transfer import TOKEN_BYTES, PeerLinks
 from kvray.config import PageLayout, TierSizes
 
 pytestmark = pytest.mark.ray
@@ -39,16 +41,16 @@ def shared(ray_cluster):
 
 
 @pytest.fixture
-def with_threshold(shared):
-    """The shared client with a given collective threshold (a client-side choice)."""
+def with_paths(shared):
+    """The shared client with given transfer-path settings (a client-side choice)."""
     runtime, client = shared
     original = client.config
 
-    def set_threshold(nbytes: int) -> tuple[Runtime, KvrayClient]:
-        client.config = original.model_copy(update={"collective_min_bytes": nbytes})
+    def set_paths(**update) -> tuple[Runtime, KvrayClient]:
+        client.config = original.model_copy(update=update)
         return runtime, client
 
-    yield set_threshold
+    yield set_paths
     client.config = original
 
 
@@ -74,8 +76,8 @@ def test_a_store_actor_runs_on_every_node_with_node_affinity(shared):
     assert ray.get([s.ping.remote() for s in runtime.stores.values()]) == list(runtime.stores)
 
 
-def test_pages_spread_by_hash_ring_come_back_exact_from_every_node(with_threshold):
-    runtime, client = with_threshold(64 << 20)
+def test_pages_spread_by_hash_ring_come_back_exact_from_every_node(with_paths):
+    runtime, client = with_paths()  # defaults: other nodes' pages come by direct TCP
     before = ray.get(runtime.controller.snapshot.remote())
     keys = client.keys_for_trace(list(range(40)))
     plan = client.lookup(keys)
@@ -88,7 +90,7 @@ def test_pages_spread_by_hash_ring_come_back_exact_from_every_node(with_threshol
     plan, loaded = roundtrip(client, keys, expected)
     assert loaded.pages == 40 and plan.hit_nodes == placed
     assert loaded.by_tier["host"] + loaded.by_tier["remote"] == 40 and loaded.by_tier["remote"] > 0
-    assert loaded.paths.keys() == {"local", "object_store"}
+    assert loaded.paths.keys() == {"local", "tcp"}
     after = ray.get(runtime.controller.snapshot.remote())
     assert after["indexed_pages"] - before["indexed_pages"] == 40 and after["open_leases"] == 0
     for tier, pages in loaded.by_tier.items():
@@ -103,8 +105,8 @@ def test_small_request_stays_on_the_engines_node(shared):
     assert plan.targets == [client.node_id] * 3
 
 
-def test_collective_path_moves_a_large_run_exactly(with_threshold):
-    runtime, client = with_threshold(1 << 20)
+def test_collective_path_moves_a_large_run_exactly(with_paths):
+    runtime, client = with_paths(tcp=False, collective_min_bytes=1 << 20)
     other = next(n for n in runtime.stores if n != client.node_id)
     keys = client.keys_for_trace(list(range(100, 148)))
     expected = fill(client, range(0, 48), seed=2)
@@ -115,8 +117,8 @@ def test_collective_path_moves_a_large_run_exactly(with_threshold):
     assert loaded.bytes_between_nodes == 48 * client.page_nbytes
 
 
-def test_object_store_path_below_the_collective_threshold(with_threshold):
-    runtime, client = with_threshold(64 << 20)
+def test_object_store_path_below_the_collective_threshold(with_paths):
+    runtime, client = with_paths(tcp=False, collective_min_bytes=64 << 20)
     other = next(n for n in runtime.stores if n != client.node_id)
     keys = client.keys_for_trace(list(range(200, 210)))
     expected = fill(client, range(0, 10), seed=3)
@@ -165,3 +167,22 @@ def test_one_controller_call_answers_a_whole_request(shared):
     assert len(plan.targets) == 64 and plan.hit_pages == 0  # placement for all 64 pages at once
     client.release(plan, client.load(keys, plan))
     assert ray.get(runtime.controller.snapshot.remote())["lookups"] == before + 1
+
+
+def test_page_servers_serve_only_this_runtimes_token_holders(shared):
+    runtime, client = shared
+    other = next(n for n in runtime.stores if n != client.node_id)
+    keys = client.keys_for_trace(list(range(600, 603)))
+    expected = fill(client, range(0, 3), seed=6)
+    client.store(keys, 0, Plan(0, [], [other] * 3))
+    ray.get(runtime.controller.snapshot.remote())
+    rows = np.zeros((3, client.page_nbytes), dtype=np.uint8)
+    assert client.links.request(client.servers[other], keys).receive(rows) == 3
+    assert np.array_equal(rows, expected)
+
+    stranger = PeerLinks(secrets.token_bytes(TOKEN_BYTES), client.page_nbytes, timeout_s=10)
+    rows[:] = 0
+    assert stranger.request(client.servers[other], keys).receive(rows) == 0
+    assert not rows.any()
+    stranger.close()
+    assert ray.get(runtime.stores[other].stats.remote())["tcp_rejected"] >= 1

@@ -5,10 +5,11 @@ Each verb covers a whole request with one controller round trip at most:
 - ``lookup(keys)``: the controller pins the cached prefix under a lease and says where each
   cached page is and where each missing page should go (:class:`~kvray.cluster.controller.Plan`).
 - ``load(keys, plan)``: pages arrive in the client's :class:`LandingBuffer` rows ``0..n``,
-  from this node's store by shared memory, from other nodes by Ray's object store or, for
-  transfers of at least ``collective_min_bytes``, by the collective path (the peer store
-  sends straight into this node's store, which writes into the buffer). Runs of pages on
-  different nodes move concurrently.
+  from this node's store by shared memory, from other nodes by direct TCP from the peer's
+  page server (:mod:`kvray.cluster.transfer`; no Ray call), or without it by Ray's object
+  store or, for transfers of at least ``collective_min_bytes``, by the collective path
+  (the peer store sends straight into this node's store, which writes into the buffer).
+  Runs of pages on different nodes move concurrently.
 - ``store(keys, start, plan)``: rows ``start..`` of the buffer go to the nodes the plan
   chose (same-node by shared memory, others by the object store), then the controller is
   told, without waiting.
@@ -44,6 +45,7 @@ import xxhash
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.controller import NO_LEASE, Plan
 from kvray.cluster.shm import LandingBuffer
+from kvray.cluster.transfer import PeerLinks
 from kvray.errors import ClusterError, RequestError
 from kvray.keys import ModelFingerprint
 from kvray.tiers import Tier
@@ -92,6 +94,7 @@ class KvrayClient:
         self.page_nbytes = config.layout.page_nbytes
         self.buffer = LandingBuffer.create(buffer_pages or config.max_request_pages, self.page_nbytes)
         self.timeout_s = timeout_s
+        self.links: PeerLinks | None = None
         self.refresh()
 
     @classmethod
@@ -105,10 +108,13 @@ class KvrayClient:
         return cls(config, controller, **kwargs)
 
     def refresh(self) -> None:
-        """Re-read the live stores and their collective ranks from the controller."""
+        """Re-read the live stores, their collective ranks and page servers from the controller."""
         members = ray.get(self.controller.members.remote())
         self.stores: dict[str, ray.actor.ActorHandle] = members["stores"]
         self.ranks: dict[str, int] = members["ranks"]
+        self.servers: dict[str, tuple[str, int]] = members["servers"]
+        if self.links is None and members["token"] is not None:
+            self.links = PeerLinks(members["token"], self.page_nbytes, self.timeout_s)
 
     @property
     def local_store(self):
@@ -153,20 +159,26 @@ class KvrayClient:
                 complete = False
         return loaded
 
-    def _path(self, run: _Run) -> str:
-        if run.node == self.node_id:
+    def path_for(self, node: str, nbytes: int, config: RuntimeConfig | None = None) -> str:
+        """The transfer path for ``nbytes`` of pages held by ``node`` under ``config``
+        (default: this client's)."""
+        config = config or self.config
+        if node == self.node_id:
             return "local"
-        nbytes = (run.stop - run.start) * self.page_nbytes
-        collective_ok = self.config.collective and run.node in self.ranks and self.node_id in self.ranks
-        return "collective" if collective_ok and nbytes >= self.config.collective_min_bytes else "object_store"
+        if config.tcp and self.links is not None and node in self.servers:
+            return "tcp"
+        collective_ok = config.collective and node in self.ranks and self.node_id in self.ranks
+        return "collective" if collective_ok and nbytes >= config.collective_min_bytes else "object_store"
 
     def _start_run(self, keys: Sequence[int], run: _Run):
         """Launch one run's transfer; returns (path, ref)."""
-        path = self._path(run)
+        path = self.path_for(run.node, (run.stop - run.start) * self.page_nbytes)
         sub = list(keys[run.start : run.stop])
         store = self.stores.get(run.node)
         if store is None:
             return path, None
+        if path == "tcp":
+            return path, self.links.request(self.servers[run.node], sub)
         if path == "local":
             return path, store.read_into.remote(sub, self.buffer.name, self.buffer.capacity, run.start)
         if path == "collective":
@@ -182,6 +194,9 @@ class KvrayClient:
         try:
             if path == "local":
                 return ray.get(ref, timeout=self.timeout_s)
+            if path == "tcp":
+                got = ref.receive(self.buffer.pages[run.start : run.stop])
+                return got, {REMOTE: got}
             if path == "collective":
                 try:
                     got = ray.get(ref, timeout=self.timeout_s)
@@ -237,6 +252,8 @@ class KvrayClient:
         return stored
 
     def close(self) -> None:
+        if self.links is not None:
+            self.links.close()
         for store in self.stores.values():
             store.release_buffer.remote(self.buffer.name)
         self.buffer.close()

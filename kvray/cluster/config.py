@@ -43,9 +43,10 @@ class RuntimeConfig(_Frozen):
 
     ``tiers`` are per node. Pages of a request go to the requesting engine's node when the
     request fits in ``local_pages_limit`` pages (default: the node's host tier), otherwise
-    they spread over all nodes by consistent hashing. Cross-node loads of at least
-    ``collective_min_bytes`` use the collective path (gloo on CPU), smaller ones Ray's
-    object store.
+    they spread over all nodes by consistent hashing. Cross-node loads go by direct TCP
+    to the peer's page server when ``tcp`` is on (no Ray call on the way); otherwise runs
+    of at least ``collective_min_bytes`` use the collective path (gloo on CPU), smaller
+    ones Ray's object store.
     """
 
     name: str = Field(default="kvray", pattern=r"^[A-Za-z0-9_-]{1,40}$")
@@ -55,6 +56,7 @@ class RuntimeConfig(_Frozen):
     policy: str = "lru"
     disk_root: Path | None = None
     checksum_memory: bool = False
+    tcp: bool = True
     collective: bool = True
     collective_min_bytes: int = Field(default=1 << 20, ge=0)  # measured: gloo beats the object store from 2 MiB up
     local_pages_limit: int | None = Field(default=None, ge=0)

@@ -63,8 +63,10 @@ class Plan:
 class Controller:
     """Global prefix index, page locations, heat, pins and placement; see the module doc."""
 
-    def __init__(self, config: RuntimeConfig) -> None:
+    def __init__(self, config: RuntimeConfig, token: bytes | None = None) -> None:
         self.config = config
+        self.token = token  # the transfer secret, for this runtime's stores and clients only
+        self.servers: dict[str, tuple[str, int]] = {}
         self.index = PrefixIndex()
         self.ring = HashRing()
         self.node_ids: list[str] = []
@@ -111,7 +113,7 @@ class Controller:
             except ray.exceptions.RayError:
                 held = None  # dying or restarting: it re-registers when it is back
             if held is not None:
-                self.register_store(held["node_id"], store, held["rank"])
+                self.register_store(held["node_id"], store, held["rank"], server=held["server"])
                 for key, parent in held["pages"]:
                     children[parent].append((key, held["node_id"]))
         stack = [(ROOT, 0, key, node) for key, node in children.pop(None, [])]
@@ -127,8 +129,9 @@ class Controller:
 
     # -- membership ---------------------------------------------------------------------
     def register_store(self, node_id: str, store: ray.actor.ActorHandle, rank: int | None = None,
-                       kept_keys: Sequence[int] | None = None) -> None:
-        """Add a node's store; with ``kept_keys`` (a restart) forget what it no longer holds."""
+                       kept_keys: Sequence[int] | None = None, server: tuple[str, int] | None = None) -> None:
+        """Add a node's store (``server``: its page server's address, if any); with
+        ``kept_keys`` (a restart) forget what it no longer holds."""
         if node_id not in self._node_ix:
             self._node_ix[node_id] = len(self.node_ids)
             self.node_ids.append(node_id)
@@ -137,6 +140,10 @@ class Controller:
             self.ranks.pop(node_id, None)  # a restarted store is outside the collective group
         else:
             self.ranks[node_id] = rank
+        if server is None:
+            self.servers.pop(node_id, None)
+        else:
+            self.servers[node_id] = tuple(server)
         self.ring.add(node_id)
         if kept_keys is not None:
             kept = set(kept_keys)
@@ -146,6 +153,7 @@ class Controller:
         """A node left: drop every page located there; returns how many."""
         self.stores.pop(node_id, None)
         self.ranks.pop(node_id, None)
+        self.servers.pop(node_id, None)
         self.ring.remove(node_id)
         if node_id not in self._node_ix:
             return 0
@@ -155,8 +163,9 @@ class Controller:
         return self.config
 
     def members(self) -> dict:
-        """Live stores and their collective ranks (what clients route by)."""
-        return {"stores": dict(self.stores), "ranks": dict(self.ranks)}
+        """Live stores, their collective ranks and page servers, and the transfer token
+        (what clients route by)."""
+        return {"stores": dict(self.stores), "ranks": dict(self.ranks), "servers": dict(self.servers), "token": self.token}
 
     def _handles(self) -> np.ndarray:
         return np.fromiter(map(self.index.handle_of, self.index.keys()), dtype=np.int64, count=len(self.index))

@@ -4,8 +4,8 @@ It is placed on its node with node affinity and is the only process that touches
 node's device, host and disk pools. Engines on the same node hand it a
 :class:`~kvray.cluster.shm.LandingBuffer` name once and then move whole requests with one
 call each (``read_into`` / ``write_from``): the store copies between its slots and the
-buffer, so page bytes never pass through Ray. Other nodes reach its pages through the
-object store (``get_pages`` returns one ``[n, page_nbytes]`` array, which Ray keeps in the
+buffer, so page bytes never pass through Ray. Other nodes reach its pages through its
+page server (direct TCP, :mod:`kvray.cluster.transfer`), the object store (``get_pages`` returns one ``[n, page_nbytes]`` array, which Ray keeps in the
 object store and hands over zero-copy) or through the collective path (a peer's
 ``pull`` asks this store to ``send_pages`` and receives them straight into its engine's
 landing buffer).
@@ -36,6 +36,7 @@ import torch
 from kvray.cluster.config import NAMESPACE, RuntimeConfig
 from kvray.cluster.metrics import export_store_stats
 from kvray.cluster.shm import LandingBuffer
+from kvray.cluster.transfer import PageServer
 from kvray.index import ROOT
 from kvray.store import PageStore
 
@@ -45,9 +46,10 @@ COLLECTIVE_GROUP = "kvray-pages"
 class NodeStore:
     """Owns one node's tiers; see the module docstring."""
 
-    def __init__(self, config: RuntimeConfig, node_id: str | None, controller: str) -> None:
+    def __init__(self, config: RuntimeConfig, node_id: str | None, controller: str, token: bytes | None = None) -> None:
         """``node_id`` None: wherever Ray placed it (by ``store_resources``, e.g. on a node the
-        autoscaler launched for it)."""
+        autoscaler launched for it). ``token``: the runtime's transfer secret; with it the
+        store serves its pages to peers over TCP (:mod:`kvray.cluster.transfer`)."""
         self.config = config
         self.node_id = node_id = node_id or ray.get_runtime_context().get_node_id()
         self.store = PageStore(config.store_config(node_id))
@@ -62,11 +64,17 @@ class NodeStore:
         self._peer_locks: dict[int, threading.Lock] = {}
         self.sent_bytes = 0
         self.received_bytes = 0
+        self._server = None
+        if token is not None:
+            self._server = PageServer(
+                lambda keys, rows: self._read(keys, lambda i: rows[i])[0],
+                self.page_nbytes, token, ray.util.get_node_ip_address(), config.max_request_pages,
+            )
         context = ray.get_runtime_context()
         self.restarted = context.was_current_actor_reconstructed
         if self.restarted:  # the disk tier survived; the host tier and collective rank did not
             ray.get(ray.get_actor(controller, namespace=NAMESPACE).register_store.remote(
-                node_id, context.current_actor, None, list(self.store.manager.index.keys())
+                node_id, context.current_actor, None, list(self.store.manager.index.keys()), self.server_address()
             ))
 
     # -- bookkeeping -----------------------------------------------------------------
@@ -128,7 +136,7 @@ class NodeStore:
                     continue  # its parent was evicted while we walked: so will it be
             elif key in run_parents:
                 pages.append((key, run_parents[key]))
-        return {"node_id": self.node_id, "rank": self._rank, "pages": pages}
+        return {"node_id": self.node_id, "rank": self._rank, "server": self.server_address(), "pages": pages}
 
     # -- same-node data plane -----------------------------------------------------------
     def read_into(self, keys: Sequence[int], buffer: str, capacity: int, row: int) -> tuple[int, dict[str, int]]:
@@ -149,6 +157,10 @@ class NodeStore:
             return self.store.read_pages(keys, targets)
         except KeyError:
             return 0, {}
+
+    def server_address(self) -> tuple[str, int] | None:
+        """Where this store's page server listens (None: it serves no TCP peers)."""
+        return self._server.address if self._server else None
 
     def release_buffer(self, buffer: str) -> None:
         with self._buffers_lock:
@@ -222,7 +234,8 @@ class NodeStore:
         stats.update(
             node_id=self.node_id,
             pages=len(self.store),
-            sent_bytes=self.sent_bytes,
+            sent_bytes=self.sent_bytes + (self._server.sent_bytes if self._server else 0),
+            tcp_rejected=self._server.rejected if self._server else 0,
             received_bytes=self.received_bytes,
             restarted=self.restarted,
             time=time.time(),
@@ -234,6 +247,8 @@ class NodeStore:
         return self.node_id
 
     def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
         for buf in self._buffers.values():
             buf.close()
         self._buffers.clear()

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import os
+import secrets
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -29,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name, store_name
 from kvray.cluster.controller import ControllerActor
 from kvray.cluster.node_store import NodeStoreActor
+from kvray.cluster.transfer import TOKEN_BYTES
 from kvray.errors import ClusterError
 
 
@@ -101,18 +103,20 @@ class Runtime:
         if not nodes:
             raise ClusterError(f"no live Ray node offers {config.store_resources or 'any resources'} for a store")
         here = ray.get_runtime_context().get_node_id()
+        token = secrets.token_bytes(TOKEN_BYTES)
         controller = ControllerActor.options(  # beside the driver: it lives as long as the job does
             name=controller_name(config.name),
             namespace=NAMESPACE,
             num_cpus=0,
             scheduling_strategy=on_node(here if here in alive_nodes() else nodes[0]),
-        ).remote(config)
-        stores = {node: spawn_store(config, node) for node in nodes}
-        ray.get([s.ping.remote() for s in stores.values()])
+        ).remote(config, token)
+        stores = {node: spawn_store(config, node, token) for node in nodes}
+        servers = dict(zip(stores, ray.get([s.server_address.remote() for s in stores.values()])))
         ranks: dict[str, int | None] = dict.fromkeys(stores)
         if config.collective and len(stores) > 1:
             ranks = dict(zip(stores, ray.get([s.init_collective.remote(len(stores), r) for r, s in enumerate(stores.values())])))
-        ray.get([controller.register_store.remote(node, store, ranks[node]) for node, store in stores.items()])
+        ray.get([controller.register_store.remote(node, store, ranks[node], None, servers[node])
+                 for node, store in stores.items()])
         return cls(config, controller, stores)
 
     def node_lost(self, node_id: str) -> int:
@@ -142,12 +146,13 @@ class Runtime:
         self.stores = {}
 
 
-def spawn_store(config: RuntimeConfig, node_id: str):
-    """A store actor pinned to ``node_id``, asking for the runtime's store resources."""
+def spawn_store(config: RuntimeConfig, node_id: str, token: bytes):
+    """A store actor pinned to ``node_id``, asking for the runtime's store resources
+    (``token``: the runtime's transfer secret, see :mod:`kvray.cluster.transfer`)."""
     return NodeStoreActor.options(
         name=store_name(config.name, node_id),
         namespace=NAMESPACE,
         num_cpus=0,
         resources=dict(config.store_resources),
         scheduling_strategy=on_node(node_id),
-    ).remote(config, node_id, controller_name(config.name))
+    ).remote(config, node_id, controller_name(config.name), token)
