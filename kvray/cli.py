@@ -153,8 +153,9 @@ def train(
     train_fraction: float = typer.Option(0.6, "--train-fraction", help="first part of each trace (by time) trained on"),
     holdout: list[Path] = typer.Option([], "--holdout", help="traces held out whole, evaluated in the card"),
     evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score the policy on held-out data"),
+    tensorboard: Path = typer.Option(None, "--tensorboard", help="TensorBoard log folder (default OUT/tensorboard)"),
 ) -> None:
-    """Train the RL placement policy with PPO; writes policy.safetensors and card.json."""
+    """Train the RL placement policy with PPO; writes policy.safetensors, card.json and TensorBoard logs."""
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
     from kvray.sim.train import train as run_training
 
@@ -174,7 +175,7 @@ def train(
             return {"goals": goals(rows), "rows": [{k: r[k] for k in _CARD_KEYS} for r in rows]}
 
         card = run_training(spec, trace, timesteps, out, seed, train_fraction, progress=True,
-                            evaluate=score if evaluate else None, tensorboard=out / "tensorboard")
+                            evaluate=score if evaluate else None, tensorboard=tensorboard or out / "tensorboard")
     console.print(f"wrote {out}: {card['training']['timesteps']} steps in {card['training']['wall_s']} s")
     if "evaluation" in card:
         print(json.dumps(card["evaluation"]["goals"], indent=2))

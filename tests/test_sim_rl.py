@@ -101,3 +101,18 @@ def test_rl_policy_runs_inside_the_runtime_page_store(tiny_layout):
         hit = store.load(tokens)
         assert torch.equal(hit.kv, prefix_kv(tiny_layout, tokens)[:, :, : hit.tokens])
     assert len(store) <= 6
+
+
+def test_kvray_train_writes_tensorboard_events(tmp_path):
+    """`kvray train` logs to TensorBoard under the policy folder by default."""
+    from typer.testing import CliRunner
+
+    from kvray.cli import app
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(open("data/traces/conversation_trace_first30min.jsonl").readlines()[:120]))
+    out = tmp_path / "tiny"
+    result = CliRunner().invoke(app, ["train", "--trace", str(trace), "--timesteps", "64", "--out", str(out), "--no-evaluate"])
+    assert result.exit_code == 0, result.output
+    events = list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events and all(e.stat().st_size > 0 for e in events)

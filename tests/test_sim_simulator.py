@@ -114,3 +114,13 @@ def test_single_tier_block_hit_ratio_matches_the_trace_readme(policy, reference)
     sim = Simulator(scenario, make_policy(policy), fast_capacity(scenario, requests, fraction=0.05))
     sim.replay(requests)
     assert sim.manager.metrics.snapshot()["page_hit_rate"] == pytest.approx(reference, abs=0.01)
+
+
+def test_runtime_result_adds_only_wrong_pages_to_the_sim_keys():
+    """`kvray run` and `kvray sim` share one result type; only the runtime checks bytes."""
+    tally = ReplayTally(block_tokens=512)
+    tally.add(1000, {"host": 512}, 2.0)
+    modeled = tally.result("lru", "s", bytes_moved=0).as_dict()
+    measured = tally.result("lru", "s", bytes_moved=0, wrong_pages=0, lost_nodes=["n1"]).as_dict()
+    assert set(measured) == set(modeled) | {"wrong_pages"} and measured["wrong_pages"] == 0
+    assert modeled["hit_tokens"] == 512 and modeled["token_hit_rate"] == 0.512

@@ -21,12 +21,9 @@ Example::
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import ray
 from pydantic import Field, model_validator
 
@@ -36,6 +33,7 @@ from kvray.cluster.runtime import RayConnection, Runtime, alive_nodes, on_node
 from kvray.config import _Frozen, read_yaml, validate
 from kvray.errors import ClusterError
 from kvray.sim.cost import Scenario
+from kvray.sim.report import ReplayResult, ReplayTally
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
 
 ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -62,48 +60,6 @@ class ReplaySettings(_Frozen):
                 f"runtime.layout.page_tokens must be {MOONCAKE_BLOCK_TOKENS}: one page per trace block"
             )
         return self
-
-
-@dataclass
-class ReplayResult:
-    """Measured outcome of a replay; ``as_dict`` has the keys ``kvray sim`` prints."""
-
-    policy: str
-    scenario: str
-    requests: int = 0
-    tokens: int = 0
-    hit_tokens: int = 0
-    hit_tokens_by_tier: Counter = field(default_factory=Counter)
-    ttft_s: list[float] = field(default_factory=list)
-    bytes_moved: int = 0
-    wrong_pages: int = 0
-    paths: Counter = field(default_factory=Counter)
-    lost_nodes: list[str] = field(default_factory=list)
-
-    def add(self, outcome: dict) -> None:
-        self.requests += 1
-        self.tokens += outcome["tokens"]
-        self.hit_tokens += outcome["hit_tokens"]
-        self.hit_tokens_by_tier.update(outcome["hit_tokens_by_tier"])
-        self.ttft_s.append(outcome["ttft_s"])
-        self.wrong_pages += outcome["wrong_pages"]
-        self.paths.update(outcome["paths"])
-
-    def as_dict(self) -> dict:
-        ttft_ms = np.asarray(self.ttft_s) * 1e3
-        return {
-            "requests": self.requests,
-            "tokens": self.tokens,
-            "hit_tokens": self.hit_tokens,
-            "token_hit_rate": self.hit_tokens / self.tokens if self.tokens else 0.0,
-            "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
-            "mean_ttft_ms": float(ttft_ms.mean()) if len(ttft_ms) else 0.0,
-            "p99_ttft_ms": float(np.percentile(ttft_ms, 99)) if len(ttft_ms) else 0.0,
-            "bytes_moved": self.bytes_moved,
-            "policy": self.policy,
-            "scenario": self.scenario,
-            "wrong_pages": self.wrong_pages,
-        }
 
 
 def settings_of_sim_scenario(scenario: Scenario) -> dict:
@@ -158,32 +114,36 @@ class Replay:
     def run(self, trace: list[TraceRequest], progress: bool = True,
             on_request: Callable[[int], None] | None = None) -> ReplayResult:
         """Replay ``trace``; ``on_request(i)`` runs before request ``i`` (fault injection)."""
-        result = ReplayResult(self.runtime.config.policy, self.settings.name)
-        with _progress(progress, len(trace), f"replay {result.policy}") as advance:
+        policy = self.runtime.config.policy
+        tally = ReplayTally(self.settings.runtime.layout.page_tokens)
+        wrong_pages, lost_nodes = 0, []
+        with _progress(progress, len(trace), f"replay {policy}") as advance:
             for i, request in enumerate(trace):
                 if on_request is not None:
                     on_request(i)
-                result.add(self._serve(i, request, result))
+                outcome = self._serve(i, request, lost_nodes)
+                tally.add(outcome["tokens"], outcome["hit_tokens_by_tier"], outcome["ttft_s"] * 1e3)
+                wrong_pages += outcome["wrong_pages"]
                 advance()
         stats = self.runtime.store_stats()
         cluster = ray.get(self.runtime.controller.snapshot.remote())
-        result.bytes_moved = sum(s["bytes_moved"] for s in stats.values()) + cluster["bytes_between_nodes"]
-        return result
+        bytes_moved = sum(s["bytes_moved"] for s in stats.values()) + cluster["bytes_between_nodes"]
+        return tally.result(policy, self.settings.name, bytes_moved, wrong_pages=wrong_pages, lost_nodes=lost_nodes)
 
-    def _serve(self, i: int, request: TraceRequest, result: ReplayResult) -> dict:
+    def _serve(self, i: int, request: TraceRequest, lost_nodes: list[str]) -> dict:
         while self.engines:
             nodes = list(self.engines)
             node = nodes[i % len(nodes)]
             try:
                 return ray.get(self.engines[node].serve.remote(list(request.hash_ids), request.input_length))
             except ENGINE_ERRORS:
-                self._lose_node(node, result)
+                self._lose_node(node, lost_nodes)
         raise ClusterError("every replay engine is gone: no node left to serve requests")
 
-    def _lose_node(self, node: str, result: ReplayResult) -> None:
+    def _lose_node(self, node: str, lost_nodes: list[str]) -> None:
         """A node's engine died: drop the node's locations and let the others re-route."""
         self.engines.pop(node)
-        result.lost_nodes.append(node)
+        lost_nodes.append(node)
         self.runtime.node_lost(node)
         for gone in set(self.runtime.stores) - set(alive_nodes()):
             self.runtime.node_lost(gone)

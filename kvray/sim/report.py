@@ -1,5 +1,7 @@
 """The result of replaying a trace, shared by ``kvray sim`` (modeled times) and
-``kvray run`` (measured times) so that both print the same keys and compare field by field.
+``kvray run`` (measured times, :mod:`kvray.cluster.replay`) so that both print the same
+keys and compare field by field. Only the runtime checks page bytes, so only its result
+has ``wrong_pages`` (and the nodes it lost on the way).
 
 Token accounting follows the trace: request ``r`` has ``r.input_length`` prompt tokens in
 ``len(r.hash_ids)`` blocks of ``block_tokens`` (the last one may be partial); a hit on the
@@ -16,7 +18,7 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -43,6 +45,8 @@ class ReplayResult:
     policy: str
     scenario: str
     extra: dict = field(default_factory=dict)
+    wrong_pages: int | None = None  # pages whose bytes were checked and wrong (runtime only)
+    lost_nodes: list[str] = field(default_factory=list)  # not printed: nodes differ run to run
 
     @property
     def token_hit_rate(self) -> float:
@@ -51,6 +55,9 @@ class ReplayResult:
     def as_dict(self) -> dict:
         out = asdict(self)
         extra = out.pop("extra")
+        del out["lost_nodes"]
+        if self.wrong_pages is None:
+            del out["wrong_pages"]
         return {**out, "token_hit_rate": self.token_hit_rate, **extra}
 
     def as_json(self) -> str:
@@ -68,15 +75,23 @@ class ReplayTally:
 
     def record(self, request: TraceRequest, hit_tiers: Sequence[str], ttft_ms: float) -> None:
         """One request: the tier label of each hit page (root first) and its TTFT."""
-        self.tokens += request.input_length
+        by_tier: dict[str, int] = {}
         for tier in hit_tiers:
-            self.hit_by_tier[tier] = self.hit_by_tier.get(tier, 0) + self.block_tokens
+            by_tier[tier] = by_tier.get(tier, 0) + self.block_tokens
         if hit_tiers:  # a partial last block saves only the tokens it has
             short = len(hit_tiers) * self.block_tokens - hit_tokens(request, len(hit_tiers), self.block_tokens)
-            self.hit_by_tier[hit_tiers[-1]] -= short
+            by_tier[hit_tiers[-1]] -= short
+        self.add(request.input_length, by_tier, ttft_ms)
+
+    def add(self, tokens: int, hit_tokens_by_tier: Mapping[str, int], ttft_ms: float) -> None:
+        """One request counted already (the runtime's engines report tokens per tier)."""
+        self.tokens += tokens
+        for tier, n in hit_tokens_by_tier.items():
+            self.hit_by_tier[tier] = self.hit_by_tier.get(tier, 0) + n
         self.ttft_ms.append(ttft_ms)
 
-    def result(self, policy: str, scenario: str, bytes_moved: int, **extra) -> ReplayResult:
+    def result(self, policy: str, scenario: str, bytes_moved: int, wrong_pages: int | None = None,
+               lost_nodes: Sequence[str] = (), **extra) -> ReplayResult:
         ttft = np.asarray(self.ttft_ms)
         return ReplayResult(
             requests=len(ttft),
@@ -89,4 +104,6 @@ class ReplayTally:
             policy=policy,
             scenario=scenario,
             extra=extra,
+            wrong_pages=wrong_pages,
+            lost_nodes=list(lost_nodes),
         )

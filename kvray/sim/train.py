@@ -118,6 +118,8 @@ def train(
     One environment per capacity fraction (of the training slice's unique pages), so the
     policy learns both tight and looser caches. ``evaluate(out, held_out)`` fills the
     card's evaluation scores (kvray eval does this on the held-out slices).
+    ``tensorboard`` is a folder for SB3's TensorBoard logs (losses, entropy, the mean
+    reward per rollout), so a long run can be watched while it trains.
     """
     import gymnasium as gym
     from stable_baselines3 import PPO
@@ -143,18 +145,18 @@ def train(
     ]
     env = DummyVecEnv(makers)
     env.seed(seed)
-    logger_dir = str(tensorboard) if tensorboard is not None and _has_tensorboard() else None
     model = PPO(
         _scorer_policy_class(), env, n_steps=512, batch_size=256, n_epochs=4, gamma=0.0, gae_lambda=1.0,
-        learning_rate=1e-3, ent_coef=0.02, seed=seed, device="cpu", verbose=0, tensorboard_log=logger_dir,
+        learning_rate=1e-3, ent_coef=0.02, seed=seed, device="cpu", verbose=0, tensorboard_log=None if tensorboard is None else str(tensorboard),
     )
 
     curve: list[dict] = []
 
     class Curve(BaseCallback):
         def _on_rollout_end(self) -> None:
-            rewards = self.model.rollout_buffer.rewards
-            curve.append({"timesteps": int(self.num_timesteps), "mean_reward": float(np.mean(rewards))})
+            mean_reward = float(np.mean(self.model.rollout_buffer.rewards))
+            curve.append({"timesteps": int(self.num_timesteps), "mean_reward": mean_reward})
+            self.logger.record("rollout/mean_reward", mean_reward)  # episodes are long: SB3's ep_rew_mean lags
 
         def _on_step(self) -> bool:
             return True
@@ -198,9 +200,3 @@ def tier_costs(scenario: Scenario) -> dict[str, float]:
 
 def _write_card(out: Path, card: dict) -> None:
     (out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
-
-
-def _has_tensorboard() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("tensorboard") is not None
