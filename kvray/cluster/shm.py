@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import os
 import secrets
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
 from kvray.errors import StorageError
+from kvray.tiers.memory import attach_shared
 
 
 class LandingBuffer:
@@ -50,17 +51,7 @@ class LandingBuffer:
 
     @classmethod
     def attach(cls, name: str, pages: int, page_nbytes: int) -> LandingBuffer:
-        try:
-            shm = shared_memory.SharedMemory(name=name, create=False)
-        except OSError as exc:
-            raise StorageError(f"landing buffer {name!r} cannot be mapped on this node: {exc}") from None
-        # The creator owns the segment's lifetime; keep Python's tracker from unlinking it
-        # when this (mapping-only) process exits.
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        if shm.size < pages * page_nbytes:
-            shm.close()
-            raise StorageError(f"landing buffer {name!r} holds {shm.size} bytes, expected {pages * page_nbytes}")
-        return cls(shm, pages, page_nbytes, owner=False)
+        return cls(attach_shared(name, pages * page_nbytes, "landing buffer"), pages, page_nbytes, owner=False)
 
     def close(self) -> None:
         if self._shm is None:
