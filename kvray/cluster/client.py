@@ -1,11 +1,20 @@
 """The client API engines and jobs call: lookup + pin, load, store, release.
 
-Each verb covers a whole request with one controller round trip at most:
+Each verb covers a whole request with one controller round trip at most, and none when
+this node's host tier holds the whole request:
 
-- ``lookup(keys)``: the controller pins the cached prefix under a lease and says where each
-  cached page is and where each missing page should go (:class:`~kvray.cluster.controller.Plan`).
-- ``load(keys, plan)``: pages arrive in the client's :class:`LandingBuffer` rows ``0..n``,
-  from this node's store by shared memory, from other nodes by Ray's object store or, for
+- ``lookup(keys)``: if every page is published in this node's shared host tier (its
+  :class:`~kvray.tiers.directory.SlotDirectory`, mapped into this process), the answer is
+  a local plan (lease ``LOCAL_LEASE``) made without any Ray call: nothing is pinned, the
+  load validates each page itself. Otherwise the controller pins the cached prefix under
+  a lease and says where each cached page is and where each missing page should go
+  (:class:`~kvray.cluster.controller.Plan`).
+- ``load(keys, plan)``: pages arrive in the client's :class:`LandingBuffer` rows ``0..n``.
+  This node's host pages are copied straight out of the mapped host tier (path
+  ``mapped``: an optimistic, seqlock-validated copy; a page freed or rewritten meanwhile is
+  not taken), and the store is told of the hits afterwards without waiting. The rest of a
+  same-node run (pages on the local disk tier) comes from the store actor, which copies
+  into the buffer (path ``local``); pages on other nodes by Ray's object store or, for
   transfers of at least ``collective_min_bytes``, by the collective path (the peer store
   sends straight into this node's store, which writes into the buffer). Runs of pages on
   different nodes move concurrently.
@@ -14,7 +23,13 @@ Each verb covers a whole request with one controller round trip at most:
   told, without waiting.
 - ``release(plan, loaded)``: unpins, reports hits per tier and any page the index promised
   that a store no longer had (that page is a miss, never wrong KV: every store verifies
-  its checksums and ends the prefix at the first bad page).
+  its checksums and ends the prefix at the first bad page), without waiting.
+
+The mapped host tier belongs to one incarnation of the node's store: each ``touch`` reply
+names the segment the store serves, and a closed segment says so in its header, so a
+client detaches from a dead or restarted store's memory and maps the new one when the
+store answers again. Until it notices, a dead store's segment is frozen: a page that
+validates there still holds exactly its key's KV.
 
 While the controller is down (Ray restarts it and it rebuilds its index from the stores),
 ``lookup`` answers a miss with nothing to store (lease ``NO_LEASE``) instead of failing:
@@ -42,13 +57,15 @@ import ray
 import xxhash
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
-from kvray.cluster.controller import NO_LEASE, Plan
+from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan
 from kvray.cluster.shm import LandingBuffer
-from kvray.errors import ClusterError, RequestError
+from kvray.errors import ClusterError, RequestError, StorageError
 from kvray.keys import ModelFingerprint
 from kvray.tiers import Tier
+from kvray.tiers.directory import SharedHostTier
 
 REMOTE = Tier.REMOTE.label
+HOST = Tier.HOST.label
 ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
 
 
@@ -61,6 +78,15 @@ class Loaded:
     lost: dict[str, list[int]] = field(default_factory=dict)
     bytes_between_nodes: int = 0
     paths: dict[str, int] = field(default_factory=dict)  # transfer path -> pages
+
+    def add(self, path: str, pages: int, by_tier: dict[str, int], between_nodes: int) -> None:
+        if not pages:
+            return
+        self.pages += pages
+        self.paths[path] = self.paths.get(path, 0) + pages
+        for tier, n in by_tier.items():
+            self.by_tier[tier] = self.by_tier.get(tier, 0) + n
+        self.bytes_between_nodes += between_nodes
 
 
 @dataclass(frozen=True)
@@ -81,10 +107,14 @@ def _runs(nodes: Sequence[str], start: int) -> list[_Run]:
 
 
 class KvrayClient:
-    """Per-process handle on a kvray runtime; see the module docstring."""
+    """Per-process handle on a kvray runtime; see the module docstring.
+
+    ``mapped_reads`` False sends every same-node page through the store actor (``read_into``),
+    as before the host tier was mapped; benchmarks compare the two.
+    """
 
     def __init__(self, config: RuntimeConfig, controller, node_id: str | None = None,
-                 buffer_pages: int | None = None, timeout_s: float = 60.0) -> None:
+                 buffer_pages: int | None = None, timeout_s: float = 60.0, mapped_reads: bool = True) -> None:
         self.config = config
         self.controller = controller
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
@@ -92,6 +122,10 @@ class KvrayClient:
         self.page_nbytes = config.layout.page_nbytes
         self.buffer = LandingBuffer.create(buffer_pages or config.max_request_pages, self.page_nbytes)
         self.timeout_s = timeout_s
+        self.mapped_reads = mapped_reads
+        self._host: SharedHostTier | None = None  # this node's store's host tier, mapped
+        self._host_info = None  # ref: the local store's ``host_tier`` answer, while awaited
+        self._touched = None  # ref: the last ``touch`` reply, naming the segment the store serves
         self.refresh()
 
     @classmethod
@@ -109,6 +143,48 @@ class KvrayClient:
         members = ray.get(self.controller.members.remote())
         self.stores: dict[str, ray.actor.ActorHandle] = members["stores"]
         self.ranks: dict[str, int] = members["ranks"]
+        self._detach()
+        if self.local_store is not None:
+            self._host_info = self.local_store.host_tier.remote()
+            ray.wait([self._host_info], timeout=self.timeout_s)
+
+    # -- this node's host tier, mapped ------------------------------------------------------
+    def _mapped_host(self) -> SharedHostTier | None:
+        """The local store's host tier if mapped and current; never blocks on Ray.
+
+        Drops the mapping when the store closed the segment or a ``touch`` reply names
+        another one (the store restarted) or fails (it died), and asks the store for its
+        segment again; maps the answer once it has come.
+        """
+        if self._touched is not None and ray.wait([self._touched], timeout=0)[0]:
+            try:
+                serving = ray.get(self._touched)
+            except ray.exceptions.RayError:
+                serving = None
+            self._touched = None
+            if self._host is not None and serving != self._host.name:
+                self._reattach()
+        if self._host is not None and not self._host.open:
+            self._reattach()
+        if self._host_info is not None and ray.wait([self._host_info], timeout=0)[0]:
+            try:
+                info = ray.get(self._host_info)
+                self._host = SharedHostTier.attach(**info) if info else None
+            except (ray.exceptions.RayError, StorageError):
+                self._host = None  # the store is gone or restarting; the actor path serves meanwhile
+            self._host_info = None
+        return self._host
+
+    def _reattach(self) -> None:
+        self._detach()
+        store = self.local_store
+        self._host_info = store.host_tier.remote() if store is not None else None
+
+    def _detach(self) -> None:
+        if self._host is not None:
+            self._host.close()
+        self._host = None
+        self._host_info = None
 
     @property
     def local_store(self):
@@ -128,6 +204,9 @@ class KvrayClient:
     # -- lookup + pin ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int]) -> Plan:
         self._check(keys)
+        host = self._mapped_host() if self.mapped_reads else None
+        if host is not None and host.held(keys) == len(keys):
+            return Plan(LOCAL_LEASE, [self.node_id] * len(keys), [])
         try:
             return ray.get(self.controller.lookup_pin.remote(list(keys), self.node_id), timeout=self.timeout_s)
         except ACTOR_ERRORS:
@@ -136,22 +215,40 @@ class KvrayClient:
     # -- load -----------------------------------------------------------------------------------
     def load(self, keys: Sequence[int], plan: Plan) -> Loaded:
         """Bring the plan's cached pages into buffer rows ``0..``; stops at the first page missing."""
-        pending = [(run, self._start_run(keys, run)) for run in _runs(plan.hit_nodes, 0)]
+        runs = _runs(plan.hit_nodes, 0)
+        host = self._mapped_host() if self.mapped_reads else None
+        # Transfers from the store actors first, so they move while this thread copies mapped pages.
+        started = {run: self._start_run(keys, run) for run in runs if not (host and run.node == self.node_id)}
         loaded = Loaded(0)
-        complete = True
-        for run, (path, ref) in pending:
-            got, by_tier = self._finish_run(run, path, ref)
-            if complete:
-                for tier, n in by_tier.items():
-                    loaded.by_tier[tier] = loaded.by_tier.get(tier, 0) + n
-                loaded.pages += got
-                loaded.paths[path] = loaded.paths.get(path, 0) + got
-                if path != "local":
-                    loaded.bytes_between_nodes += got * self.page_nbytes
+        for run in runs:
+            if run in started:
+                path, ref = started[run]
+                parts = [(path, *self._finish_run(run, path, ref))]
+            else:
+                parts = self._read_mapped(host, keys, run)
+            got = 0
+            for path, n, by_tier in parts:
+                if loaded.pages == run.start + got:  # the prefix is unbroken so far
+                    loaded.add(path, n, by_tier, 0 if path in ("mapped", "local") else n * self.page_nbytes)
+                got += n
             if got < run.stop - run.start:
                 loaded.lost.setdefault(run.node, []).extend(keys[run.start + got : run.stop])
-                complete = False
         return loaded
+
+    def _read_mapped(self, host: SharedHostTier, keys: Sequence[int], run: _Run) -> list[tuple[str, int, dict[str, int]]]:
+        """Copy a same-node run out of the mapped host tier; the rest of it (pages on the
+        local disk tier, or freed meanwhile) through the store actor. The store hears of
+        the mapped hits without being waited for."""
+        sub = list(keys[run.start : run.stop])
+        got = host.read(sub, self.buffer.pages[run.start : run.stop], verify=self.config.checksum_memory)
+        parts = [("mapped", got, {HOST: got} if got else {})]
+        if got:
+            self._touched = self.local_store.touch.remote(sub[:got])
+        if got < len(sub):
+            rest = _Run(run.node, run.start + got, run.stop)
+            path, ref = self._start_run(keys, rest)
+            parts.append((path, *self._finish_run(rest, path, ref)))
+        return parts
 
     def _path(self, run: _Run) -> str:
         if run.node == self.node_id:
@@ -196,7 +293,8 @@ class KvrayClient:
 
     # -- release ----------------------------------------------------------------------------------
     def release(self, plan: Plan, loaded: Loaded) -> None:
-        self.controller.release.remote(plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes)
+        local_pages = plan.hit_pages if plan.lease == LOCAL_LEASE else 0
+        self.controller.release.remote(plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes, local_pages)
 
     # -- store --------------------------------------------------------------------------------------
     def store(self, keys: Sequence[int], start: int, plan: Plan) -> int:
@@ -237,6 +335,7 @@ class KvrayClient:
         return stored
 
     def close(self) -> None:
+        self._detach()
         for store in self.stores.values():
             store.release_buffer.remote(self.buffer.name)
         self.buffer.close()

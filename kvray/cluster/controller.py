@@ -44,6 +44,7 @@ from kvray.tiers import Tier
 
 NO_NODE = -1
 NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
+LOCAL_LEASE = -1  # a plan the client answered from its node's host tier alone: nothing pinned here
 REBUILD_WAIT_S = 10.0  # how long a restarted controller waits for each store's holdings
 
 
@@ -77,6 +78,7 @@ class Controller:
         self._next_lease = time.time_ns()
         self._doomed: set[int] = set()
         self.lookups = 0
+        self.local_lookups = 0  # requests clients answered from their own node's host tier
         self.lookup_pages = 0
         self.hit_pages: Counter = Counter()
         self.bytes_between_nodes = 0
@@ -224,15 +226,19 @@ class Controller:
         return self.ring.owners(missing)
 
     def release(self, lease: int, hits_by_tier: Mapping[str, int], lost: Mapping[str, Sequence[int]],
-                bytes_between_nodes: int = 0) -> None:
+                bytes_between_nodes: int = 0, local_pages: int = 0) -> None:
         """End a lease: unpin, count the hits the engine got, drop locations that failed.
 
-        A lease this incarnation never granted (made before a restart, or ``NO_LEASE``)
-        pinned nothing here.
+        A lease this incarnation never granted (made before a restart, ``NO_LEASE`` or
+        ``LOCAL_LEASE``) pinned nothing here. ``local_pages``: the pages of a request the
+        client answered without ``lookup_pin`` (lease ``LOCAL_LEASE``), counted as looked up.
         """
         handles = self._leases.pop(lease, None)
         if handles is not None:
             self.index.unpin(handles)
+        if lease == LOCAL_LEASE:
+            self.local_lookups += 1
+            self.lookup_pages += local_pages
         self.hit_pages.update(hits_by_tier)
         self.bytes_between_nodes += bytes_between_nodes
         for node_id, keys in lost.items():
@@ -284,6 +290,7 @@ class Controller:
             "pages_by_node": self.pages_by_node(),
             "index_bytes": self.index.memory_bytes(),
             "lookups": self.lookups,
+            "local_lookups": self.local_lookups,
             "lookup_pages": self.lookup_pages,
             "page_hit_rate": hits / self.lookup_pages if self.lookup_pages else 0.0,
             "hit_pages_by_tier": dict(self.hit_pages),

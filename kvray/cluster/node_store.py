@@ -1,10 +1,15 @@
 """The per-node store actor: one :class:`~kvray.store.PageStore` owning a node's tiers.
 
-It is placed on its node with node affinity and is the only process that touches that
-node's device, host and disk pools. Engines on the same node hand it a
-:class:`~kvray.cluster.shm.LandingBuffer` name once and then move whole requests with one
-call each (``read_into`` / ``write_from``): the store copies between its slots and the
-buffer, so page bytes never pass through Ray. Other nodes reach its pages through the
+It is placed on its node with node affinity and is the only process that writes that
+node's device, host and disk pools. Its host tier lives in POSIX shared memory beside a
+:class:`~kvray.tiers.directory.SlotDirectory` it keeps current, so an engine on the same
+node (``host_tier`` names the segments) finds and copies host pages itself, with no Ray
+call, and only tells the store about the hits afterwards (``touch``, fire-and-forget).
+The segments are named afresh by every incarnation of the store, so a client never
+mistakes a restarted store's memory for its predecessor's. Pages on the local disk tier
+(or when a client reads through the store) move with one call per request
+(``read_into`` / ``write_from``) between the store's slots and the engine's
+:class:`~kvray.cluster.shm.LandingBuffer`, so page bytes never pass through Ray. Other nodes reach its pages through the
 object store (``get_pages`` returns one ``[n, page_nbytes]`` array, which Ray keeps in the
 object store and hands over zero-copy) or through the collective path (a peer's
 ``pull`` asks this store to ``send_pages`` and receives them straight into its engine's
@@ -25,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -50,7 +56,8 @@ class NodeStore:
         autoscaler launched for it)."""
         self.config = config
         self.node_id = node_id = node_id or ray.get_runtime_context().get_node_id()
-        self.store = PageStore(config.store_config(node_id))
+        self.host_name = f"kvray_{config.name}_{node_id[:8]}_{secrets.token_hex(4)}"  # new per incarnation
+        self.store = PageStore(config.store_config(node_id, self.host_name if config.tiers.host else None))
         self.page_nbytes = config.layout.page_nbytes
         self._dropped: list[int] = []
         self._dropped_lock = threading.Lock()
@@ -149,6 +156,19 @@ class NodeStore:
             return self.store.read_pages(keys, targets)
         except KeyError:
             return 0, {}
+
+    def host_tier(self) -> dict | None:
+        """What an engine on this node maps to read the host tier itself (None: no host tier)."""
+        if self.store.directory is None:
+            return None
+        return {"name": self.host_name, "capacity": self.config.tiers.host, "page_nbytes": self.page_nbytes}
+
+    def touch(self, keys: Sequence[int]) -> str | None:
+        """An engine copied the prefix ``keys`` out of the shared host tier: count the hits
+        (recency, heat, promotions). Returns the host segment this incarnation serves, so
+        the engine notices a restart."""
+        self.store.touch_pages(keys)
+        return self.host_name if self.store.directory is not None else None
 
     def release_buffer(self, buffer: str) -> None:
         with self._buffers_lock:
