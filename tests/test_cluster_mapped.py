@@ -21,8 +21,7 @@ LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=16, page_tokens=512, dtype="f
 _names = itertools.count()
 
 
-@pytest.fixture
-def local(ray_cluster):
+def _runtime(ray_cluster):
     """A runtime whose host tier holds 8 pages per node, and a client on the head node."""
     config = RuntimeConfig(name=f"m{next(_names)}", layout=LAYOUT, tiers=TierSizes(host=8), collective=False,
                            checksum_memory=True)
@@ -31,6 +30,12 @@ def local(ray_cluster):
     yield runtime, client
     client.close()
     runtime.close()
+
+
+# Starting store actors costs seconds (each a new process importing torch): the tests that
+# leave the stores running share one runtime; every test fills the 8 slots it relies on itself.
+local = pytest.fixture(scope="module")(_runtime)
+own_runtime = pytest.fixture(_runtime)
 
 
 def put_local(client: KvrayClient, keys: list[int], seed: int) -> np.ndarray:
@@ -43,6 +48,14 @@ def put_local(client: KvrayClient, keys: list[int], seed: int) -> np.ndarray:
 
 def controller(runtime: Runtime) -> dict:
     return ray.get(runtime.controller.snapshot.remote())  # also: earlier fire-and-forget calls have landed
+
+
+def eventually(condition, timeout_s: float = 30.0) -> None:
+    """Wait for the effect of fire-and-forget calls (the store forwards a local plan's report)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the reported hits never arrived"
+        time.sleep(0.05)
 
 
 def load(client: KvrayClient, keys: list[int]):
@@ -59,19 +72,20 @@ def test_a_fully_local_hit_makes_no_controller_call_and_is_exact(local):
     keys = client.keys_for_trace(list(range(10, 16)))
     pages = put_local(client, keys, seed=1)
     old = client.keys_for_trace([900, 901])
-    put_local(client, old, seed=2)  # stored after ``keys``: the LRU would evict ``keys`` first
+    put_local(client, old, seed=2)  # the 8 host slots now hold ``keys``, then ``old``: LRU order
     before, store_before = controller(runtime), ray.get(store.stats.remote())
 
     plan, loaded = load(client, keys)
     assert plan.lease == LOCAL_LEASE and plan.hit_nodes == [client.node_id] * 6 and plan.targets == []
     assert loaded.pages == 6 and loaded.paths == {"mapped": 6} and loaded.by_tier == {"host": 6}
     assert np.array_equal(client.buffer.pages[:6], pages)
+    store_hits = store_before["hit_pages_by_tier"].get("host", 0)
+    eventually(lambda: ray.get(store.stats.remote())["hit_pages_by_tier"].get("host", 0) == store_hits + 6)
+    eventually(lambda: controller(runtime)["local_lookups"] == before["local_lookups"] + 1)
     after = controller(runtime)
     assert after["lookups"] == before["lookups"]  # no lookup_pin
-    assert after["local_lookups"] == before["local_lookups"] + 1
     assert after["lookup_pages"] == before["lookup_pages"] + 6
     assert after["hit_pages_by_tier"]["host"] == before["hit_pages_by_tier"].get("host", 0) + 6
-    assert ray.get(store.stats.remote())["hit_pages_by_tier"]["host"] == store_before["hit_pages_by_tier"].get("host", 0) + 6
 
     # The touch reached the store's LRU: ``keys`` are now the most recent, so new pages evict ``old``.
     put_local(client, client.keys_for_trace([950]), seed=3)
@@ -120,8 +134,8 @@ def test_the_actor_path_still_serves_when_mapped_reads_are_off(local):
     assert np.array_equal(client.buffer.pages[:3], pages)
 
 
-def test_a_restarted_store_is_remapped_and_never_yields_wrong_kv(local):
-    runtime, client = local
+def test_a_restarted_store_is_remapped_and_never_yields_wrong_kv(own_runtime):
+    runtime, client = own_runtime
     store = runtime.stores[client.node_id]
     keys = client.keys_for_trace(list(range(50, 54)))
     pages = put_local(client, keys, seed=8)

@@ -12,7 +12,7 @@ this node's host tier holds the whole request:
 - ``load(keys, plan)``: pages arrive in the client's :class:`LandingBuffer` rows ``0..n``.
   This node's host pages are copied straight out of the mapped host tier (path
   ``mapped``: an optimistic, seqlock-validated copy; a page freed or rewritten meanwhile is
-  not taken), and the store is told of the hits afterwards without waiting. The rest of a
+  not taken). The rest of a
   same-node run (pages on the local disk tier) comes from the store actor, which copies
   into the buffer (path ``local``); pages on other nodes by Ray's object store or, for
   transfers of at least ``collective_min_bytes``, by the collective path (the peer store
@@ -23,7 +23,10 @@ this node's host tier holds the whole request:
   told, without waiting.
 - ``release(plan, loaded)``: unpins, reports hits per tier and any page the index promised
   that a store no longer had (that page is a miss, never wrong KV: every store verifies
-  its checksums and ends the prefix at the first bad page), without waiting.
+  its checksums and ends the prefix at the first bad page), without waiting. The store
+  hears of the hits on pages copied from its mapped host tier (``touch``), and a local
+  plan's report reaches the controller through it, so a fully local request costs one
+  Ray call, sent and not waited for.
 
 The mapped host tier belongs to one incarnation of the node's store: each ``touch`` reply
 names the segment the store serves, and a closed segment says so in its header, so a
@@ -78,6 +81,7 @@ class Loaded:
     lost: dict[str, list[int]] = field(default_factory=dict)
     bytes_between_nodes: int = 0
     paths: dict[str, int] = field(default_factory=dict)  # transfer path -> pages
+    mapped: list[int] = field(default_factory=list)  # keys copied from the mapped host tier
 
     def add(self, path: str, pages: int, by_tier: dict[str, int], between_nodes: int) -> None:
         if not pages:
@@ -230,6 +234,8 @@ class KvrayClient:
             for path, n, by_tier in parts:
                 if loaded.pages == run.start + got:  # the prefix is unbroken so far
                     loaded.add(path, n, by_tier, 0 if path in ("mapped", "local") else n * self.page_nbytes)
+                    if path == "mapped":
+                        loaded.mapped.extend(keys[run.start + got : run.start + got + n])
                 got += n
             if got < run.stop - run.start:
                 loaded.lost.setdefault(run.node, []).extend(keys[run.start + got : run.stop])
@@ -237,13 +243,10 @@ class KvrayClient:
 
     def _read_mapped(self, host: SharedHostTier, keys: Sequence[int], run: _Run) -> list[tuple[str, int, dict[str, int]]]:
         """Copy a same-node run out of the mapped host tier; the rest of it (pages on the
-        local disk tier, or freed meanwhile) through the store actor. The store hears of
-        the mapped hits without being waited for."""
+        local disk tier, or freed meanwhile) through the store actor."""
         sub = list(keys[run.start : run.stop])
         got = host.read(sub, self.buffer.pages[run.start : run.stop], verify=self.config.checksum_memory)
         parts = [("mapped", got, {HOST: got} if got else {})]
-        if got:
-            self._touched = self.local_store.touch.remote(sub[:got])
         if got < len(sub):
             rest = _Run(run.node, run.start + got, run.stop)
             path, ref = self._start_run(keys, rest)
@@ -293,8 +296,23 @@ class KvrayClient:
 
     # -- release ----------------------------------------------------------------------------------
     def release(self, plan: Plan, loaded: Loaded) -> None:
+        """Report the request's hits and losses; nothing waits for an answer.
+
+        Pages copied from the mapped host tier are hits the store has not seen: it is
+        told (``touch``), and for a local plan (nothing pinned at the controller) that one
+        call also carries the report, which the store forwards to the controller. A
+        controller lease is always released directly, so a dying store cannot leave its
+        pages pinned.
+        """
         local_pages = plan.hit_pages if plan.lease == LOCAL_LEASE else 0
-        self.controller.release.remote(plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes, local_pages)
+        report = (plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes, local_pages)
+        store = self.local_store
+        if store is not None and plan.lease == LOCAL_LEASE:
+            self._touched = store.touch.remote(loaded.mapped, report)
+            return
+        if store is not None and loaded.mapped:
+            self._touched = store.touch.remote(loaded.mapped)
+        self.controller.release.remote(*report)
 
     # -- store --------------------------------------------------------------------------------------
     def store(self, keys: Sequence[int], start: int, plan: Plan) -> int:

@@ -67,6 +67,8 @@ class NodeStore:
         self._rank: int | None = None
         self._run_parents: dict[int, int | None] = {}  # first key of a run -> the key before it in its chain
         self._peer_locks: dict[int, threading.Lock] = {}
+        self._controller_name = controller
+        self._controller_handle = None
         self.sent_bytes = 0
         self.received_bytes = 0
         context = ray.get_runtime_context()
@@ -163,12 +165,20 @@ class NodeStore:
             return None
         return {"name": self.host_name, "capacity": self.config.tiers.host, "page_nbytes": self.page_nbytes}
 
-    def touch(self, keys: Sequence[int]) -> str | None:
+    def touch(self, keys: Sequence[int], report: tuple | None = None) -> str | None:
         """An engine copied the prefix ``keys`` out of the shared host tier: count the hits
-        (recency, heat, promotions). Returns the host segment this incarnation serves, so
-        the engine notices a restart."""
+        (recency, heat, promotions), and pass ``report`` (the arguments of the controller's
+        ``release``) on. Returns the host segment this incarnation serves, so the engine
+        notices a restart."""
         self.store.touch_pages(keys)
+        if report is not None:
+            self._controller().release.remote(*report)
         return self.host_name if self.store.directory is not None else None
+
+    def _controller(self):
+        if self._controller_handle is None:
+            self._controller_handle = ray.get_actor(self._controller_name, namespace=NAMESPACE)
+        return self._controller_handle
 
     def release_buffer(self, buffer: str) -> None:
         with self._buffers_lock:
