@@ -28,11 +28,12 @@ this node's host tier holds the whole request:
   plan's report reaches the controller through it, so a fully local request costs one
   Ray call, sent and not waited for.
 
-The mapped host tier belongs to one incarnation of the node's store: each ``touch`` reply
-names the segment the store serves, and a closed segment says so in its header, so a
-client detaches from a dead or restarted store's memory and maps the new one when the
-store answers again. Until it notices, a dead store's segment is frozen: a page that
-validates there still holds exactly its key's KV.
+The mapped host tier belongs to one incarnation of the node's store (a fresh segment
+each): the client asks the store every ``HOST_CHECK_S`` which segment it serves, without
+waiting, and a closed segment says so in its header, so a client drops a dead or
+restarted store's memory and maps the new one when the store answers again. Until it
+notices, a dead store's segment is frozen: a page that validates there still holds
+exactly its key's KV.
 
 While the controller is down (Ray restarts it and it rebuilds its index from the stores),
 ``lookup`` answers a miss with nothing to store (lease ``NO_LEASE``) instead of failing:
@@ -52,6 +53,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,6 +71,7 @@ from kvray.tiers.directory import SharedHostTier
 
 REMOTE = Tier.REMOTE.label
 HOST = Tier.HOST.label
+HOST_CHECK_S = 1.0  # how often a client asks its node's store which host segment it serves
 ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
 
 
@@ -129,7 +132,7 @@ class KvrayClient:
         self.mapped_reads = mapped_reads
         self._host: SharedHostTier | None = None  # this node's store's host tier, mapped
         self._host_info = None  # ref: the local store's ``host_tier`` answer, while awaited
-        self._touched = None  # ref: the last ``touch`` reply, naming the segment the store serves
+        self._next_check = 0.0  # when to ask the store again which segment it serves
         self.refresh()
 
     @classmethod
@@ -148,47 +151,45 @@ class KvrayClient:
         self.stores: dict[str, ray.actor.ActorHandle] = members["stores"]
         self.ranks: dict[str, int] = members["ranks"]
         self._detach()
-        if self.local_store is not None:
-            self._host_info = self.local_store.host_tier.remote()
+        self._host_info, self._next_check = None, 0.0
+        self._mapped_host()  # asks the local store which host segment it serves
+        if self._host_info is not None:
             ray.wait([self._host_info], timeout=self.timeout_s)
+            self._mapped_host()
 
     # -- this node's host tier, mapped ------------------------------------------------------
     def _mapped_host(self) -> SharedHostTier | None:
         """The local store's host tier if mapped and current; never blocks on Ray.
 
-        Drops the mapping when the store closed the segment or a ``touch`` reply names
-        another one (the store restarted) or fails (it died), and asks the store for its
-        segment again; maps the answer once it has come.
+        Every ``HOST_CHECK_S`` the store is asked (without waiting) which segment it serves;
+        an answer naming another segment (the store restarted), none, or an error (it is
+        gone) drops the mapping, and a new segment is mapped. A segment its store closed
+        says so in its header and is dropped at once.
         """
-        if self._touched is not None and ray.wait([self._touched], timeout=0)[0]:
-            try:
-                serving = ray.get(self._touched)
-            except ray.exceptions.RayError:
-                serving = None
-            self._touched = None
-            if self._host is not None and serving != self._host.name:
-                self._reattach()
         if self._host is not None and not self._host.open:
-            self._reattach()
+            self._detach()
+        now = time.monotonic()
+        if self._host_info is None and now >= self._next_check and self.local_store is not None:
+            self._host_info = self.local_store.host_tier.remote()
+            self._next_check = now + HOST_CHECK_S
         if self._host_info is not None and ray.wait([self._host_info], timeout=0)[0]:
             try:
                 info = ray.get(self._host_info)
-                self._host = SharedHostTier.attach(**info) if info else None
-            except (ray.exceptions.RayError, StorageError):
-                self._host = None  # the store is gone or restarting; the actor path serves meanwhile
+            except ray.exceptions.RayError:
+                info = None  # the store is gone or restarting; the actor path serves meanwhile
             self._host_info = None
+            if self._host is None or info is None or info["name"] != self._host.name:
+                self._detach()
+                try:
+                    self._host = SharedHostTier.attach(**info) if info else None
+                except StorageError:
+                    pass  # unlinked since it answered (it stopped): asked again next check
         return self._host
-
-    def _reattach(self) -> None:
-        self._detach()
-        store = self.local_store
-        self._host_info = store.host_tier.remote() if store is not None else None
 
     def _detach(self) -> None:
         if self._host is not None:
             self._host.close()
         self._host = None
-        self._host_info = None
 
     @property
     def local_store(self):
@@ -308,10 +309,10 @@ class KvrayClient:
         report = (plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes, local_pages)
         store = self.local_store
         if store is not None and plan.lease == LOCAL_LEASE:
-            self._touched = store.touch.remote(loaded.mapped, report)
+            store.touch.remote(loaded.mapped, report)
             return
         if store is not None and loaded.mapped:
-            self._touched = store.touch.remote(loaded.mapped)
+            store.touch.remote(loaded.mapped)
         self.controller.release.remote(*report)
 
     # -- store --------------------------------------------------------------------------------------

@@ -4,9 +4,10 @@ It is placed on its node with node affinity and is the only process that writes 
 node's device, host and disk pools. Its host tier lives in POSIX shared memory beside a
 :class:`~kvray.tiers.directory.SlotDirectory` it keeps current, so an engine on the same
 node (``host_tier`` names the segments) finds and copies host pages itself, with no Ray
-call, and only tells the store about the hits afterwards (``touch``, fire-and-forget).
-The segments are named afresh by every incarnation of the store, so a client never
-mistakes a restarted store's memory for its predecessor's. Pages on the local disk tier
+call, and only tells the store about the hits afterwards (``touch``, fire-and-forget,
+which also forwards the controller's report of a request answered entirely here). The
+segments are named afresh by every incarnation of the store, so a client that asks
+``host_tier`` now and then never mistakes a restarted store's memory for its predecessor's. Pages on the local disk tier
 (or when a client reads through the store) move with one call per request
 (``read_into`` / ``write_from``) between the store's slots and the engine's
 :class:`~kvray.cluster.shm.LandingBuffer`, so page bytes never pass through Ray. Other nodes reach its pages through the
@@ -165,15 +166,13 @@ class NodeStore:
             return None
         return {"name": self.host_name, "capacity": self.config.tiers.host, "page_nbytes": self.page_nbytes}
 
-    def touch(self, keys: Sequence[int], report: tuple | None = None) -> str | None:
+    def touch(self, keys: Sequence[int], report: tuple | None = None) -> None:
         """An engine copied the prefix ``keys`` out of the shared host tier: count the hits
         (recency, heat, promotions), and pass ``report`` (the arguments of the controller's
-        ``release``) on. Returns the host segment this incarnation serves, so the engine
-        notices a restart."""
+        ``release``) on."""
         self.store.touch_pages(keys)
         if report is not None:
             self._controller().release.remote(*report)
-        return self.host_name if self.store.directory is not None else None
 
     def _controller(self):
         if self._controller_handle is None:
