@@ -65,7 +65,7 @@ from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan
 from kvray.cluster.shm import LandingBuffer
 from kvray.errors import ClusterError, RequestError, StorageError
-from kvray.keys import ModelFingerprint
+from kvray.keys import ModelFingerprint, pack_keys
 from kvray.tiers import Tier
 from kvray.tiers.directory import SharedHostTier
 
@@ -309,10 +309,10 @@ class KvrayClient:
         report = (plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes, local_pages)
         store = self.local_store
         if store is not None and plan.lease == LOCAL_LEASE:
-            store.touch.remote(loaded.mapped, report)
+            store.touch.remote(pack_keys(loaded.mapped), report)
             return
         if store is not None and loaded.mapped:
-            store.touch.remote(loaded.mapped)
+            store.touch.remote(pack_keys(loaded.mapped))
         self.controller.release.remote(*report)
 
     # -- store --------------------------------------------------------------------------------------

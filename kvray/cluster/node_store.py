@@ -44,6 +44,7 @@ from kvray.cluster.config import NAMESPACE, RuntimeConfig
 from kvray.cluster.metrics import export_store_stats
 from kvray.cluster.shm import LandingBuffer
 from kvray.index import ROOT
+from kvray.keys import unpack_keys
 from kvray.store import PageStore
 
 COLLECTIVE_GROUP = "kvray-pages"
@@ -166,11 +167,11 @@ class NodeStore:
             return None
         return {"name": self.host_name, "capacity": self.config.tiers.host, "page_nbytes": self.page_nbytes}
 
-    def touch(self, keys: Sequence[int], report: tuple | None = None) -> None:
-        """An engine copied the prefix ``keys`` out of the shared host tier: count the hits
-        (recency, heat, promotions), and pass ``report`` (the arguments of the controller's
-        ``release``) on."""
-        self.store.touch_pages(keys)
+    def touch(self, keys: bytes, report: tuple | None = None) -> None:
+        """An engine copied the prefix ``keys`` (:func:`~kvray.keys.pack_keys`) out of the shared
+        host tier: count the hits (recency, heat, promotions), and pass ``report`` (the
+        arguments of the controller's ``release``) on."""
+        self.store.touch_pages(unpack_keys(keys))
         if report is not None:
             self._controller().release.remote(*report)
 
