@@ -4,9 +4,12 @@ It keeps the global prefix index (:class:`~kvray.index.PrefixIndex`, with each p
 node in the ``node`` column), the heat of every page, pins of pages being read, and the
 placement rule for new pages: the requesting engine's node when the request fits there,
 otherwise spread over all nodes by consistent hashing (:class:`HashRing`). Engines talk to
-it once per request (``lookup_pin`` answers the cached prefix, where each page lives and
-where each missing page should go) and report back without waiting (``release``,
-``commit``). Page bytes move between engines and store actors only.
+it at most once per request (``lookup_pin`` answers the cached prefix, where each page lives
+and where each missing page should go) and report back without waiting (``release``,
+``commit``). A request whose pages all sit in the engine's own node's host tier never
+reaches ``lookup_pin``: the client answers it from that tier's slot directory (lease
+``LOCAL_LEASE``), and its ``release`` arrives through the node's store. Page bytes move
+between engines and store actors only.
 
 The index is kept honest three ways: stores report pages they evicted with every write;
 an engine reports pages the index promised but a store no longer had; a node that leaves

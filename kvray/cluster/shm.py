@@ -2,10 +2,13 @@
 
 An engine process owns one POSIX shared-memory buffer of ``pages x page_nbytes`` bytes
 (its request-sized KV staging area). The node's store actor maps the same segment by
-name, once, and copies pages straight between its tiers and the buffer: a load or a store
-is one actor call carrying only keys and offsets, and the page bytes cross no socket, no
-pickle and no object store. Cross-node pages are received into the same buffer by the
-collective path, so the engine always finds a request's KV in one place.
+name, once, and copies pages straight between its tiers and the buffer: a store, or a
+load of pages on the store's disk tier, is one actor call carrying only keys and offsets,
+and the page bytes cross no socket, no pickle and no object store. Pages on the store's
+host tier need not even that call: the engine maps the host tier too
+(:class:`~kvray.tiers.directory.SharedHostTier`) and copies them into the buffer itself.
+Cross-node pages are received into the same buffer by the collective path, so the engine
+always finds a request's KV in one place.
 
 Example::
 
