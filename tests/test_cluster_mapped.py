@@ -13,6 +13,7 @@ import ray
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.cluster.controller import LOCAL_LEASE, Plan
 from kvray.config import PageLayout, TierSizes
+from kvray.tiers.directory import SHM_DIR, directory_name
 from tests.test_cluster_faults import restarted_info
 
 pytestmark = pytest.mark.ray
@@ -145,7 +146,8 @@ def test_a_restarted_store_is_remapped_and_never_yields_wrong_kv(own_runtime):
     ray.kill(store, no_restart=False)
     restarted_info(store)
     second = ray.get(store.host_tier.remote())["name"]
-    assert second != first  # a fresh segment per incarnation
+    assert second != first  # a fresh segment per incarnation; the killed one's are gone
+    assert not (SHM_DIR / first).exists() and not (SHM_DIR / directory_name(first)).exists()
     deadline = time.monotonic() + 30
     while client._host is None or client._host.name != second:  # noticed through the touch reply
         _, loaded = load(client, keys)

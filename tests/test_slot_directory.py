@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvray.config import PageLayout, StoreConfig, TierSizes
 from kvray.errors import StorageError
 from kvray.store import PageStore
-from kvray.tiers.directory import EMPTY, SharedHostTier, SlotDirectory, directory_name
+from kvray.tiers.directory import EMPTY, SHM_DIR, SharedHostTier, SlotDirectory, directory_name, retire
 
 CAPACITY = 6
 # Keys share their low bits in small groups, so probe runs collide, wrap around the table
@@ -70,6 +70,16 @@ def test_a_closed_directory_says_so_and_a_foreign_segment_is_refused():
             SlotDirectory.attach(store.config.host_shared_memory)  # the host pool, not its directory
     finally:
         store.close()
+
+
+def test_a_dead_stores_segments_are_retired_closed_and_unlinked():
+    name = _name()
+    store = PageStore(StoreConfig(layout=LAYOUT, tiers=TierSizes(host=2), host_shared_memory=name))
+    reader = SlotDirectory(store.directory._shm, owner=False)  # what an engine has mapped
+    retire(name)  # as a successor does with segments a killed store left behind
+    assert not reader.open
+    assert not (SHM_DIR / name).exists() and not (SHM_DIR / directory_name(name)).exists()
+    store.close()  # a store that was not dead after all still closes cleanly
 
 
 # -- optimistic reads racing a writer process ---------------------------------------------------

@@ -39,7 +39,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import numpy as np
 
@@ -51,6 +53,7 @@ MAGIC = 0x6B7672617964_0001  # "kvrayd", layout version 1
 OPEN, CLOSED = 1, 2
 EMPTY = -1
 MASK64 = (1 << 64) - 1
+SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory segments
 _HEADER = 8  # uint64 words: magic, capacity, table size, state, (reserved)
 
 
@@ -192,13 +195,27 @@ class SlotDirectory:
         del self._header, self.keys, self.generations, self.checksums, self.table
         self._shm.close()
         if self.owner:
-            self._shm.unlink()
+            with contextlib.suppress(FileNotFoundError):  # retired by a successor already
+                self._shm.unlink()
         self._shm = None
 
 
 def directory_name(host_name: str) -> str:
     """The directory segment beside the shared host pool ``host_name``."""
     return f"{host_name}_dir"
+
+
+def retire(host_name: str) -> None:
+    """Mark a dead store's directory closed (its readers drop it at once) and unlink its
+    segments: a store killed without ``close`` leaves them behind until the machine reboots."""
+    directory = SHM_DIR / directory_name(host_name)
+    with contextlib.suppress(OSError, ValueError):
+        header = np.memmap(directory, dtype=np.uint64, mode="r+", shape=(_HEADER,))
+        if int(header[0]) == MAGIC:
+            header[3] = CLOSED
+        del header
+    for path in (directory, SHM_DIR / host_name):
+        path.unlink(missing_ok=True)
 
 
 class SharedHostTier:

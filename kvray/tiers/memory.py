@@ -8,6 +8,7 @@ pages without any copy through Ray (see :mod:`kvray.cluster`).
 
 from __future__ import annotations
 
+import contextlib
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -78,7 +79,8 @@ class HostPool:
             del self._array
             self._shm.close()
             if self._owner:
-                self._shm.unlink()
+                with contextlib.suppress(FileNotFoundError):  # retired by a successor already
+                    self._shm.unlink()
             self._shm = None
 
 
