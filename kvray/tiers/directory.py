@@ -67,11 +67,12 @@ class SlotDirectory:
     def __init__(self, shm: shared_memory.SharedMemory, owner: bool) -> None:
         self._shm = shm
         self.owner = owner
-        header = np.ndarray((_HEADER,), dtype=np.uint64, buffer=shm.buf)
-        if int(header[0]) != MAGIC:
+        magic, capacity, table_size = np.frombuffer(shm.buf, dtype=np.uint64, count=3).tolist()
+        if magic != MAGIC or table_size & (table_size - 1) or shm.size < self._nbytes(capacity, table_size):
             shm.close()
             raise StorageError(f"shared segment {shm.name!r} is not a kvray slot directory")
-        self.capacity, table_size = int(header[1]), int(header[2])
+        self.capacity = capacity
+        header = np.ndarray((_HEADER,), dtype=np.uint64, buffer=shm.buf)
         offset = _HEADER * 8
         self._header = header
         self.keys = np.ndarray((self.capacity, 2), dtype=np.uint64, buffer=shm.buf, offset=offset)
