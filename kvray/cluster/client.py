@@ -242,7 +242,8 @@ class KvrayClient:
                 loaded.lost.setdefault(run.node, []).extend(keys[run.start + got : run.stop])
         return loaded
 
-    def _read_mapped(self, host: SharedHostTier, keys: Sequence[int], run: _Run) -> list[tuple[str, int, dict[str, int]]]:
+    def _read_mapped(self, host: SharedHostTier, keys: Sequence[int],
+                     run: _Run) -> list[tuple[str, int, dict[str, int]]]:
         """Copy a same-node run out of the mapped host tier; the rest of it (pages on the
         local disk tier, or freed meanwhile) through the store actor."""
         sub = list(keys[run.start : run.stop])

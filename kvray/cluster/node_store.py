@@ -7,14 +7,14 @@ node (``host_tier`` names the segments) finds and copies host pages itself, with
 call, and only tells the store about the hits afterwards (``touch``, fire-and-forget,
 which also forwards the controller's report of a request answered entirely here). The
 segments are named afresh by every incarnation of the store, so a client that asks
-``host_tier`` now and then never mistakes a restarted store's memory for its predecessor's. Pages on the local disk tier
-(or when a client reads through the store) move with one call per request
-(``read_into`` / ``write_from``) between the store's slots and the engine's
-:class:`~kvray.cluster.shm.LandingBuffer`, so page bytes never pass through Ray. Other nodes reach its pages through the
-object store (``get_pages`` returns one ``[n, page_nbytes]`` array, which Ray keeps in the
-object store and hands over zero-copy) or through the collective path (a peer's
-``pull`` asks this store to ``send_pages`` and receives them straight into its engine's
-landing buffer).
+``host_tier`` now and then never mistakes a restarted store's memory for its
+predecessor's. Pages on the local disk tier (or read through the store) and pages
+stored move with one call per request (``read_into`` / ``write_from``) between the
+store's slots and the engine's :class:`~kvray.cluster.shm.LandingBuffer`, so page bytes
+never pass through Ray. Other nodes reach its pages through the object store
+(``get_pages`` returns one ``[n, page_nbytes]`` array, which Ray keeps in the object
+store and hands over zero-copy) or through the collective path (a peer's ``pull`` asks
+this store to ``send_pages`` and receives them straight into its engine's landing buffer).
 
 Every page that leaves this store (evicted past the last tier, corrupt) is remembered and
 reported with the next write, so the controller's index never keeps it for long. A store
