@@ -159,3 +159,26 @@ def test_a_restarted_store_is_remapped_and_never_yields_wrong_kv(own_runtime):
     plan, loaded = load(client, fresh)
     assert plan.lease == LOCAL_LEASE and loaded.paths == {"mapped": 3}
     assert np.array_equal(client.buffer.pages[:3], fresh_pages)
+
+
+def test_a_run_half_on_host_half_on_disk_is_copied_then_read_through_the_store(ray_cluster, tmp_path):
+    config = RuntimeConfig(name=f"m{next(_names)}", layout=LAYOUT, tiers=TierSizes(host=4, disk=16),
+                           disk_root=tmp_path, collective=False)
+    runtime = Runtime.start(config)
+    client = KvrayClient.connect(config.name, buffer_pages=16)
+    try:
+        store = runtime.stores[client.node_id]
+        keys = client.keys_for_trace(list(range(70, 74)))
+        pages = put_local(client, keys, seed=10)
+        assert load(client, keys[:2])[1].paths == {"mapped": 2}  # the first two are now the most recent
+        eventually(lambda: ray.get(store.stats.remote())["hit_pages_by_tier"].get("host", 0) == 2)
+        put_local(client, client.keys_for_trace([7000, 7001]), seed=11)  # demotes keys[2:] to disk
+
+        plan, loaded = load(client, keys)
+        assert plan.lease != LOCAL_LEASE  # not all on the host tier: the controller answers
+        assert loaded.pages == 4 and loaded.paths == {"mapped": 2, "local": 2}
+        assert loaded.by_tier == {"host": 2, "disk": 2}
+        assert np.array_equal(client.buffer.pages[:4], pages)
+    finally:
+        client.close()
+        runtime.close()
