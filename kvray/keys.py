@@ -84,3 +84,18 @@ def page_keys(
         prev = digest(prev + data[start : start + step])
         keys.append(to_int(prev, "little"))
     return keys
+
+
+KEY_BYTES = 16  # a page key is an xxh3-128 digest
+
+
+def pack_keys(keys: Sequence[int]) -> bytes:
+    """Keys as one bytes object, 16 little-endian bytes each: what a fire-and-forget Ray call
+    carries for a few microseconds, where a list of 128-bit ints is pickled int by int."""
+    return b"".join(key.to_bytes(KEY_BYTES, "little") for key in keys)
+
+
+def unpack_keys(packed: bytes) -> list[int]:
+    if len(packed) % KEY_BYTES:
+        raise RequestError(f"packed keys of {len(packed)} bytes: not a multiple of {KEY_BYTES}")
+    return [int.from_bytes(packed[i : i + KEY_BYTES], "little") for i in range(0, len(packed), KEY_BYTES)]

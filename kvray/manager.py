@@ -80,6 +80,8 @@ class CacheManager:
         self.policy.bind(self.index, self.capacities)
         self.metrics = CacheMetrics(page_nbytes=page_nbytes)
         self.slot_freed: Callable[[Tier, int], None] = lambda tier, slot: None
+        # a page was published in a slot: (key, tier, slot, checksum); the slot's bytes are complete
+        self.page_placed: Callable[[int, Tier, int, int], None] = lambda key, tier, slot, checksum: None
         self.page_dropped: Callable[[int], None] = lambda key: None  # a key left this cache
         self._kept: Counter[int] = Counter()
 
@@ -176,6 +178,7 @@ class CacheManager:
             self.index.checksum[handle] = digest
         self.policy.on_remove(handle, src)
         self.index.move(handle, dst, dst_slot)
+        self.page_placed(self.index.key_of(handle), dst, dst_slot, int(self.index.checksum[handle]))
         self.policy.on_insert(handle, dst)
         self._free(src, src_slot)
         self.metrics.count_move(src.label, dst.label)
@@ -211,6 +214,7 @@ class CacheManager:
     def restore(self, key: int, tier: Tier, slot: int, checksum: int, *, parent: int, depth: int = 0) -> int:
         """Publish a page found already in place (a disk tier after a restart)."""
         handle = self.index.add(key, tier, slot, checksum, parent=parent, depth=depth)
+        self.page_placed(key, tier, slot, checksum)
         self.policy.on_insert(handle, tier)
         return handle
 

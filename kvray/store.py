@@ -41,6 +41,7 @@ from kvray.manager import CacheManager
 from kvray.pages import check_request_kv, copy_page, hash_page, request_bytes, request_page, runs, torch_dtype
 from kvray.policy import PageContext, PlacementPolicy, make_policy
 from kvray.tiers import DevicePool, DiskPool, HostPool, StoredPage, Tier
+from kvray.tiers.directory import SlotDirectory, directory_name
 
 PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
 UNHASHED = 0  # the checksum of a memory page stored without one (``checksum_memory`` off)
@@ -75,8 +76,13 @@ class PageStore:
         self.pools: dict[Tier, DevicePool | HostPool | DiskPool] = {}
         if sizes.device:
             self.pools[Tier.DEVICE] = DevicePool(sizes.device, nbytes)
+        # With a shared host tier, engines on this node read its pages themselves, finding
+        # them through the slot directory this store keeps current (kvray.tiers.directory).
+        self.directory: SlotDirectory | None = None
         if sizes.host:
             self.pools[Tier.HOST] = HostPool(sizes.host, nbytes, shared_name=config.host_shared_memory)
+            if config.host_shared_memory:
+                self.directory = SlotDirectory.create(directory_name(config.host_shared_memory), sizes.host)
         recovered: list[StoredPage] = []
         if sizes.disk:
             disk = DiskPool(config.disk_dir, sizes.disk, nbytes, self.fingerprint.digest, fsync=config.disk_fsync)
@@ -89,6 +95,7 @@ class PageStore:
             used_slots={Tier.DISK: [p.slot for p in recovered]},
         )
         self.manager.slot_freed = self._slot_freed
+        self.manager.page_placed = self._page_placed
         self.metrics = self.manager.metrics
         self._lock = threading.RLock()
         self._recover(recovered)
@@ -204,11 +211,23 @@ class PageStore:
                 if delivered < len(match):
                     self.metrics.corrupt_pages += 1
                     self.manager.drop(int(match.handles[delivered]))
-                self.manager.touch(match.handles[:delivered])
-                self.manager.promote(match.handles[:delivered], self._move)
+                self._hit(match.handles[:delivered])
                 self.metrics.observe("load", time.perf_counter() - t0)
         labels, counts = np.unique(match.tiers[:delivered], return_counts=True)
         return delivered, {Tier(int(t)).label: int(n) for t, n in zip(labels, counts)}
+
+    def touch_pages(self, keys: Sequence[int]) -> int:
+        """Count a hit on the cached prefix of ``keys`` that a reader copied out of the shared
+        host tier itself (no bytes move here); returns pages touched."""
+        with self._lock:
+            match = self.manager.lookup(keys)
+            self._hit(match.handles)
+        return len(match)
+
+    def _hit(self, handles: np.ndarray) -> None:
+        """Recency and heat of pages just read, and the promotions the policy asks for."""
+        self.manager.touch(handles)
+        self.manager.promote(handles, self._move)
 
     def _store_pages(
         self, keys: list[int], sources: PageSource, priority: int = 0, parent_key: int | None = None
@@ -297,6 +316,12 @@ class PageStore:
         pool = self.pools[tier]
         if isinstance(pool, DiskPool):
             pool.free(slot)
+        elif tier == Tier.HOST and self.directory is not None:
+            self.directory.free(slot)
+
+    def _page_placed(self, key: int, tier: Tier, slot: int, checksum: int) -> None:
+        if tier == Tier.HOST and self.directory is not None:
+            self.directory.publish(slot, key, checksum)
 
     # -- state ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -311,5 +336,7 @@ class PageStore:
         return snap
 
     def close(self) -> None:
+        if self.directory is not None:
+            self.directory.close()  # marked closed before the pool it describes goes
         for pool in self.pools.values():
             pool.close()

@@ -59,6 +59,7 @@ DRIVER = textwrap.dedent(
     node = ray.get(store.ping.remote(), timeout=240)
     alive = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     print(json.dumps({"before": before, "alive": len(alive), "store_node_resources": alive[node]}), flush=True)
+    ray.get(store.close.remote(), timeout=60)  # its shared host tier goes with it
     ray.kill(store)
     t0 = time.time()
     while time.time() - t0 < 240:

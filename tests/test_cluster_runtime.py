@@ -90,7 +90,7 @@ def test_pages_spread_by_hash_ring_come_back_exact_from_every_node(with_paths):
     plan, loaded = roundtrip(client, keys, expected)
     assert loaded.pages == 40 and plan.hit_nodes == placed
     assert loaded.by_tier["host"] + loaded.by_tier["remote"] == 40 and loaded.by_tier["remote"] > 0
-    assert loaded.paths.keys() == {"local", "tcp"}
+    assert loaded.paths.keys() == {"mapped", "tcp"}  # this node's pages copied from its mapped host tier
     after = ray.get(runtime.controller.snapshot.remote())
     assert after["indexed_pages"] - before["indexed_pages"] == 40 and after["open_leases"] == 0
     for tier, pages in loaded.by_tier.items():

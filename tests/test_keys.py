@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvray.config import PageLayout
 from kvray.errors import RequestError
-from kvray.keys import ModelFingerprint, page_keys
+from kvray.keys import ModelFingerprint, pack_keys, page_keys, unpack_keys
 
 LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=4, page_tokens=4, dtype="float32")
 FP = ModelFingerprint.of(LAYOUT, "tiny")
@@ -57,3 +57,10 @@ def test_bad_token_ids_are_rejected(bad, message):
 def test_over_long_request_is_rejected():
     with pytest.raises(RequestError, match="exceeds max_request_tokens=8"):
         page_keys(list(range(9)), FP, max_tokens=8)
+
+
+def test_packed_keys_round_trip_and_a_torn_buffer_is_refused():
+    keys = [0, 1, (1 << 128) - 1, 12345 << 70]
+    assert unpack_keys(pack_keys(keys)) == keys and unpack_keys(b"") == []
+    with pytest.raises(RequestError, match="multiple of 16"):
+        unpack_keys(pack_keys(keys)[:-1])

@@ -1,21 +1,40 @@
 """The client API engines and jobs call: lookup + pin, load, store, release.
 
-Each verb covers a whole request with one controller round trip at most:
+Each verb covers a whole request with one controller round trip at most, and none when
+this node's host tier holds the whole request:
 
-- ``lookup(keys)``: the controller pins the cached prefix under a lease and says where each
-  cached page is and where each missing page should go (:class:`~kvray.cluster.controller.Plan`).
-- ``load(keys, plan)``: pages arrive in the client's :class:`LandingBuffer` rows ``0..n``,
-  from this node's store by shared memory, from other nodes by direct TCP from the peer's
-  page server (:mod:`kvray.cluster.transfer`; no Ray call), or without it by Ray's object
-  store or, for transfers of at least ``collective_min_bytes``, by the collective path
-  (the peer store sends straight into this node's store, which writes into the buffer).
-  Runs of pages on different nodes move concurrently.
+- ``lookup(keys)``: if every page is published in this node's shared host tier (its
+  :class:`~kvray.tiers.directory.SlotDirectory`, mapped into this process), the answer is
+  a local plan (lease ``LOCAL_LEASE``) made without any Ray call: nothing is pinned, the
+  load validates each page itself. Otherwise the controller pins the cached prefix under
+  a lease and says where each cached page is and where each missing page should go
+  (:class:`~kvray.cluster.controller.Plan`).
+- ``load(keys, plan)``: pages arrive in the client's :class:`LandingBuffer` rows ``0..n``.
+  This node's host pages are copied straight out of the mapped host tier (path
+  ``mapped``: an optimistic, seqlock-validated copy; a page freed or rewritten meanwhile is
+  not taken). The rest of a same-node run (pages on the local disk tier) comes from the
+  store actor, which copies into the buffer (path ``local``); pages on other nodes by
+  direct TCP from the peer's page server (:mod:`kvray.cluster.transfer`; no Ray call) or,
+  with ``tcp`` off, by Ray's object store or, for transfers of at least
+  ``collective_min_bytes``, by the collective path (the peer store sends straight into
+  this node's store, which writes into the buffer). Runs of pages on different nodes move
+  concurrently.
 - ``store(keys, start, plan)``: rows ``start..`` of the buffer go to the nodes the plan
   chose (same-node by shared memory, others by the object store), then the controller is
   told, without waiting.
 - ``release(plan, loaded)``: unpins, reports hits per tier and any page the index promised
   that a store no longer had (that page is a miss, never wrong KV: every store verifies
-  its checksums and ends the prefix at the first bad page).
+  its checksums and ends the prefix at the first bad page), without waiting. The store
+  hears of the hits on pages copied from its mapped host tier (``touch``), and a local
+  plan's report reaches the controller through it, so a fully local request costs one
+  Ray call, sent and not waited for.
+
+The mapped host tier belongs to one incarnation of the node's store (a fresh segment
+each): the client asks the store every ``HOST_CHECK_S`` which segment it serves, without
+waiting, and a closed segment says so in its header, so a client drops a dead or
+restarted store's memory and maps the new one when the store answers again. Until it
+notices, a dead store's segment is frozen: a page that validates there still holds
+exactly its key's KV.
 
 While the controller is down (Ray restarts it and it rebuilds its index from the stores),
 ``lookup`` answers a miss with nothing to store (lease ``NO_LEASE``) instead of failing:
@@ -35,6 +54,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,14 +63,17 @@ import ray
 import xxhash
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
-from kvray.cluster.controller import NO_LEASE, Plan
+from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks
-from kvray.errors import ClusterError, RequestError
-from kvray.keys import ModelFingerprint
+from kvray.errors import ClusterError, RequestError, StorageError
+from kvray.keys import ModelFingerprint, pack_keys
 from kvray.tiers import Tier
+from kvray.tiers.directory import SharedHostTier
 
 REMOTE = Tier.REMOTE.label
+HOST = Tier.HOST.label
+HOST_CHECK_S = 1.0  # how often a client asks its node's store which host segment it serves
 ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
 
 
@@ -63,6 +86,16 @@ class Loaded:
     lost: dict[str, list[int]] = field(default_factory=dict)
     bytes_between_nodes: int = 0
     paths: dict[str, int] = field(default_factory=dict)  # transfer path -> pages
+    mapped: list[int] = field(default_factory=list)  # keys copied from the mapped host tier
+
+    def add(self, path: str, pages: int, by_tier: dict[str, int], between_nodes: int) -> None:
+        if not pages:
+            return
+        self.pages += pages
+        self.paths[path] = self.paths.get(path, 0) + pages
+        for tier, n in by_tier.items():
+            self.by_tier[tier] = self.by_tier.get(tier, 0) + n
+        self.bytes_between_nodes += between_nodes
 
 
 @dataclass(frozen=True)
@@ -83,10 +116,14 @@ def _runs(nodes: Sequence[str], start: int) -> list[_Run]:
 
 
 class KvrayClient:
-    """Per-process handle on a kvray runtime; see the module docstring."""
+    """Per-process handle on a kvray runtime; see the module docstring.
+
+    ``mapped_reads`` False sends every same-node page through the store actor (``read_into``),
+    as before the host tier was mapped; benchmarks compare the two.
+    """
 
     def __init__(self, config: RuntimeConfig, controller, node_id: str | None = None,
-                 buffer_pages: int | None = None, timeout_s: float = 60.0) -> None:
+                 buffer_pages: int | None = None, timeout_s: float = 60.0, mapped_reads: bool = True) -> None:
         self.config = config
         self.controller = controller
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
@@ -95,6 +132,10 @@ class KvrayClient:
         self.buffer = LandingBuffer.create(buffer_pages or config.max_request_pages, self.page_nbytes)
         self.timeout_s = timeout_s
         self.links: PeerLinks | None = None
+        self.mapped_reads = mapped_reads
+        self._host: SharedHostTier | None = None  # this node's store's host tier, mapped
+        self._host_info = None  # ref: the local store's ``host_tier`` answer, while awaited
+        self._next_check = 0.0  # when to ask the store again which segment it serves
         self.refresh()
 
     @classmethod
@@ -115,6 +156,46 @@ class KvrayClient:
         self.servers: dict[str, tuple[str, int]] = members["servers"]
         if self.links is None and members["token"] is not None:
             self.links = PeerLinks(members["token"], self.page_nbytes, self.timeout_s)
+        self._detach()
+        self._host_info, self._next_check = None, 0.0
+        self._mapped_host()  # asks the local store which host segment it serves
+        if self._host_info is not None:
+            ray.wait([self._host_info], timeout=self.timeout_s)
+            self._mapped_host()
+
+    # -- this node's host tier, mapped ------------------------------------------------------
+    def _mapped_host(self) -> SharedHostTier | None:
+        """The local store's host tier if mapped and current; never blocks on Ray.
+
+        Every ``HOST_CHECK_S`` the store is asked (without waiting) which segment it serves;
+        an answer naming another segment (the store restarted), none, or an error (it is
+        gone) drops the mapping, and a new segment is mapped. A segment its store closed
+        says so in its header and is dropped at once.
+        """
+        if self._host is not None and not self._host.open:
+            self._detach()
+        now = time.monotonic()
+        if self._host_info is None and now >= self._next_check and self.local_store is not None:
+            self._host_info = self.local_store.host_tier.remote()
+            self._next_check = now + HOST_CHECK_S
+        if self._host_info is not None and ray.wait([self._host_info], timeout=0)[0]:
+            try:
+                info = ray.get(self._host_info)
+            except ray.exceptions.RayError:
+                info = None  # the store is gone or restarting; the actor path serves meanwhile
+            self._host_info = None
+            if self._host is None or info is None or info["name"] != self._host.name:
+                self._detach()
+                try:
+                    self._host = SharedHostTier.attach(**info) if info else None
+                except StorageError:
+                    pass  # unlinked since it answered (it stopped): asked again next check
+        return self._host
+
+    def _detach(self) -> None:
+        if self._host is not None:
+            self._host.close()
+        self._host = None
 
     @property
     def local_store(self):
@@ -134,6 +215,9 @@ class KvrayClient:
     # -- lookup + pin ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int]) -> Plan:
         self._check(keys)
+        host = self._mapped_host() if self.mapped_reads else None
+        if host is not None and host.held(keys) == len(keys):
+            return Plan(LOCAL_LEASE, [self.node_id] * len(keys), [])
         try:
             return ray.get(self.controller.lookup_pin.remote(list(keys), self.node_id), timeout=self.timeout_s)
         except ACTOR_ERRORS:
@@ -142,22 +226,40 @@ class KvrayClient:
     # -- load -----------------------------------------------------------------------------------
     def load(self, keys: Sequence[int], plan: Plan) -> Loaded:
         """Bring the plan's cached pages into buffer rows ``0..``; stops at the first page missing."""
-        pending = [(run, self._start_run(keys, run)) for run in _runs(plan.hit_nodes, 0)]
+        runs = _runs(plan.hit_nodes, 0)
+        host = self._mapped_host() if self.mapped_reads else None
+        # Transfers from the store actors first, so they move while this thread copies mapped pages.
+        started = {run: self._start_run(keys, run) for run in runs if not (host and run.node == self.node_id)}
         loaded = Loaded(0)
-        complete = True
-        for run, (path, ref) in pending:
-            got, by_tier = self._finish_run(run, path, ref)
-            if complete:
-                for tier, n in by_tier.items():
-                    loaded.by_tier[tier] = loaded.by_tier.get(tier, 0) + n
-                loaded.pages += got
-                loaded.paths[path] = loaded.paths.get(path, 0) + got
-                if path != "local":
-                    loaded.bytes_between_nodes += got * self.page_nbytes
+        for run in runs:
+            if run in started:
+                path, ref = started[run]
+                parts = [(path, *self._finish_run(run, path, ref))]
+            else:
+                parts = self._read_mapped(host, keys, run)
+            got = 0
+            for path, n, by_tier in parts:
+                if loaded.pages == run.start + got:  # the prefix is unbroken so far
+                    loaded.add(path, n, by_tier, 0 if path in ("mapped", "local") else n * self.page_nbytes)
+                    if path == "mapped":
+                        loaded.mapped.extend(keys[run.start + got : run.start + got + n])
+                got += n
             if got < run.stop - run.start:
                 loaded.lost.setdefault(run.node, []).extend(keys[run.start + got : run.stop])
-                complete = False
         return loaded
+
+    def _read_mapped(self, host: SharedHostTier, keys: Sequence[int],
+                     run: _Run) -> list[tuple[str, int, dict[str, int]]]:
+        """Copy a same-node run out of the mapped host tier; the rest of it (pages on the
+        local disk tier, or freed meanwhile) through the store actor."""
+        sub = list(keys[run.start : run.stop])
+        got = host.read(sub, self.buffer.pages[run.start : run.stop], verify=self.config.checksum_memory)
+        parts = [("mapped", got, {HOST: got} if got else {})]
+        if got < len(sub):
+            rest = _Run(run.node, run.start + got, run.stop)
+            path, ref = self._start_run(keys, rest)
+            parts.append((path, *self._finish_run(rest, path, ref)))
+        return parts
 
     def path_for(self, node: str, nbytes: int, config: RuntimeConfig | None = None) -> str:
         """The transfer path for ``nbytes`` of pages held by ``node`` under ``config``
@@ -211,7 +313,23 @@ class KvrayClient:
 
     # -- release ----------------------------------------------------------------------------------
     def release(self, plan: Plan, loaded: Loaded) -> None:
-        self.controller.release.remote(plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes)
+        """Report the request's hits and losses; nothing waits for an answer.
+
+        Pages copied from the mapped host tier are hits the store has not seen: it is
+        told (``touch``), and for a local plan (nothing pinned at the controller) that one
+        call also carries the report, which the store forwards to the controller. A
+        controller lease is always released directly, so a dying store cannot leave its
+        pages pinned.
+        """
+        local_pages = plan.hit_pages if plan.lease == LOCAL_LEASE else 0
+        report = (plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes, local_pages)
+        store = self.local_store
+        if store is not None and plan.lease == LOCAL_LEASE:
+            store.touch.remote(pack_keys(loaded.mapped), report)
+            return
+        if store is not None and loaded.mapped:
+            store.touch.remote(pack_keys(loaded.mapped))
+        self.controller.release.remote(*report)
 
     # -- store --------------------------------------------------------------------------------------
     def store(self, keys: Sequence[int], start: int, plan: Plan) -> int:
@@ -254,6 +372,7 @@ class KvrayClient:
     def close(self) -> None:
         if self.links is not None:
             self.links.close()
+        self._detach()
         for store in self.stores.values():
             store.release_buffer.remote(self.buffer.name)
         self.buffer.close()

@@ -89,7 +89,8 @@ class RuntimeConfig(_Frozen):
     def local_limit(self) -> int:
         return self.tiers.host if self.local_pages_limit is None else self.local_pages_limit
 
-    def store_config(self, node_id: str) -> StoreConfig:
+    def store_config(self, node_id: str, host_shared_memory: str | None = None) -> StoreConfig:
+        """One node store's settings; ``host_shared_memory`` names its shared host segment."""
         disk_dir = self.disk_root / f"{self.name}-{node_id[:16]}" if self.disk_root else None
         return StoreConfig(
             layout=self.layout,
@@ -99,4 +100,5 @@ class RuntimeConfig(_Frozen):
             policy=self.policy,
             checksum_memory=self.checksum_memory,
             max_request_tokens=self.max_request_pages * self.layout.page_tokens,
+            host_shared_memory=host_shared_memory,
         )

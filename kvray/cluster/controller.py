@@ -4,9 +4,12 @@ It keeps the global prefix index (:class:`~kvray.index.PrefixIndex`, with each p
 node in the ``node`` column), the heat of every page, pins of pages being read, and the
 placement rule for new pages: the requesting engine's node when the request fits there,
 otherwise spread over all nodes by consistent hashing (:class:`HashRing`). Engines talk to
-it once per request (``lookup_pin`` answers the cached prefix, where each page lives and
-where each missing page should go) and report back without waiting (``release``,
-``commit``). Page bytes move between engines and store actors only.
+it at most once per request (``lookup_pin`` answers the cached prefix, where each page lives
+and where each missing page should go) and report back without waiting (``release``,
+``commit``). A request whose pages all sit in the engine's own node's host tier never
+reaches ``lookup_pin``: the client answers it from that tier's slot directory (lease
+``LOCAL_LEASE``), and its ``release`` arrives through the node's store. Page bytes move
+between engines and store actors only.
 
 The index is kept honest three ways: stores report pages they evicted with every write;
 an engine reports pages the index promised but a store no longer had; a node that leaves
@@ -44,6 +47,7 @@ from kvray.tiers import Tier
 
 NO_NODE = -1
 NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
+LOCAL_LEASE = -1  # a plan the client answered from its node's host tier alone: nothing pinned here
 REBUILD_WAIT_S = 10.0  # how long a restarted controller waits for each store's holdings
 
 
@@ -79,6 +83,7 @@ class Controller:
         self._next_lease = time.time_ns()
         self._doomed: set[int] = set()
         self.lookups = 0
+        self.local_lookups = 0  # requests clients answered from their own node's host tier
         self.lookup_pages = 0
         self.hit_pages: Counter = Counter()
         self.bytes_between_nodes = 0
@@ -233,15 +238,19 @@ class Controller:
         return self.ring.owners(missing)
 
     def release(self, lease: int, hits_by_tier: Mapping[str, int], lost: Mapping[str, Sequence[int]],
-                bytes_between_nodes: int = 0) -> None:
+                bytes_between_nodes: int = 0, local_pages: int = 0) -> None:
         """End a lease: unpin, count the hits the engine got, drop locations that failed.
 
-        A lease this incarnation never granted (made before a restart, or ``NO_LEASE``)
-        pinned nothing here.
+        A lease this incarnation never granted (made before a restart, ``NO_LEASE`` or
+        ``LOCAL_LEASE``) pinned nothing here. ``local_pages``: the pages of a request the
+        client answered without ``lookup_pin`` (lease ``LOCAL_LEASE``), counted as looked up.
         """
         handles = self._leases.pop(lease, None)
         if handles is not None:
             self.index.unpin(handles)
+        if lease == LOCAL_LEASE:
+            self.local_lookups += 1
+            self.lookup_pages += local_pages
         self.hit_pages.update(hits_by_tier)
         self.bytes_between_nodes += bytes_between_nodes
         for node_id, keys in lost.items():
@@ -293,6 +302,7 @@ class Controller:
             "pages_by_node": self.pages_by_node(),
             "index_bytes": self.index.memory_bytes(),
             "lookups": self.lookups,
+            "local_lookups": self.local_lookups,
             "lookup_pages": self.lookup_pages,
             "page_hit_rate": hits / self.lookup_pages if self.lookup_pages else 0.0,
             "hit_pages_by_tier": dict(self.hit_pages),

@@ -1,14 +1,21 @@
 """The per-node store actor: one :class:`~kvray.store.PageStore` owning a node's tiers.
 
-It is placed on its node with node affinity and is the only process that touches that
-node's device, host and disk pools. Engines on the same node hand it a
-:class:`~kvray.cluster.shm.LandingBuffer` name once and then move whole requests with one
-call each (``read_into`` / ``write_from``): the store copies between its slots and the
-buffer, so page bytes never pass through Ray. Other nodes reach its pages through its
-page server (direct TCP, :mod:`kvray.cluster.transfer`), the object store (``get_pages`` returns one ``[n, page_nbytes]`` array, which Ray keeps in the
-object store and hands over zero-copy) or through the collective path (a peer's
-``pull`` asks this store to ``send_pages`` and receives them straight into its engine's
-landing buffer).
+It is placed on its node with node affinity and is the only process that writes that
+node's device, host and disk pools. Its host tier lives in POSIX shared memory beside a
+:class:`~kvray.tiers.directory.SlotDirectory` it keeps current, so an engine on the same
+node (``host_tier`` names the segments) finds and copies host pages itself, with no Ray
+call, and only tells the store about the hits afterwards (``touch``, fire-and-forget,
+which also forwards the controller's report of a request answered entirely here). The
+segments are named afresh by every incarnation of the store, so a client that asks
+``host_tier`` now and then never mistakes a restarted store's memory for its
+predecessor's. Pages on the local disk tier (or read through the store) and pages
+stored move with one call per request (``read_into`` / ``write_from``) between the
+store's slots and the engine's :class:`~kvray.cluster.shm.LandingBuffer`, so page bytes
+never pass through Ray. Other nodes reach its pages through its page server (direct
+TCP, :mod:`kvray.cluster.transfer`), the object store (``get_pages`` returns one
+``[n, page_nbytes]`` array, which Ray keeps in the object store and hands over
+zero-copy) or the collective path (a peer's ``pull`` asks this store to ``send_pages``
+and receives them straight into its engine's landing buffer).
 
 Every page that leaves this store (evicted past the last tier, corrupt) is remembered and
 reported with the next write, so the controller's index never keeps it for long. A store
@@ -25,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -38,7 +46,9 @@ from kvray.cluster.metrics import export_store_stats
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PageServer
 from kvray.index import ROOT
+from kvray.keys import unpack_keys
 from kvray.store import PageStore
+from kvray.tiers.directory import SHM_DIR, retire
 
 COLLECTIVE_GROUP = "kvray-pages"
 
@@ -52,7 +62,12 @@ class NodeStore:
         store serves its pages to peers over TCP (:mod:`kvray.cluster.transfer`)."""
         self.config = config
         self.node_id = node_id = node_id or ray.get_runtime_context().get_node_id()
-        self.store = PageStore(config.store_config(node_id))
+        prefix = f"kvray_{config.name}_{node_id[:16]}_"  # one store per runtime and node at a time
+        for path in SHM_DIR.glob(f"{prefix}*"):
+            if not path.name.endswith("_dir"):
+                retire(path.name)  # an earlier incarnation's, killed before it could close them
+        self.host_name = prefix + secrets.token_hex(4)  # new per incarnation
+        self.store = PageStore(config.store_config(node_id, self.host_name if config.tiers.host else None))
         self.page_nbytes = config.layout.page_nbytes
         self._dropped: list[int] = []
         self._dropped_lock = threading.Lock()
@@ -62,6 +77,8 @@ class NodeStore:
         self._rank: int | None = None
         self._run_parents: dict[int, int | None] = {}  # first key of a run -> the key before it in its chain
         self._peer_locks: dict[int, threading.Lock] = {}
+        self._controller_name = controller
+        self._controller_handle = None
         self.sent_bytes = 0
         self.received_bytes = 0
         self._server = None
@@ -161,6 +178,24 @@ class NodeStore:
     def server_address(self) -> tuple[str, int] | None:
         """Where this store's page server listens (None: it serves no TCP peers)."""
         return self._server.address if self._server else None
+    def host_tier(self) -> dict | None:
+        """What an engine on this node maps to read the host tier itself (None: no host tier)."""
+        if self.store.directory is None:
+            return None
+        return {"name": self.host_name, "capacity": self.config.tiers.host, "page_nbytes": self.page_nbytes}
+
+    def touch(self, keys: bytes, report: tuple | None = None) -> None:
+        """An engine copied the prefix ``keys`` (:func:`~kvray.keys.pack_keys`) out of the shared
+        host tier: count the hits (recency, heat, promotions), and pass ``report`` (the
+        arguments of the controller's ``release``) on."""
+        self.store.touch_pages(unpack_keys(keys))
+        if report is not None:
+            self._controller().release.remote(*report)
+
+    def _controller(self):
+        if self._controller_handle is None:
+            self._controller_handle = ray.get_actor(self._controller_name, namespace=NAMESPACE)
+        return self._controller_handle
 
     def release_buffer(self, buffer: str) -> None:
         with self._buffers_lock:

@@ -2,10 +2,13 @@
 
 An engine process owns one POSIX shared-memory buffer of ``pages x page_nbytes`` bytes
 (its request-sized KV staging area). The node's store actor maps the same segment by
-name, once, and copies pages straight between its tiers and the buffer: a load or a store
-is one actor call carrying only keys and offsets, and the page bytes cross no socket, no
-pickle and no object store. Cross-node pages are received into the same buffer by the
-collective path, so the engine always finds a request's KV in one place.
+name, once, and copies pages straight between its tiers and the buffer: a store, or a
+load of pages on the store's disk tier, is one actor call carrying only keys and offsets,
+and the page bytes cross no socket, no pickle and no object store. Pages on the store's
+host tier need not even that call: the engine maps the host tier too
+(:class:`~kvray.tiers.directory.SharedHostTier`) and copies them into the buffer itself.
+Cross-node pages are received into the same buffer by the collective path, so the engine
+always finds a request's KV in one place.
 
 Example::
 
@@ -18,11 +21,12 @@ from __future__ import annotations
 
 import os
 import secrets
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
 from kvray.errors import StorageError
+from kvray.tiers.memory import attach_shared
 
 
 class LandingBuffer:
@@ -50,17 +54,7 @@ class LandingBuffer:
 
     @classmethod
     def attach(cls, name: str, pages: int, page_nbytes: int) -> LandingBuffer:
-        try:
-            shm = shared_memory.SharedMemory(name=name, create=False)
-        except OSError as exc:
-            raise StorageError(f"landing buffer {name!r} cannot be mapped on this node: {exc}") from None
-        # The creator owns the segment's lifetime; keep Python's tracker from unlinking it
-        # when this (mapping-only) process exits.
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        if shm.size < pages * page_nbytes:
-            shm.close()
-            raise StorageError(f"landing buffer {name!r} holds {shm.size} bytes, expected {pages * page_nbytes}")
-        return cls(shm, pages, page_nbytes, owner=False)
+        return cls(attach_shared(name, pages * page_nbytes, "landing buffer"), pages, page_nbytes, owner=False)
 
     def close(self) -> None:
         if self._shm is None:

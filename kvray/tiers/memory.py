@@ -8,7 +8,8 @@ pages without any copy through Ray (see :mod:`kvray.cluster`).
 
 from __future__ import annotations
 
-from multiprocessing import shared_memory
+import contextlib
+from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 import torch
@@ -32,6 +33,23 @@ def aligned_empty(rows: int, row_nbytes: int) -> np.ndarray:
     return raw[start : start + rows * row_nbytes].reshape(rows, row_nbytes)
 
 
+def attach_shared(name: str, nbytes: int, what: str) -> shared_memory.SharedMemory:
+    """Map an existing segment of at least ``nbytes`` that another process created and owns.
+
+    Python's resource tracker would unlink it when this (mapping-only) process exits;
+    the creator owns its lifetime, so the mapping is taken off the tracker.
+    """
+    try:
+        shm = shared_memory.SharedMemory(name=name, create=False)
+    except OSError as exc:
+        raise StorageError(f"{what} {name!r} cannot be mapped on this node: {exc}") from None
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    if shm.size < nbytes:
+        shm.close()
+        raise StorageError(f"{what} {name!r} holds {shm.size} bytes, expected {nbytes}")
+    return shm
+
+
 class HostPool:
     """Page slots in host memory (optionally a named shared-memory segment).
 
@@ -44,18 +62,24 @@ class HostPool:
     kind = "host"
     stand_in = False
 
-    def __init__(self, capacity: int, page_nbytes: int, shared_name: str | None = None) -> None:
+    def __init__(self, capacity: int, page_nbytes: int, shared_name: str | None = None, attach: bool = False) -> None:
+        """``shared_name``: create that shared segment (this pool owns it), or with
+        ``attach`` map the one another process's pool created (read it, never unlink it)."""
         self.capacity = capacity
         self.page_nbytes = page_nbytes
         self._shm: shared_memory.SharedMemory | None = None
+        self._owner = not attach
         size = max(capacity * page_nbytes, 1)
         if shared_name is None:
             array = aligned_empty(capacity, page_nbytes)
         else:
-            try:
-                self._shm = shared_memory.SharedMemory(name=shared_name, create=True, size=size)
-            except OSError as exc:
-                raise StorageError(f"host tier: cannot create shared memory {shared_name!r}: {exc}") from None
+            if attach:
+                self._shm = attach_shared(shared_name, capacity * page_nbytes, "host tier")
+            else:
+                try:
+                    self._shm = shared_memory.SharedMemory(name=shared_name, create=True, size=size)
+                except OSError as exc:
+                    raise StorageError(f"host tier: cannot create shared memory {shared_name!r}: {exc}") from None
             array = np.ndarray((capacity, page_nbytes), dtype=np.uint8, buffer=self._shm.buf)
         self._array = array
 
@@ -70,7 +94,9 @@ class HostPool:
         if self._shm is not None:
             del self._array
             self._shm.close()
-            self._shm.unlink()
+            if self._owner:
+                with contextlib.suppress(FileNotFoundError):  # retired by a successor already
+                    self._shm.unlink()
             self._shm = None
 
 
