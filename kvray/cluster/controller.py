@@ -90,7 +90,8 @@ class Controller:
         self.lost_pages = 0
         self.rebuilt_pages = 0
         self.rebuild_s = 0.0
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        context = ray.get_runtime_context()  # in a driver too: benchmarks weigh a controller in-process
+        if context.get_actor_id() is not None and context.was_current_actor_reconstructed:
             self.rebuild()
 
     def rebuild(self) -> int:
