@@ -227,3 +227,49 @@ def test_a_tenant_never_hits_another_tenants_pages_through_the_client(ray_cluste
     finally:
         client.close()
         runtime.close()
+
+
+@ray.remote(num_cpus=0)
+class StoringEngine:
+    """An engine that stores one request through its node's store, so the store maps its
+    landing buffer, then is killed."""
+
+    def __init__(self, runtime_name: str) -> None:
+        self.client = KvrayClient.connect(runtime_name, buffer_pages=4)
+
+    def store_one(self) -> tuple[str, str, int]:
+        import os
+
+        keys = self.client.keys_for_trace([9100, 9101])
+        plan = self.client.lookup(keys)
+        self.client.release(plan, self.client.load(keys, plan))
+        assert self.client.store(keys, plan.hit_pages, plan) == 2 - plan.hit_pages
+        return self.client.node_id, self.client.buffer.name, os.getpid()
+
+
+def test_a_killed_engines_landing_buffer_is_unmapped_and_unlinked_by_its_store(ray_cluster):
+    """SIGKILL gives an engine no chance to unlink its shared-memory buffer; the store that
+    mapped it notices the engine is gone and frees the memory."""
+    import os
+    from pathlib import Path
+
+    config, runtime = start(tiers=TierSizes(host=16))
+    try:
+        engine = StoringEngine.remote(config.name)
+        node, buffer, pid = ray.get(engine.store_one.remote())
+        store = runtime.stores[node]
+        mapped_before = ray.get(store.stats.remote())["landing_buffers"]
+        assert mapped_before >= 1
+        ray.kill(engine)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "the engine process outlived ray.kill"
+            time.sleep(0.1)
+        assert ray.get(store.stats.remote())["landing_buffers"] == mapped_before - 1
+        assert not Path("/dev/shm", buffer).exists()
+    finally:
+        runtime.close()

@@ -32,10 +32,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import ray
@@ -43,7 +45,7 @@ import torch
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig
 from kvray.cluster.metrics import export_store_stats
-from kvray.cluster.shm import LandingBuffer
+from kvray.cluster.shm import LandingBuffer, reap_orphans
 from kvray.cluster.transfer import PageServer
 from kvray.index import ROOT
 from kvray.keys import unpack_keys
@@ -74,6 +76,7 @@ class NodeStore:
         self.store.manager.page_dropped = self._on_drop
         self._buffers: dict[str, LandingBuffer] = {}
         self._buffers_lock = threading.Lock()
+        self._in_use: Counter[str] = Counter()  # buffer name -> copies in flight
         self._rank: int | None = None
         self._run_parents: dict[int, int | None] = {}  # first key of a run -> the key before it in its chain
         self._peer_locks: dict[int, threading.Lock] = {}
@@ -112,14 +115,27 @@ class NodeStore:
             dropped, self._dropped = self._dropped, []
         return dropped
 
-    def _buffer(self, name: str, capacity: int) -> LandingBuffer:
-        # Under a lock: two threads mapping the same new buffer would leave one mapping
-        # unreferenced, and its collection unmaps memory the other thread is copying.
+    @contextlib.contextmanager
+    def _mapped(self, name: str, capacity: int) -> Iterator[np.ndarray]:
+        """An engine's landing buffer, mapped once and marked in use while the caller copies.
+
+        Under a lock: two threads mapping the same new buffer would leave one mapping
+        unreferenced, and its collection unmaps memory the other thread is copying; and
+        the reaping of dead engines' buffers must skip the ones in use.
+        """
         with self._buffers_lock:
             buf = self._buffers.get(name)
             if buf is None:
+                reap_orphans(self._buffers, self._in_use)  # a new engine here: a good moment to forget dead ones
                 buf = self._buffers[name] = LandingBuffer.attach(name, capacity, self.page_nbytes)
-        return buf
+            self._in_use[name] += 1
+        try:
+            yield buf.pages
+        finally:
+            with self._buffers_lock:
+                self._in_use[name] -= 1
+                if not self._in_use[name]:
+                    del self._in_use[name]
 
     def info(self) -> dict:
         """Node id, whether this incarnation is a restart, and the pages it holds."""
@@ -158,14 +174,15 @@ class NodeStore:
     # -- same-node data plane -----------------------------------------------------------
     def read_into(self, keys: Sequence[int], buffer: str, capacity: int, row: int) -> tuple[int, dict[str, int]]:
         """Copy the cached, verified prefix of ``keys`` into buffer rows ``row..``."""
-        pages = self._buffer(buffer, capacity).pages
-        return self._read(keys, lambda i: pages[row + i])
+        with self._mapped(buffer, capacity) as pages:
+            return self._read(keys, lambda i: pages[row + i])
 
     def write_from(self, keys: Sequence[int], buffer: str, capacity: int, row: int,
                    parent: int | None = None) -> tuple[int, list[int]]:
         """Store buffer rows ``row..`` as one chain under ``keys`` (``parent``: the key before
         ``keys[0]`` in the request, None at its start); returns (stored, keys dropped since the last report)."""
-        return self._put(keys, self._buffer(buffer, capacity).pages[row : row + len(keys)], parent)
+        with self._mapped(buffer, capacity) as pages:
+            return self._put(keys, pages[row : row + len(keys)], parent)
 
     def _read(self, keys: Sequence[int], targets) -> tuple[int, dict[str, int]]:
         """``PageStore.read_pages``, where a page evicted here but still in the controller's
@@ -198,6 +215,7 @@ class NodeStore:
         return self._controller_handle
 
     def release_buffer(self, buffer: str) -> None:
+        """The engine is done with ``buffer`` (its last requests have returned)."""
         with self._buffers_lock:
             buf = self._buffers.pop(buffer, None)
         if buf is not None:
@@ -257,14 +275,16 @@ class NodeStore:
             collective.recv(count, src_rank, COLLECTIVE_GROUP)
             n = int(count.item())
             if n:
-                pages = self._buffer(buffer, capacity).pages[offset : offset + n]
-                collective.recv(torch.from_numpy(pages), src_rank, COLLECTIVE_GROUP)
+                with self._mapped(buffer, capacity) as pages:
+                    collective.recv(torch.from_numpy(pages[offset : offset + n]), src_rank, COLLECTIVE_GROUP)
             ray.get(sent)
         self.received_bytes += n * self.page_nbytes
         return n
 
     # -- state ----------------------------------------------------------------------------
     def stats(self) -> dict:
+        with self._buffers_lock:
+            reap_orphans(self._buffers, self._in_use)
         stats = self.store.stats()
         stats.update(
             node_id=self.node_id,
@@ -272,6 +292,7 @@ class NodeStore:
             sent_bytes=self.sent_bytes + (self._server.sent_bytes if self._server else 0),
             tcp_rejected=self._server.rejected if self._server else 0,
             received_bytes=self.received_bytes,
+            landing_buffers=len(self._buffers),
             restarted=self.restarted,
             time=time.time(),
         )

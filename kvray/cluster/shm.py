@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Container
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -56,11 +57,48 @@ class LandingBuffer:
     def attach(cls, name: str, pages: int, page_nbytes: int) -> LandingBuffer:
         return cls(attach_shared(name, pages * page_nbytes, "landing buffer"), pages, page_nbytes, owner=False)
 
-    def close(self) -> None:
+    @property
+    def owner_alive(self) -> bool:
+        """Whether the process that created this buffer still runs (on this node: engines
+        and the store share its PID namespace, as Ray's workers do)."""
+        _, pid, _ = self.name.rsplit("_", 2)
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, ValueError):
+            return True  # someone else's process, or not a name ``create`` made: leave it
+        return True
+
+    def close(self, unlink: bool | None = None) -> None:
+        """Unmap (no view of ``pages`` may be in use: the memory goes away); the owner, or
+        ``unlink=True``, also removes the segment's name."""
         if self._shm is None:
             return
         del self.pages
         self._shm.close()
-        if self.owner:
-            self._shm.unlink()
+        if self.owner if unlink is None else unlink:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass  # unlinked by someone else meanwhile
         self._shm = None
+
+
+def reap_orphans(buffers: dict[str, LandingBuffer], busy: Container[str] = ()) -> list[str]:
+    """Unmap and unlink the buffers in ``buffers`` (not named in ``busy``) whose creating
+    process died; returns the names removed.
+
+    An engine killed with SIGKILL (or with its node's process group) never unlinks its
+    buffer, and the segment would hold its memory in ``/dev/shm`` until the machine
+    restarts; the store that mapped it is the one process left that knows it. A buffer
+    being copied through is ``busy``: unmapping it would pull the memory from under the copy.
+    """
+    reaped = []
+    for name, buf in list(buffers.items()):
+        if name in busy or buf.owner_alive:
+            continue
+        buf.close(unlink=True)
+        del buffers[name]
+        reaped.append(name)
+    return reaped
