@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import atexit
+import itertools
 import socket
 import sys
 import threading
@@ -162,6 +163,35 @@ def cross_node(quick: bool) -> list[BenchResult]:
             ))
         bench.client.release(plan, bench.client.load(keys, plan))
         tcp.close()
+    return results
+
+
+@benchmark("cross_node_store_vs_loopback_tcp")
+def cross_node_store(quick: bool) -> list[BenchResult]:
+    """Storing a run of new pages on the other node (``client.store`` with a plan placing
+    them there; each round new keys, so every round really writes and evicts) by direct TCP
+    and by the object store, against raw loopback TCP moving the same bytes."""
+    bench = _Bench.get()
+    rounds = itertools.count(10_000, REQUEST_PAGES)
+    results = []
+    for label, pages in SIZES.items():
+        nbytes = pages * LAYOUT.page_nbytes
+        tcp = _LoopbackTCP(nbytes)
+
+        def store() -> None:
+            first = next(rounds)
+            keys = bench.client.keys_for_trace(list(range(first, first + pages)))
+            assert bench.client.store(keys, 0, Plan(0, [], [bench.there] * pages)) == pages
+
+        for path in ("tcp", "object_store"):
+            bench.use_path(path)
+            kvray, base = paired_medians(store, tcp.move, 5 if quick else 15)
+            results.append(BenchResult(
+                f"cross_node_store_vs_loopback_tcp[{path},{label}]", _gbps(nbytes, kvray), _gbps(nbytes, base), "GB/s",
+                None, {"picked_by_kvray": path == "tcp", "pages": pages},
+            ))
+        tcp.close()
+    bench.use_path("tcp")
     return results
 
 

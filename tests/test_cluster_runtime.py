@@ -177,12 +177,12 @@ def test_page_servers_serve_only_this_runtimes_token_holders(shared):
     client.store(keys, 0, Plan(0, [], [other] * 3))
     ray.get(runtime.controller.snapshot.remote())
     rows = np.zeros((3, client.page_nbytes), dtype=np.uint8)
-    assert client.links.request(client.servers[other], keys).receive(rows) == 3
+    assert client.links.load(client.servers[other], keys).receive(rows) == 3
     assert np.array_equal(rows, expected)
 
     stranger = PeerLinks(secrets.token_bytes(TOKEN_BYTES), client.page_nbytes, timeout_s=10)
     rows[:] = 0
-    assert stranger.request(client.servers[other], keys).receive(rows) == 0
+    assert stranger.load(client.servers[other], keys).receive(rows) == 0
     assert not rows.any()
     stranger.close()
     assert ray.get(runtime.stores[other].stats.remote())["tcp_rejected"] >= 1

@@ -20,8 +20,8 @@ this node's host tier holds the whole request:
   this node's store, which writes into the buffer). Runs of pages on different nodes move
   concurrently.
 - ``store(keys, start, plan)``: rows ``start..`` of the buffer go to the nodes the plan
-  chose (same-node by shared memory, others by the object store), then the controller is
-  told, without waiting.
+  chose (same-node by shared memory, others by direct TCP or, with ``tcp`` off, the
+  object store), then the controller is told, without waiting.
 - ``release(plan, loaded)``: unpins, reports hits per tier and any page the index promised
   that a store no longer had (that page is a miss, never wrong KV: every store verifies
   its checksums and ends the prefix at the first bad page), without waiting. The store
@@ -65,7 +65,7 @@ import xxhash
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan
 from kvray.cluster.shm import LandingBuffer
-from kvray.cluster.transfer import PeerLinks
+from kvray.cluster.transfer import PeerLinks, PendingStore
 from kvray.errors import ClusterError, RequestError, StorageError
 from kvray.keys import ModelFingerprint, pack_keys
 from kvray.tiers import Tier
@@ -280,7 +280,7 @@ class KvrayClient:
         if store is None:
             return path, None
         if path == "tcp":
-            return path, self.links.request(self.servers[run.node], sub)
+            return path, self.links.load(self.servers[run.node], sub)
         if path == "local":
             return path, store.read_into.remote(sub, self.buffer.name, self.buffer.capacity, run.start)
         if path == "collective":
@@ -336,8 +336,9 @@ class KvrayClient:
         """Keep buffer rows ``start..len(keys)`` where the plan says; returns pages stored.
 
         Each maximal run of pages bound for one node goes as one chain (same-node by shared
-        memory, others by the object store); the controller then learns the longest chain
-        that landed, continuing the cached prefix.
+        memory, others by direct TCP to their page server, or the object store with ``tcp``
+        off); the controller then learns the longest chain that landed, continuing the
+        cached prefix.
         """
         self._check(keys)
         # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
@@ -352,22 +353,33 @@ class KvrayClient:
                 refs.append(None)
             elif run.node == self.node_id:
                 refs.append(store.write_from.remote(sub, self.buffer.name, self.buffer.capacity, run.start, parent))
+            elif self.path_for(run.node, len(sub) * self.page_nbytes) == "tcp":
+                refs.append(self.links.store(self.servers[run.node], sub, self.buffer.pages[run.start : run.stop], parent))
             else:
                 refs.append(store.put_pages.remote(sub, self.buffer.pages[run.start : run.stop], parent))
         stored, landed, dropped = 0, start, defaultdict(list)
         for run, ref in zip(runs, refs):
-            try:
-                n, gone = ray.get(ref, timeout=self.timeout_s) if ref is not None else (0, [])
-            except ACTOR_ERRORS:
-                ref = None  # not kept: the node left while we wrote
-            else:
-                stored += n
-                dropped[run.node].extend(gone)
-            if ref is not None and landed == run.start:
-                landed = run.stop
+            result = self._stored(ref)
+            if result is not None:
+                stored += result[0]
+                dropped[run.node].extend(result[1])
+                if landed == run.start:
+                    landed = run.stop
         parent = keys[start - 1] if start else None
         self.controller.commit.remote(parent, list(keys[start:landed]), targets[: landed - start], start, dict(dropped))
         return stored
+
+    def _stored(self, ref) -> tuple[int, list[int]] | None:
+        """A store run's answer: (stored, dropped), or None if it was not kept (no store,
+        or the node left while we wrote)."""
+        if ref is None:
+            return None
+        if isinstance(ref, PendingStore):
+            return ref.receive()
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except ACTOR_ERRORS:
+            return None
 
     def close(self) -> None:
         if self.links is not None:

@@ -87,7 +87,7 @@ class NodeStore:
         self._server = None
         if token is not None:
             self._server = PageServer(
-                lambda keys, rows: self._read(keys, lambda i: rows[i])[0],
+                lambda keys, rows: self._read(keys, lambda i: rows[i])[0], self._put,
                 self.page_nbytes, token, ray.util.get_node_ip_address(), config.max_request_pages,
             )
         context = ray.get_runtime_context()
@@ -291,7 +291,7 @@ class NodeStore:
             pages=len(self.store),
             sent_bytes=self.sent_bytes + (self._server.sent_bytes if self._server else 0),
             tcp_rejected=self._server.rejected if self._server else 0,
-            received_bytes=self.received_bytes,
+            received_bytes=self.received_bytes + (self._server.received_bytes if self._server else 0),
             landing_buffers=len(self._buffers),
             restarted=self.restarted,
             time=time.time(),
