@@ -163,12 +163,12 @@ def train(
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
 
         def score(folder: Path, held_out: list) -> dict:
-            from kvray.sim.evaluate import compare, goals
+            from kvray.sim.evaluate import HEURISTICS, compare, goals
             from kvray.traces import read_trace
 
             sets = {f"{t.stem}@{train_fraction:g}": h for t, h in zip(trace, held_out)}
             sets.update({t.stem: read_trace(t) for t in holdout})
-            rows = compare(sets, ["lru", "arc", "belady", f"rl:{folder}"], [0.05, 0.10], spec,
+            rows = compare(sets, [*HEURISTICS, "belady", f"rl:{folder}"], [0.05, 0.10], spec,
                            progress=lambda what: console.print(f"evaluating {what}"))
             for row in rows:
                 row["policy"] = "rl" if row["policy"].startswith("rl:") else row["policy"]

@@ -12,7 +12,7 @@ Example::
 
     card = train(scenario, [Path("data/traces/conversation_trace_first30min.jsonl")],
                  timesteps=50_000, out=Path("policies/mine"))
-    card["evaluation"]      # held-out mean TTFT and hit rate of rl vs lru and belady
+    card["evaluation"]      # held-out mean TTFT and hit rate of rl vs every heuristic and belady
 """
 
 from __future__ import annotations
