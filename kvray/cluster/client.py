@@ -53,6 +53,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import defaultdict
@@ -186,10 +187,8 @@ class KvrayClient:
             self._host_info = None
             if self._host is None or info is None or info["name"] != self._host.name:
                 self._detach()
-                try:
+                with contextlib.suppress(StorageError):  # unlinked since it answered (it stopped): asked again next check
                     self._host = SharedHostTier.attach(**info) if info else None
-                except StorageError:
-                    pass  # unlinked since it answered (it stopped): asked again next check
         return self._host
 
     def _detach(self) -> None:

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from collections.abc import Container
@@ -78,10 +79,8 @@ class LandingBuffer:
         del self.pages
         self._shm.close()
         if self.owner if unlink is None else unlink:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # unlinked by someone else meanwhile
                 self._shm.unlink()
-            except FileNotFoundError:
-                pass  # unlinked by someone else meanwhile
         self._shm = None
 
 

@@ -35,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import socket
 import struct
@@ -161,18 +162,14 @@ class PageServer:
         return True
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # never connected: nothing to shut down
             self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # never connected: nothing to shut down
         self._listener.close()
         with self._lock:
             conns, self._conns = list(self._conns), set()
         for conn in conns:
-            try:
+            with contextlib.suppress(OSError):  # already closed by the peer
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed by the peer
             conn.close()
 
 
