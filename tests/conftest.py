@@ -3,6 +3,9 @@ depends on the whole prefix before it, so any KV returned for the wrong prefix s
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +24,38 @@ def prefix_kv(layout: PageLayout, tokens) -> torch.Tensor:
     kv = torch.from_numpy(grid.astype(np.float32) / 8.0)  # exact in float16 and bfloat16 too
     kv = kv.view(len(tokens), layout.layers, 2, layout.kv_heads, layout.head_dim).permute(1, 2, 0, 3, 4)
     return kv.contiguous().to({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[layout.dtype])
+
+
+SHM = Path("/dev/shm")
+
+
+def mapped_shared_memory() -> set[str]:
+    """Names of the /dev/shm segments some process on this machine still maps."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue  # the process exited, or is not ours to read
+        names.update(line.split("/dev/shm/", 1)[1].split(" ")[0] for line in text.splitlines() if "/dev/shm/" in line)
+    return names
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_memory_left_behind():
+    """Unlink the kvray segments this session created that no process maps any more.
+
+    Fault tests SIGKILL store actors and remove whole nodes; on a real cluster a removed
+    node's /dev/shm goes with the machine, here it would stay. Segments still mapped (by
+    another test session, say) are left alone.
+    """
+    before = set(os.listdir(SHM)) if SHM.is_dir() else set()
+    yield
+    if not SHM.is_dir():
+        return
+    created = {name for name in os.listdir(SHM) if name.startswith("kvray_")} - before
+    for name in created - mapped_shared_memory():
+        (SHM / name).unlink(missing_ok=True)
 
 
 @pytest.fixture
