@@ -61,21 +61,27 @@ def benchmark(name: str) -> Callable[[Bench], Bench]:
     return register
 
 
-def paired_medians(
-    kvray: Callable[[], object], baseline: Callable[[], object], repeats: int, warmup: int = 1
-) -> tuple[float, float]:
-    """Median wall times of ``kvray`` and ``baseline``, run alternately so that both see
-    the same machine state (other load, caches, frequency) and their ratio is fair."""
+def alternating_medians(*fns: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Median wall time of each of ``fns``, run in turn within every repetition so that all
+    see the same machine state (other load, caches, frequency) and their ratios are fair."""
     for _ in range(warmup):
-        kvray()
-        baseline()
-    times: tuple[list[float], list[float]] = ([], [])
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, sink in ((kvray, times[0]), (baseline, times[1])):
+        for fn, sink in zip(fns, times):
             t0 = time.perf_counter()
             fn()
             sink.append(time.perf_counter() - t0)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return [statistics.median(sink) for sink in times]
+
+
+def paired_medians(
+    kvray: Callable[[], object], baseline: Callable[[], object], repeats: int, warmup: int = 1
+) -> tuple[float, float]:
+    """Median wall times of ``kvray`` and ``baseline``, run alternately (:func:`alternating_medians`)."""
+    ours, base = alternating_medians(kvray, baseline, repeats=repeats, warmup=warmup)
+    return ours, base
 
 
 def run_benchmarks(only: list[str], quick: bool, progress: bool) -> list[BenchResult]:
