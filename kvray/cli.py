@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from kvray.errors import KvrayError
+from kvray.progress import progress_bar
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvray: tiered KV-cache offload and reuse")
 console = Console(stderr=True)
@@ -135,7 +136,7 @@ def sim(
     with reported_errors():
         requests = read_trace(trace, limit=limit)
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
-        with _progress(len(requests), f"sim {policy}", enabled=not json_out) as tick:
+        with progress_bar(len(requests), f"sim {policy}", enabled=not json_out) as tick:
             result = simulate(requests, policy, spec, warmup_requests, capacity_fraction, capacity, tick)
     if json_out:
         print(result.as_json())
@@ -202,7 +203,7 @@ def eval_(
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
         traces = dict(load_trace_spec(t) for t in trace)
         total = len(traces) * len(policy) * len(fraction)
-        with _progress(total, "eval") as tick:
+        with progress_bar(total, "eval") as tick:
             done = iter(range(total))
             rows = compare(traces, policy, fraction, spec, progress=lambda what: tick(next(done)))
         learned = next((p for p in policy if p.startswith("rl")), None)
@@ -257,20 +258,6 @@ def generate(
                                            "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
                                for r in trace))
     console.print(f"wrote {len(trace)} requests to {out}")
-
-
-@contextmanager
-def _progress(total: int, label: str, enabled: bool = True) -> Iterator[Callable[[int], None] | None]:
-    """A rich progress bar on stderr; yields a callback taking the index of the item done."""
-    if not enabled:
-        yield None
-        return
-    from rich.progress import Progress
-
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task(label, total=total)
-        step = max(1, total // 200)
-        yield lambda i: bar.update(task, completed=i + 1) if (i + 1) % step == 0 else None
 
 
 def _print_result(result: dict) -> None:

@@ -18,7 +18,8 @@ import ray
 
 from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
 
-from kvray.cluster.launcher import TIER_RESOURCES, fake_autoscaler_config, load_cluster_yaml, validate_cluster
+from kvray.cluster.launcher import TIER_RESOURCES, fake_autoscaler_config, validate_cluster
+from kvray.config import read_yaml
 from kvray.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,11 +27,11 @@ CLUSTER_YAML = ROOT / "cluster.yaml"
 
 
 def test_cluster_yaml_passes_rays_own_schema():
-    validate_cluster(load_cluster_yaml(CLUSTER_YAML))
+    validate_cluster(read_yaml(CLUSTER_YAML))
 
 
 def test_every_tier_has_a_node_type_offering_its_resource():
-    config = load_cluster_yaml(CLUSTER_YAML)
+    config = read_yaml(CLUSTER_YAML)
     offered = {r for node in config["available_node_types"].values() for r in node["resources"]}
     assert set(TIER_RESOURCES) <= offered
     assert config["idle_timeout_minutes"] > 0 and config["upscaling_speed"] > 0
@@ -38,7 +39,7 @@ def test_every_tier_has_a_node_type_offering_its_resource():
 
 
 def test_a_broken_config_is_named_by_field():
-    config = copy.deepcopy(load_cluster_yaml(CLUSTER_YAML))
+    config = copy.deepcopy(read_yaml(CLUSTER_YAML))
     config["available_node_types"]["kvray.memory"]["resources"]["kvray_host_tier"] = -1
     with pytest.raises(ConfigError, match="available_node_types.kvray.memory.resources.kvray_host_tier"):
         validate_cluster(config)
@@ -86,7 +87,7 @@ def test_fake_autoscaler_launches_a_tier_node_for_a_store_and_retires_it(tmp_pat
     here directly and only its own processes are stopped afterwards."""
     ip = ray.util.get_node_ip_address()
     port = free_port()
-    fake = fake_autoscaler_config(load_cluster_yaml(CLUSTER_YAML), f"{ip}:{port}", idle_timeout_minutes=0.25)
+    fake = fake_autoscaler_config(read_yaml(CLUSTER_YAML), f"{ip}:{port}", idle_timeout_minutes=0.25)
     config_path = tmp_path / "autoscaler.json"
     config_path.write_text(json.dumps(fake))
     ray_bin = Path(sys.executable).parent / "ray"

@@ -80,11 +80,11 @@ class ReplayEngine:
         t0 = time.perf_counter()
         keys = self.client.keys_for_trace(full_blocks(hash_ids, input_length, self.page_tokens))
         rows = self.client.buffer.pages
-        hit, by_tier, paths, plan, loaded = 0, {}, {}, None, None
+        hit, by_tier, plan, loaded = 0, {}, None, None
         if keys:
             plan = self.client.lookup(keys)
             loaded = self.client.load(keys, plan)
-            hit, by_tier, paths = loaded.pages, loaded.by_tier, loaded.paths
+            hit, by_tier = loaded.pages, loaded.by_tier
         self.prefill.run(input_length - hit * self.page_tokens)
         for i in range(hit, len(keys)):
             self.pattern.fill(keys[i], rows[i])
@@ -96,11 +96,8 @@ class ReplayEngine:
         return {
             "ttft_s": ttft,
             "tokens": input_length,
-            "hit_tokens": hit * self.page_tokens,
             "hit_tokens_by_tier": {tier: n * self.page_tokens for tier, n in by_tier.items()},
-            "paths": paths,
             "wrong_pages": wrong,
-            "cross_node_bytes": loaded.bytes_between_nodes if loaded else 0,
         }
 
     def close(self) -> None:

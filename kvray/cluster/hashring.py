@@ -38,10 +38,6 @@ class HashRing:
         for node in nodes:
             self.add(node)
 
-    @property
-    def nodes(self) -> list[str]:
-        return list(self._nodes)
-
     def add(self, node: str) -> None:
         if node in self._nodes:
             return

@@ -8,30 +8,19 @@ be shown on one machine (nodes become local raylets instead of cloud instances).
 
 Example::
 
-    config = load_cluster_yaml("cluster.yaml")
+    config = kvray.config.read_yaml("cluster.yaml")
     validate_cluster(config)
     fake = fake_autoscaler_config(config, gcs_address="10.0.0.1:6379", idle_timeout_minutes=0.1)
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
-
-import yaml
 
 from kvray.errors import ConfigError
 
 TIER_RESOURCES = ("kvray_device_tier", "kvray_host_tier", "kvray_disk_tier")
-
-
-def load_cluster_yaml(path: str | Path) -> dict:
-    path = Path(path)
-    try:
-        return yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read the cluster config: {exc}") from None
 
 
 def validate_cluster(config: dict, source: str = "cluster.yaml") -> None:
@@ -81,7 +70,7 @@ def fake_autoscaler_config(config: dict, gcs_address: str, idle_timeout_minutes:
         "head_node_type": "ray.head.default",
         "available_node_types": {
             "ray.head.default": {"resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0},
-            **copy.deepcopy(workers),
+            **workers,
         },
         "file_mounts": {},
         "cluster_synced_files": [],

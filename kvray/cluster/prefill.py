@@ -26,7 +26,6 @@ class PrefillWorkload:
 
     def __init__(self, us_per_token: float, width: int = 256, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
-        self.us_per_token = us_per_token
         self.weight = torch.randn(width, width, generator=generator)
         self.activations = torch.randn(CHUNK_ROWS, width, generator=generator)
         self.out = torch.empty(CHUNK_ROWS, width)

@@ -32,6 +32,7 @@ from kvray.cluster.engine import ReplayEngineActor
 from kvray.cluster.runtime import RayConnection, Runtime, alive_nodes, on_node
 from kvray.config import _Frozen, read_yaml, validate
 from kvray.errors import ClusterError
+from kvray.progress import progress_bar
 from kvray.sim.cost import Scenario
 from kvray.sim.report import ReplayResult, ReplayTally
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
@@ -71,11 +72,9 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
     and enough ``servers`` that no request queues. A ``remote`` tier has no meaning on one node.
     """
     tiers = {name: spec.capacity_pages for name, spec in scenario.tiers.items() if name != "remote"}
-    runtime = RuntimeConfig().model_dump() | {"layout": scenario.layout.model_dump(), "tiers": tiers}
-    return ReplaySettings().model_dump() | {
-        "name": scenario.name, "nodes": 1, "runtime": runtime,
-        "prefill_us_per_token": scenario.compute.prefill_us_per_token,
-    }
+    base = ReplaySettings().model_dump()
+    base["runtime"] |= {"layout": scenario.layout.model_dump(), "tiers": tiers}
+    return base | {"name": scenario.name, "nodes": 1, "prefill_us_per_token": scenario.compute.prefill_us_per_token}
 
 
 def settings_from(scenario: str | Path | None, runtime: dict, tiers: dict, replay: dict) -> ReplaySettings:
@@ -117,14 +116,15 @@ class Replay:
         policy = self.runtime.config.policy
         tally = ReplayTally(self.settings.runtime.layout.page_tokens)
         wrong_pages, lost_nodes = 0, []
-        with _progress(progress, len(trace), f"replay {policy}") as advance:
+        with progress_bar(len(trace), f"replay {policy}", enabled=progress) as tick:
             for i, request in enumerate(trace):
                 if on_request is not None:
                     on_request(i)
                 outcome = self._serve(i, request, lost_nodes)
                 tally.add(outcome["tokens"], outcome["hit_tokens_by_tier"], outcome["ttft_s"] * 1e3)
                 wrong_pages += outcome["wrong_pages"]
-                advance()
+                if tick:
+                    tick(i)
         stats = self.runtime.store_stats()
         cluster = ray.get(self.runtime.controller.snapshot.remote())
         bytes_moved = sum(s["bytes_moved"] for s in stats.values()) + cluster["bytes_between_nodes"]
@@ -158,36 +158,13 @@ class Replay:
             ray.kill(engine)
 
 
-class _progress:
-    """A rich progress bar (or nothing) around the replay loop."""
-
-    def __init__(self, enabled: bool, total: int, label: str) -> None:
-        self.enabled, self.total, self.label = enabled, total, label
-
-    def __enter__(self) -> Callable[[], None]:
-        if not self.enabled:
-            return lambda: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
-
-        self.bar = Progress("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TimeRemainingColumn(), transient=True)
-        self.bar.__enter__()
-        task = self.bar.add_task(self.label, total=self.total)
-        return lambda: self.bar.advance(task)
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            self.bar.__exit__(*exc)
-
-
-def replay_on_runtime(trace: list[TraceRequest], settings: ReplaySettings, progress: bool = True,
-                      on_request: Callable[[int], None] | None = None) -> ReplayResult:
+def replay_on_runtime(trace: list[TraceRequest], settings: ReplaySettings, progress: bool = True) -> ReplayResult:
     """Start a runtime on the connected Ray, replay ``trace`` on it, and tear it down."""
     runtime = Runtime.start(settings.runtime)
     replay = None
     try:
         replay = Replay(runtime, settings)
-        return replay.run(trace, progress=progress, on_request=on_request)
+        return replay.run(trace, progress=progress)
     finally:
         if replay is not None:
             replay.close()
