@@ -228,7 +228,7 @@ class CacheManager:
         if self._keeps_descendant(handles):
             return 0  # cheap refusal before walking a possibly large subtree
         doomed = index.subtree(handles) if index.has_children(handles).any() else list(handles)
-        if (index.pins[doomed] > 0).any() or any(h in self._kept for h in doomed):
+        if (index.pins[doomed] > 0).any():
             return 0
         for handle in doomed:
             tier, slot = Tier(int(index.tier[handle])), int(index.slot[handle])

@@ -78,14 +78,14 @@ def copy_page(dst: np.ndarray | torch.Tensor, src: np.ndarray | torch.Tensor) ->
     ``np.copyto`` (numpy on the host: a plain memcpy per contiguous run, free of torch's
     thread-pool stalls on a busy machine) or ``Tensor.copy_`` when a side is on an accelerator.
     """
-    into_view = dst.ndim > 1
-    view, flat = (dst, src) if into_view else (src, dst)
-    if isinstance(flat, np.ndarray):
-        shaped = flat.reshape(view.shape)
-        np.copyto(*((view, shaped) if into_view else (shaped, view)))
-        return
-    shaped, view = flat.view(view.shape), torch.from_numpy(view)
-    (view if into_view else shaped).copy_(shaped if into_view else view)
+    if dst.ndim > src.ndim:
+        src = src.reshape(dst.shape)
+    elif src.ndim > dst.ndim:
+        dst = dst.reshape(src.shape)
+    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        torch.as_tensor(dst).copy_(torch.as_tensor(src))
 
 
 def hash_page(page: np.ndarray) -> int:

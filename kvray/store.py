@@ -294,7 +294,20 @@ class PageStore:
             stored, digest = pool.read_into(slot, runs(page))
             return stored is not None and stored.checksum == expected and digest == expected
         copy_page(page, pool.view(slot))
+        return self._verified(page, expected)
+
+    def _verified(self, page: np.ndarray, expected: int) -> bool:
+        """A memory page's bytes check out (always, unless ``checksum_memory`` asks to hash)."""
         return not self.config.checksum_memory or hash_page(page) == expected
+
+    def _move_source(self, tier: Tier, slot: int, expected: int) -> np.ndarray | None:
+        """A page's verified bytes to move from, or None: a host slot itself (the source stays
+        intact until the move is published), else a copy read out of the tier."""
+        view = self.pools[tier].view(slot) if tier != Tier.DISK else None
+        if isinstance(view, np.ndarray):
+            return view if self._verified(view, expected) else None
+        buffer = np.empty(self.layout.page_nbytes, dtype=np.uint8)
+        return buffer if self._read_page(tier, slot, expected, buffer) else None
 
     def _move(self, handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> int | None:
         """Data-plane half of a two-phase move: copy and verify; the source stays intact.
@@ -304,11 +317,11 @@ class PageStore:
         t0 = time.perf_counter()
         index = self.manager.index
         key, expected = index.key_of(handle), int(index.checksum[handle])
-        buffer = np.empty(self.layout.page_nbytes, dtype=np.uint8)
-        if not self._read_page(src, src_slot, expected, buffer):
+        page = self._move_source(src, src_slot, expected)
+        if page is None:
             raise StorageError(f"{src.label} tier: page {key:#x} failed verification before its move")
         parent = int(index.parent[handle])
-        digest = self._write_page(dst, dst_slot, key, None if parent == ROOT else index.key_of(parent), buffer)
+        digest = self._write_page(dst, dst_slot, key, None if parent == ROOT else index.key_of(parent), page)
         self.metrics.observe(f"{src.label}->{dst.label}", time.perf_counter() - t0)
         return digest if dst == Tier.DISK else None
 

@@ -46,24 +46,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvray.errors import ClusterError
+from kvray.keys import KEY_BYTES, pack_keys, unpack_keys
 
 TOKEN_BYTES = 32
 REQUEST = struct.Struct("<BI")  # op, pages
 COUNT = struct.Struct("<I")
 PARENT = struct.Struct("<B16s")  # has parent, parent key
-KEY_BYTES = 16
 LOAD, STORE = 1, 2
 
 PageReader = Callable[[Sequence[int], np.ndarray], int]  # (keys, out rows) -> pages written
 PageWriter = Callable[[Sequence[int], np.ndarray, "int | None"], tuple[int, list[int]]]  # -> (stored, dropped)
-
-
-def _pack_keys(keys: Sequence[int]) -> bytes:
-    return b"".join(k.to_bytes(KEY_BYTES, "little") for k in keys)
-
-
-def _unpack_keys(raw: bytes) -> list[int]:
-    return [int.from_bytes(raw[i : i + KEY_BYTES], "little") for i in range(0, len(raw), KEY_BYTES)]
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
@@ -143,7 +135,7 @@ class PageServer:
         raw = _recv_bytes(conn, len(rows) * KEY_BYTES)
         if raw is None:
             return False
-        got = self._read(_unpack_keys(raw), rows) if len(rows) else 0
+        got = self._read(unpack_keys(raw), rows) if len(rows) else 0
         conn.sendall(COUNT.pack(got))
         if got:
             conn.sendall(memoryview(rows[:got]).cast("B"))
@@ -157,8 +149,8 @@ class PageServer:
             return False
         has_parent, parent = PARENT.unpack(head)
         self.received_bytes += rows.nbytes
-        stored, dropped = self._write(_unpack_keys(raw), rows, int.from_bytes(parent, "little") if has_parent else None)
-        conn.sendall(COUNT.pack(stored) + COUNT.pack(len(dropped)) + _pack_keys(dropped))
+        stored, dropped = self._write(unpack_keys(raw), rows, int.from_bytes(parent, "little") if has_parent else None)
+        conn.sendall(COUNT.pack(stored) + COUNT.pack(len(dropped)) + pack_keys(dropped))
         return True
 
     def close(self) -> None:
@@ -229,7 +221,7 @@ class PendingStore(_Pending):
             raw = _recv_bytes(sock, dropped * KEY_BYTES)
             if raw is None:
                 raise OSError("peer closed the connection")
-            return stored, _unpack_keys(raw)
+            return stored, unpack_keys(raw)
 
         return self._answer(read)
 
@@ -269,13 +261,13 @@ class PeerLinks:
 
     def load(self, address: tuple[str, int], keys: Sequence[int]) -> PendingLoad:
         """Ask for the cached prefix of ``keys``; :meth:`PendingLoad.receive` reads the answer."""
-        return PendingLoad(self._send(address, [REQUEST.pack(LOAD, len(keys)) + _pack_keys(keys)]), len(keys))
+        return PendingLoad(self._send(address, [REQUEST.pack(LOAD, len(keys)) + pack_keys(keys)]), len(keys))
 
     def store(self, address: tuple[str, int], keys: Sequence[int], pages: np.ndarray,
               parent: int | None) -> PendingStore:
         """Send a run of pages (rows of ``pages``, one per key) continuing ``parent``'s chain."""
         head = REQUEST.pack(STORE, len(keys)) + PARENT.pack(parent is not None, (parent or 0).to_bytes(KEY_BYTES, "little"))
-        link = self._send(address, [head + _pack_keys(keys), memoryview(np.ascontiguousarray(pages)).cast("B")])
+        link = self._send(address, [head + pack_keys(keys), memoryview(np.ascontiguousarray(pages)).cast("B")])
         return PendingStore(link, len(keys))
 
     def _drop(self, address: tuple[str, int]) -> None:

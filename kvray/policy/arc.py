@@ -47,7 +47,6 @@ class ARCPolicy(PlacementPolicy):
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         super().bind(index, capacities)
         self._lists = {t: _ArcLists(capacities[t]) for t in self.tiers}
-        self._tier_of: dict[int, Tier] = {}
 
     def on_insert(self, handle: int, tier: Tier) -> None:
         arc, key = self._lists[tier], self.index.key_of(handle)
@@ -61,11 +60,11 @@ class ARCPolicy(PlacementPolicy):
             arc.t2[handle] = None
         else:
             arc.t1[handle] = None
-        self._tier_of[handle] = tier
 
     def on_access(self, handles: np.ndarray) -> None:
-        for h in reversed(handles.tolist()):  # deepest first: the root ends most recent
-            arc = self._lists[self._tier_of[h]]
+        tiers = self.index.tier[handles].tolist()
+        for h, tier in zip(reversed(handles.tolist()), reversed(tiers)):  # deepest first: the root ends most recent
+            arc = self._lists[Tier(tier)]
             if h in arc.t1:
                 del arc.t1[h]
                 arc.t2[h] = None
@@ -80,7 +79,6 @@ class ARCPolicy(PlacementPolicy):
         else:
             del arc.t2[handle]
             arc.remember(arc.b2, key)
-        del self._tier_of[handle]
 
     def victim(self, tier: Tier) -> int | None:
         arc = self._lists[tier]

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -136,6 +137,11 @@ class CostModel:
 
     def page_prefill_ms(self) -> float:
         return self.page_tokens * self._per_token_ms
+
+    def tier_cost(self, tiers: Iterable[Tier]) -> dict[Tier, float]:
+        """Each tier's page load time relative to recomputing the page: what a placement
+        policy weighs tiers by (in the simulator, in training and in the runtime's card)."""
+        return {t: self.load_ms(t) / self.page_prefill_ms() for t in tiers}
 
 
 

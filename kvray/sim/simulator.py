@@ -99,7 +99,7 @@ class Simulator:
         self.policy = policy
         self.background_ms = 0.0  # modeled time of moves between tiers, off the TTFT path
         self._load_ms = np.array([self.cost.load_ms(t) if t in self.manager.slots else 0.0 for t in Tier])
-        self.tier_cost = {t: self.cost.load_ms(t) / self.cost.page_prefill_ms() for t in self.manager.slots}
+        self.tier_cost = self.cost.tier_cost(self.manager.slots)
 
     def mover(self, handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:
         """The data plane of the simulator: a move costs modeled time, no bytes."""

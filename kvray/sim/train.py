@@ -194,8 +194,7 @@ def tier_costs(scenario: Scenario) -> dict[str, float]:
     view of bandwidth where nothing tells it (the runtime without a cost model)."""
     from kvray.sim.cost import CostModel
 
-    model = CostModel(scenario)
-    return {t.label: model.load_ms(t) / model.page_prefill_ms() for t in scenario.capacities()}
+    return {t.label: cost for t, cost in CostModel(scenario).tier_cost(scenario.capacities()).items()}
 
 
 def _write_card(out: Path, card: dict) -> None:
