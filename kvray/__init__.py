@@ -16,10 +16,10 @@ Example::
     hit = store.load(tokens)          # 64 tokens come back bit-exact
 """
 
-from kvray.config import PageLayout, StoreConfig, TierSizes
-from kvray.errors import KvrayError
-from kvray.keys import ModelFingerprint, page_keys
-from kvray.store import LoadResult, PageStore
+from kvray.core.config import PageLayout, StoreConfig, TierSizes
+from kvray.core.errors import KvrayError
+from kvray.core.keys import ModelFingerprint, page_keys
+from kvray.core.store import LoadResult, PageStore
 
 __all__ = [
     "KvrayError",

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kvray.errors import KvrayError
+from kvray.core.errors import KvrayError
 from kvray.progress import progress_bar
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvray: tiered KV-cache offload and reuse")
@@ -34,13 +34,13 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="fewer repetitions and smaller sizes"),
 ) -> None:
     """Run the side-by-side benchmarks: kvray's figure, a baseline's, and their ratio."""
-    from benchmarks import run_benchmarks
+    from kvray.bench import run_benchmarks
 
     results = run_benchmarks(only=only, quick=quick, progress=not json_out)
     if json_out:
         print(json.dumps([r.as_dict() for r in results], indent=2))
     else:
-        from benchmarks.report import print_table
+        from kvray.bench.report import print_table
 
         print_table(results)
 
@@ -54,12 +54,12 @@ def demo(
 ) -> None:
     """Replay a slice of the real conversation trace on local Ray nodes and compare policies;
     then serve a multi-turn conversation on a real (random-weight) Llama, with and without kvray."""
-    from kvray.cluster.demo import run_demo
+    from kvray.apps.demo import run_demo
 
     with reported_errors():
         run_demo(requests=requests, nodes=nodes, out_dir=out, console=console)
     if chat_turns:
-        from kvray.engines.demo import conversation_demo
+        from kvray.apps.chat import conversation_demo
 
         conversation_demo(turns=chat_turns, console=Console(), plot=Path(out) / "chat_ttft.png")
 
@@ -79,7 +79,7 @@ def run(
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Replay a trace on the Ray runtime with real page bytes; report measured TTFT and hits."""
-    from kvray.cluster.replay import run_replay, settings_from
+    from kvray.apps.replay import run_replay, settings_from
 
     with reported_errors():
         settings = settings_from(
@@ -95,7 +95,7 @@ def run(
     if json_out:
         print(json.dumps(result.as_dict()))
     else:
-        from kvray.cluster.demo import print_results
+        from kvray.apps.demo import print_results
 
         print_results({settings.runtime.policy: result}, console)
 
@@ -107,7 +107,7 @@ def status(
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Metrics of a running kvray runtime: hit rate, hits per tier, occupancy, latency, bytes moved."""
-    from kvray.cluster.status import fetch_status, print_status
+    from kvray.apps.status import fetch_status, print_status
 
     with reported_errors():
         snapshot = fetch_status(address, name)
@@ -158,13 +158,13 @@ def train(
 ) -> None:
     """Train the RL placement policy with PPO; writes policy.safetensors, card.json and TensorBoard logs."""
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
-    from kvray.sim.train import train as run_training
+    from kvray.rl.train import train as run_training
 
     with reported_errors():
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
 
         def score(folder: Path, held_out: list) -> dict:
-            from kvray.sim.evaluate import HEURISTICS, compare, goals
+            from kvray.apps.evaluate import HEURISTICS, compare, goals
             from kvray.traces import read_trace
 
             sets = {f"{t.stem}@{train_fraction:g}": h for t, h in zip(trace, held_out)}
@@ -196,8 +196,9 @@ def eval_(
 ) -> None:
     """Compare policies over traces and capacities; writes eval.json and plots."""
     from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, decision_time_us, load_scorer
+    from kvray.resources import shipped_or_given
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
-    from kvray.sim.evaluate import compare, goals, load_trace_spec, plot, write_report
+    from kvray.apps.evaluate import compare, goals, load_trace_spec, plot, write_report
 
     with reported_errors():
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
@@ -208,7 +209,7 @@ def eval_(
             rows = compare(traces, policy, fraction, spec, progress=lambda what: tick(next(done)))
         learned = next((p for p in policy if p.startswith("rl")), None)
         summary: dict = {"capacity": goals(rows, learned=learned or "rl")}
-        folder = Path(learned[3:]) if learned and learned.startswith("rl:") else DEFAULT_POLICY
+        folder = shipped_or_given(learned[3:] if learned and learned.startswith("rl:") else DEFAULT_POLICY, "policies")
         if learned is not None:
             summary["rl_decision_us_batched"] = decision_time_us(load_scorer(folder)[0])
         card_path = card or folder / CARD_FILE
@@ -244,7 +245,7 @@ def generate(
     spec: Path = typer.Option(None, "--spec", help="WorkloadSpec YAML (fields of kvray.sim.workloads)"),
 ) -> None:
     """Generate a seeded chat workload (sessions, shared prompts and documents) as a trace."""
-    from kvray.config import load_yaml
+    from kvray.core.config import load_yaml
     from kvray.sim.workloads import WorkloadSpec, generate as make
     from kvray.traces import write_parquet
 
@@ -276,7 +277,7 @@ def chat_demo(
     plot: Path | None = typer.Option(None, help="also save TTFT per turn as a chart (PNG) here"),
 ) -> None:
     """A multi-turn conversation on a real Llama: TTFT per turn, recomputing vs with kvray."""
-    from kvray.engines.demo import conversation_demo
+    from kvray.apps.chat import conversation_demo
 
     conversation_demo(model_name=model, turns=turns, console=Console(), plot=plot)
 

@@ -6,7 +6,7 @@ and ``hash_ids``, one prefix-chained id per ``block_tokens``-token block of the 
 prefix up to block i, exactly like kvray's own page keys, so the simulator and
 ``kvray run`` use a trace id as a page key.
 
-Malformed input raises :class:`kvray.errors.TraceError` naming the file and line (row).
+Malformed input raises :class:`kvray.core.errors.TraceError` naming the file and line (row).
 
 Example::
 
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvray.errors import TraceError
+from kvray.core.errors import ConfigError, TraceError
+from kvray.resources import shipped_or_given
 
 MOONCAKE_BLOCK_TOKENS = 512
 COLUMNS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -92,9 +93,12 @@ def read_parquet(path: Path) -> list[TraceRequest]:
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
     """Read a Mooncake JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) trace."""
-    path = Path(path)
+    try:
+        path = shipped_or_given(path, "data/traces")
+    except ConfigError:
+        raise TraceError(f"{path}: no such trace file (nor a trace shipped by that name)") from None
     if not path.is_file():
-        raise TraceError(f"{path}: no such trace file")
+        raise TraceError(f"{path}: not a trace file")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         requests = read_jsonl(path)
@@ -102,6 +106,8 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
         requests = read_parquet(path)
     else:
         raise TraceError(f"{path}: unknown trace format {suffix!r} (expected .jsonl or .parquet)")
+    if not requests:
+        raise TraceError(f"{path}: the trace holds no requests")
     return requests[:limit] if limit is not None else requests
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvray.config import PageLayout
+from kvray.core.config import PageLayout
 
 TINY = PageLayout(layers=2, kv_heads=2, head_dim=4, page_tokens=4, dtype="float32")
 

@@ -3,7 +3,7 @@
 The only part of kvray that imports Ray. The pieces, from the bottom:
 
 - :mod:`~kvray.cluster.node_store`: one actor per node owning that node's tiers
-  (a :class:`kvray.store.PageStore`), placed with node affinity.
+  (a :class:`kvray.core.store.PageStore`), placed with node affinity.
 - :mod:`~kvray.cluster.controller`: the global prefix index, page locations, heat, pins
   and the placement of new pages (local node, or a consistent-hash ring when a request is
   larger than a node keeps). No page byte passes through it.
@@ -12,7 +12,7 @@ The only part of kvray that imports Ray. The pieces, from the bottom:
   (:mod:`~kvray.cluster.shm`), cross-node bytes through Ray's object store or a
   collective (gloo on CPU, NCCL on GPU), chosen by size.
 - :mod:`~kvray.cluster.runtime`: starting or joining Ray and placing the actors.
-- :mod:`~kvray.cluster.replay`: ``kvray run`` and ``kvray demo``, trace replay on all of it.
+- :mod:`~kvray.apps.replay`: ``kvray run`` and ``kvray demo``, trace replay on all of it.
 
 Example::
 

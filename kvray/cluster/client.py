@@ -4,7 +4,7 @@ Each verb covers a whole request with one controller round trip at most, and non
 this node's host tier holds the whole request:
 
 - ``lookup(keys)``: if every page is published in this node's shared host tier (its
-  :class:`~kvray.tiers.directory.SlotDirectory`, mapped into this process), the answer is
+  :class:`~kvray.core.tiers.directory.SlotDirectory`, mapped into this process), the answer is
   a local plan (lease ``LOCAL_LEASE``) made without any Ray call: nothing is pinned, the
   load validates each page itself. Otherwise the controller pins the cached prefix under
   a lease and says where each cached page is and where each missing page should go
@@ -67,10 +67,10 @@ from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks, PendingStore
-from kvray.errors import ClusterError, RequestError, StorageError
-from kvray.keys import ModelFingerprint, pack_keys
-from kvray.tiers import Tier
-from kvray.tiers.directory import SharedHostTier
+from kvray.core.errors import ClusterError, RequestError, StorageError
+from kvray.core.keys import ModelFingerprint, pack_keys
+from kvray.core.tiers import Tier
+from kvray.core.tiers.directory import SharedHostTier
 
 REMOTE = Tier.REMOTE.label
 HOST = Tier.HOST.label

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from kvray.config import PageLayout, StoreConfig, TierSizes, _Frozen
-from kvray.errors import PolicyError
+from kvray.core.config import PageLayout, StoreConfig, TierSizes, _Frozen
+from kvray.core.errors import PolicyError
 from kvray.policy import make_policy
 
 # The default page: 512 tokens (one Mooncake trace block) of a 2-layer slice of a

@@ -1,6 +1,6 @@
 """The controller actor: the cluster's metadata, and no page bytes.
 
-It keeps the global prefix index (:class:`~kvray.index.PrefixIndex`, with each page's
+It keeps the global prefix index (:class:`~kvray.core.index.PrefixIndex`, with each page's
 node in the ``node`` column), the heat of every page, pins of pages being read, and the
 placement rule for new pages: the requesting engine's node when the request fits there,
 otherwise spread over all nodes by consistent hashing (:class:`HashRing`). Engines talk to
@@ -42,8 +42,8 @@ import ray
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, store_name
 from kvray.cluster.hashring import HashRing
 from kvray.cluster.metrics import export_cluster_stats
-from kvray.index import ROOT, PrefixIndex
-from kvray.tiers import Tier
+from kvray.core.index import ROOT, PrefixIndex
+from kvray.core.tiers import Tier
 
 NO_NODE = -1
 NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned

@@ -8,7 +8,7 @@ be shown on one machine (nodes become local raylets instead of cloud instances).
 
 Example::
 
-    config = kvray.config.read_yaml("cluster.yaml")
+    config = kvray.core.config.read_yaml("cluster.yaml")
     validate_cluster(config)
     fake = fake_autoscaler_config(config, gcs_address="10.0.0.1:6379", idle_timeout_minutes=0.1)
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvray.errors import ConfigError
+from kvray.core.errors import ConfigError
 
 TIER_RESOURCES = ("kvray_device_tier", "kvray_host_tier", "kvray_disk_tier")
 

@@ -1,8 +1,8 @@
-"""The per-node store actor: one :class:`~kvray.store.PageStore` owning a node's tiers.
+"""The per-node store actor: one :class:`~kvray.core.store.PageStore` owning a node's tiers.
 
 It is placed on its node with node affinity and is the only process that writes that
 node's device, host and disk pools. Its host tier lives in POSIX shared memory beside a
-:class:`~kvray.tiers.directory.SlotDirectory` it keeps current, so an engine on the same
+:class:`~kvray.core.tiers.directory.SlotDirectory` it keeps current, so an engine on the same
 node (``host_tier`` names the segments) finds and copies host pages itself, with no Ray
 call, and only tells the store about the hits afterwards (``touch``, fire-and-forget,
 which also forwards the controller's report of a request answered entirely here). The
@@ -47,10 +47,10 @@ from kvray.cluster.config import NAMESPACE, RuntimeConfig
 from kvray.cluster.metrics import export_store_stats
 from kvray.cluster.shm import LandingBuffer, reap_orphans
 from kvray.cluster.transfer import PageServer
-from kvray.index import ROOT
-from kvray.keys import unpack_keys
-from kvray.store import PageStore
-from kvray.tiers.directory import SHM_DIR, retire
+from kvray.core.index import ROOT
+from kvray.core.keys import unpack_keys
+from kvray.core.store import PageStore
+from kvray.core.tiers.directory import SHM_DIR, retire
 
 COLLECTIVE_GROUP = "kvray-pages"
 
@@ -202,7 +202,7 @@ class NodeStore:
         return {"name": self.host_name, "capacity": self.config.tiers.host, "page_nbytes": self.page_nbytes}
 
     def touch(self, keys: bytes, report: tuple | None = None) -> None:
-        """An engine copied the prefix ``keys`` (:func:`~kvray.keys.pack_keys`) out of the shared
+        """An engine copied the prefix ``keys`` (:func:`~kvray.core.keys.pack_keys`) out of the shared
         host tier: count the hits (recency, heat, promotions), and pass ``report`` (the
         arguments of the controller's ``release``) on."""
         self.store.touch_pages(unpack_keys(keys))

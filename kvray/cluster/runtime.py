@@ -31,7 +31,7 @@ from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name, stor
 from kvray.cluster.controller import ControllerActor
 from kvray.cluster.node_store import NodeStoreActor
 from kvray.cluster.transfer import TOKEN_BYTES
-from kvray.errors import ClusterError
+from kvray.core.errors import ClusterError
 
 
 def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:

@@ -6,7 +6,7 @@ name, once, and copies pages straight between its tiers and the buffer: a store,
 load of pages on the store's disk tier, is one actor call carrying only keys and offsets,
 and the page bytes cross no socket, no pickle and no object store. Pages on the store's
 host tier need not even that call: the engine maps the host tier too
-(:class:`~kvray.tiers.directory.SharedHostTier`) and copies them into the buffer itself.
+(:class:`~kvray.core.tiers.directory.SharedHostTier`) and copies them into the buffer itself.
 Cross-node pages are received into the same buffer by the collective path, so the engine
 always finds a request's KV in one place.
 
@@ -27,8 +27,8 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from kvray.errors import StorageError
-from kvray.tiers.memory import attach_shared
+from kvray.core.errors import StorageError
+from kvray.core.tiers.memory import attach_shared
 
 
 class LandingBuffer:

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvray.errors import ClusterError
-from kvray.keys import KEY_BYTES, pack_keys, unpack_keys
+from kvray.core.errors import ClusterError
+from kvray.core.keys import KEY_BYTES, pack_keys, unpack_keys
 
 TOKEN_BYTES = 32
 REQUEST = struct.Struct("<BI")  # op, pages

@@ -4,7 +4,7 @@
   prefill from the longest cached prefix and stores the new pages.
 - :mod:`kvray.engines.vllm`: ``KVRayConnector``, a vLLM ``KVConnectorBase_V1`` (imported
   only inside a vLLM environment).
-- :mod:`kvray.engines.demo`: a multi-turn conversation with TTFT per turn, with and
+- :mod:`kvray.apps.chat`: a multi-turn conversation with TTFT per turn, with and
   without kvray.
 
 Nothing here is imported by the core; each module imports its engine on its own.

@@ -1,7 +1,7 @@
 """Hugging Face transformers adapter: prefill from kvray's longest cached prefix.
 
 A causal LM's prefill is the expensive part of time to first token. This adapter looks up
-the longest cached prefix of a prompt in a :class:`~kvray.store.PageStore`, loads those
+the longest cached prefix of a prompt in a :class:`~kvray.core.store.PageStore`, loads those
 pages into a transformers ``DynamicCache``, runs the model on the uncached suffix only
 (always at least the last prompt token, so that logits exist), and stores the full pages
 that were computed. Loaded KV is bit-identical to what the model computed when the pages
@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvray.config import PageLayout, validate
-from kvray.errors import KvrayError, LayoutError
-from kvray.keys import as_token_array
-from kvray.pages import TORCH_DTYPES
-from kvray.store import PageStore
+from kvray.core.config import PageLayout, validate
+from kvray.core.errors import KvrayError, LayoutError
+from kvray.core.keys import as_token_array
+from kvray.core.pages import TORCH_DTYPES
+from kvray.core.store import PageStore
 
 log = logging.getLogger(__name__)
 

@@ -18,16 +18,17 @@ from pathlib import Path
 
 import torch
 
-from kvray.errors import ConfigError
+from kvray.core.errors import ConfigError
+from kvray.resources import bundled
 
-MODELS_DIR = Path(__file__).resolve().parents[2] / "data" / "models"
 
 
 def model_dir(name: str) -> Path:
     """Directory holding ``config.json`` of the named model (what vLLM's ``model=`` takes)."""
-    path = MODELS_DIR / name
+    models = bundled("data/models")
+    path = models / name
     if not (path / "config.json").is_file():
-        known = sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
+        known = sorted(p.name for p in models.iterdir() if (p / "config.json").is_file())
         raise ConfigError(f"no model config {path / 'config.json'}; known models: {known}")
     return path
 

@@ -7,7 +7,7 @@ Load it with::
 
 How the two halves split the work (and why):
 
-- The **scheduler side** owns the :class:`~kvray.store.PageStore`. On a new request it
+- The **scheduler side** owns the :class:`~kvray.core.store.PageStore`. On a new request it
   looks up the prompt's full pages and *reads and verifies them right away*, so the hit it
   reports to vLLM is made of pages already in memory: a store that fails, loses its disk
   or returns a corrupt page yields a shorter hit (vLLM computes the rest), never a failed
@@ -24,7 +24,7 @@ physical block layout; :class:`BlockCodec` converts. The page size is vLLM's blo
 
 Scope: one worker (tensor and pipeline parallel size 1), one full-attention KV cache group,
 ``kv_cache_dtype="auto"``, attention backends ``CPU_ATTN`` and ``FLASH_ATTN``. Anything else
-is refused at start-up with a :class:`~kvray.errors.ConfigError` naming it.
+is refused at start-up with a :class:`~kvray.core.errors.ConfigError` naming it.
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvray.config import PageLayout, validate
+from kvray.core.config import PageLayout, validate
 from kvray.engines.hf import DTYPE_NAMES
 from kvray.engines.vllm_blocks import BlockCodec
 from kvray.engines.vllm_settings import ConnectorSettings, connector_settings, store_config
-from kvray.errors import ConfigError
-from kvray.pages import torch_dtype
-from kvray.store import PageStore
+from kvray.core.errors import ConfigError
+from kvray.core.pages import torch_dtype
+from kvray.core.store import PageStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kvray.config import PageLayout
-from kvray.errors import ConfigError
-from kvray.pages import torch_dtype
+from kvray.core.config import PageLayout
+from kvray.core.errors import ConfigError
+from kvray.core.pages import torch_dtype
 
 
 class BlockCodec:

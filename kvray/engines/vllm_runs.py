@@ -23,10 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-from kvray.errors import ConfigError, KvrayError
+import kvray
+from kvray.core.errors import ConfigError, KvrayError
+from kvray.resources import CHECKOUT
 
 VLLM_ENV_VAR = "KVRAY_VLLM_PYTHON"
-DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+DEFAULT_VLLM_PYTHON = CHECKOUT / ".venv-vllm" / "bin" / "python"  # what `make vllm-env` builds
 
 
 def vllm_python() -> Path:
@@ -42,11 +44,12 @@ def vllm_python() -> Path:
 
 def run_in_vllm_env(spec: dict, timeout: float = 300) -> dict:
     """Run :func:`main` with ``spec`` in the vLLM environment; return its JSON result."""
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # the vLLM environment imports this very kvray: the folder that holds the package
+    package_root = Path(kvray.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{package_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
         [str(vllm_python()), "-m", "kvray.engines.vllm_runs", json.dumps(spec)],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=repo,
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=package_root,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -103,14 +106,14 @@ def generate(llm, prompt: list[int] | dict, max_tokens: int) -> tuple[list[int],
 
 
 def break_store(store, how: str) -> None:
-    """Make a :class:`~kvray.store.PageStore`'s disk tier fail the way real storage does.
+    """Make a :class:`~kvray.core.store.PageStore`'s disk tier fail the way real storage does.
 
     ``wipe``: the page file loses its contents (someone else truncated it);
     ``io-error``: every read and write of it raises ``OSError`` (its descriptor now
     names a directory, as after a failed remount; it stays a valid descriptor, so no
     other file can be hit by mistake).
     """
-    from kvray.tiers import Tier
+    from kvray.core.tiers import Tier
 
     disk = store.pools[Tier.DISK]
     if how == "wipe":

@@ -1,10 +1,10 @@
 """The vLLM connector's ``kv_connector_extra_config``: parsed and turned into a
-:class:`~kvray.config.StoreConfig` without importing vLLM.
+:class:`~kvray.core.config.StoreConfig` without importing vLLM.
 
 Kept apart from :mod:`kvray.engines.vllm` (which needs vLLM installed) so that the one
 place untrusted engine settings enter kvray is testable, and fuzzed, anywhere: whatever
 the user writes there, the outcome is a valid store config or a
-:class:`~kvray.errors.ConfigError` naming the field.
+:class:`~kvray.core.errors.ConfigError` naming the field.
 
 Example::
 
@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvray.config import PageLayout, StoreConfig, validate
-from kvray.errors import ConfigError
+from kvray.core.config import PageLayout, StoreConfig, validate
+from kvray.core.errors import ConfigError
 
 SOURCE = "kv_connector_extra_config"
 

@@ -4,14 +4,14 @@
 (``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``belady`` (evaluation only: the
 simulator feeds it the future), ``rl`` (the shipped trained policy); ``rl:PATH`` loads a
 trained policy file).
-Unknown names raise :class:`kvray.errors.PolicyError` listing the known ones.
+Unknown names raise :class:`kvray.core.errors.PolicyError` listing the known ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvray.errors import PolicyError
+from kvray.core.errors import PolicyError
 from kvray.policy.arc import ARCPolicy
 from kvray.policy.base import PageContext, PlacementPolicy
 from kvray.policy.belady import BeladyPolicy

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from kvray.index import PrefixIndex
+from kvray.core.index import PrefixIndex
 from kvray.policy.base import PlacementPolicy
-from kvray.tiers import Tier
+from kvray.core.tiers import Tier
 
 
 class _ArcLists:

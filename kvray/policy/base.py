@@ -9,8 +9,8 @@ A policy answers four questions, each at a decision point of the cache manager:
 
 It is told about every change (``on_insert``, ``on_access``, ``on_remove``) so that it can
 keep whatever ordering it needs. It reads page state (pins, heat, depth) from the shared
-:class:`~kvray.index.PrefixIndex` and never moves bytes: the manager does that, and in the
-simulator a cost model stands in for the bytes (DESIGN.md, seam 2).
+:class:`~kvray.core.index.PrefixIndex` and never moves bytes: the manager does that, and in the
+simulator a cost model stands in for the bytes (docs/design.md, "One policy, two worlds").
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvray.index import PrefixIndex
-from kvray.tiers import Tier
+from kvray.core.index import PrefixIndex
+from kvray.core.tiers import Tier
 
 
 @dataclass(frozen=True)

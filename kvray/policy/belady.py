@@ -13,10 +13,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from kvray.errors import PolicyError
-from kvray.index import PrefixIndex
+from kvray.core.errors import PolicyError
+from kvray.core.index import PrefixIndex
 from kvray.policy.base import PageContext, RequestInfo, ScoredPolicy
-from kvray.tiers import Tier
+from kvray.core.tiers import Tier
 
 
 class BeladyPolicy(ScoredPolicy):

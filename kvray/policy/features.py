@@ -25,10 +25,10 @@ from itertools import islice
 
 import numpy as np
 
-from kvray.index import PrefixIndex
+from kvray.core.index import PrefixIndex
 from kvray.policy.base import PageContext, RequestInfo
 from kvray.policy.lru import LRUPolicy
-from kvray.tiers import Tier
+from kvray.core.tiers import Tier
 
 FEATURES = (
     "is_eviction",

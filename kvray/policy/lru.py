@@ -11,7 +11,7 @@ from collections import OrderedDict
 import numpy as np
 
 from kvray.policy.base import PlacementPolicy
-from kvray.tiers import Tier
+from kvray.core.tiers import Tier
 
 
 class LRUPolicy(PlacementPolicy):

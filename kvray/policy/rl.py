@@ -1,13 +1,13 @@
 """The learned placement policy: a small MLP scores each choice's feature row.
 
-It is trained by PPO in the simulator (:mod:`kvray.sim.train`) and stored as
+It is trained by PPO in the simulator (:mod:`kvray.rl.train`) and stored as
 ``policy.safetensors`` (the scorer's weights, no pickle) beside ``card.json`` (the
 model card: observation space, training traces, steps, seed, evaluation scores).
 Inference is numpy: the rows of a decision (or of many decisions at once) go through the
 MLP in one batch, and the best-scored choice is taken.
 
 A file whose card names other features or another candidate count raises
-:class:`~kvray.errors.PolicyError`: its scores would mean nothing on these rows.
+:class:`~kvray.core.errors.PolicyError`: its scores would mean nothing on these rows.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvray.errors import PolicyError
+from kvray.core.errors import ConfigError, PolicyError
 from kvray.policy.base import PageContext
 from kvray.policy.features import CANDIDATES, FEATURES, FeaturePolicy
-from kvray.tiers import Tier
+from kvray.core.tiers import Tier
+from kvray.resources import shipped_or_given
 
-DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "policies" / "default"
+DEFAULT_POLICY = "default"  # the policy shipped in policies/default (kvray.resources)
 WEIGHTS_FILE = "policy.safetensors"
 CARD_FILE = "card.json"
 
@@ -62,7 +63,10 @@ def load_scorer(path: str | Path) -> tuple[MLPScorer, dict]:
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    path = Path(path)
+    try:
+        path = shipped_or_given(path, "policies")
+    except ConfigError:
+        raise PolicyError(f"{path}: not a policy: no such file or folder, nor a policy shipped by that name") from None
     folder = path if path.is_dir() else path.parent
     weights_path, card_path = folder / WEIGHTS_FILE, folder / CARD_FILE
     if not weights_path.is_file() or not card_path.is_file():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvray.policy.base import PageContext
 from kvray.policy.lru import LRUPolicy
-from kvray.tiers import Tier
+from kvray.core.tiers import Tier
 
 
 class ThresholdPolicy(LRUPolicy):

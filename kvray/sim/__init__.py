@@ -1,2 +1,3 @@
-"""Simulation: the cost model, the trace-driven simulator around the real cache manager,
-the gymnasium environment and training of placement policies (DESIGN.md, seam 2)."""
+"""Simulation: the cost model and the trace-driven simulator that runs kvray's own cache
+manager, index, slot accounting and placement policies with modeled instead of real byte
+movement (docs/design.md, "One policy, two worlds")."""

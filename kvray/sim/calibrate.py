@@ -2,7 +2,7 @@
 the prefill of a real (small, random-weight) Llama model, written out as a scenario.
 
 On a CPU-only machine the "device" tier is host memory standing in for accelerator
-memory (as :class:`~kvray.tiers.DevicePool` does), so both take the memcpy figure.
+memory (as :class:`~kvray.core.tiers.DevicePool` does), so both take the memcpy figure.
 Every figure is a median of a few runs; the YAML says what was measured and when.
 
 Example::
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from kvray.config import PageLayout
+from kvray.core.config import PageLayout
 from kvray.sim.cost import ComputeSpec, Scenario, TierSpec
 
 MIB = 1 << 20

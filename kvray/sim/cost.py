@@ -6,7 +6,7 @@ figure is trusted. Bandwidths are GB/s (1e9 bytes/s), latencies microseconds. A 
 ``read_gbps`` is the rate at which a page reaches the engine's memory from that tier
 (for disk and remote that includes the last PCIe hop), ``write_gbps`` the rate at which
 a page is written into it. The simulator turns these into modeled time in place of the
-bytes the runtime would move (DESIGN.md, seam 2).
+bytes the runtime would move (docs/design.md, "One policy, two worlds").
 
 Example::
 
@@ -22,8 +22,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvray.config import PageLayout, load_yaml
-from kvray.tiers import Tier
+from kvray.core.config import PageLayout, load_yaml
+from kvray.core.tiers import Tier
+from kvray.resources import shipped_or_given
 
 TIER_NAMES = {t.label: t for t in Tier}
 
@@ -90,11 +91,12 @@ class Scenario(_Strict):
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    """Read and validate a scenario YAML; errors (ConfigError) name the file and field."""
-    return load_yaml(path, Scenario)
+    """Read and validate a scenario YAML (a path, or the name of a shipped scenario);
+    errors (ConfigError) name the file and field."""
+    return load_yaml(shipped_or_given(path, "simulations", ".yaml"), Scenario)
 
 
-DEFAULT_SCENARIO = Path(__file__).resolve().parents[2] / "simulations" / "h100-llama8b.yaml"
+DEFAULT_SCENARIO = "h100-llama8b"  # shipped in simulations/ (kvray.resources)
 
 
 class CostModel:

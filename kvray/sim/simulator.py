@@ -1,7 +1,7 @@
 """Trace-driven simulator: the runtime's own cache with modeled time in place of bytes.
 
 Each request of a trace is served the way the runtime serves it, through a real
-:class:`~kvray.manager.CacheManager` (prefix index, slot accounting, placement policy):
+:class:`~kvray.core.manager.CacheManager` (prefix index, slot accounting, placement policy):
 
 1. look up its longest cached prefix (trace ids are page keys) and pin it;
 2. model its time to first token: loading each hit page from its tier, prefilling the
@@ -11,7 +11,7 @@ Each request of a trace is served the way the runtime serves it, through a real
    demoting by the policy.
 
 The manager's ``mover`` callback adds the modeled cost of a move instead of copying
-(DESIGN.md, seam 2), so any policy object, trained or not, runs here exactly as it runs
+(docs/design.md, "One policy, two worlds"), so any policy object, trained or not, runs here exactly as it runs
 in the runtime. The Belady oracle is told each request's future before it is served.
 
 Example::
@@ -28,13 +28,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from kvray.errors import ConfigError
-from kvray.index import ROOT
-from kvray.manager import CacheManager
+from kvray.core.errors import ConfigError
+from kvray.core.index import ROOT
+from kvray.core.manager import CacheManager
 from kvray.policy.base import PageContext, PlacementPolicy, RequestInfo
 from kvray.sim.cost import CostModel, PrefillQueue, Scenario
-from kvray.sim.report import ReplayResult, ReplayTally, hit_tokens
-from kvray.tiers import Tier
+from kvray.report import ReplayResult, ReplayTally, hit_tokens
+from kvray.core.tiers import Tier
 from kvray.traces import TraceRequest, full_blocks, unique_blocks
 
 LABELS = [t.label for t in Tier]
@@ -132,7 +132,7 @@ class Simulator:
     def store(self, request: TraceRequest, first: int) -> None:
         """Keep the request's pages from ``first`` on where the policy admits them, each
         under its parent, stopping at the first page not kept (its descendants could never
-        match): the same steps, in the same order, as :meth:`kvray.store.PageStore.store`."""
+        match): the same steps, in the same order, as :meth:`kvray.core.store.PageStore.store`."""
         keys = full_blocks(request.hash_ids, request.input_length, self.block_tokens)
         manager, index = self.manager, self.manager.index
         tenant = session_of(request)

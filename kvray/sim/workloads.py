@@ -20,7 +20,7 @@ from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 
 class WorkloadSpec(BaseModel):
-    """Shape of a generated workload (validated like every config: see kvray.config)."""
+    """Shape of a generated workload (validated like every config: see kvray.core.config)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -8,7 +8,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from kvray.cli import app
-from kvray.engines.demo import conversation_demo
+from kvray.apps.chat import conversation_demo
 
 
 def test_later_turns_reuse_history_and_agree_with_recompute():

@@ -14,8 +14,8 @@ import torch
 from kvray import PageStore, StoreConfig, TierSizes
 from kvray.engines.hf import CachedCausalLM, model_layout
 from kvray.engines.vllm_runs import break_store
-from kvray.errors import LayoutError, RequestError
-from kvray.tiers import Tier
+from kvray.core.errors import LayoutError, RequestError
+from kvray.core.tiers import Tier
 
 PAGE = 16
 FP32_TOL = 1e-4

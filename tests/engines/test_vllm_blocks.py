@@ -10,7 +10,7 @@ import torch
 
 from kvray import PageLayout
 from kvray.engines.vllm_blocks import BlockCodec
-from kvray.errors import ConfigError
+from kvray.core.errors import ConfigError
 
 LAYOUT = PageLayout(layers=3, kv_heads=2, head_dim=8, page_tokens=32, dtype="float32")
 BLOCKS = 10

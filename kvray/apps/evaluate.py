@@ -1,0 +1,129 @@
+"""Comparing policies: every policy over every trace and tight capacity, in one table,
+with the goals of the learned policy checked against the best heuristic and Belady, and
+plots (hit rate and mean TTFT against capacity, the training curve) beside the JSON.
+
+A trace is named ``PATH`` or ``PATH@F``: the latter keeps only the requests after
+fraction ``F`` of its time span, the part :func:`kvray.rl.train.split_by_time` held out.
+
+Example::
+
+    rows = compare({"conv": held_out}, ["lru", "arc", "belady", "rl"], [0.05, 0.1], scenario)
+    goals(rows)["conv@0.05"]["rl_ttft_vs_best_heuristic"]
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvray.core.errors import ConfigError
+from kvray.sim.cost import Scenario
+from kvray.sim.simulator import simulate
+from kvray.traces import TraceRequest, read_trace
+
+HEURISTICS = ("lru", "lfu", "arc", "wfq", "threshold")
+
+
+def load_trace_spec(spec: str) -> tuple[str, list[TraceRequest]]:
+    """``PATH`` or ``PATH@F`` -> (name, requests after fraction F of the time span)."""
+    path, _, cut = spec.partition("@")
+    trace = read_trace(path)
+    name = Path(path).stem
+    if not cut:
+        return name, trace
+    from kvray.rl.train import split_by_time
+
+    try:
+        fraction = float(cut)
+    except ValueError:
+        raise ConfigError(f"{spec}: expected PATH@FRACTION, got fraction {cut!r}") from None
+    if not 0 <= fraction < 1:
+        raise ConfigError(f"{spec}: held-out fraction must be in [0, 1)")
+    return f"{name}@{cut}", split_by_time(trace, fraction)[1]
+
+
+def compare(
+    traces: dict[str, Sequence[TraceRequest]],
+    policies: Sequence[str],
+    fractions: Sequence[float],
+    scenario: Scenario,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """One row per (trace, capacity fraction, policy): the replay's JSON plus its wall time."""
+    rows = []
+    for name, trace in traces.items():
+        for fraction in fractions:
+            for policy in policies:
+                if progress is not None:
+                    progress(f"{name} {fraction:g} {policy}")
+                started = time.perf_counter()
+                result = simulate(trace, policy, scenario, capacity_fraction=fraction).as_dict()
+                rows.append({"trace": name, "capacity_fraction": fraction, **result,
+                             "replay_s": time.perf_counter() - started})
+    return rows
+
+
+def goals(rows: list[dict], learned: str = "rl") -> dict:
+    """Per trace and capacity: the learned policy's mean TTFT over the best heuristic's
+    (goal <= 0.85) and its token hit rate over Belady's (goal >= 0.90)."""
+    out: dict[str, dict] = {}
+    for key in sorted({(r["trace"], r["capacity_fraction"]) for r in rows}):
+        at = {r["policy"]: r for r in rows if (r["trace"], r["capacity_fraction"]) == key}
+        heuristics = [at[p] for p in HEURISTICS if p in at]
+        if learned not in at or not heuristics:
+            continue
+        best = min(heuristics, key=lambda r: r["mean_ttft_ms"])
+        entry = {
+            "best_heuristic": best["policy"],
+            "rl_ttft_vs_best_heuristic": at[learned]["mean_ttft_ms"] / best["mean_ttft_ms"],
+        }
+        if "belady" in at:
+            entry["rl_hit_rate_vs_belady"] = at[learned]["token_hit_rate"] / max(at["belady"]["token_hit_rate"], 1e-12)
+        out[f"{key[0]}@{key[1]:g}"] = entry
+    return out
+
+
+def plot(rows: list[dict], out: Path, card: dict | None = None) -> list[Path]:
+    """Hit rate and mean TTFT against capacity, one line per policy and one figure per
+    trace; the training curve of ``card`` if given. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for trace in sorted({r["trace"] for r in rows}):
+        fig, (hit_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4))
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            mine = sorted((r for r in rows if r["trace"] == trace and r["policy"] == policy), key=lambda r: r["capacity_fraction"])
+            xs = [100 * r["capacity_fraction"] for r in mine]
+            hit_ax.plot(xs, [r["token_hit_rate"] for r in mine], marker="o", label=policy)
+            ttft_ax.plot(xs, [r["mean_ttft_ms"] for r in mine], marker="o", label=policy)
+        hit_ax.set(xlabel="device + host capacity (% of unique pages)", ylabel="token hit rate", title=trace)
+        ttft_ax.set(xlabel="device + host capacity (% of unique pages)", ylabel="mean TTFT (ms, modeled)", title=trace)
+        hit_ax.legend()
+        fig.tight_layout()
+        path = out / f"{trace.replace('@', '_at_')}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    curve = (card or {}).get("training", {}).get("curve")
+    if curve:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([c["timesteps"] for c in curve], [c["mean_reward"] for c in curve])
+        ax.set(xlabel="timesteps", ylabel="mean reward per rollout (-regret, page prefills)", title=f"training: {card.get('name')}")
+        fig.tight_layout()
+        path = out / "training_curve.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_report(out: Path, rows: list[dict], summary: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "eval.json"
+    path.write_text(json.dumps({"goals": summary, "rows": rows}, indent=2) + "\n")
+    return path

@@ -1,0 +1,179 @@
+"""Trace replay on the Ray runtime: what ``kvray run`` and ``kvray demo`` do.
+
+Requests of a trace (:func:`kvray.traces.read_trace`) go in order, round-robin, to one
+:class:`~kvray.apps.replay_engine.ReplayEngine` per node, so a conversation's next turn often
+lands on another node and its prefix must come from there (or be recomputed). Each
+engine measures its own time to first token: lookup + pin, loading the hit pages with
+their real bytes, and computing the missed tokens (a calibrated matmul, see
+:mod:`~kvray.apps.prefill`). Page keys come from the trace's block ids; only full
+512-token pages get keys (a partial last block is recomputed, as in vLLM).
+
+``bytes_moved`` counts page bytes moved between tiers inside the nodes plus page bytes
+moved between nodes. A node that disappears mid-replay costs the requests routed to it a
+retry on another engine and its pages become misses; a page whose bytes are wrong is
+counted in ``wrong_pages`` (``kvray run`` fails if any is).
+
+Example::
+
+    result = run_replay("data/traces/conversation_trace_first30min.jsonl", ReplaySettings(limit=200, nodes=2))
+    print(result.as_dict()["token_hit_rate"])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+from pydantic import Field, model_validator
+
+from kvray.cluster.config import RuntimeConfig
+from kvray.apps.replay_engine import ReplayEngineActor
+from kvray.cluster.runtime import RayConnection, Runtime, alive_nodes, on_node
+from kvray.core.config import _Frozen, read_yaml, validate
+from kvray.core.errors import ClusterError
+from kvray.progress import progress_bar
+from kvray.sim.cost import Scenario
+from kvray.report import ReplayResult, ReplayTally
+from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
+
+ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+class ReplaySettings(_Frozen):
+    """A replay's shape: the runtime, the nodes, the prefill cost, how much of the trace.
+
+    A ``--scenario`` YAML file holds these fields (``runtime`` nested) or is a simulator
+    scenario (:func:`settings_of_sim_scenario`); the CLI's options override them.
+    """
+
+    name: str = "default"
+    nodes: int = Field(default=1, ge=1, le=16)
+    runtime: RuntimeConfig = RuntimeConfig()
+    prefill_us_per_token: float = Field(default=5.0, ge=0)
+    limit: int | None = Field(default=None, gt=0)
+    object_store_mb: int = Field(default=150, ge=80)
+
+    @model_validator(mode="after")
+    def _pages_are_trace_blocks(self) -> ReplaySettings:
+        if self.runtime.layout.page_tokens != MOONCAKE_BLOCK_TOKENS:
+            raise ValueError(
+                f"runtime.layout.page_tokens must be {MOONCAKE_BLOCK_TOKENS}: one page per trace block"
+            )
+        return self
+
+
+def settings_of_sim_scenario(scenario: Scenario) -> dict:
+    """What a ``kvray sim`` scenario (e.g. from ``kvray calibrate``) means for ``kvray run``:
+    one node with the scenario's page layout and device/host/disk sizes, prefill at its
+    ``prefill_us_per_token``. Replaying one trace both ways then compares the simulator with
+    the runtime (docs/sim-eval/README.md); the runtime's stand-in prefill has no fixed cost
+    and serves requests back to back, so a comparison scenario sets ``prefill_overhead_ms: 0``
+    and enough ``servers`` that no request queues. A ``remote`` tier has no meaning on one node.
+    """
+    tiers = {name: spec.capacity_pages for name, spec in scenario.tiers.items() if name != "remote"}
+    base = ReplaySettings().model_dump()
+    base["runtime"] |= {"layout": scenario.layout.model_dump(), "tiers": tiers}
+    return base | {"name": scenario.name, "nodes": 1, "prefill_us_per_token": scenario.compute.prefill_us_per_token}
+
+
+def settings_from(scenario: str | Path | None, runtime: dict, tiers: dict, replay: dict) -> ReplaySettings:
+    """A scenario file's settings (or the defaults) with the given options laid over them.
+
+    The file holds replay settings or a simulator scenario (see :func:`settings_of_sim_scenario`).
+    ``None`` values leave the scenario's value; the result is validated once, and errors
+    name the scenario file.
+    """
+    if scenario is None:
+        base = ReplaySettings().model_dump()
+    elif isinstance(data := read_yaml(scenario), dict) and "compute" in data:  # a simulator scenario
+        base = settings_of_sim_scenario(validate(Scenario, data, source=str(scenario)))
+    else:
+        base = validate(ReplaySettings, data, source=str(scenario)).model_dump()
+    base["runtime"]["tiers"].update({k: v for k, v in tiers.items() if v is not None})
+    base["runtime"].update({k: v for k, v in runtime.items() if v is not None})
+    base.update({k: v for k, v in replay.items() if v is not None})
+    return validate(ReplaySettings, base, source=str(scenario or "kvray run options"))
+
+
+class Replay:
+    """Engines on every store node of a started runtime, and the loop that feeds them."""
+
+    def __init__(self, runtime: Runtime, settings: ReplaySettings) -> None:
+        self.runtime = runtime
+        self.settings = settings
+        self.engines = {
+            node: ReplayEngineActor.options(num_cpus=0, scheduling_strategy=on_node(node)).remote(
+                runtime.config.name, settings.prefill_us_per_token
+            )
+            for node in runtime.stores
+        }
+        ray.get([e.node_id.remote() for e in self.engines.values()])
+
+    def run(self, trace: list[TraceRequest], progress: bool = True,
+            on_request: Callable[[int], None] | None = None) -> ReplayResult:
+        """Replay ``trace``; ``on_request(i)`` runs before request ``i`` (fault injection)."""
+        policy = self.runtime.config.policy
+        tally = ReplayTally(self.settings.runtime.layout.page_tokens)
+        wrong_pages, lost_nodes = 0, []
+        with progress_bar(len(trace), f"replay {policy}", enabled=progress) as tick:
+            for i, request in enumerate(trace):
+                if on_request is not None:
+                    on_request(i)
+                outcome = self._serve(i, request, lost_nodes)
+                tally.add(outcome["tokens"], outcome["hit_tokens_by_tier"], outcome["ttft_s"] * 1e3)
+                wrong_pages += outcome["wrong_pages"]
+                if tick:
+                    tick(i)
+        stats = self.runtime.store_stats()
+        cluster = ray.get(self.runtime.controller.snapshot.remote())
+        bytes_moved = sum(s["bytes_moved"] for s in stats.values()) + cluster["bytes_between_nodes"]
+        return tally.result(policy, self.settings.name, bytes_moved, wrong_pages=wrong_pages, lost_nodes=lost_nodes)
+
+    def _serve(self, i: int, request: TraceRequest, lost_nodes: list[str]) -> dict:
+        while self.engines:
+            nodes = list(self.engines)
+            node = nodes[i % len(nodes)]
+            try:
+                return ray.get(self.engines[node].serve.remote(list(request.hash_ids), request.input_length))
+            except ENGINE_ERRORS:
+                self._lose_node(node, lost_nodes)
+        raise ClusterError("every replay engine is gone: no node left to serve requests")
+
+    def _lose_node(self, node: str, lost_nodes: list[str]) -> None:
+        """A node's engine died: drop the node's locations and let the others re-route."""
+        self.engines.pop(node)
+        lost_nodes.append(node)
+        self.runtime.node_lost(node)
+        for gone in set(self.runtime.stores) - set(alive_nodes()):
+            self.runtime.node_lost(gone)
+        ray.get([e.refresh.remote() for e in self.engines.values()])
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            try:
+                ray.get(engine.close.remote(), timeout=30)
+            except (*ENGINE_ERRORS, TimeoutError):
+                pass  # died with its node; its buffer went with it
+            ray.kill(engine)
+
+
+def replay_on_runtime(trace: list[TraceRequest], settings: ReplaySettings, progress: bool = True) -> ReplayResult:
+    """Start a runtime on the connected Ray, replay ``trace`` on it, and tear it down."""
+    runtime = Runtime.start(settings.runtime)
+    replay = None
+    try:
+        replay = Replay(runtime, settings)
+        return replay.run(trace, progress=progress)
+    finally:
+        if replay is not None:
+            replay.close()
+        runtime.close()
+
+
+def run_replay(trace_path: str | Path, settings: ReplaySettings, address: str | None = None,
+               progress: bool = True) -> ReplayResult:
+    """``kvray run``: read the trace, connect to (or start) Ray, replay, report."""
+    trace = read_trace(trace_path, limit=settings.limit)
+    with RayConnection(address=address, nodes=settings.nodes, object_store_mb=settings.object_store_mb):
+        return replay_on_runtime(trace, settings, progress=progress)

@@ -1,0 +1,47 @@
+"""``kvray status``: the metrics of a running kvray runtime, read through its controller.
+
+The same figures are exported to Prometheus by the actors (:mod:`kvray.cluster.metrics`);
+this reads them directly so a user needs no scraper to look.
+"""
+
+from __future__ import annotations
+
+import ray
+from rich.console import Console
+from rich.table import Table
+
+from kvray.cluster.config import NAMESPACE, controller_name
+from kvray.core.errors import ClusterError
+
+
+def fetch_status(address: str | None, name: str) -> dict:
+    ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
+    try:
+        try:
+            controller = ray.get_actor(controller_name(name), namespace=NAMESPACE)
+        except ValueError:
+            raise ClusterError(f"no kvray runtime named {name!r} is running on this Ray cluster") from None
+        return ray.get(controller.status.remote(), timeout=60)
+    finally:
+        ray.shutdown()
+
+
+def print_status(snapshot: dict, console: Console) -> None:
+    c = snapshot["cluster"]
+    hits = ", ".join(f"{t} {n}" for t, n in sorted(c["hit_pages_by_tier"].items())) or "-"
+    console.print(
+        f"nodes {len(c['nodes'])}  indexed pages {c['indexed_pages']}  page hit rate {c['page_hit_rate']:.3f}  "
+        f"hits per tier: {hits}  bytes between nodes {c['bytes_between_nodes']}  lost pages {c['lost_pages']}"
+    )
+    table = Table(title="kvray stores")
+    for col in ("node", "tier", "used / capacity", "occupancy", "fragmentation", "load p99 ms", "bytes moved"):
+        table.add_column(col)
+    for node, stats in snapshot["stores"].items():
+        if "error" in stats:
+            table.add_row(node[:12], "-", stats["error"], "", "", "", "")
+            continue
+        p99 = stats["swap_latency"].get("load", {}).get("p99_s", 0.0) * 1e3
+        for tier, occ in stats["tiers"].items():
+            table.add_row(node[:12], tier, f"{occ['used']} / {occ['capacity']}", f"{occ['occupancy']:.2f}",
+                          f"{occ['fragmentation']:.2f}", f"{p99:.2f}", str(stats["bytes_moved"]))
+    console.print(table)

@@ -1,0 +1,87 @@
+"""Benchmarks of the simulator and the learned policy.
+
+- ``sim_replay_speed``: requests/s replaying a Mooncake trace slice through the real
+  CacheManager (three tiers, cost model, LRU) against a plain OrderedDict LRU prefix
+  cache replaying the same slice (one tier, no cost model): what the faithfulness to the
+  runtime costs.
+- ``rl_policy_decision``: microseconds per decision of the trained policy (its scorer on a
+  batch of decisions; and one whole ``victim`` call, rows built from the index) against
+  one ``victim`` call of LRU in the same cache state.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from kvray.bench import BenchResult, benchmark, paired_medians
+from kvray.policy import make_policy
+from kvray.policy.rl import DEFAULT_POLICY, decision_time_us, load_scorer
+from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+from kvray.sim.simulator import Simulator, fast_capacity
+from kvray.core.tiers import Tier
+from kvray.traces import read_trace
+
+TRACE = "data/traces/conversation_trace_first30min.jsonl"
+
+
+def _dict_lru_replay(requests, capacity: int) -> int:
+    """The baseline: longest cached prefix in an OrderedDict, then insert all blocks."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for request in requests:
+        ids = request.hash_ids
+        n = 0
+        while n < len(ids) and ids[n] in cache:
+            n += 1
+        hits += n
+        for h in reversed(ids[:n]):
+            cache.move_to_end(h)
+        for h in ids[n:]:
+            cache[h] = None
+            if len(cache) > capacity:
+                cache.popitem(last=False)
+    return hits
+
+
+@benchmark("sim_replay_speed")
+def sim_replay_speed(quick: bool) -> list[BenchResult]:
+    requests = read_trace(TRACE, limit=500 if quick else 2000)
+    scenario = load_scenario(DEFAULT_SCENARIO)
+    capacities = fast_capacity(scenario, requests, fraction=0.05)
+    pages = sum(capacities.values())
+    sim_s, dict_s = paired_medians(
+        lambda: Simulator(scenario, make_policy("lru"), capacities).replay(requests),
+        lambda: _dict_lru_replay(requests, pages),
+        repeats=1 if quick else 3,
+        warmup=0,
+    )
+    return [BenchResult("sim_replay_speed[lru,3 tiers vs dict LRU]", kvray=len(requests) / sim_s,
+                        baseline=len(requests) / dict_s, unit="requests/s",
+                        params={"requests": len(requests), "pages": pages})]
+
+
+@benchmark("rl_policy_decision")
+def rl_policy_decision(quick: bool) -> list[BenchResult]:
+    scenario = load_scenario(DEFAULT_SCENARIO)
+    requests = read_trace(TRACE, limit=300)
+    capacities = fast_capacity(scenario, requests, fraction=0.05)
+    sims = {name: Simulator(scenario, make_policy(name), capacities) for name in ("lru", "rl")}
+    for sim in sims.values():
+        sim.replay(requests)  # a full, warm cache
+    calls = 2000 if quick else 20000
+
+    def victims(policy) -> None:
+        for _ in range(calls):
+            policy.victim(Tier.HOST)
+
+    rl_us, lru_us = paired_medians(lambda: victims(sims["rl"].policy), lambda: victims(sims["lru"].policy), repeats=3)
+    rl_us, lru_us = rl_us / calls * 1e6, lru_us / calls * 1e6
+    scorer, _ = load_scorer(DEFAULT_POLICY)
+    batched = float(np.median([decision_time_us(scorer, decisions=1024, repeats=10) for _ in range(3)]))
+    return [
+        BenchResult("rl_policy_decision[batched scorer vs lru victim]", kvray=batched, baseline=lru_us, unit="us/decision",
+                    params={"goal_us": 5.0, "decisions_per_batch": 1024}),
+        BenchResult("rl_policy_decision[victim call vs lru victim]", kvray=rl_us, baseline=lru_us, unit="us/decision"),
+    ]

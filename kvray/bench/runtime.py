@@ -1,0 +1,246 @@
+"""Benchmarks of the Ray runtime on two local Ray nodes (separate raylets, object stores).
+
+- ``same_node_load_vs_memcpy``: an engine (this process) loading a request's pages from its
+  node's host tier through the client API (lookup answered from the mapped slot directory,
+  the engine copying the pages out of the mapped host tier, release sent without waiting),
+  against ``numpy.copyto`` of the same bytes. The ``via_store_actor`` row is the same load
+  with mapped reads off: controller lookup + pin, the store actor copying verified pages
+  into the engine's shared-memory buffer, release.
+- ``cross_node_transfer_vs_loopback_tcp``: moving a request's pages from the other node
+  into this engine's buffer (the load alone, under one lookup's pins; the lookup is
+  ``controller_lookup_vs_empty_call``), by each path (direct TCP to the peer's page server,
+  Ray's object store, the collective path over gloo), against a raw TCP socket on loopback
+  moving the same bytes in this run. The goal applies to the path kvray picks by default
+  (``RuntimeConfig``: TCP when on, else collective from ``collective_min_bytes`` up, else
+  object store).
+- ``controller_lookup_vs_empty_call``: lookup + pin of a cached 64-page request against an
+  empty call to an actor on the same node.
+- ``controller_memory_per_page``: the controller's index bytes per indexed page (budget 200),
+  beside a plain ``dict`` of key -> (node, tier) measured the same way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import socket
+import sys
+import threading
+
+import numpy as np
+import ray
+
+from kvray.bench import BenchResult, alternating_medians, benchmark, paired_medians
+from kvray.cluster import KvrayClient, RayConnection, Runtime, RuntimeConfig
+from kvray.cluster.controller import Controller, Plan
+from kvray.cluster.runtime import on_node
+from kvray.core.config import PageLayout, TierSizes
+
+# Llama-3-8B-like pages (8 KV heads x 128, bf16, 128 tokens, 4 layers): 2 MiB each.
+LAYOUT = PageLayout(layers=4, kv_heads=8, head_dim=128, page_tokens=128, dtype="bfloat16")
+REQUEST_PAGES = 32  # 64 MiB
+SIZES = {"2MiB": 1, "64MiB": 32}
+
+
+class _Bench:
+    """Two local nodes, a runtime, and a client in this process (on the head node)."""
+
+    _instance: _Bench | None = None
+
+    def __init__(self) -> None:
+        self.connection = None
+        if not ray.is_initialized():
+            self.connection = RayConnection(nodes=2, object_store_mb=400).__enter__()
+        self.config = RuntimeConfig(name="bench", layout=LAYOUT, tiers=TierSizes(host=2 * REQUEST_PAGES + 8),
+                                    local_pages_limit=1 << 20)
+        self.runtime = Runtime.start(self.config)
+        self.client = KvrayClient.connect("bench", buffer_pages=REQUEST_PAGES)
+        self.here = self.client.node_id
+        self.there = next(n for n in self.runtime.stores if n != self.here)
+        self.requests = {node: self._cached_request(node, seed) for seed, node in enumerate((self.here, self.there))}
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls) -> _Bench:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def _cached_request(self, node: str, seed: int) -> list[int]:
+        keys = self.client.keys_for_trace(list(range(seed * 1000, seed * 1000 + REQUEST_PAGES)))
+        self.client.buffer.pages[:] = np.random.default_rng(seed).integers(0, 256, self.client.buffer.pages.shape, dtype=np.uint8)
+        self.client.store(keys, 0, Plan(0, [], [node] * REQUEST_PAGES))
+        ray.get(self.runtime.controller.snapshot.remote())  # the commit has landed
+        return keys
+
+    def use_path(self, path: str) -> None:
+        """Force cross-node pages onto ``path`` (tcp, collective or object_store)."""
+        self.client.config = self.config.model_copy(
+            update={"tcp": path == "tcp", "collective_min_bytes": 0 if path == "collective" else 1 << 40}
+        )
+
+    def load(self, keys: list[int], mapped_reads: bool = True) -> None:
+        """What an engine does on a hit: lookup (+ pin), load, release."""
+        self.client.mapped_reads = mapped_reads
+        plan = self.client.lookup(keys)
+        loaded = self.client.load(keys, plan)
+        self.client.release(plan, loaded)
+        assert loaded.pages == len(keys), loaded
+
+    def transfer(self, keys: list[int], plan: Plan) -> None:
+        """The move alone: load the pages of a plan already pinned."""
+        loaded = self.client.load(keys, plan)
+        assert loaded.pages == len(keys), loaded
+
+    def close(self) -> None:
+        self.client.close()
+        self.runtime.close()
+        if self.connection is not None:
+            self.connection.__exit__(None, None, None)
+
+
+class _LoopbackTCP:
+    """One persistent TCP connection on 127.0.0.1; ``move(n)`` sends n bytes across it."""
+
+    def __init__(self, nbytes: int) -> None:
+        server = socket.create_server(("127.0.0.1", 0))
+        self.tx = socket.create_connection(server.getsockname())
+        self.rx, _ = server.accept()
+        server.close()
+        self.src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        self.dst = np.empty(nbytes, dtype=np.uint8)
+
+    def move(self) -> None:
+        sender = threading.Thread(target=self.tx.sendall, args=(memoryview(self.src),))
+        sender.start()
+        view, got = memoryview(self.dst), 0
+        while got < len(view):
+            got += self.rx.recv_into(view[got:])
+        sender.join()
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+@benchmark("same_node_load_vs_memcpy")
+def same_node_load(quick: bool) -> list[BenchResult]:
+    bench = _Bench.get()
+    keys = bench.requests[bench.here]
+    nbytes = len(keys) * LAYOUT.page_nbytes
+    src = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    params = {"pages": len(keys), "page_bytes": LAYOUT.page_nbytes, "checksum_memory": bench.config.checksum_memory}
+    mapped, via_actor, base = alternating_medians(
+        lambda: bench.load(keys, True), lambda: bench.load(keys, False), lambda: np.copyto(dst, src),
+        repeats=7 if quick else 21,
+    )
+    bench.client.mapped_reads = True
+    return [
+        BenchResult("same_node_load_vs_memcpy[64MiB]", _gbps(nbytes, mapped), _gbps(nbytes, base), "GB/s", ">= 0.8", params),
+        BenchResult("same_node_load_via_store_actor_vs_memcpy[64MiB]", _gbps(nbytes, via_actor), _gbps(nbytes, base), "GB/s",
+                    None, params),
+    ]
+
+
+@benchmark("cross_node_transfer_vs_loopback_tcp")
+def cross_node(quick: bool) -> list[BenchResult]:
+    bench = _Bench.get()
+    results = []
+    for label, pages in SIZES.items():
+        keys = bench.requests[bench.there][:pages]
+        nbytes = pages * LAYOUT.page_nbytes
+        tcp = _LoopbackTCP(nbytes)
+        plan = bench.client.lookup(keys)  # pinned for the whole measurement: every load is a full hit
+        for path in ("tcp", "object_store", "collective"):
+            bench.use_path(path)
+            kvray, base = paired_medians(lambda: bench.transfer(keys, plan), tcp.move, 5 if quick else 15)
+            picked = path == bench.client.path_for(bench.there, nbytes, bench.config)
+            results.append(BenchResult(
+                f"cross_node_transfer_vs_loopback_tcp[{path},{label}]", _gbps(nbytes, kvray), _gbps(nbytes, base), "GB/s",
+                ">= 0.5" if picked else None, {"picked_by_kvray": picked, "pages": pages},
+            ))
+        bench.client.release(plan, bench.client.load(keys, plan))
+        tcp.close()
+    return results
+
+
+@benchmark("cross_node_store_vs_loopback_tcp")
+def cross_node_store(quick: bool) -> list[BenchResult]:
+    """Storing a run of new pages on the other node (``client.store`` with a plan placing
+    them there; each round new keys, so every round really writes and evicts) by direct TCP
+    and by the object store, against raw loopback TCP moving the same bytes."""
+    bench = _Bench.get()
+    rounds = itertools.count(10_000, REQUEST_PAGES)
+    results = []
+    for label, pages in SIZES.items():
+        nbytes = pages * LAYOUT.page_nbytes
+        tcp = _LoopbackTCP(nbytes)
+
+        def store() -> None:
+            first = next(rounds)
+            keys = bench.client.keys_for_trace(list(range(first, first + pages)))
+            assert bench.client.store(keys, 0, Plan(0, [], [bench.there] * pages)) == pages
+
+        for path in ("tcp", "object_store"):
+            bench.use_path(path)
+            # Steady state: every slot of the receiving host tier written once, so no round
+            # pays the first-touch page faults of fresh shared memory (~1-2 ms per 2 MiB).
+            for _ in range(-(-bench.config.tiers.host // pages)):
+                store()
+            kvray, base = paired_medians(store, tcp.move, 5 if quick else 15)
+            results.append(BenchResult(
+                f"cross_node_store_vs_loopback_tcp[{path},{label}]", _gbps(nbytes, kvray), _gbps(nbytes, base), "GB/s",
+                None, {"picked_by_kvray": path == "tcp", "pages": pages},
+            ))
+        tcp.close()
+    bench.use_path("tcp")
+    return results
+
+
+@ray.remote(num_cpus=0)
+class _Empty:
+    def call(self) -> None:
+        return None
+
+
+@benchmark("controller_lookup_vs_empty_call")
+def controller_lookup(quick: bool) -> list[BenchResult]:
+    bench = _Bench.get()
+    keys = bench.requests[bench.here]
+    request = keys + bench.client.keys_for_trace(list(range(5000, 5000 + 64 - len(keys))))  # 64 pages, 32 cached
+    empty = _Empty.options(scheduling_strategy=on_node(bench.here)).remote()
+    controller = bench.runtime.controller
+
+    def lookup() -> None:
+        plan = ray.get(controller.lookup_pin.remote(request, bench.here))
+        controller.release.remote(plan.lease, {}, {})
+
+    kvray, base = paired_medians(lookup, lambda: ray.get(empty.call.remote()), 50 if quick else 200, warmup=5)
+    ray.kill(empty)
+    return [BenchResult("controller_lookup_vs_empty_call[64 pages]", kvray * 1e6, base * 1e6, "us", "<= 1.5",
+                        {"pages": 64, "cached": len(keys)})]
+
+
+@benchmark("controller_memory_per_page")
+def controller_memory(quick: bool) -> list[BenchResult]:
+    """In-process: the controller's index is plain Python; no Ray needed to weigh it."""
+    pages = 50_000 if quick else 200_000
+    controller = Controller(RuntimeConfig(name="weigh"))
+    nodes = [f"{i:056x}" for i in range(4)]
+    for node in nodes:
+        controller.register_store(node, None)
+    keys = np.random.default_rng(0).integers(0, 2**63, pages, dtype=np.int64).tolist()
+    keys = [k << 64 | k for k in keys]  # 128-bit keys, like page_keys
+    for start in range(0, pages, 64):
+        chain = keys[start : start + 64]
+        controller.commit(None, chain, [nodes[(start // 64) % 4]] * len(chain), 0, {})
+    per_page = controller.index.memory_bytes() / len(controller.index)
+    plain = {k: (i % 4, 1) for i, k in enumerate(keys)}
+    plain_bytes = sys.getsizeof(plain) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in plain.items())
+    return [BenchResult("controller_memory_per_page_vs_dict", per_page, plain_bytes / pages, "bytes", None,
+                        {"pages": pages, "budget_bytes": 200, "within_budget": per_page <= 200})]

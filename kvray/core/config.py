@@ -1,0 +1,130 @@
+"""Validated configuration: page layout, tier sizes, store settings.
+
+Everything a user or a file hands kvray is checked here once, by pydantic, and trusted
+afterwards. Invalid values raise :class:`kvray.core.errors.ConfigError` naming the field.
+
+Example::
+
+    from kvray.core.config import PageLayout, StoreConfig
+    layout = PageLayout(layers=32, kv_heads=8, head_dim=128, page_tokens=256, dtype="bfloat16")
+    layout.page_nbytes                 # 32 MiB: one page holds K and V for all layers
+    cfg = StoreConfig(layout=layout, host_pages=128, disk_pages=4096, disk_dir="/tmp/kv")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvray.core.errors import ConfigError
+
+DType = Literal["float32", "float16", "bfloat16"]
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PageLayout(_Frozen):
+    """Shape of one KV page: ``layers x {K,V} x page_tokens x kv_heads x head_dim``.
+
+    One page is one contiguous buffer so that it moves between tiers and nodes as a
+    single copy. ``page_tokens`` plays the role of vLLM's block size / LMCache's chunk.
+    """
+
+    layers: int = Field(gt=0, le=1024)
+    kv_heads: int = Field(gt=0, le=1024)
+    head_dim: int = Field(gt=0, le=4096)
+    page_tokens: int = Field(gt=0, le=65536)
+    dtype: DType = "float16"
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.page_tokens, self.kv_heads, self.head_dim)
+
+    def request_shape(self, tokens: int) -> tuple[int, int, int, int, int]:
+        """Shape of the KV of ``tokens`` consecutive tokens, as :class:`PageStore` takes it."""
+        return (self.layers, 2, tokens, self.kv_heads, self.head_dim)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.layers * 2 * self.page_tokens * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+class TierSizes(_Frozen):
+    """Capacity of each local tier, in pages. A tier of 0 pages is absent."""
+
+    device: int = Field(default=0, ge=0)
+    host: int = Field(default=0, ge=0)
+    disk: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _some_capacity(self) -> TierSizes:
+        if self.device + self.host + self.disk == 0:
+            raise ValueError("every tier has 0 pages: give device, host or disk a capacity")
+        return self
+
+
+class StoreConfig(_Frozen):
+    """Settings of one in-process :class:`kvray.core.store.PageStore`.
+
+    ``model_name`` and ``layout`` form the model fingerprint that every page key carries,
+    so two models never share pages. Disk pages are always hashed and verified;
+    ``checksum_memory`` hashes pages in the memory tiers as well and verifies every read
+    of them (a full extra pass over each page: guards against memory corruption at a
+    cost of about a quarter of host-tier bandwidth). Off, a memory page gets its
+    checksum when it is demoted to disk.
+    """
+
+    layout: PageLayout
+    model_name: str = Field(default="model", min_length=1, max_length=256)
+    tiers: TierSizes = TierSizes(host=1024)
+    disk_dir: Path | None = None
+    disk_fsync: bool = False
+    policy: str = "lru"
+    max_request_tokens: int = Field(default=1 << 20, gt=0)
+    checksum_memory: bool = False
+    host_shared_memory: str | None = None
+
+    @model_validator(mode="after")
+    def _disk_needs_dir(self) -> StoreConfig:
+        if self.tiers.disk > 0 and self.disk_dir is None:
+            raise ValueError("tiers.disk > 0 needs disk_dir")
+        return self
+
+
+def validate(model: type[BaseModel], data: Any, source: str = "config") -> Any:
+    """Build ``model`` from ``data``; raise ConfigError naming ``source`` and the bad fields."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"{source}: invalid {model.__name__}: {problems}") from None
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Parse a YAML file; unreadable, non-UTF-8 or malformed files raise ConfigError naming it."""
+    path = Path(path)
+    try:
+        return yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+
+
+def load_yaml(path: str | Path, model: type[BaseModel]) -> Any:
+    """Read a YAML file and validate it as ``model``; errors name the file and the field."""
+    return validate(model, read_yaml(path), source=str(path))

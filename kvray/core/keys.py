@@ -1,0 +1,101 @@
+"""Chained page keys.
+
+Key i of a request is ``H(key i-1 || tokens of page i)``, starting from a seed key that
+hashes the model fingerprint and the tenant salt. A key therefore names the *whole* token
+prefix up to the end of its page, for one model and one tenant: equal keys mean equal KV,
+which is what lets the index answer longest-prefix questions with plain key lookups and
+what keeps tenants and models apart. H is xxh3-128 (fast, non-cryptographic; 128 bits
+make accidental collisions negligible at any realistic cache size).
+
+Only full pages get keys: the KV of a partial last page is recomputed, as in vLLM.
+
+Example::
+
+    fp = ModelFingerprint.of(layout, "llama-3-8b")
+    keys = page_keys(token_ids, fp, salt="tenant-a")   # one int per full page
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvray.core.config import PageLayout
+from kvray.core.errors import RequestError
+
+TOKEN_DTYPE = np.dtype("<i4")
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What a page's KV depends on besides the tokens: model identity and page layout."""
+
+    digest: bytes
+    page_tokens: int
+
+    @classmethod
+    def of(cls, layout: PageLayout, model_name: str) -> ModelFingerprint:
+        text = f"{model_name}|{layout.model_dump_json()}"
+        return cls(digest=xxhash.xxh3_128_digest(text.encode()), page_tokens=layout.page_tokens)
+
+    def seed_key(self, salt: str = "") -> bytes:
+        """Key "-1" of every chain: binds the fingerprint and the tenant salt."""
+        return xxhash.xxh3_128_digest(self.digest + b"|salt|" + salt.encode())
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+
+def as_token_array(tokens: Sequence[int] | np.ndarray, max_tokens: int | None = None) -> np.ndarray:
+    """Validate token ids and return them as a contiguous int32 array."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise RequestError(f"token ids must be a flat sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        raise RequestError("empty request: no token ids given")
+    if max_tokens is not None and arr.size > max_tokens:
+        raise RequestError(f"request of {arr.size} tokens exceeds max_request_tokens={max_tokens}")
+    if arr.dtype.kind not in "iu":
+        raise RequestError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.min() < 0 or arr.max() > np.iinfo(TOKEN_DTYPE).max:
+        raise RequestError("token ids must lie in [0, 2**31)")
+    return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
+
+
+def page_keys(
+    tokens: Sequence[int] | np.ndarray,
+    fingerprint: ModelFingerprint,
+    salt: str = "",
+    max_tokens: int | None = None,
+) -> list[int]:
+    """Keys of the full pages of ``tokens``, chained from the fingerprint and salt."""
+    arr = as_token_array(tokens, max_tokens)
+    page = fingerprint.page_tokens
+    data = memoryview(arr.data).cast("B")
+    step = page * TOKEN_DTYPE.itemsize
+    prev = fingerprint.seed_key(salt)
+    keys: list[int] = []
+    digest, to_int = xxhash.xxh3_128_digest, int.from_bytes
+    for start in range(0, (arr.size // page) * step, step):
+        prev = digest(prev + data[start : start + step])
+        keys.append(to_int(prev, "little"))
+    return keys
+
+
+KEY_BYTES = 16  # a page key is an xxh3-128 digest
+
+
+def pack_keys(keys: Sequence[int]) -> bytes:
+    """Keys as one bytes object, 16 little-endian bytes each: what a fire-and-forget Ray call
+    carries for a few microseconds, where a list of 128-bit ints is pickled int by int."""
+    return b"".join(key.to_bytes(KEY_BYTES, "little") for key in keys)
+
+
+def unpack_keys(packed: bytes) -> list[int]:
+    if len(packed) % KEY_BYTES:
+        raise RequestError(f"packed keys of {len(packed)} bytes: not a multiple of {KEY_BYTES}")
+    return [int.from_bytes(packed[i : i + KEY_BYTES], "little") for i in range(0, len(packed), KEY_BYTES)]

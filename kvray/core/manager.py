@@ -1,0 +1,268 @@
+"""Cache manager: the control plane of one cache, with no page bytes in it.
+
+Verbs (the shape of vLLM's offloading manager):
+
+- ``lookup(keys)``: the longest cached prefix, with each page's tier, slot and checksum.
+- ``pin`` / ``unpin``: protect pages being read; a pinned page is never evicted or moved.
+- ``keep`` / ``release``: a lighter guard for pages that must not be *dropped* while a
+  store or move builds on them; they may still be demoted.
+- ``touch(handles)``: record a hit (heat, recency) and tell the policy.
+- ``reserve(tier, mover)``: a free slot in ``tier``, evicting by the policy if needed.
+  Eviction demotes the victim to the tier the policy names, as a two-phase move
+  (:meth:`relocate`), or drops it.
+- ``complete_store`` / ``abort_store``: publish a page written into a reserved slot, or
+  give the slot back. A page is published under its parent (the previous page of its
+  request), which keeps the index prefix-closed; ``drop`` removes a page's descendants
+  with it.
+- ``relocate(handle, tier, mover)``: reserve at the destination, let ``mover`` copy and
+  verify, then publish the new location and only then free the source. If the copy
+  fails the page stays where it was.
+
+The data plane supplies ``mover(handle, src_tier, src_slot, dst_tier, dst_slot)``: the
+:class:`~kvray.core.store.PageStore` copies bytes, the simulator adds modeled time. Both run the
+same manager, index, slot accounting and policy (docs/design.md, "One policy, two worlds").
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvray.core.errors import KvrayError
+from kvray.core.index import ROOT, PrefixIndex
+from kvray.core.metrics import CacheMetrics
+from kvray.policy.base import PageContext, PlacementPolicy
+from kvray.core.tiers import SlotAllocator, Tier
+
+Mover = Callable[[int, Tier, int, Tier, int], int | None]  # returns a checksum it computed, if any
+
+
+@dataclass(frozen=True)
+class Match:
+    """The cached prefix of a request: one entry per page, root first."""
+
+    handles: np.ndarray
+    tiers: np.ndarray
+    slots: np.ndarray
+    checksums: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+
+class CacheManager:
+    """Index + slot accounting + placement policy for a set of tiers.
+
+    Example::
+
+        from kvray.core.index import ROOT
+        manager = CacheManager({Tier.HOST: 2, Tier.DISK: 8}, LRUPolicy())
+        slot = manager.reserve(Tier.HOST, mover=lambda *move: None)
+        manager.complete_store(key=1, tier=Tier.HOST, slot=slot, checksum=0, parent=ROOT)
+        manager.lookup([1, 2]).tiers        # array([1]): page 1 is on the host tier
+    """
+
+    def __init__(
+        self,
+        capacities: Mapping[Tier, int],
+        policy: PlacementPolicy,
+        page_nbytes: int = 0,
+        used_slots: Mapping[Tier, Sequence[int]] | None = None,
+    ) -> None:
+        used_slots = used_slots or {}
+        self.capacities = {Tier(t): c for t, c in capacities.items() if c > 0}
+        self.slots = {t: SlotAllocator.with_used(c, list(used_slots.get(t, []))) for t, c in self.capacities.items()}
+        self.index = PrefixIndex()
+        self.policy = policy
+        self.policy.bind(self.index, self.capacities)
+        self.metrics = CacheMetrics(page_nbytes=page_nbytes)
+        self.slot_freed: Callable[[Tier, int], None] = lambda tier, slot: None
+        # a page was published in a slot: (key, tier, slot, checksum); the slot's bytes are complete
+        self.page_placed: Callable[[int, Tier, int, int], None] = lambda key, tier, slot, checksum: None
+        self.page_dropped: Callable[[int], None] = lambda key: None  # a key left this cache
+        self._kept: Counter[int] = Counter()
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return sorted(self.capacities)
+
+    # -- reads ---------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[int], count: bool = True) -> Match:
+        handles = self.index.lookup(keys)
+        match = Match(
+            handles,
+            self.index.tier[handles].copy(),
+            self.index.slot[handles].copy(),
+            self.index.checksum[handles].copy(),
+        )
+        if count:
+            self.metrics.lookups += 1
+            self.metrics.lookup_pages += len(keys)
+            for tier, n in zip(*np.unique(match.tiers, return_counts=True)):
+                self.metrics.hit_pages[Tier(int(tier)).label] += int(n)
+        return match
+
+    def pin(self, handles: np.ndarray) -> None:
+        self.index.pin(handles)
+
+    def unpin(self, handles: np.ndarray) -> None:
+        self.index.unpin(handles)
+
+    def keep(self, handle: int) -> None:
+        self._kept[handle] += 1
+
+    def release(self, handle: int) -> None:
+        self._kept[handle] -= 1
+        if not self._kept[handle]:
+            del self._kept[handle]
+
+    def touch(self, handles: np.ndarray) -> None:
+        self.index.touch(handles)
+        self.policy.on_access(handles)
+
+    # -- placement -----------------------------------------------------------------------
+    def admit(self, ctx: PageContext) -> Tier | None:
+        tier = self.policy.admit(ctx)
+        return tier if tier in self.slots else None
+
+    def reserve(self, tier: Tier, mover: Mover) -> int | None:
+        """A free slot of ``tier``; evicts by the policy until one frees. None if none can leave."""
+        allocator = self.slots[tier]
+        slot = allocator.alloc()
+        refused: list[int] = []  # victims that could not leave; pinned so the policy skips them
+        try:
+            while slot is None:
+                victim = self.policy.victim(tier)
+                if victim is None:
+                    return None
+                if self.evict(victim, mover):
+                    slot = allocator.alloc()
+                else:
+                    self.index.pin(np.array([victim]))
+                    refused.append(victim)
+        finally:
+            if refused:
+                self.index.unpin(np.array(refused, dtype=np.int64))
+        return slot
+
+    def evict(self, handle: int, mover: Mover) -> bool:
+        """Demote ``handle`` where the policy says, else drop it (with its descendants).
+
+        False when neither is possible (a descendant is pinned): the page stays.
+        """
+        src = Tier(int(self.index.tier[handle]))
+        dst = self.policy.demote_target(handle, src)
+        if dst is not None and dst in self.slots and self.relocate(handle, dst, mover):
+            return True
+        return self.drop(handle) > 0
+
+    def relocate(self, handle: int, dst: Tier, mover: Mover) -> bool:
+        """Two-phase move of one page; False (page untouched at its source) on failure."""
+        src, src_slot = Tier(int(self.index.tier[handle])), int(self.index.slot[handle])
+        self.keep(handle)  # the source must survive making room below
+        try:
+            dst_slot = self.reserve(dst, mover)
+        finally:
+            self.release(handle)
+        if dst_slot is None:
+            return False
+        try:
+            digest = mover(handle, src, src_slot, dst, dst_slot)
+        except KvrayError:
+            self.abort_store(dst, dst_slot)
+            return False
+        if digest is not None:
+            self.index.checksum[handle] = digest
+        self.policy.on_remove(handle, src)
+        self.index.move(handle, dst, dst_slot)
+        self.page_placed(self.index.key_of(handle), dst, dst_slot, int(self.index.checksum[handle]))
+        self.policy.on_insert(handle, dst)
+        self._free(src, src_slot)
+        self.metrics.count_move(src.label, dst.label)
+        return True
+
+    def promote(self, handles: np.ndarray, mover: Mover) -> None:
+        """Move hit pages up where the policy asks (pinned pages stay put)."""
+        for handle in handles.tolist():
+            src = Tier(int(self.index.tier[handle]))
+            dst = self.policy.promote_target(handle, src)
+            if dst is not None and dst in self.slots and dst != src and self.index.pins[handle] == 0:
+                self.relocate(handle, dst, mover)
+
+    # -- writes --------------------------------------------------------------------------
+    def complete_store(
+        self,
+        key: int,
+        tier: Tier,
+        slot: int,
+        checksum: int,
+        *,
+        parent: int,
+        depth: int = 0,
+        ctx: PageContext | None = None,
+    ) -> int:
+        """Publish a page written into a reserved slot, under its ``parent`` handle (or ``index.ROOT``)."""
+        handle = self.restore(key, tier, slot, checksum, parent=parent, depth=depth)
+        if ctx is not None:
+            self.policy.on_admitted(handle, ctx)
+        self.metrics.stored_pages += 1
+        return handle
+
+    def restore(self, key: int, tier: Tier, slot: int, checksum: int, *, parent: int, depth: int = 0) -> int:
+        """Publish a page found already in place (a disk tier after a restart)."""
+        handle = self.index.add(key, tier, slot, checksum, parent=parent, depth=depth)
+        self.page_placed(key, tier, slot, checksum)
+        self.policy.on_insert(handle, tier)
+        return handle
+
+    def abort_store(self, tier: Tier, slot: int) -> None:
+        self._free(tier, slot)
+
+    def drop(self, *handles: int) -> int:
+        """Forget pages and their descendants, freeing their slots (eviction, corruption,
+        a lost node). Returns how many pages went; 0 if any of them is pinned or kept."""
+        index = self.index
+        if self._keeps_descendant(handles):
+            return 0  # cheap refusal before walking a possibly large subtree
+        doomed = index.subtree(handles) if index.has_children(handles).any() else list(handles)
+        if (index.pins[doomed] > 0).any():
+            return 0
+        for handle in doomed:
+            tier, slot = Tier(int(index.tier[handle])), int(index.slot[handle])
+            self.policy.on_remove(handle, tier)
+            key = index.remove(handle)
+            self._free(tier, slot)
+            self.page_dropped(key)
+        self.metrics.evicted_pages += len(doomed)
+        return len(doomed)
+
+    def _keeps_descendant(self, handles: Sequence[int]) -> bool:
+        """Whether a kept page is one of ``handles`` or below them: walk up from the few
+        kept pages (a chain's depth) instead of down the handles' subtrees."""
+        targets = set(handles)
+        parent = self.index.parent
+        for handle in self._kept:
+            while handle != ROOT:
+                if handle in targets:
+                    return True
+                handle = int(parent[handle])
+        return False
+
+    def _free(self, tier: Tier, slot: int) -> None:
+        self.slots[tier].free(slot)
+        self.slot_freed(tier, slot)
+
+    # -- state ---------------------------------------------------------------------------
+    def occupancy(self) -> dict[str, dict[str, float]]:
+        return {
+            t.label: {
+                "capacity": a.capacity,
+                "used": a.used,
+                "occupancy": a.occupancy,
+                "fragmentation": a.fragmentation(),
+            }
+            for t, a in sorted(self.slots.items())
+        }

@@ -1,0 +1,96 @@
+"""Page buffers and the copies between engine tensors and pages.
+
+A page is ``page_nbytes`` raw bytes, laid out as :attr:`PageLayout.page_shape`. Engines hand kvray the KV of a request
+as one tensor ``[layers, 2, tokens, kv_heads, head_dim]``; :func:`check_request_kv`
+validates it once, and a page then moves as a strided byte view of that tensor
+(:func:`request_page`): one copy into a slot, or one write per contiguous run, no staging buffer.
+The host data plane works on numpy byte views, which cost a fraction of a microsecond to
+slice, where torch ops cost several: that keeps per-page overhead small next to the copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import xxhash
+
+from kvray.core.config import PageLayout
+from kvray.core.errors import LayoutError
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def torch_dtype(layout: PageLayout) -> torch.dtype:
+    return TORCH_DTYPES[layout.dtype]
+
+
+
+def check_request_kv(layout: PageLayout, kv: torch.Tensor, tokens: int) -> None:
+    """Reject KV whose dtype or shape does not match ``layout`` for ``tokens`` tokens."""
+    if not isinstance(kv, torch.Tensor):
+        raise LayoutError(f"KV must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype != torch_dtype(layout):
+        raise LayoutError(f"KV dtype {kv.dtype} does not match the layout's {layout.dtype}")
+    expected = layout.request_shape(tokens)
+    if tuple(kv.shape) != expected:
+        raise LayoutError(
+            f"KV shape {tuple(kv.shape)} does not match [layers, 2, tokens, kv_heads, head_dim] = {expected}"
+        )
+
+
+def request_bytes(kv: torch.Tensor) -> np.ndarray:
+    """A request's KV ``[layers, 2, tokens, ...]`` as host bytes ``[layers, 2, tokens, row_bytes]``.
+
+    A view when ``kv`` is a contiguous CPU tensor (the usual case); a copy otherwise.
+    """
+    host = kv.detach().cpu().contiguous()
+    row_bytes = host[0, 0, 0].numel() * host.element_size() if host.shape[2] else 0
+    return host.view(torch.uint8).numpy().reshape(host.shape[0], host.shape[1], host.shape[2], row_bytes)
+
+
+def request_page(layout: PageLayout, kv_bytes: np.ndarray, page_index: int) -> np.ndarray:
+    """Page ``page_index`` of a request (see :func:`request_bytes`) as a strided byte view.
+
+    The view's C-order bytes are exactly the page: ``[layers, 2, page_tokens, row_bytes]``
+    sliced out of the request, so a tier copies it with one strided copy, or writes its
+    contiguous runs (:func:`runs`) straight to disk: no staging buffer.
+    """
+    start = page_index * layout.page_tokens
+    return kv_bytes[:, :, start : start + layout.page_tokens]
+
+
+def runs(page: np.ndarray) -> list[np.ndarray]:
+    """A page view's contiguous byte runs, in order (one for a contiguous page, one per
+    layer and K/V for a page sliced out of a request)."""
+    if page.flags.c_contiguous:
+        return [page.reshape(-1)]
+    return [block.reshape(-1) for layer in page for block in layer]
+
+
+def copy_page(dst: np.ndarray | torch.Tensor, src: np.ndarray | torch.Tensor) -> None:
+    """Copy one page between a page view and a flat slot (either side) in one call.
+
+    The slot is reshaped to the view's shape, so the copy is a single strided
+    ``np.copyto`` (numpy on the host: a plain memcpy per contiguous run, free of torch's
+    thread-pool stalls on a busy machine) or ``Tensor.copy_`` when a side is on an accelerator.
+    """
+    if dst.ndim > src.ndim:
+        src = src.reshape(dst.shape)
+    elif src.ndim > dst.ndim:
+        dst = dst.reshape(src.shape)
+    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        torch.as_tensor(dst).copy_(torch.as_tensor(src))
+
+
+def hash_page(page: np.ndarray) -> int:
+    """xxh3-64 of a page view's bytes, run by run: what stored pages carry and reads check."""
+    hasher = xxhash.xxh3_64()
+    for run in runs(page):
+        hasher.update(run)
+    return hasher.intdigest()

@@ -1,0 +1,355 @@
+"""PageStore: an in-process tiered KV page store that an engine can embed.
+
+It joins the three parts of the design: chained keys (:mod:`kvray.core.keys`), the control
+plane (:class:`~kvray.core.manager.CacheManager`: index, slot accounting, policy) and the data
+plane (the tier pools holding bytes). Its verbs work on whole requests:
+
+- ``store(tokens, kv)``: keep the KV of every full page not cached yet.
+- ``lookup(tokens)``: how many leading tokens are cached (no bytes move).
+- ``load(tokens)``: the KV of the longest cached prefix, checksum-verified.
+- ``put_pages`` / ``get_pages``: the same by keys and raw page bytes, for the runtime's
+  transfers between nodes (pages travel with their model fingerprint).
+- ``read_pages(keys, targets)``: the primitive under ``load`` and ``get_pages``, for
+  callers with their own buffers: it copies each page into the view the caller names.
+
+A page moves as a byte view of the caller's memory (:func:`kvray.core.pages.request_page`), so
+storing or loading is one strided copy (memory tiers) or one write/read per contiguous
+run (disk). Disk pages are hashed as they are written and verified on every read; memory
+pages too when ``checksum_memory`` is set, and otherwise get their checksum the moment
+they leave memory for disk. Pages read are pinned until copied out; a page that fails
+its checksum is counted, dropped (with its descendants) and never returned, so a load
+yields a shorter prefix, never wrong KV. A request whose input is invalid raises before
+anything stored is touched.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvray.core.config import StoreConfig
+from kvray.core.errors import FingerprintMismatch, LayoutError, StorageError
+from kvray.core.index import ROOT
+from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
+from kvray.core.manager import CacheManager
+from kvray.core.pages import check_request_kv, copy_page, hash_page, request_bytes, request_page, runs, torch_dtype
+from kvray.policy import PageContext, PlacementPolicy, make_policy
+from kvray.core.tiers import DevicePool, DiskPool, HostPool, StoredPage, Tier
+from kvray.core.tiers.directory import SlotDirectory, directory_name
+
+PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
+UNHASHED = 0  # the checksum of a memory page stored without one (``checksum_memory`` off)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """KV of a request's longest cached prefix."""
+
+    tokens: int  # leading tokens whose KV is in ``kv``
+    kv: torch.Tensor  # [layers, 2, tokens, kv_heads, head_dim]
+    pages_by_tier: dict[str, int]
+
+
+class PageStore:
+    """Tiered page store for one model layout.
+
+    Example::
+
+        store = PageStore(StoreConfig(layout=layout, tiers=TierSizes(host=64, disk=1024), disk_dir="kv"))
+        store.store(tokens, kv)                 # kv: [layers, 2, len(tokens), kv_heads, head_dim]
+        hit = store.load(tokens)
+        hit.tokens, hit.kv.shape
+    """
+
+    def __init__(self, config: StoreConfig, policy: PlacementPolicy | None = None) -> None:
+        self.config = config
+        self.layout = config.layout
+        self.fingerprint = ModelFingerprint.of(config.layout, config.model_name)
+        nbytes = self.layout.page_nbytes
+        sizes = config.tiers
+        self.pools: dict[Tier, DevicePool | HostPool | DiskPool] = {}
+        if sizes.device:
+            self.pools[Tier.DEVICE] = DevicePool(sizes.device, nbytes)
+        # With a shared host tier, engines on this node read its pages themselves, finding
+        # them through the slot directory this store keeps current (kvray.core.tiers.directory).
+        self.directory: SlotDirectory | None = None
+        if sizes.host:
+            self.pools[Tier.HOST] = HostPool(sizes.host, nbytes, shared_name=config.host_shared_memory)
+            if config.host_shared_memory:
+                self.directory = SlotDirectory.create(directory_name(config.host_shared_memory), sizes.host)
+        recovered: list[StoredPage] = []
+        if sizes.disk:
+            disk = DiskPool(config.disk_dir, sizes.disk, nbytes, self.fingerprint.digest, fsync=config.disk_fsync)
+            self.pools[Tier.DISK] = disk
+            recovered = disk.scan()
+        self.manager = CacheManager(
+            {Tier.DEVICE: sizes.device, Tier.HOST: sizes.host, Tier.DISK: sizes.disk},
+            policy or make_policy(config.policy),
+            page_nbytes=nbytes,
+            used_slots={Tier.DISK: [p.slot for p in recovered]},
+        )
+        self.manager.slot_freed = self._slot_freed
+        self.manager.page_placed = self._page_placed
+        self.metrics = self.manager.metrics
+        self._lock = threading.RLock()
+        self._recover(recovered)
+
+    def _recover(self, pages: list[StoredPage]) -> None:
+        """Re-index pages found on disk, parents first; free those whose parent is gone."""
+        children: dict[int | None, list[StoredPage]] = defaultdict(list)
+        for page in pages:
+            children[page.parent_key].append(page)
+        stack = [(page, ROOT) for page in children.pop(None, [])]
+        while stack:
+            page, parent = stack.pop()
+            handle = self.manager.restore(page.key, Tier.DISK, page.slot, page.checksum, parent=parent)
+            stack.extend((child, handle) for child in children.pop(page.key, []))
+        for orphans in children.values():
+            for page in orphans:
+                self.manager.abort_store(Tier.DISK, page.slot)
+
+    # -- keys ----------------------------------------------------------------------------
+    def keys(self, tokens: Sequence[int] | np.ndarray, salt: str = "") -> list[int]:
+        return page_keys(tokens, self.fingerprint, salt, max_tokens=self.config.max_request_tokens)
+
+    # -- request verbs -------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int] | np.ndarray, salt: str = "") -> int:
+        """Leading tokens of ``tokens`` whose KV is cached (counts as a lookup, moves nothing)."""
+        keys = self.keys(tokens, salt)
+        with self._lock:
+            return self.manager.index.match(keys) * self.layout.page_tokens
+
+    def store(self, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor, salt: str = "", priority: int = 0) -> int:
+        """Keep the KV of each full page of ``tokens`` that is not cached yet; returns pages stored."""
+        arr = as_token_array(tokens, self.config.max_request_tokens)
+        check_request_kv(self.layout, kv, arr.size)
+        kv_bytes = request_bytes(kv)
+        return self._store_pages(self.keys(arr, salt), lambda i: request_page(self.layout, kv_bytes, i), priority)
+
+    def load(
+        self, tokens: Sequence[int] | np.ndarray, salt: str = "", out: torch.Tensor | None = None
+    ) -> LoadResult:
+        """KV of the longest cached prefix of ``tokens``, every page checksum-verified.
+
+        ``out`` (contiguous ``[layers, 2, >=tokens, kv_heads, head_dim]``) receives the KV
+        in place; otherwise a new tensor is returned.
+        """
+        keys = self.keys(tokens, salt)
+        tokens_wanted = len(keys) * self.layout.page_tokens
+        if out is None:
+            out = torch.empty(self.layout.request_shape(tokens_wanted), dtype=torch_dtype(self.layout))
+        elif (
+            out.dtype != torch_dtype(self.layout)
+            or tuple(out.shape[:2]) + tuple(out.shape[3:]) != self.layout.request_shape(0)[:2] + self.layout.request_shape(0)[3:]
+            or out.shape[2] < tokens_wanted
+            or not out.is_contiguous()
+        ):
+            raise LayoutError(
+                f"out tensor {tuple(out.shape)} {out.dtype} cannot hold {tokens_wanted} tokens of layout "
+                f"{self.layout.request_shape(tokens_wanted)} {self.layout.dtype} (contiguous)"
+            )
+        if out.device.type != "cpu":
+            raise LayoutError(f"out tensor must be in host memory, got {out.device}")
+        out_bytes = request_bytes(out)
+        got, by_tier = self.read_pages(keys, lambda i: request_page(self.layout, out_bytes, i))
+        return LoadResult(got * self.layout.page_tokens, out[:, :, : got * self.layout.page_tokens], by_tier)
+
+    # -- page verbs (runtime transfers) --------------------------------------------------
+    def put_pages(
+        self, keys: Sequence[int], pages: np.ndarray, fingerprint: bytes, parent_key: int | None = None
+    ) -> int:
+        """Store raw pages (``[n, page_nbytes]`` uint8) of one chain of ``keys``; returns pages stored.
+
+        ``parent_key`` is the key of the page just before ``keys[0]`` in its chain when the
+        pages continue a cached prefix (an engine storing only the pages it computed);
+        nothing is stored if that parent is no longer cached.
+        """
+        if fingerprint != self.fingerprint.digest:
+            raise FingerprintMismatch(
+                f"pages carry model fingerprint {fingerprint.hex()}, this store holds {self.fingerprint.hex}"
+            )
+        pages = np.ascontiguousarray(pages)
+        if pages.dtype != np.uint8 or pages.shape != (len(keys), self.layout.page_nbytes):
+            raise LayoutError(
+                f"pages must be uint8 [{len(keys)}, {self.layout.page_nbytes}], got {pages.dtype} {pages.shape}"
+            )
+        return self._store_pages(list(keys), lambda i: pages[i], parent_key=parent_key)
+
+    def get_pages(self, keys: Sequence[int]) -> tuple[list[int], np.ndarray]:
+        """Raw bytes of the longest cached, verified prefix of ``keys``: (keys found, pages)."""
+        out = np.empty((len(keys), self.layout.page_nbytes), dtype=np.uint8)
+        got, _ = self.read_pages(keys, lambda i: out[i])
+        return list(keys[:got]), out[:got]
+
+    # -- the two paths every verb goes through -------------------------------------------
+    def read_pages(self, keys: Sequence[int], targets: PageSource) -> tuple[int, dict[str, int]]:
+        """Pin the cached prefix of ``keys``, copy each verified page into ``targets(i)``, unpin.
+
+        Returns the number of leading pages delivered and their count per tier; a page
+        that fails verification ends the prefix and is dropped.
+        """
+        with self._lock:
+            match = self.manager.lookup(keys)
+            self.manager.pin(match.handles)
+        delivered = 0
+        t0 = time.perf_counter()
+        try:
+            for i in range(len(match)):
+                tier, slot, expected = Tier(int(match.tiers[i])), int(match.slots[i]), int(match.checksums[i])
+                if not self._read_page(tier, slot, expected, targets(i)):
+                    break
+                delivered += 1
+        finally:
+            with self._lock:
+                self.manager.unpin(match.handles)
+                if delivered < len(match):
+                    self.metrics.corrupt_pages += 1
+                    self.manager.drop(int(match.handles[delivered]))
+                self._hit(match.handles[:delivered])
+                self.metrics.observe("load", time.perf_counter() - t0)
+        labels, counts = np.unique(match.tiers[:delivered], return_counts=True)
+        return delivered, {Tier(int(t)).label: int(n) for t, n in zip(labels, counts)}
+
+    def touch_pages(self, keys: Sequence[int]) -> int:
+        """Count a hit on the cached prefix of ``keys`` that a reader copied out of the shared
+        host tier itself (no bytes move here); returns pages touched."""
+        with self._lock:
+            match = self.manager.lookup(keys)
+            self._hit(match.handles)
+        return len(match)
+
+    def _hit(self, handles: np.ndarray) -> None:
+        """Recency and heat of pages just read, and the promotions the policy asks for."""
+        self.manager.touch(handles)
+        self.manager.promote(handles, self._move)
+
+    def _store_pages(
+        self, keys: list[int], sources: PageSource, priority: int = 0, parent_key: int | None = None
+    ) -> int:
+        """Store the pages of one chain in order (after ``parent_key``'s page, if given);
+        stop at the first page not kept, since its descendants could never be matched."""
+        stored = 0
+        parent = ROOT
+        t0 = time.perf_counter()
+        with self._lock:
+            if parent_key is not None:
+                parent = self.manager.index.handle_of(parent_key)
+                if parent is None:
+                    return 0
+            for i, key in enumerate(keys):
+                handle = self.manager.index.handle_of(key)
+                if handle is None:
+                    handle = self._store_one(i, key, parent, len(keys), sources, priority)
+                    if handle is None:
+                        break
+                    stored += 1
+                parent = handle
+            self.metrics.observe("store", time.perf_counter() - t0)
+        return stored
+
+    def _store_one(self, i: int, key: int, parent: int, pages: int, sources: PageSource, priority: int) -> int | None:
+        """Reserve, write and publish one page. Its parent is kept meanwhile, so making
+        room never drops the chain it is joining."""
+        ctx = PageContext(depth=i, request_pages=pages, priority=priority)
+        tier = self.manager.admit(ctx)
+        if tier is None:
+            return None
+        if parent != ROOT:
+            self.manager.keep(parent)
+        try:
+            slot = self.manager.reserve(tier, self._move)
+            if slot is None:
+                return None  # nothing in the tier can leave
+            parent_key = None if parent == ROOT else self.manager.index.key_of(parent)
+            try:
+                digest = self._write_page(tier, slot, key, parent_key, sources(i))
+            except StorageError as exc:
+                self.manager.abort_store(tier, slot)
+                slots = self.manager.slots[tier]
+                raise StorageError(f"{exc} ({tier.label} tier {slots.used}/{slots.capacity} slots in use)") from None
+        finally:
+            if parent != ROOT:
+                self.manager.release(parent)
+        return self.manager.complete_store(key, tier, slot, digest, parent=parent, depth=i, ctx=ctx)
+
+    # -- data plane ----------------------------------------------------------------------
+    def _write_page(self, tier: Tier, slot: int, key: int, parent_key: int | None, page: np.ndarray) -> int:
+        """Write ``page`` into ``slot``; return its checksum (UNHASHED for an unhashed memory page)."""
+        pool = self.pools[tier]
+        if isinstance(pool, DiskPool):
+            return pool.write(slot, key, parent_key, runs(page))
+        copy_page(pool.view(slot), page)
+        return hash_page(page) if self.config.checksum_memory else UNHASHED
+
+    def _read_page(self, tier: Tier, slot: int, expected: int, page: np.ndarray) -> bool:
+        """Copy ``slot`` into ``page``; False when the bytes fail verification."""
+        pool = self.pools[tier]
+        if isinstance(pool, DiskPool):
+            stored, digest = pool.read_into(slot, runs(page))
+            return stored is not None and stored.checksum == expected and digest == expected
+        copy_page(page, pool.view(slot))
+        return self._verified(page, expected)
+
+    def _verified(self, page: np.ndarray, expected: int) -> bool:
+        """A memory page's bytes check out (always, unless ``checksum_memory`` asks to hash)."""
+        return not self.config.checksum_memory or hash_page(page) == expected
+
+    def _move_source(self, tier: Tier, slot: int, expected: int) -> np.ndarray | None:
+        """A page's verified bytes to move from, or None: a host slot itself (the source stays
+        intact until the move is published), else a copy read out of the tier."""
+        view = self.pools[tier].view(slot) if tier != Tier.DISK else None
+        if isinstance(view, np.ndarray):
+            return view if self._verified(view, expected) else None
+        buffer = np.empty(self.layout.page_nbytes, dtype=np.uint8)
+        return buffer if self._read_page(tier, slot, expected, buffer) else None
+
+    def _move(self, handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> int | None:
+        """Data-plane half of a two-phase move: copy and verify; the source stays intact.
+
+        Returns the page's checksum when the move computed it (a memory page reaching disk).
+        """
+        t0 = time.perf_counter()
+        index = self.manager.index
+        key, expected = index.key_of(handle), int(index.checksum[handle])
+        page = self._move_source(src, src_slot, expected)
+        if page is None:
+            raise StorageError(f"{src.label} tier: page {key:#x} failed verification before its move")
+        parent = int(index.parent[handle])
+        digest = self._write_page(dst, dst_slot, key, None if parent == ROOT else index.key_of(parent), page)
+        self.metrics.observe(f"{src.label}->{dst.label}", time.perf_counter() - t0)
+        return digest if dst == Tier.DISK else None
+
+    def _slot_freed(self, tier: Tier, slot: int) -> None:
+        pool = self.pools[tier]
+        if isinstance(pool, DiskPool):
+            pool.free(slot)
+        elif tier == Tier.HOST and self.directory is not None:
+            self.directory.free(slot)
+
+    def _page_placed(self, key: int, tier: Tier, slot: int, checksum: int) -> None:
+        if tier == Tier.HOST and self.directory is not None:
+            self.directory.publish(slot, key, checksum)
+
+    # -- state ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.manager.index)
+
+    def stats(self) -> dict:
+        """Counters, per-tier occupancy and fragmentation, and whether the device is a stand-in."""
+        snap = self.metrics.snapshot()
+        snap["tiers"] = self.manager.occupancy()
+        if Tier.DEVICE in self.pools:
+            snap["tiers"]["device"]["stand_in"] = self.pools[Tier.DEVICE].stand_in
+        return snap
+
+    def close(self) -> None:
+        if self.directory is not None:
+            self.directory.close()  # marked closed before the pool it describes goes
+        for pool in self.pools.values():
+            pool.close()

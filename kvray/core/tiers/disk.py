@@ -1,0 +1,186 @@
+"""Disk pool: page slots in one file per model fingerprint, surviving restarts.
+
+Slot ``i`` of ``<dir>/<fingerprint>.kvpages`` starts at ``i * stride`` with a 128-byte
+header (magic, key, parent key, fingerprint, checksum, length) followed by the page
+bytes, written straight from the caller's buffers (an engine's KV tensor slices, no
+staging copy) and hashed on the way. A new process pointed at the same directory rebuilds what it holds
+by reading the headers (:meth:`DiskPool.scan`); a freed slot has its magic cleared so it
+is never resurrected. The file and directory are private to the user (0600 / 0700), and
+the file name comes from the fingerprint alone, never from a user string.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from kvray.core.errors import StorageError
+
+MAGIC = b"KVRAYPG1"
+HEADER = struct.Struct("<8sHHI16s16s16sQQ")  # magic, version, flags, pad, key, parent, fingerprint, checksum, nbytes
+HEADER_BYTES = 128
+VERSION = 2
+FLAG_HAS_PARENT = 1
+ALIGN = 4096
+WRITE_BATCH_BYTES = 4 << 20  # large enough to amortise the syscall, small enough to stay in cache
+
+
+def _batches(chunks: list[np.ndarray], limit: int) -> list[list[np.ndarray]]:
+    """Consecutive groups of chunks of at most ``limit`` bytes each (a larger chunk alone)."""
+    groups: list[list[np.ndarray]] = [[]]
+    size = 0
+    for chunk in chunks:
+        if groups[-1] and size + chunk.size > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(chunk)
+        size += chunk.size
+    return groups
+
+
+@dataclass(frozen=True)
+class StoredPage:
+    """What a slot's header says it holds."""
+
+    slot: int
+    key: int
+    parent_key: int | None  # None: the first page of a chain
+    fingerprint: bytes
+    checksum: int
+    nbytes: int
+
+
+class DiskPool:
+    """Fixed-size page slots in a file under ``directory``.
+
+    Example::
+
+        pool = DiskPool("/tmp/kv", capacity=16, page_nbytes=4096, fingerprint=fp.digest)
+        digest = pool.write(0, key, None, [page_bytes])
+        page, read_digest = pool.read_into(0, [out])   # page: the slot's header
+    """
+
+    kind = "disk"
+    stand_in = False
+
+    def __init__(
+        self, directory: str | Path, capacity: int, page_nbytes: int, fingerprint: bytes, fsync: bool = False
+    ) -> None:
+        self.directory = Path(directory)
+        self.capacity = capacity
+        self.page_nbytes = page_nbytes
+        self.fingerprint = fingerprint
+        self.fsync = fsync
+        self.stride = -(-(HEADER_BYTES + page_nbytes) // ALIGN) * ALIGN
+        self.path = self.directory / f"{fingerprint.hex()}.kvpages"
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"disk tier: cannot create directory {self.directory}: {exc.strerror}") from None
+        if not self.directory.is_dir() or not os.access(self.directory, os.W_OK | os.X_OK):
+            raise StorageError(f"disk tier: directory {self.directory} is not writable")
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise StorageError(f"disk tier: cannot open {self.path}: {exc.strerror}") from None
+
+    def _header(self, key: int, parent_key: int | None, checksum: int) -> bytes:
+        flags = 0 if parent_key is None else FLAG_HAS_PARENT
+        raw = HEADER.pack(
+            MAGIC, VERSION, flags, 0, key.to_bytes(16, "little"), (parent_key or 0).to_bytes(16, "little"),
+            self.fingerprint, checksum, self.page_nbytes,
+        )  # fmt: skip
+        return raw.ljust(HEADER_BYTES, b"\0")
+
+    def write(self, slot: int, key: int, parent_key: int | None, chunks: list[np.ndarray]) -> int:
+        """Write one page, given as byte chunks that add up to ``page_nbytes``; return its checksum.
+
+        Chunks go out in ``pwritev`` batches of a few MiB, each batch hashed right after it
+        is written, while it is still in cache; the header (with the checksum) goes last,
+        so a write cut short leaves a slot without a valid header, which a restart ignores
+        and a read rejects.
+        """
+        offset = slot * self.stride + HEADER_BYTES
+        hasher = xxhash.xxh3_64()
+        try:
+            for batch in _batches(chunks, WRITE_BATCH_BYTES):
+                offset = self._pwritev_all(batch, offset)
+                for chunk in batch:
+                    hasher.update(chunk)
+            digest = hasher.intdigest()
+            self._pwritev_all([np.frombuffer(self._header(key, parent_key, digest), np.uint8)], slot * self.stride)
+            if self.fsync:
+                os.fdatasync(self._fd)
+        except OSError as exc:
+            self._clear(slot)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise StorageError(f"disk tier {self.directory}: no space left writing slot {slot}") from None
+            raise StorageError(f"disk tier {self.directory}: write of slot {slot} failed: {exc.strerror}") from None
+        return digest
+
+    def _pwritev_all(self, chunks: list[np.ndarray], offset: int) -> int:
+        """Write ``chunks`` at ``offset`` (finishing short writes); return the end offset."""
+        views = [memoryview(c).cast("B") for c in chunks]
+        while views:
+            written = os.pwritev(self._fd, views, offset)
+            offset += written
+            while views and written >= len(views[0]):
+                written -= len(views[0])
+                views.pop(0)
+            if views and written:
+                views[0] = views[0][written:]
+        return offset
+
+    def read_into(self, slot: int, chunks: list[np.ndarray]) -> tuple[StoredPage | None, int]:
+        """Read ``slot`` into ``chunks``: (its header, or None if missing or torn; the
+        checksum of the bytes read). Each chunk is hashed right after its ``pread``."""
+        base = slot * self.stride
+        header = os.pread(self._fd, HEADER_BYTES, base)
+        page = self._parse(slot, header) if len(header) == HEADER_BYTES else None
+        if page is None:
+            return None, 0
+        hasher = xxhash.xxh3_64()
+        offset = base + HEADER_BYTES
+        for chunk in chunks:
+            if os.preadv(self._fd, [chunk], offset) < chunk.size:
+                return None, 0
+            hasher.update(chunk)
+            offset += chunk.size
+        return page, hasher.intdigest()
+
+    def _parse(self, slot: int, header: bytes) -> StoredPage | None:
+        magic, version, flags, _, key, parent, fingerprint, checksum, nbytes = HEADER.unpack_from(header)
+        if magic != MAGIC or version != VERSION or fingerprint != self.fingerprint or nbytes != self.page_nbytes:
+            return None
+        parent_key = int.from_bytes(parent, "little") if flags & FLAG_HAS_PARENT else None
+        return StoredPage(slot, int.from_bytes(key, "little"), parent_key, fingerprint, checksum, nbytes)
+
+    def free(self, slot: int) -> None:
+        self._clear(slot)
+
+    def _clear(self, slot: int) -> None:
+        try:
+            os.pwrite(self._fd, b"\0" * len(MAGIC), slot * self.stride)
+        except OSError:
+            pass  # a slot we cannot clear reads back as torn or fails its checksum
+
+    def scan(self) -> list[StoredPage]:
+        """Headers of every slot that holds a page of this fingerprint (restart recovery)."""
+        size = os.fstat(self._fd).st_size
+        found = []
+        for slot in range(min(self.capacity, size // self.stride + 1)):
+            header = os.pread(self._fd, HEADER_BYTES, slot * self.stride)
+            if len(header) == HEADER_BYTES and (page := self._parse(slot, header)) is not None:
+                found.append(page)
+        return found
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

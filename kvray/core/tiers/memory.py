@@ -1,0 +1,126 @@
+"""Memory pools: host RAM and accelerator memory, one ``[capacity, page_nbytes]`` array each.
+
+Pages are written and read through zero-copy slot views, so packing a page from an engine
+tensor is one strided copy straight into the pool. A host pool can live in POSIX shared
+memory (``shared_name``) so that other processes on the node map the same slots and load
+pages without any copy through Ray (see :mod:`kvray.cluster`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import torch
+
+from kvray.core.errors import StorageError
+
+PAGE_ALIGN = 4096
+
+
+def aligned_empty(rows: int, row_nbytes: int) -> np.ndarray:
+    """An uninitialised ``[rows, row_nbytes]`` uint8 array starting on a 4 KiB boundary.
+
+    Copies between a slot and an engine tensor run at memcpy speed only when the two
+    addresses agree modulo 4 KiB or differ by a cache line or more: numpy's own buffers
+    start 16 bytes past a page, torch's 64, and that 48-byte skew makes every load of the
+    copy alias a store just issued (measured: ~20% slower page copies). Page-aligned
+    slots, like a shared-memory pool's, avoid it for any cache-line-aligned tensor.
+    """
+    raw = np.empty(rows * row_nbytes + PAGE_ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % PAGE_ALIGN
+    return raw[start : start + rows * row_nbytes].reshape(rows, row_nbytes)
+
+
+def attach_shared(name: str, nbytes: int, what: str) -> shared_memory.SharedMemory:
+    """Map an existing segment of at least ``nbytes`` that another process created and owns.
+
+    Python's resource tracker would unlink it when this (mapping-only) process exits;
+    the creator owns its lifetime, so the mapping is taken off the tracker.
+    """
+    try:
+        shm = shared_memory.SharedMemory(name=name, create=False)
+    except OSError as exc:
+        raise StorageError(f"{what} {name!r} cannot be mapped on this node: {exc}") from None
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    if shm.size < nbytes:
+        shm.close()
+        raise StorageError(f"{what} {name!r} holds {shm.size} bytes, expected {nbytes}")
+    return shm
+
+
+class HostPool:
+    """Page slots in host memory (optionally a named shared-memory segment).
+
+    Example::
+
+        pool = HostPool(capacity=8, page_nbytes=4096)
+        pool.view(0)[:] = 7          # a uint8 array aliasing slot 0
+    """
+
+    kind = "host"
+    stand_in = False
+
+    def __init__(self, capacity: int, page_nbytes: int, shared_name: str | None = None, attach: bool = False) -> None:
+        """``shared_name``: create that shared segment (this pool owns it), or with
+        ``attach`` map the one another process's pool created (read it, never unlink it)."""
+        self.capacity = capacity
+        self.page_nbytes = page_nbytes
+        self._shm: shared_memory.SharedMemory | None = None
+        self._owner = not attach
+        size = max(capacity * page_nbytes, 1)
+        if shared_name is None:
+            array = aligned_empty(capacity, page_nbytes)
+        else:
+            if attach:
+                self._shm = attach_shared(shared_name, capacity * page_nbytes, "host tier")
+            else:
+                try:
+                    self._shm = shared_memory.SharedMemory(name=shared_name, create=True, size=size)
+                except OSError as exc:
+                    raise StorageError(f"host tier: cannot create shared memory {shared_name!r}: {exc}") from None
+            array = np.ndarray((capacity, page_nbytes), dtype=np.uint8, buffer=self._shm.buf)
+        self._array = array
+
+    @property
+    def shared_name(self) -> str | None:
+        return self._shm.name if self._shm else None
+
+    def view(self, slot: int) -> np.ndarray:
+        return self._array[slot]
+
+    def close(self) -> None:
+        if self._shm is not None:
+            del self._array
+            self._shm.close()
+            if self._owner:
+                with contextlib.suppress(FileNotFoundError):  # retired by a successor already
+                    self._shm.unlink()
+            self._shm = None
+
+
+class DevicePool:
+    """Page slots in accelerator memory; a CPU stand-in (``stand_in=True``) without CUDA.
+
+    The stand-in keeps the tier's accounting and copy paths real on machines without an
+    accelerator; :attr:`device` says which one is in use.
+    """
+
+    kind = "device"
+
+    def __init__(self, capacity: int, page_nbytes: int, device: str | None = None) -> None:
+        self.capacity = capacity
+        self.page_nbytes = page_nbytes
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.stand_in = self.device.type == "cpu"
+        self._tensor = torch.empty((capacity, page_nbytes), dtype=torch.uint8, device=self.device)
+        self._host_view = self._tensor.numpy() if self.stand_in else None
+
+    def view(self, slot: int) -> np.ndarray | torch.Tensor:
+        """Slot bytes: a numpy view for the CPU stand-in, a device tensor on an accelerator."""
+        return self._host_view[slot] if self._host_view is not None else self._tensor[slot]
+
+    def close(self) -> None:
+        self._host_view = None
+        self._tensor = torch.empty(0, dtype=torch.uint8)

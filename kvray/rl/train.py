@@ -1,0 +1,201 @@
+"""Training the learned placement policy: PPO (stable-baselines3) in the placement env.
+
+The actor is one small MLP applied to every feature row of a decision (a shared scorer,
+so its size does not depend on how many choices there are); the row it scores highest is
+the action. Only that scorer is kept: it is exported to ``policy.safetensors`` and run by
+:class:`~kvray.policy.rl.RLPolicy` in numpy. The critic (a baseline for PPO) is dropped.
+
+Training and evaluation data are kept apart: :func:`split_by_time` gives the first part
+of a trace to training and the rest to evaluation; other traces can be held out whole.
+
+Example::
+
+    card = train(scenario, [Path("data/traces/conversation_trace_first30min.jsonl")],
+                 timesteps=50_000, out=Path("policies/mine"))
+    card["evaluation"]      # held-out mean TTFT and hit rate of rl vs every heuristic and belady
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvray.policy.features import CANDIDATES, FEATURES
+from kvray.policy.rl import CARD_FILE, WEIGHTS_FILE, observation_spec
+from kvray.sim.cost import Scenario
+from kvray.traces import TraceRequest
+
+
+def split_by_time(trace: Sequence[TraceRequest], train_fraction: float) -> tuple[list[TraceRequest], list[TraceRequest]]:
+    """The requests before and after ``train_fraction`` of the trace's time span."""
+    end = trace[-1].timestamp_ms
+    cut = trace[0].timestamp_ms + train_fraction * (end - trace[0].timestamp_ms)
+    first = [r for r in trace if r.timestamp_ms < cut]
+    return first, list(trace[len(first) :])
+
+
+class RowScorer(nn.Module):
+    """Feature row -> score; ReLU MLP (what :class:`~kvray.policy.rl.MLPScorer` runs)."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(len(FEATURES), hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 1)])
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        x = rows
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x.squeeze(-1)
+
+
+class _ScorerExtractor(nn.Module):
+    """PPO's actor latent = the scores of the ``CANDIDATES`` rows; the critic sees them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scorer = RowScorer()
+        self.latent_dim_pi = CANDIDATES
+        self.latent_dim_vf = 64
+        self.value = nn.Sequential(nn.Linear(CANDIDATES * len(FEATURES), 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+
+    def forward_actor(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.scorer(obs.view(-1, CANDIDATES, len(FEATURES)))
+
+    def forward_critic(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.value(obs)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.forward_actor(obs), self.forward_critic(obs)
+
+
+def _scorer_policy_class():
+    from stable_baselines3.common.policies import ActorCriticPolicy
+
+    class ScorerPolicy(ActorCriticPolicy):
+        """Actor logits are the row scores themselves (no extra linear head)."""
+
+        def _build_mlp_extractor(self) -> None:
+            self.mlp_extractor = _ScorerExtractor()
+
+        def _build(self, lr_schedule) -> None:
+            super()._build(lr_schedule)
+            self.action_net = nn.Identity()
+            self.optimizer = self.optimizer_class(self.parameters(), lr=lr_schedule(1), **self.optimizer_kwargs)
+
+    return ScorerPolicy
+
+
+def export_scorer(scorer: RowScorer, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"layer{i}.{name}": p.detach().cpu().contiguous() for i, layer in enumerate(scorer.layers) for name, p in layer.named_parameters()}
+    save_file(tensors, str(folder / WEIGHTS_FILE))
+
+
+def train(
+    scenario: Scenario,
+    traces: Sequence[Path],
+    timesteps: int,
+    out: Path,
+    seed: int = 0,
+    train_fraction: float = 0.6,
+    capacity_fractions: Sequence[float] = (0.05, 0.10),
+    episode_requests: int = 400,
+    progress: bool = True,
+    evaluate: Callable[[Path, list[list[TraceRequest]]], dict] | None = None,
+    tensorboard: Path | None = None,
+) -> dict:
+    """Train, export the scorer and its model card into ``out``; returns the card.
+
+    One environment per capacity fraction (of the training slice's unique pages), so the
+    policy learns both tight and looser caches. ``evaluate(out, held_out)`` fills the
+    card's evaluation scores (kvray eval does this on the held-out slices).
+    ``tensorboard`` is a folder for SB3's TensorBoard logs (losses, entropy, the mean
+    reward per rollout), so a long run can be watched while it trains.
+    """
+    import gymnasium as gym
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    import kvray.rl.env  # noqa: F401  (registers kvray/Placement-v0)
+    from kvray.sim.simulator import fast_capacity
+    from kvray.traces import read_trace
+
+    torch.set_num_threads(1)
+    train_parts, held_out, sources = [], [], []
+    for path in traces:
+        first, rest = split_by_time(read_trace(path), train_fraction)
+        train_parts.append(first)
+        held_out.append(rest)
+        sources.append({"trace": str(path), "train_requests": len(first), "held_out_requests": len(rest)})
+    makers = [
+        (lambda t=t, f=f: gym.make("kvray/Placement-v0", trace=t, scenario=scenario,
+                                   capacities=fast_capacity(scenario, t, fraction=f), episode_requests=episode_requests))
+        for t in train_parts
+        for f in capacity_fractions
+    ]
+    env = DummyVecEnv(makers)
+    env.seed(seed)
+    model = PPO(
+        _scorer_policy_class(), env, n_steps=512, batch_size=256, n_epochs=4, gamma=0.0, gae_lambda=1.0,
+        learning_rate=1e-3, ent_coef=0.02, seed=seed, device="cpu", verbose=0, tensorboard_log=None if tensorboard is None else str(tensorboard),
+    )
+
+    curve: list[dict] = []
+
+    class Curve(BaseCallback):
+        def _on_rollout_end(self) -> None:
+            mean_reward = float(np.mean(self.model.rollout_buffer.rewards))
+            curve.append({"timesteps": int(self.num_timesteps), "mean_reward": mean_reward})
+            self.logger.record("rollout/mean_reward", mean_reward)  # episodes are long: SB3's ep_rew_mean lags
+
+        def _on_step(self) -> bool:
+            return True
+
+    started = time.time()
+    model.learn(total_timesteps=timesteps, callback=Curve(), progress_bar=progress)
+    out.mkdir(parents=True, exist_ok=True)
+    export_scorer(model.policy.mlp_extractor.scorer, out)
+    card = {
+        "name": out.name,
+        "algorithm": "PPO (stable-baselines3), shared row scorer, hindsight-regret reward",
+        "observation": observation_spec(),
+        "scenario": scenario.name,
+        "tier_cost": tier_costs(scenario),
+        "training": {
+            "traces": sources,
+            "train_fraction_by_time": train_fraction,
+            "capacity_fractions": list(capacity_fractions),
+            "episode_requests": episode_requests,
+            "timesteps": int(model.num_timesteps),
+            "seed": seed,
+            "wall_s": round(time.time() - started, 1),
+            "curve": curve,
+        },
+    }
+    _write_card(out, card)
+    if evaluate is not None:
+        card["evaluation"] = evaluate(out, held_out)
+        _write_card(out, card)
+    return card
+
+
+def tier_costs(scenario: Scenario) -> dict[str, float]:
+    """Each tier's page load time relative to recomputing the page: the policy's default
+    view of bandwidth where nothing tells it (the runtime without a cost model)."""
+    from kvray.sim.cost import CostModel
+
+    return {t.label: cost for t, cost in CostModel(scenario).tier_cost(scenario.capacities()).items()}
+
+
+def _write_card(out: Path, card: dict) -> None:
+    (out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")

@@ -1,0 +1,62 @@
+"""Bad input to ``kvray run`` ends with one clear line naming the file (and line), before
+any Ray process starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvray.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT / "data" / "traces" / "conversation_trace_first30min.jsonl"
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, ["run", *args, "--json"])
+
+
+def message(result) -> str:
+    return " ".join(result.output.split())  # rich wraps long lines
+
+
+def test_unknown_trace_format_names_the_file(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text("a,b\n")
+    result = run("--trace", str(path))
+    assert result.exit_code == 2
+    assert f"{path}: unknown trace format '.csv'" in message(result)
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    good = TRACE.read_text().splitlines()[:2]
+    path.write_text("\n".join([*good, '{"timestamp": 5, "input_length": "many"}']) + "\n")
+    result = run("--trace", str(path))
+    assert result.exit_code == 2
+    assert f"{path}:3: missing field(s) output_length, hash_ids" in message(result)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "expected"),
+    [
+        ("runtime:\n  tiers: {host: 100000000}\n", "exceeds this machine's memory"),
+        ("runtime:\n  tiers: {host: 0}\n", "every tier has 0 pages"),
+        ("runtime:\n  tiers: {host: 8, disk: 64}\n", "tiers.disk > 0 needs disk_root"),
+        ("runtime:\n  layout: {layers: 2, kv_heads: 2, head_dim: 16, page_tokens: 256}\n", "page_tokens must be 512"),
+        ("nodes: 0\n", "nodes: Input should be greater than or equal to 1"),
+    ],
+)
+def test_impossible_scenarios_name_the_file_and_field(tmp_path, yaml_text, expected):
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(yaml_text)
+    result = run("--trace", str(TRACE), "--scenario", str(scenario))
+    assert result.exit_code == 2
+    assert str(scenario) in message(result) and expected in message(result)
+
+
+def test_unknown_policy_lists_the_known_ones():
+    result = run("--trace", str(TRACE), "--policy", "mru")
+    assert result.exit_code == 2 and "unknown policy 'mru'; known:" in message(result)

@@ -1,0 +1,78 @@
+"""Trace replay on the runtime (``kvray run``), on the session's three real Ray nodes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+from kvray.cluster import RuntimeConfig
+from kvray.apps.replay import ReplaySettings, replay_on_runtime
+from kvray.core.config import PageLayout, TierSizes
+from kvray.traces import read_trace
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT / "data" / "traces" / "conversation_trace_first30min.jsonl"
+LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=16, page_tokens=512, dtype="float16")
+SIM_KEYS = {"requests", "tokens", "hit_tokens", "token_hit_rate", "hit_tokens_by_tier", "mean_ttft_ms",
+            "p99_ttft_ms", "bytes_moved", "policy", "scenario"}
+_names = itertools.count()
+
+
+def trace_slice(start: int = 1000, n: int = 40):
+    """A slice of the real conversation trace where returning conversations hit."""
+    return read_trace(TRACE)[start : start + n]
+
+
+def settings(**runtime) -> ReplaySettings:
+    config = RuntimeConfig(name=f"r{next(_names)}", layout=LAYOUT, **runtime)
+    return ReplaySettings(name="test", nodes=3, runtime=config, prefill_us_per_token=1.0)
+
+
+def test_replay_reports_the_sim_keys_from_measured_hits(ray_cluster):
+    trace = trace_slice()
+    result = replay_on_runtime(trace, settings(tiers=TierSizes(host=400)), progress=False)
+    out = result.as_dict()
+    assert set(out) == SIM_KEYS | {"wrong_pages"}
+    assert out["requests"] == len(trace)
+    assert out["tokens"] == sum(r.input_length for r in trace)
+    assert 0 < out["hit_tokens"] == sum(out["hit_tokens_by_tier"].values())
+    assert out["hit_tokens"] % 512 == 0 and out["token_hit_rate"] == out["hit_tokens"] / out["tokens"]
+    assert "remote" in out["hit_tokens_by_tier"]  # round-robin engines fetch each other's pages
+    assert 0 < out["mean_ttft_ms"] <= out["p99_ttft_ms"]
+    assert out["bytes_moved"] > 0 and out["policy"] == "lru" and out["scenario"] == "test"
+    assert result.wrong_pages == 0
+
+
+def test_more_host_tier_never_hits_less(ray_cluster):
+    trace = trace_slice(n=30)
+    small = replay_on_runtime(trace, settings(tiers=TierSizes(host=4)), progress=False).as_dict()
+    large = replay_on_runtime(trace, settings(tiers=TierSizes(host=400)), progress=False).as_dict()
+    assert small["hit_tokens"] < large["hit_tokens"]
+
+
+def test_kvray_run_joins_a_running_cluster_and_prints_json(ray_cluster, tmp_path):
+    """The real CLI in its own process, joining the session cluster with --address."""
+    trace = tmp_path / "slice.jsonl"
+    trace.write_text("".join(TRACE.read_text().splitlines(keepends=True)[1000:1015]))
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(
+        "name: cli\nprefill_us_per_token: 1.0\n"
+        "runtime:\n  name: cli-run\n  layout: {layers: 2, kv_heads: 2, head_dim: 16, page_tokens: 512}\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvray", "run", "--trace", str(trace), "--policy", "lru", "--scenario", str(scenario),
+         "--address", ray_cluster.address, "--host-pages", "300", "--json"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(out) == SIM_KEYS | {"wrong_pages"} and out["requests"] == 15 and out["scenario"] == "cli"
+    assert ray.get_actor  # the session connection is untouched by the CLI's own driver

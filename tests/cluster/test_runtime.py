@@ -1,0 +1,188 @@
+"""The Ray runtime on three real local nodes: stores, controller, client, transfer paths.
+
+Every test here uses the session's shared 3-node cluster (``ray_cluster``) and starts its
+own kvray runtime (a controller and one store actor per node) under a unique name.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+
+import numpy as np
+import pytest
+import ray
+
+from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
+from kvray.cluster.controller import Plan
+from kvray.cluster.transfer import TOKEN_BYTES, PeerLinks
+from kvray.core.config import PageLayout, TierSizes
+
+pytestmark = pytest.mark.ray
+
+LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=16, page_tokens=512, dtype="float16")  # 128 KiB pages
+_names = itertools.count()
+
+
+def start(**overrides) -> tuple[Runtime, KvrayClient]:
+    config = RuntimeConfig(name=f"t{next(_names)}", layout=LAYOUT, **overrides)
+    runtime = Runtime.start(config)
+    return runtime, KvrayClient.connect(config.name, buffer_pages=64)
+
+
+@pytest.fixture(scope="module")
+def shared(ray_cluster):
+    """One runtime for the tests that only read and write distinct keys (starting store
+    actors costs seconds: each is a new process importing torch)."""
+    runtime, client = start(tiers=TierSizes(host=256), local_pages_limit=4, collective_min_bytes=1 << 20)
+    yield runtime, client
+    client.close()
+    runtime.close()
+
+
+@pytest.fixture
+def with_paths(shared):
+    """The shared client with given transfer-path settings (a client-side choice)."""
+    runtime, client = shared
+    original = client.config
+
+    def set_paths(**update) -> tuple[Runtime, KvrayClient]:
+        client.config = original.model_copy(update=update)
+        return runtime, client
+
+    yield set_paths
+    client.config = original
+
+
+def fill(client: KvrayClient, rows: range, seed: int) -> np.ndarray:
+    data = np.random.default_rng(seed).integers(0, 256, (len(rows), client.page_nbytes), dtype=np.uint8)
+    client.buffer.pages[rows.start : rows.stop] = data
+    return data
+
+
+def roundtrip(client: KvrayClient, keys: list[int], expected: np.ndarray):
+    client.buffer.pages[:] = 0
+    plan = client.lookup(keys)
+    loaded = client.load(keys, plan)
+    client.release(plan, loaded)
+    assert np.array_equal(client.buffer.pages[: loaded.pages], expected[: loaded.pages])
+    return plan, loaded
+
+
+def test_a_store_actor_runs_on_every_node_with_node_affinity(shared):
+    runtime, client = shared
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert set(runtime.stores) == nodes and len(nodes) == 3
+    assert ray.get([s.ping.remote() for s in runtime.stores.values()]) == list(runtime.stores)
+
+
+def test_pages_spread_by_hash_ring_come_back_exact_from_every_node(with_paths):
+    runtime, client = with_paths()  # defaults: other nodes' pages come by direct TCP
+    before = ray.get(runtime.controller.snapshot.remote())
+    keys = client.keys_for_trace(list(range(40)))
+    plan = client.lookup(keys)
+    assert plan.hit_pages == 0 and len(set(plan.targets)) == 3  # 40 pages > 4: spread over all nodes
+    expected = fill(client, range(0, 40), seed=1)
+    client.release(plan, client.load(keys, plan))
+    assert client.store(keys, 0, plan) == 40
+
+    placed = plan.targets
+    plan, loaded = roundtrip(client, keys, expected)
+    assert loaded.pages == 40 and plan.hit_nodes == placed
+    assert loaded.by_tier["host"] + loaded.by_tier["remote"] == 40 and loaded.by_tier["remote"] > 0
+    assert loaded.paths.keys() == {"mapped", "tcp"}  # this node's pages copied from its mapped host tier
+    after = ray.get(runtime.controller.snapshot.remote())
+    assert after["indexed_pages"] - before["indexed_pages"] == 40 and after["open_leases"] == 0
+    for tier, pages in loaded.by_tier.items():
+        assert after["hit_pages_by_tier"][tier] - before["hit_pages_by_tier"].get(tier, 0) == pages
+
+
+def test_small_request_stays_on_the_engines_node(shared):
+    runtime, client = shared
+    keys = client.keys_for_trace([700, 701, 702])
+    plan = client.lookup(keys)
+    client.release(plan, client.load(keys, plan))
+    assert plan.targets == [client.node_id] * 3
+
+
+def test_collective_path_moves_a_large_run_exactly(with_paths):
+    runtime, client = with_paths(tcp=False, collective_min_bytes=1 << 20)
+    other = next(n for n in runtime.stores if n != client.node_id)
+    keys = client.keys_for_trace(list(range(100, 148)))
+    expected = fill(client, range(0, 48), seed=2)
+    client.store(keys, 0, Plan(0, [], [other] * 48))  # a plan placing all pages on another node
+    ray.get(runtime.controller.snapshot.remote())  # the commit (fire and forget) has landed
+    plan, loaded = roundtrip(client, keys, expected)
+    assert loaded.pages == 48 and loaded.paths == {"collective": 48}
+    assert loaded.bytes_between_nodes == 48 * client.page_nbytes
+
+
+def test_object_store_path_below_the_collective_threshold(with_paths):
+    runtime, client = with_paths(tcp=False, collective_min_bytes=64 << 20)
+    other = next(n for n in runtime.stores if n != client.node_id)
+    keys = client.keys_for_trace(list(range(200, 210)))
+    expected = fill(client, range(0, 10), seed=3)
+    client.store(keys, 0, Plan(0, [], [other] * 10))
+    ray.get(runtime.controller.snapshot.remote())
+    _, loaded = roundtrip(client, keys, expected)
+    assert loaded.paths == {"object_store": 10}
+
+
+def test_evicted_pages_leave_the_index_and_a_stale_location_is_a_miss(ray_cluster):
+    runtime, client = start(tiers=TierSizes(host=6), collective=False)
+    try:
+        _evictions_and_stale_locations(runtime, client)
+    finally:
+        client.close()
+        runtime.close()
+
+
+def _evictions_and_stale_locations(runtime: Runtime, client: KvrayClient) -> None:
+    first = client.keys_for_trace(list(range(300, 306)))
+    second = client.keys_for_trace(list(range(400, 406)))
+    for keys, seed in ((first, 4), (second, 5)):
+        plan = client.lookup(keys)
+        fill(client, range(0, 6), seed)
+        client.release(plan, client.load(keys, plan))
+        client.store(keys, 0, plan)  # the second request evicts the first from the node's host tier
+    ray.get(runtime.controller.snapshot.remote())
+    plan = client.lookup(first)
+    assert plan.hit_pages == 0  # the store reported the evictions with its write
+    client.release(plan, client.load(first, plan))
+
+    # A location the controller believes but the store no longer has: a miss, reported, dropped.
+    third = client.keys_for_trace(list(range(500, 506)))
+    plan = client.lookup(third)
+    stale = Plan(plan.lease, [client.node_id] * 6, [])
+    loaded = client.load(third, stale)
+    assert loaded.pages == 0 and loaded.lost == {client.node_id: third}
+    client.release(plan, loaded)
+
+
+def test_one_controller_call_answers_a_whole_request(shared):
+    runtime, client = shared
+    before = ray.get(runtime.controller.snapshot.remote())["lookups"]
+    keys = client.keys_for_trace(list(range(600, 664)))
+    plan = client.lookup(keys)
+    assert len(plan.targets) == 64 and plan.hit_pages == 0  # placement for all 64 pages at once
+    client.release(plan, client.load(keys, plan))
+    assert ray.get(runtime.controller.snapshot.remote())["lookups"] == before + 1
+
+
+def test_page_servers_serve_only_this_runtimes_token_holders(shared):
+    runtime, client = shared
+    other = next(n for n in runtime.stores if n != client.node_id)
+    keys = client.keys_for_trace(list(range(600, 603)))
+    expected = fill(client, range(0, 3), seed=6)
+    client.store(keys, 0, Plan(0, [], [other] * 3))
+    ray.get(runtime.controller.snapshot.remote())
+    rows = np.zeros((3, client.page_nbytes), dtype=np.uint8)
+    assert client.links.load(client.servers[other], keys).receive(rows) == 3
+    assert np.array_equal(rows, expected)
+
+    stranger = PeerLinks(secrets.token_bytes(TOKEN_BYTES), client.page_nbytes, timeout_s=10)
+    rows[:] = 0
+    assert stranger.load(client.servers[other], keys).receive(rows) == 0
+    assert not rows.any()
+    stranger.close()
+    assert ray.get(runtime.stores[other].stats.remote())["tcp_rejected"] >= 1

@@ -1,0 +1,89 @@
+"""The simulator predicts the runtime: one trace slice replayed by ``kvray sim`` and by the
+Ray runtime (one store node, real page bytes) on the same scenario.
+
+Hits must agree exactly for the deterministic policies: both run the same CacheManager and
+policy over the same full-page keys in the same order. Mean TTFT is measured on the runtime
+(Ray round trips, real page copies, a calibrated matmul prefill) and modeled by the
+simulator; on this shared 2-core machine the measured figure moves with whatever else runs,
+so the test asserts a looser bound (runtime within 0.8x..2x of the model) than the 15% goal
+and prints the gap; docs/sim-eval/README.md holds figures measured on a quiet machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvray.apps.replay import replay_on_runtime, settings_from
+from kvray.core.errors import ConfigError
+from kvray.sim.cost import load_scenario
+from kvray.sim.simulator import simulate
+from kvray.traces import read_trace
+from tests.conftest import RAY_OBJECT_STORE_BYTES
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO = ROOT / "simulations" / "this-machine-runtime.yaml"
+TRACE = ROOT / "data" / "traces" / "synthetic_trace.jsonl"
+REQUESTS = 150  # its first 150 requests revisit long prefixes, and lru, lfu, arc keep different ones
+NODE = {"kvray_sim_vs_runtime": 1.0}
+
+
+@pytest.fixture(scope="module")
+def one_node(ray_cluster):
+    """A store node of its own, so the runtime has one node like the simulator."""
+    node = ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=dict(NODE))
+    ray_cluster.wait_for_nodes()
+    yield NODE
+    ray_cluster.remove_node(node)
+
+
+def both(policy: str, resources: dict, prefill_us: float | None = None) -> tuple[dict, dict]:
+    """(simulated, measured) results of the slice under ``policy``."""
+    trace = read_trace(TRACE, limit=REQUESTS)
+    simulated = simulate(trace, policy, load_scenario(SCENARIO)).as_dict()
+    settings = settings_from(SCENARIO, {"policy": policy, "name": f"simrun-{policy}", "store_resources": resources},
+                             {}, {"prefill_us_per_token": prefill_us})
+    measured = replay_on_runtime(trace, settings, progress=False).as_dict()
+    assert measured["wrong_pages"] == 0
+    return simulated, measured
+
+
+def test_the_policies_keep_different_pages_on_this_slice():
+    """Otherwise exact agreement below would say little."""
+    trace = read_trace(TRACE, limit=REQUESTS)
+    hits = {p: simulate(trace, p, load_scenario(SCENARIO)).hit_tokens for p in ("lru", "lfu", "arc")}
+    assert len(set(hits.values())) == 3 and min(hits.values()) > 0
+
+
+def test_lru_hits_agree_exactly_and_mean_ttft_is_predicted(one_node):
+    simulated, measured = both("lru", one_node)
+    assert measured["hit_tokens"] == simulated["hit_tokens"] > 0
+    assert measured["hit_tokens_by_tier"] == simulated["hit_tokens_by_tier"]
+    assert measured["tokens"] == simulated["tokens"]
+    ratio = measured["mean_ttft_ms"] / simulated["mean_ttft_ms"]
+    print(f"mean TTFT: sim {simulated['mean_ttft_ms']:.1f} ms, runtime {measured['mean_ttft_ms']:.1f} ms, "
+          f"runtime/sim {ratio:.2f}")
+    assert 0.8 <= ratio <= 2.0
+
+
+@pytest.mark.parametrize("policy", ["lfu", "arc"])
+def test_hits_agree_exactly(policy, one_node):
+    simulated, measured = both(policy, one_node, prefill_us=0.0)  # hits only: skip the prefill compute
+    assert measured["hit_tokens"] == simulated["hit_tokens"] > 0
+    assert measured["hit_tokens_by_tier"] == simulated["hit_tokens_by_tier"]
+
+
+def test_kvray_run_reads_a_sim_scenario_as_one_node(tmp_path):
+    scenario = load_scenario(SCENARIO)
+    settings = settings_from(SCENARIO, {}, {"host": 300}, {})
+    assert settings.nodes == 1 and settings.runtime.layout == scenario.layout
+    assert settings.runtime.tiers.host == 300 and settings.runtime.tiers.disk == 0  # options still override
+    assert settings.prefill_us_per_token == scenario.compute.prefill_us_per_token
+    with_disk = tmp_path / "disk.yaml"
+    with_disk.write_text(SCENARIO.read_text().replace(
+        "latency_us: 0}", "latency_us: 0}\n  disk: {capacity_pages: 100, read_gbps: 1, write_gbps: 1}"))
+    with pytest.raises(ConfigError, match=f"{with_disk}.*disk_root"):
+        settings_from(with_disk, {}, {}, {})

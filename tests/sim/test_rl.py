@@ -1,0 +1,118 @@
+"""The learned policy: tiny PPO training writes safe weights and a model card, `rl:PATH`
+loads them, decisions are deterministic, and files for another observation space (or not
+a policy at all) are refused with PolicyError."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from kvray.core.errors import PolicyError
+from kvray.policy import make_policy
+from kvray.policy.features import CANDIDATES, FEATURES
+from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, WEIGHTS_FILE, RLPolicy, decision_time_us, load_scorer
+from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+from kvray.apps.evaluate import compare, goals, plot, write_report
+from kvray.sim.simulator import simulate
+from kvray.rl.train import split_by_time, train
+from kvray.traces import read_trace
+
+SCENARIO = load_scenario(DEFAULT_SCENARIO)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory):
+    trace = tmp_path_factory.mktemp("trace") / "t.jsonl"
+    lines = open("data/traces/conversation_trace_first30min.jsonl").readlines()[:200]
+    trace.write_text("".join(lines))
+    out = tmp_path_factory.mktemp("policy") / "tiny"
+    card = train(SCENARIO, [trace], timesteps=512, out=out, capacity_fractions=(0.1,), episode_requests=40, progress=False)
+    return out, card
+
+
+def test_training_writes_safetensors_and_a_card(tiny_policy):
+    out, card = tiny_policy
+    assert (out / WEIGHTS_FILE).read_bytes()[8:9] == b"{"  # safetensors: length + JSON header, no pickle
+    written = json.loads((out / CARD_FILE).read_text())
+    assert written["observation"] == {"features": list(FEATURES), "candidates": CANDIDATES}
+    assert written["training"]["timesteps"] >= 512 and written["training"]["seed"] == 0
+    assert written["training"]["curve"] and written["training"]["traces"][0]["train_requests"] > 0
+
+
+def test_trained_policy_runs_in_the_simulator_deterministically(tiny_policy):
+    out, _ = tiny_policy
+    requests = read_trace("data/traces/synthetic_trace.jsonl", limit=150)
+    runs = [simulate(requests, f"rl:{out}", SCENARIO, capacity=50).as_dict() for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0]["requests"] == 150
+
+
+def test_policy_for_another_observation_space_is_refused(tiny_policy, tmp_path):
+    out, _ = tiny_policy
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    card = json.loads((other / CARD_FILE).read_text())
+    card["observation"]["features"] = card["observation"]["features"][:-1]
+    (other / CARD_FILE).write_text(json.dumps(card))
+    with pytest.raises(PolicyError, match="trained on observation"):
+        make_policy(f"rl:{other}")
+    with pytest.raises(PolicyError, match="not a policy"):
+        make_policy(f"rl:{tmp_path / 'missing'}")
+    (other / CARD_FILE).write_text(json.dumps({**card, "observation": json.loads((out / CARD_FILE).read_text())["observation"]}))
+    (other / WEIGHTS_FILE).write_bytes(b"\x80\x04pickle")
+    with pytest.raises(PolicyError, match="unreadable"):
+        make_policy(f"rl:{other}")
+
+
+def test_shipped_default_policy_loads_and_scores_batches_fast_enough_to_measure():
+    policy = make_policy("rl")
+    assert isinstance(policy, RLPolicy) and policy.card["training"]["timesteps"] > 0
+    scorer, _ = load_scorer(DEFAULT_POLICY)
+    rows = np.random.default_rng(0).random((5000, len(FEATURES)), dtype=np.float32)
+    assert np.array_equal(scorer.score(rows), scorer.score(rows)) and scorer.score(rows).shape == (5000,)
+    assert decision_time_us(scorer, decisions=256, repeats=3) > 0
+
+
+def test_eval_compares_policies_and_saves_plots(tiny_policy, tmp_path):
+    out, card = tiny_policy
+    _, held = split_by_time(read_trace("data/traces/conversation_trace_first30min.jsonl", limit=300), 0.5)
+    rows = compare({"conv@0.5": held}, ["lru", "belady", f"rl:{out}"], [0.05, 0.1], SCENARIO)
+    summary = goals(rows, learned=f"rl:{out}")
+    assert set(summary) == {"conv@0.5@0.05", "conv@0.5@0.1"}
+    assert all(0 < v["rl_hit_rate_vs_belady"] and v["best_heuristic"] == "lru" for v in summary.values())
+    write_report(tmp_path, rows, summary)
+    files = plot(rows, tmp_path, card)
+    assert {f.name for f in files} == {"conv_at_0.5.png", "training_curve.png"}
+    assert all(f.stat().st_size > 1000 for f in files) and (tmp_path / "eval.json").is_file()
+
+
+def test_rl_policy_runs_inside_the_runtime_page_store(tiny_layout):
+    """The same policy object works in PageStore, which sends no on_request."""
+    import torch
+
+    from kvray.core.config import StoreConfig, TierSizes
+    from kvray.core.store import PageStore
+    from tests.conftest import prefix_kv
+
+    store = PageStore(StoreConfig(layout=tiny_layout, tiers=TierSizes(device=2, host=4)), policy=make_policy("rl"))
+    for start in range(0, 40, 8):
+        tokens = list(range(start, start + 16))
+        store.store(tokens, prefix_kv(tiny_layout, tokens))
+        hit = store.load(tokens)
+        assert torch.equal(hit.kv, prefix_kv(tiny_layout, tokens)[:, :, : hit.tokens])
+    assert len(store) <= 6
+
+
+def test_kvray_train_writes_tensorboard_events(tmp_path):
+    """`kvray train` logs to TensorBoard under the policy folder by default."""
+    from typer.testing import CliRunner
+
+    from kvray.cli import app
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(open("data/traces/conversation_trace_first30min.jsonl").readlines()[:120]))
+    out = tmp_path / "tiny"
+    result = CliRunner().invoke(app, ["train", "--trace", str(trace), "--timesteps", "64", "--out", str(out), "--no-evaluate"])
+    assert result.exit_code == 0, result.output
+    events = list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events and all(e.stat().st_size > 0 for e in events)
