@@ -11,7 +11,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvray-installed
 export KVRAY_VLLM_PYTHON ?= $(abspath $(VLLM_VENV))/bin/python
 
-.PHONY: install vllm-env demo test bench clean
+.PHONY: install vllm-env demo lint test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,11 +33,15 @@ vllm-env: $(VLLM_STAMP)
 demo: install
 	$(VENV)/bin/kvray demo
 
-test: install vllm-env
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint vllm-env
 	$(PY) -m pytest -q -ra
 
 bench: install vllm-env
 	$(VENV)/bin/kvray bench
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis results
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .ruff_cache results build *.egg-info

@@ -5,15 +5,16 @@ neither Ray nor an inference engine; Ray lives in :mod:`kvray.cluster`, engines 
 :mod:`kvray.engines`.
 
 Example::
-
     import torch
-    from kvray import PageLayout, PageStore, StoreConfig
+    from kvray import PageLayout, PageStore, StoreConfig, TierSizes
 
     layout = PageLayout(layers=2, kv_heads=2, head_dim=8, page_tokens=16, dtype="float32")
-    store = PageStore(StoreConfig(layout=layout, host_pages=64))
+    store = PageStore(StoreConfig(layout=layout, tiers=TierSizes(host=64)))
     tokens = list(range(64))
-    store.store(tokens, torch.randn(layout.request_shape(64)))
+    kv = torch.randn(layout.request_shape(64))
+    store.store(tokens, kv)
     hit = store.load(tokens)          # 64 tokens come back bit-exact
+    assert hit.tokens == 64 and torch.equal(hit.kv, kv)
 """
 
 from kvray.core.config import PageLayout, StoreConfig, TierSizes

@@ -4,10 +4,11 @@ It draws on stderr, so a command's JSON on stdout stays clean, and redraws at mo
 times whatever the loop's length.
 
 Example::
+    from kvray.progress import progress_bar
 
-    with progress_bar(len(trace), "replay lru") as tick:
-        for i, request in enumerate(trace):
-            ...
+    items = range(1000)
+    with progress_bar(len(items), "replay lru") as tick:
+        for i, item in enumerate(items):
             if tick:
                 tick(i)
 """

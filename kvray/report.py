@@ -8,10 +8,14 @@ Token accounting follows the trace: request ``r`` has ``r.input_length`` prompt 
 first ``n`` blocks saves ``min(n * block_tokens, r.input_length)`` tokens.
 
 Example::
+    from kvray.report import ReplayTally
+    from kvray.traces import TraceRequest
 
+    request = TraceRequest(timestamp_ms=0, input_length=1500, output_length=10, hash_ids=(1, 2, 3))
     tally = ReplayTally(block_tokens=512)
-    tally.record(request, hit_tiers=["device", "host", "host"], ttft_ms=42.0)
+    tally.record(request, hit_tiers=["device", "host"], ttft_ms=42.0)
     result = tally.result(policy="lru", scenario="h100-llama8b", bytes_moved=0)
+    assert result.hit_tokens == 1024
     print(result.as_json())        # requests, tokens, hit_tokens, token_hit_rate, ...
 """
 

@@ -9,8 +9,9 @@ prefix up to block i, exactly like kvray's own page keys, so the simulator and
 Malformed input raises :class:`kvray.core.errors.TraceError` naming the file and line (row).
 
 Example::
+    from kvray.traces import read_trace
 
-    trace = read_trace("data/traces/conversation_trace_first30min.jsonl")
+    trace = read_trace("conversation_trace_first30min.jsonl")   # shipped with kvray, or any path
     trace[0].hash_ids[:3], len(trace)
 """
 

@@ -4,11 +4,11 @@ Everything a user or a file hands kvray is checked here once, by pydantic, and t
 afterwards. Invalid values raise :class:`kvray.core.errors.ConfigError` naming the field.
 
 Example::
+    from kvray.core.config import PageLayout, StoreConfig, TierSizes
 
-    from kvray.core.config import PageLayout, StoreConfig
     layout = PageLayout(layers=32, kv_heads=8, head_dim=128, page_tokens=256, dtype="bfloat16")
-    layout.page_nbytes                 # 32 MiB: one page holds K and V for all layers
-    cfg = StoreConfig(layout=layout, host_pages=128, disk_pages=4096, disk_dir="/tmp/kv")
+    assert layout.page_nbytes == 32 << 20   # one page holds K and V for all layers
+    cfg = StoreConfig(layout=layout, tiers=TierSizes(host=128, disk=4096), disk_dir="/tmp/kv")
 """
 
 from __future__ import annotations

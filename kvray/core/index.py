@@ -14,11 +14,14 @@ Pins protect pages being read or moved: a pinned page is never evicted or moved.
 ``pin`` is matched by an ``unpin``; the counts are per page, so concurrent readers stack.
 
 Example::
+    from kvray.core.index import ROOT, PrefixIndex
+    from kvray.core.tiers import Tier
 
     index = PrefixIndex()
-    root = index.add(key=42, tier=Tier.HOST, slot=3, checksum=0xABC, parent=ROOT)
-    index.match([42, 43])        # -> 1: only the first key is cached
-    index.add(key=43, tier=Tier.DISK, slot=0, checksum=0xDEF, parent=root)
+    first = index.add(key=42, tier=Tier.HOST, slot=3, checksum=0xABC, parent=ROOT)
+    assert index.match([42, 43]) == 1            # only the first key is cached
+    index.add(key=43, tier=Tier.DISK, slot=0, checksum=0xDEF, parent=first)
+    assert index.match([42, 43]) == 2
 """
 
 from __future__ import annotations

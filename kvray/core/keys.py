@@ -10,9 +10,13 @@ make accidental collisions negligible at any realistic cache size).
 Only full pages get keys: the KV of a partial last page is recomputed, as in vLLM.
 
 Example::
+    from kvray.core.config import PageLayout
+    from kvray.core.keys import ModelFingerprint, page_keys
 
+    layout = PageLayout(layers=2, kv_heads=2, head_dim=8, page_tokens=16)
     fp = ModelFingerprint.of(layout, "llama-3-8b")
-    keys = page_keys(token_ids, fp, salt="tenant-a")   # one int per full page
+    keys = page_keys(list(range(40)), fp, salt="tenant-a")   # one key per full page: 2
+    assert len(keys) == 2 and keys != page_keys(list(range(40)), fp, salt="tenant-b")
 """
 
 from __future__ import annotations

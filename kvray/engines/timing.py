@@ -8,9 +8,13 @@ to 0.45 here). With one intra-op thread both sides pay the same per-op cost and 
 ratio measures the work saved.
 
 Example::
+    import time, torch
+    from kvray.engines.timing import torch_threads
 
     with torch_threads(1):
-        seconds = time_prefill()
+        start = time.perf_counter()
+        torch.randn(256, 256) @ torch.randn(256, 256)
+        seconds = time.perf_counter() - start
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@ care whether weights were trained: what matters is a real Llama forward pass wit
 grouped-query attention. vLLM reads the same ``config.json`` with ``load_format="dummy"``.
 
 Example::
+    import tempfile, torch
+    from kvray.engines.tiny import seeded_checkpoint, tiny_llama
 
-    model = tiny_llama()                              # 2 layers, 4 heads / 2 KV heads
+    model = tiny_llama()                                  # 2 layers, 4 heads / 2 KV heads
     bench = tiny_llama("bench-llama", torch.bfloat16)
-    path = seeded_checkpoint(tmp_dir)               # the same model as files, for vLLM
+    path = seeded_checkpoint(tempfile.mkdtemp())          # the same model as files, for vLLM
 """
 
 from __future__ import annotations

@@ -18,8 +18,13 @@ the future; observations never do. Episodes are windows of ``episode_requests`` 
 starting at random points of the trace, after a warm-up that fills the cache with LRU.
 
 Example::
+    import gymnasium
+    import kvray.rl.env  # registers kvray/Placement-v0
+    from kvray.sim.cost import load_scenario
+    from kvray.traces import read_trace
 
-    env = gymnasium.make("kvray/Placement-v0", trace=read_trace(path), scenario=load_scenario(p))
+    env = gymnasium.make("kvray/Placement-v0", trace=read_trace("synthetic_trace.jsonl", limit=200),
+                         scenario=load_scenario("h100-llama8b"))
     obs, info = env.reset(seed=0)
     obs, reward, terminated, truncated, info = env.step(env.action_space.sample())
 """

@@ -9,10 +9,14 @@ Training and evaluation data are kept apart: :func:`split_by_time` gives the fir
 of a trace to training and the rest to evaluation; other traces can be held out whole.
 
 Example::
+    from pathlib import Path
+    from kvray.rl.train import train
+    from kvray.sim.cost import load_scenario
+    from kvray.resources import bundled
 
-    card = train(scenario, [Path("data/traces/conversation_trace_first30min.jsonl")],
-                 timesteps=50_000, out=Path("policies/mine"))
-    card["evaluation"]      # held-out mean TTFT and hit rate of rl vs every heuristic and belady
+    card = train(load_scenario("h100-llama8b"), [bundled("data/traces/synthetic_trace.jsonl")],
+                 timesteps=256, out=Path("policies-mine"), episode_requests=100, progress=False)
+    card["training"]["timesteps"]     # what was trained on; `kvray train` also fills card["evaluation"]
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ memory (as :class:`~kvray.core.tiers.DevicePool` does), so both take the memcpy 
 Every figure is a median of a few runs; the YAML says what was measured and when.
 
 Example::
+    from pathlib import Path
+    from kvray.sim.calibrate import calibrate, write_scenario
 
-    scenario = calibrate(Path("/tmp/kvray-calib"), repeats=3)
-    write_scenario(scenario, Path("simulations/this-machine.yaml"))
+    scenario = calibrate(Path("."), repeats=1, size_mib=1)   # measures here: takes a few seconds
+    write_scenario(scenario, Path("this-machine.yaml"))
 """
 
 from __future__ import annotations

@@ -9,10 +9,12 @@ a page is written into it. The simulator turns these into modeled time in place 
 bytes the runtime would move (docs/design.md, "One policy, two worlds").
 
 Example::
+    from kvray.core.tiers import Tier
+    from kvray.sim.cost import CostModel, load_scenario
 
-    scenario = load_scenario("simulations/h100-llama8b.yaml")
-    model = CostModel(scenario)
-    model.load_ms(Tier.HOST, pages=4), model.prefill_ms(tokens=2048)
+    model = CostModel(load_scenario("h100-llama8b"))     # a shipped scenario, or a YAML path
+    assert model.load_ms(Tier.DISK, 1) > model.load_ms(Tier.HOST, 1)
+    model.prefill_ms(tokens=2048)
 """
 
 from __future__ import annotations

@@ -15,8 +15,12 @@ The manager's ``mover`` callback adds the modeled cost of a move instead of copy
 in the runtime. The Belady oracle is told each request's future before it is served.
 
 Example::
+    from kvray.policy import make_policy
+    from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+    from kvray.sim.simulator import Simulator
+    from kvray.traces import read_trace
 
-    trace = read_trace("data/traces/conversation_trace_first30min.jsonl")
+    trace = read_trace("conversation_trace_first30min.jsonl", limit=500)   # shipped, or a path
     scenario = load_scenario(DEFAULT_SCENARIO)
     sim = Simulator(scenario, make_policy("lru"), scenario.scaled(fast_pages=2000))
     print(sim.replay(trace).as_json())

@@ -7,6 +7,8 @@ Session starts are Poisson; turns of a session follow each other after an expone
 think time and each extends the previous turn's prompt (plus the answer it got).
 
 Example::
+    from kvray.sim.workloads import WorkloadSpec, generate
+    from kvray.traces import write_parquet
 
     trace = generate(WorkloadSpec(sessions=200), seed=7)
     write_parquet(trace, "chat.parquet")     # or replay it: Simulator(...).replay(trace)

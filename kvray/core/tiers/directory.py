@@ -30,11 +30,15 @@ generation accesses would need fences. With ``checksum_memory`` on, readers veri
 page's checksum as well.
 
 Example::
+    import os
+    from kvray.core.tiers.directory import SlotDirectory
 
-    d = SlotDirectory.create("kvray_host_dir", capacity=8)   # in the store
-    d.publish(3, key, checksum)                              # after writing slot 3
-    r = SlotDirectory.attach("kvray_host_dir")               # in an engine
-    r.find(key)                                              # -> 3
+    name = f"kvray_example_dir_{os.getpid()}"
+    d = SlotDirectory.create(name, capacity=8)    # in the store
+    d.publish(3, key=0x1234, checksum=0)         # after writing slot 3
+    r = SlotDirectory.attach(name)               # in an engine
+    assert r.find(0x1234) == 3
+    r.close(); d.close()
 """
 
 from __future__ import annotations
