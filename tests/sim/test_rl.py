@@ -11,7 +11,8 @@ import pytest
 from kvray.core.errors import PolicyError
 from kvray.policy import make_policy
 from kvray.policy.features import CANDIDATES, FEATURES
-from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, WEIGHTS_FILE, RLPolicy, decision_time_us, load_scorer
+from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, WEIGHTS_FILE, RLPolicy, load_scorer
+from kvray.resources import shipped_or_given
 from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.apps.evaluate import compare, goals, plot, write_report
 from kvray.sim.simulator import simulate
@@ -64,13 +65,25 @@ def test_policy_for_another_observation_space_is_refused(tiny_policy, tmp_path):
         make_policy(f"rl:{other}")
 
 
-def test_shipped_default_policy_loads_and_scores_batches_fast_enough_to_measure():
+def test_shipped_default_policy_scores_rows_as_its_weights_say():
+    """The numpy scorer (chunked, transposed weights) equals a plain torch forward of the
+    shipped weights, and it tells pages apart (a constant scorer would rank nothing)."""
+    import torch
+    from safetensors.torch import load_file
+
     policy = make_policy("rl")
     assert isinstance(policy, RLPolicy) and policy.card["training"]["timesteps"] > 0
     scorer, _ = load_scorer(DEFAULT_POLICY)
-    rows = np.random.default_rng(0).random((5000, len(FEATURES)), dtype=np.float32)
-    assert np.array_equal(scorer.score(rows), scorer.score(rows)) and scorer.score(rows).shape == (5000,)
-    assert decision_time_us(scorer, decisions=256, repeats=3) > 0
+    rows = np.random.default_rng(0).random((5000, len(FEATURES)), dtype=np.float32)  # > one chunk
+    tensors = load_file(str(shipped_or_given(DEFAULT_POLICY, "policies") / WEIGHTS_FILE))
+    x = torch.from_numpy(rows)
+    layers = len(tensors) // 2
+    for i in range(layers):
+        x = torch.nn.functional.linear(x, tensors[f"layer{i}.weight"].float(), tensors[f"layer{i}.bias"].float())
+        x = torch.relu(x) if i < layers - 1 else x
+    scores = scorer.score(rows)
+    np.testing.assert_allclose(scores, x[:, 0].numpy(), rtol=1e-4, atol=1e-5)
+    assert np.std(scores) > 1e-3
 
 
 def test_eval_compares_policies_and_saves_plots(tiny_policy, tmp_path):
@@ -95,12 +108,15 @@ def test_rl_policy_runs_inside_the_runtime_page_store(tiny_layout):
     from tests.conftest import prefix_kv
 
     store = PageStore(StoreConfig(layout=tiny_layout, tiers=TierSizes(device=2, host=4)), policy=make_policy("rl"))
+    hit_tokens = []
     for start in range(0, 40, 8):
         tokens = list(range(start, start + 16))
         store.store(tokens, prefix_kv(tiny_layout, tokens))
         hit = store.load(tokens)
         assert torch.equal(hit.kv, prefix_kv(tiny_layout, tokens)[:, :, : hit.tokens])
-    assert len(store) <= 6
+        hit_tokens.append(hit.tokens)
+    assert len(store) == 6  # full: the policy chose what to evict four times over
+    assert hit_tokens == [16] * 5  # what was just stored is served from the tiers, bit-exact
 
 
 def test_kvray_train_writes_tensorboard_events(tmp_path):
