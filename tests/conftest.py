@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvray.core.config import PageLayout
+from kvray.core.pages import TORCH_DTYPES
 
 TINY = PageLayout(layers=2, kv_heads=2, head_dim=4, page_tokens=4, dtype="float32")
 
@@ -23,7 +24,7 @@ def prefix_kv(layout: PageLayout, tokens) -> torch.Tensor:
     grid = (state[:, None] * 7 + np.arange(per_token)[None, :]) % 1_000
     kv = torch.from_numpy(grid.astype(np.float32) / 8.0)  # exact in float16 and bfloat16 too
     kv = kv.view(len(tokens), layout.layers, 2, layout.kv_heads, layout.head_dim).permute(1, 2, 0, 3, 4)
-    return kv.contiguous().to({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[layout.dtype])
+    return kv.contiguous().to(TORCH_DTYPES[layout.dtype])
 
 
 SHM = Path("/dev/shm")

@@ -30,7 +30,7 @@ from pydantic import Field, model_validator
 from kvray.cluster.config import RuntimeConfig
 from kvray.apps.replay_engine import ReplayEngineActor
 from kvray.cluster.runtime import RayConnection, Runtime, alive_nodes, on_node
-from kvray.core.config import _Frozen, read_yaml, validate
+from kvray.core.config import FrozenModel, read_yaml, validate
 from kvray.core.errors import ClusterError
 from kvray.progress import progress_bar
 from kvray.sim.cost import Scenario
@@ -40,7 +40,7 @@ from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
 ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
-class ReplaySettings(_Frozen):
+class ReplaySettings(FrozenModel):
     """A replay's shape: the runtime, the nodes, the prefill cost, how much of the trace.
 
     A ``--scenario`` YAML file holds these fields (``runtime`` nested) or is a simulator

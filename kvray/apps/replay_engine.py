@@ -23,6 +23,7 @@ import torch
 
 from kvray.cluster.client import KvrayClient
 from kvray.apps.prefill import PrefillWorkload
+from kvray.core.keys import MASK64
 from kvray.traces import full_blocks
 
 
@@ -40,11 +41,11 @@ class PagePattern:
         self._scratch = np.empty_like(self.base)
 
     def fill(self, key: int, row: np.ndarray) -> None:
-        np.bitwise_xor(self.base, np.uint64(key & 0xFFFFFFFFFFFFFFFF), out=row.view(np.uint64))
+        np.bitwise_xor(self.base, np.uint64(key & MASK64), out=row.view(np.uint64))
 
     def matches(self, key: int, row: np.ndarray) -> bool:
         np.bitwise_xor(row.view(np.uint64), self.base, out=self._scratch)
-        return bool((self._scratch == np.uint64(key & 0xFFFFFFFFFFFFFFFF)).all())
+        return bool((self._scratch == np.uint64(key & MASK64)).all())
 
 
 class ReplayEngine:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from kvray.core.config import PageLayout, StoreConfig, TierSizes, _Frozen
+from kvray.core.config import PageLayout, StoreConfig, TierSizes, FrozenModel
 from kvray.core.errors import PolicyError
 from kvray.policy import make_policy
 
@@ -38,7 +38,7 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class RuntimeConfig(_Frozen):
+class RuntimeConfig(FrozenModel):
     """What every store actor and the controller of one kvray runtime share.
 
     ``tiers`` are per node. Pages of a request go to the requesting engine's node when the

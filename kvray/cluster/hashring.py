@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import xxhash
 
-MASK64 = (1 << 64) - 1
+from kvray.core.keys import MASK64
+
 
 
 def low64(keys: Sequence[int]) -> np.ndarray:

@@ -25,11 +25,13 @@ DType = Literal["float32", "float16", "bfloat16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-class _Frozen(BaseModel):
+class FrozenModel(BaseModel):
+    """Every kvray setting: immutable once validated, unknown fields refused."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class PageLayout(_Frozen):
+class PageLayout(FrozenModel):
     """Shape of one KV page: ``layers x {K,V} x page_tokens x kv_heads x head_dim``.
 
     One page is one contiguous buffer so that it moves between tiers and nodes as a
@@ -59,7 +61,7 @@ class PageLayout(_Frozen):
         return self.layers * 2 * self.page_tokens * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
-class TierSizes(_Frozen):
+class TierSizes(FrozenModel):
     """Capacity of each local tier, in pages. A tier of 0 pages is absent."""
 
     device: int = Field(default=0, ge=0)
@@ -73,7 +75,7 @@ class TierSizes(_Frozen):
         return self
 
 
-class StoreConfig(_Frozen):
+class StoreConfig(FrozenModel):
     """Settings of one in-process :class:`kvray.core.store.PageStore`.
 
     ``model_name`` and ``layout`` form the model fingerprint that every page key carries,

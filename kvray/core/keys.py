@@ -91,6 +91,7 @@ def page_keys(
 
 
 KEY_BYTES = 16  # a page key is an xxh3-128 digest
+MASK64 = (1 << 64) - 1  # a key's low half: what 64-bit tables and hashes take of it
 
 
 def pack_keys(keys: Sequence[int]) -> bytes:

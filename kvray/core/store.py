@@ -121,9 +121,13 @@ class PageStore:
     # -- request verbs -------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int] | np.ndarray, salt: str = "") -> int:
         """Leading tokens of ``tokens`` whose KV is cached (counts as a lookup, moves nothing)."""
-        keys = self.keys(tokens, salt)
+        return self.match(self.keys(tokens, salt)) * self.layout.page_tokens
+
+    def match(self, keys: Sequence[int]) -> int:
+        """How many leading ``keys`` are cached: what an engine that already holds the keys
+        asks before storing the rest of a chain (moves nothing, counts nothing)."""
         with self._lock:
-            return self.manager.index.match(keys) * self.layout.page_tokens
+            return self.manager.index.match(keys)
 
     def store(self, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor, salt: str = "", priority: int = 0) -> int:
         """Keep the KV of each full page of ``tokens`` that is not cached yet; returns pages stored."""

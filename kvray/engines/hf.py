@@ -175,7 +175,7 @@ class CachedCausalLM:
         if full_pages <= first_page:
             return 0
         keys = self.store.keys(arr[: full_pages * page], salt=self.salt)
-        first = max(first_page, self.store.manager.index.match(keys))
+        first = max(first_page, self.store.match(keys))
         if first == full_pages:
             return 0
         start, end = first * page, full_pages * page

@@ -242,7 +242,7 @@ class KVRayConnector(KVConnectorBase_V1):
         """Ask the worker for the prompt pages that become complete in this step and that
         kvray does not hold yet (pages it just loaded, for instance, are skipped)."""
         done = min((computed + out.num_scheduled_tokens.get(req_id, 0)) // self.layout.page_tokens, len(tracked.keys))
-        first = max(tracked.saved_pages, self.store.manager.index.match(tracked.keys[:done]))
+        first = max(tracked.saved_pages, self.store.match(tracked.keys[:done]))
         tracked.saved_pages = max(tracked.saved_pages, done)
         if first < done:
             parent = tracked.keys[first - 1] if first else None

@@ -9,7 +9,7 @@ a page is written into it. The simulator turns these into modeled time in place 
 bytes the runtime would move (docs/design.md, "One policy, two worlds").
 
 Example::
-    from kvray.core.tiers import Tier
+    from kvray.core.tiers import TIER_BY_LABEL, Tier
     from kvray.sim.cost import CostModel, load_scenario
 
     model = CostModel(load_scenario("h100-llama8b"))     # a shipped scenario, or a YAML path
@@ -22,20 +22,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from kvray.core.config import PageLayout, load_yaml
-from kvray.core.tiers import Tier
+from kvray.core.config import FrozenModel, PageLayout, load_yaml
+from kvray.core.tiers import TIER_BY_LABEL, Tier
 from kvray.resources import shipped_or_given
 
-TIER_NAMES = {t.label: t for t in Tier}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class TierSpec(_Strict):
+class TierSpec(FrozenModel):
     """One tier: its size in pages and how fast pages get in and out of it."""
 
     capacity_pages: int = Field(gt=0)
@@ -44,7 +37,7 @@ class TierSpec(_Strict):
     latency_us: float = Field(default=0.0, ge=0)
 
 
-class ComputeSpec(_Strict):
+class ComputeSpec(FrozenModel):
     """Prefill cost: a fixed launch overhead plus a cost per prompt token that is not cached."""
 
     prefill_us_per_token: float = Field(gt=0)
@@ -52,7 +45,7 @@ class ComputeSpec(_Strict):
     servers: int = Field(default=1, gt=0, le=4096)
 
 
-class Scenario(_Strict):
+class Scenario(FrozenModel):
     """A node (or one engine's share of it): page layout, tiers, network and compute.
 
     Tiers are named ``device``, ``host``, ``disk``, ``remote``; an absent tier does not
@@ -69,15 +62,15 @@ class Scenario(_Strict):
 
     @model_validator(mode="after")
     def _known_tiers(self) -> Scenario:
-        unknown = sorted(set(self.tiers) - set(TIER_NAMES))
+        unknown = sorted(set(self.tiers) - set(TIER_BY_LABEL))
         if unknown:
-            raise ValueError(f"unknown tier(s) {', '.join(unknown)}; expected {', '.join(TIER_NAMES)}")
+            raise ValueError(f"unknown tier(s) {', '.join(unknown)}; expected {', '.join(TIER_BY_LABEL)}")
         if not self.tiers:
             raise ValueError("a scenario needs at least one tier")
         return self
 
     def capacities(self) -> dict[Tier, int]:
-        return {TIER_NAMES[name]: spec.capacity_pages for name, spec in self.tiers.items()}
+        return {TIER_BY_LABEL[name]: spec.capacity_pages for name, spec in self.tiers.items()}
 
     def scaled(self, fast_pages: int) -> dict[Tier, int]:
         """Tier sizes with device + host = ``fast_pages``, every tier keeping its ratio to them."""
@@ -117,7 +110,7 @@ class CostModel:
         self._read_ms = {}
         self._write_ms = {}
         for name, spec in scenario.tiers.items():
-            tier = TIER_NAMES[name]
+            tier = TIER_BY_LABEL[name]
             read_gbps, latency = spec.read_gbps, spec.latency_us
             if tier == Tier.REMOTE:
                 read_gbps = min(read_gbps, scenario.network_gbps)

@@ -38,10 +38,9 @@ from kvray.core.manager import CacheManager
 from kvray.policy.base import PageContext, PlacementPolicy, RequestInfo
 from kvray.sim.cost import CostModel, PrefillQueue, Scenario
 from kvray.report import ReplayResult, ReplayTally, hit_tokens
-from kvray.core.tiers import Tier
+from kvray.core.tiers import TIER_LABELS, Tier
 from kvray.traces import TraceRequest, full_blocks, unique_blocks
 
-LABELS = [t.label for t in Tier]
 
 
 def next_uses(trace: Sequence[TraceRequest]) -> list[np.ndarray]:
@@ -123,7 +122,7 @@ class Simulator:
         backlog = self.queue.backlog_ms(request.timestamp_ms)
         self.policy.on_request(RequestInfo(keys, backlog, self.tier_cost, future))
         match = manager.lookup(keys)
-        hit_tiers = [LABELS[t] for t in match.tiers.tolist()]
+        hit_tiers = [TIER_LABELS[t] for t in match.tiers.tolist()]
         manager.pin(match.handles)
         load_ms = float(self._load_ms[match.tiers].sum())
         prefill_ms = self.cost.prefill_ms(request.input_length - hit_tokens(request, len(match), self.block_tokens))

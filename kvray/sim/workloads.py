@@ -16,15 +16,14 @@ Example::
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from kvray.core.config import FrozenModel
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 
-class WorkloadSpec(BaseModel):
+class WorkloadSpec(FrozenModel):
     """Shape of a generated workload (validated like every config: see kvray.core.config)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     sessions: int = Field(default=500, gt=0)
     system_prompts: int = Field(default=4, gt=0)

@@ -109,7 +109,7 @@ def test_a_partly_local_request_asks_the_controller_and_copies_its_local_run(loc
 def test_eviction_between_lookup_and_load_is_a_miss_not_wrong_kv(local):
     runtime, client = local
     keys = client.keys_for_trace(list(range(30, 34)))
-    pages = put_local(client, keys, seed=5)
+    put_local(client, keys, seed=5)
     plan = client.lookup(keys)
     assert plan.lease == LOCAL_LEASE
     # Eight newer pages fill the 8-slot host tier: ``keys`` are evicted (no disk tier), and

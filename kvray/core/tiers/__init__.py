@@ -22,6 +22,8 @@ class Tier(IntEnum):
 
 
 LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+TIER_LABELS = tuple(t.label for t in Tier)  # indexed by Tier value: what reports and scenarios call a tier
+TIER_BY_LABEL = {t.label: t for t in Tier}
 
 from kvray.core.tiers.slots import SlotAllocator  # noqa: E402
 from kvray.core.tiers.memory import DevicePool, HostPool  # noqa: E402

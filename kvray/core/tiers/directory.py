@@ -50,13 +50,13 @@ from pathlib import Path
 import numpy as np
 
 from kvray.core.errors import StorageError
+from kvray.core.keys import MASK64
 from kvray.core.pages import hash_page
 from kvray.core.tiers.memory import HostPool, attach_shared
 
 MAGIC = 0x6B7672617964_0001  # "kvrayd", layout version 1
 OPEN, CLOSED = 1, 2
 EMPTY = -1
-MASK64 = (1 << 64) - 1
 SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory segments
 _HEADER = 8  # uint64 words: magic, capacity, table size, state, (reserved)
 
