@@ -4,6 +4,7 @@ short answers, strangers without the token, a server that goes away."""
 from __future__ import annotations
 
 import secrets
+import time
 
 import numpy as np
 import pytest
@@ -54,6 +55,17 @@ class DictStore:
         return got
 
 
+def eventually(check, timeout_s: float = 10.0) -> bool:
+    """Poll ``check`` until it holds or ``timeout_s`` passes: what a server thread does
+    after its peer hung up lands a moment later."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 @pytest.fixture
 def served():
     token = secrets.token_bytes(TOKEN_BYTES)
@@ -93,8 +105,9 @@ def test_a_stranger_without_the_token_gets_nothing(served):
     stranger = PeerLinks(secrets.token_bytes(TOKEN_BYTES), PAGE, timeout_s=10)
     rows = np.zeros((2, PAGE), dtype=np.uint8)
     assert stranger.load(server.address, [1, 2]).receive(rows) == 0
-    assert not rows.any() and server.rejected == 1 and server.sent_bytes == 0
     stranger.close()
+    assert eventually(lambda: server.rejected == 1)
+    assert not rows.any() and server.sent_bytes == 0
 
 
 def test_an_oversized_request_is_hung_up_on_and_the_link_recovers(served):
