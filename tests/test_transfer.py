@@ -249,10 +249,12 @@ class Relay:
             sock.close()
 
 
-def test_a_corrupted_page_in_an_answer_ends_the_hit_there(served):
+@pytest.mark.parametrize("batch_bytes", [PAGE, transfer.BATCH_BYTES])  # a page a batch, all in one
+def test_a_corrupted_page_in_an_answer_ends_the_hit_there(served, monkeypatch, batch_bytes):
+    monkeypatch.setattr(transfer, "BATCH_BYTES", batch_bytes)
     server, _, _, token = served
-    # Page 2 of the first answer: after the handshake, the count and four checksums.
-    offset = HANDSHAKE_REPLY + 4 + 4 * 8 + 2 * PAGE + 7
+    # Page 2 of the first answer: after the handshake and the count.
+    offset = HANDSHAKE_REPLY + 4 + 2 * PAGE + 7
     relay = Relay(server.address, to_client={offset: bytes([page_of(3)[7] ^ 0xFF])})
     links = PeerLinks(token, PAGE, timeout_s=10)
     try:
@@ -267,11 +269,13 @@ def test_a_corrupted_page_in_an_answer_ends_the_hit_there(served):
         relay.close()
 
 
-def test_a_page_corrupted_on_its_way_to_the_server_is_not_stored(served):
+@pytest.mark.parametrize("batch_bytes", [PAGE, transfer.BATCH_BYTES])
+def test_a_page_corrupted_on_its_way_to_the_server_is_not_stored(served, monkeypatch, batch_bytes):
+    monkeypatch.setattr(transfer, "BATCH_BYTES", batch_bytes)
     server, _, store, token = served
-    # Page 1 of the first run: after the client's handshake, the request head, the parent,
-    # three keys and three checksums.
-    offset = CLIENT_HELLO + 5 + 17 + 3 * 16 + 3 * 8 + PAGE + 9
+    # Page 1 of the first run: after the client's handshake, the request head, the parent
+    # and three keys.
+    offset = CLIENT_HELLO + 5 + 17 + 3 * 16 + PAGE + 9
     rows = np.stack([page_of(k) for k in (100, 101, 102)])
     relay = Relay(server.address, to_server={offset: bytes([rows[1, 9] ^ 0xFF])})
     links = PeerLinks(token, PAGE, timeout_s=10)
@@ -321,9 +325,8 @@ def test_a_server_without_the_token_gets_neither_the_token_nor_a_key_and_its_pag
             conn, _ = listener.accept()
             conn.settimeout(10)
             with conn:
-                conn.sendall(secrets.token_bytes(HANDSHAKE_REPLY) + struct.pack("<I", 2)
-                             + b"".join(struct.pack("<Q", xxhash.xxh3_64_intdigest(row)) for row in fake)
-                             + fake.tobytes())
+                conn.sendall(secrets.token_bytes(HANDSHAKE_REPLY) + struct.pack("<I", 2) + fake.tobytes()
+                             + b"".join(struct.pack("<Q", xxhash.xxh3_64_intdigest(row)) for row in fake))
                 with contextlib.suppress(OSError):
                     while chunk := conn.recv(1 << 16):
                         heard.extend(chunk)

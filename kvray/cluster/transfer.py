@@ -16,7 +16,8 @@ crosses: each sends a fresh nonce and answers the other's with an HMAC-SHA256 un
 token, so the token itself never goes on the wire, a server at a stale address that lacks
 it learns neither the token nor a key, and a client without it is disconnected before it
 can name one. Every page travels with its xxh3-64 and is verified on arrival: a page that
-fails ends a load's hit there (a shorter hit, never wrong KV) and a store's run there.
+fails ends a load's hit there (a shorter hit, never wrong KV) and a store's run there. The
+checksums follow their pages, so each side hashes a batch of pages while the next one crosses.
 Every count read off the wire is bounded before anything is sized by it. None of this is
 encryption; page bytes cross the network in the clear, as with Ray's own transfers
 (docs/security.md).
@@ -36,8 +37,8 @@ Wire format, little-endian, requests pipelined on a connection, answers in order
     requests   client -> server   u8 op, u32 n (<= max_pages), and
                                     LOAD:  n x 16-byte keys
                                     STORE: u8 has_parent, 16-byte parent key, n x 16-byte keys,
-                                           n x u64 xxh3-64, n x page_nbytes bytes
-    answers    server -> client   LOAD:  u32 got (<= n), got x u64 xxh3-64, got x page_nbytes bytes
+                                           n x page_nbytes bytes, n x u64 xxh3-64 of them
+    answers    server -> client   LOAD:  u32 got (<= n), got x page_nbytes bytes, got x u64 xxh3-64
                                   STORE: u32 stored (<= n), u32 d (<= MAX_DROPPED), d x 16-byte keys dropped
 
 Example::
@@ -59,7 +60,7 @@ import secrets
 import socket
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from threading import Lock, Thread
 
@@ -80,6 +81,7 @@ COUNT = struct.Struct("<I")
 PARENT = struct.Struct("<B16s")  # has parent, parent key
 CHECKSUM = np.dtype("<u8")
 LOAD, STORE = 1, 2
+BATCH_BYTES = 1 << 20  # pages cross in batches of about this much, each hashed while the next one moves
 MAX_DROPPED = 1 << 16  # dropped keys one STORE answer carries (1 MiB); the rest go with the next
 ACCEPT_PAUSE_S = (0.01, 1.0)  # first and longest pause after a failed accept
 WARN_EVERY_S = 10.0
@@ -98,18 +100,6 @@ def _proof(token: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes) 
     """Proof of the token for one connection: both fresh nonces make it useless on any
     other, the role makes a server's proof useless as a client's (no reflection)."""
     return hmac.digest(token, role + client_nonce + server_nonce, "sha256")
-
-
-def _checksums(rows: np.ndarray) -> np.ndarray:
-    return np.fromiter((xxhash.xxh3_64_intdigest(row) for row in rows), dtype=CHECKSUM, count=len(rows))
-
-
-def _verified(rows: np.ndarray, checksums: np.ndarray) -> int:
-    """How many leading rows match their checksums: a run is only as good as its prefix."""
-    for i, row in enumerate(rows):
-        if xxhash.xxh3_64_intdigest(row) != int(checksums[i]):
-            return i
-    return len(rows)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> bool:
@@ -133,6 +123,41 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = 
 def _recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
     buf = bytearray(n)
     return bytes(buf) if _recv_exact(sock, memoryview(buf), deadline) else None
+
+
+def _batches(rows: np.ndarray) -> Iterator[np.ndarray]:
+    step = max(1, BATCH_BYTES // max(rows.shape[1], 1))
+    for start in range(0, len(rows), step):
+        yield rows[start : start + step]
+
+
+def _send_pages(sock: socket.socket, rows: np.ndarray) -> bytes:
+    """Send ``rows`` batch by batch and return the checksums of what was sent. Each batch is
+    hashed once the kernel has it, while it is on the wire, so hashing adds little time."""
+    checksums: list[int] = []
+    for batch in _batches(rows):
+        sock.sendall(memoryview(batch).cast("B"))
+        checksums.extend(xxhash.xxh3_64_intdigest(row) for row in batch)
+    return np.array(checksums, dtype=CHECKSUM).tobytes()
+
+
+def _recv_pages(sock: socket.socket, rows: np.ndarray) -> np.ndarray | None:
+    """Receive into ``rows`` batch by batch and return the checksums of what arrived (None if
+    the peer closed first). Each batch is hashed while the next one arrives."""
+    checksums = np.empty(len(rows), dtype=CHECKSUM)
+    done = 0
+    for batch in _batches(rows):
+        if not _recv_exact(sock, memoryview(batch).cast("B")):
+            return None
+        checksums[done : done + len(batch)] = [xxhash.xxh3_64_intdigest(row) for row in batch]
+        done += len(batch)
+    return checksums
+
+
+def _verified(arrived: np.ndarray, claimed: bytes) -> int:
+    """How many leading pages arrived as their sender hashed them: a run is only as good as its prefix."""
+    bad = np.flatnonzero(arrived != np.frombuffer(claimed, dtype=CHECKSUM))
+    return int(bad[0]) if len(bad) else len(arrived)
 
 
 class _RowPool:
@@ -343,23 +368,24 @@ class PageServer:
         if raw is None:
             return False
         got = self._read(unpack_keys(raw), rows) if len(rows) else 0
-        conn.sendall(COUNT.pack(got) + _checksums(rows[:got]).tobytes())
-        if got:
-            conn.sendall(memoryview(rows[:got]).cast("B"))
+        conn.sendall(COUNT.pack(got))
+        conn.sendall(_send_pages(conn, rows[:got]))
         with self._lock:
             self.sent_bytes += got * self._page_nbytes
         return True
 
     def _store(self, conn: socket.socket, rows: np.ndarray) -> bool:
         n = len(rows)
-        head = _recv_bytes(conn, PARENT.size + n * (KEY_BYTES + CHECKSUM.itemsize))
-        if head is None or not _recv_exact(conn, memoryview(rows).cast("B")):
+        head = _recv_bytes(conn, PARENT.size + n * KEY_BYTES)
+        arrived = _recv_pages(conn, rows) if head is not None else None
+        claimed = _recv_bytes(conn, n * CHECKSUM.itemsize) if arrived is not None else None
+        if claimed is None:
             return False
         has_parent, parent = PARENT.unpack_from(head)
         if has_parent > 1:
             return False  # not a kvray client: hang up
-        keys = unpack_keys(head[PARENT.size : PARENT.size + n * KEY_BYTES])
-        good = _verified(rows, np.frombuffer(head, CHECKSUM, n, PARENT.size + n * KEY_BYTES))
+        keys = unpack_keys(head[PARENT.size :])
+        good = _verified(arrived, claimed)
         with self._lock:
             self.received_bytes += rows.nbytes
             self.corrupt += int(good < n)
@@ -435,10 +461,11 @@ class PendingLoad(_Pending):
             got = _count(sock)
             if got > self.pages:
                 raise WireError(f"peer answered {got} pages for a request of {self.pages}")
-            raw = _recv_bytes(sock, got * CHECKSUM.itemsize)
-            if raw is None or (got and not _recv_exact(sock, memoryview(out[:got]).cast("B"))):
+            arrived = _recv_pages(sock, out[:got])
+            claimed = _recv_bytes(sock, got * CHECKSUM.itemsize) if arrived is not None else None
+            if claimed is None:
                 raise OSError("peer closed the connection mid-answer")
-            good = _verified(out[:got], np.frombuffer(raw, CHECKSUM))
+            good = _verified(arrived, claimed)
             if good < got:
                 self.links.corrupt += 1
                 log.warning("kvray page link to %s: page %d of %d failed its checksum; the hit ends there",
@@ -510,11 +537,11 @@ class PeerLinks:
             raise WireError("the peer does not hold this runtime's transfer token (a stale address?)")
         sock.sendall(_proof(self._token, CLIENT_PROOF, client_nonce, server_nonce))
 
-    def _send(self, address: tuple[str, int], parts: Sequence[bytes | memoryview]) -> _Link | None:
+    def _send(self, address: tuple[str, int], write: Callable[[socket.socket], None]) -> _Link | None:
+        """Send one request with ``write`` on the link to ``address``; None if that failed."""
         try:
             link = self._link(address)
-            for part in parts:
-                link.sock.sendall(part)
+            write(link.sock)
         except OSError as error:
             if isinstance(error, WireError):
                 log.warning("kvray page link to %s: %s", address, error)
@@ -524,16 +551,20 @@ class PeerLinks:
 
     def load(self, address: tuple[str, int], keys: Sequence[int]) -> PendingLoad:
         """Ask for the cached prefix of ``keys``; :meth:`PendingLoad.receive` reads the answer."""
-        link = self._send(address, [REQUEST.pack(LOAD, len(keys)) + pack_keys(keys)])
-        return PendingLoad(self, link, len(keys))
+        request = REQUEST.pack(LOAD, len(keys)) + pack_keys(keys)
+        return PendingLoad(self, self._send(address, lambda sock: sock.sendall(request)), len(keys))
 
     def store(self, address: tuple[str, int], keys: Sequence[int], pages: np.ndarray,
               parent: int | None) -> PendingStore:
         """Send a run of pages (rows of ``pages``, one per key) continuing ``parent``'s chain."""
         pages = np.ascontiguousarray(pages)
         head = REQUEST.pack(STORE, len(keys)) + PARENT.pack(parent is not None, (parent or 0).to_bytes(KEY_BYTES, "little"))
-        link = self._send(address, [head + pack_keys(keys) + _checksums(pages).tobytes(), memoryview(pages).cast("B")])
-        return PendingStore(self, link, len(keys))
+
+        def write(sock: socket.socket) -> None:
+            sock.sendall(head + pack_keys(keys))
+            sock.sendall(_send_pages(sock, pages))
+
+        return PendingStore(self, self._send(address, write), len(keys))
 
     def _drop(self, address: tuple[str, int]) -> None:
         link = self._links.pop(address, None)
