@@ -291,6 +291,7 @@ class NodeStore:
             pages=len(self.store),
             sent_bytes=self.sent_bytes + (self._server.sent_bytes if self._server else 0),
             tcp_rejected=self._server.rejected if self._server else 0,
+            tcp_corrupt=self._server.corrupt if self._server else 0,
             received_bytes=self.received_bytes + (self._server.received_bytes if self._server else 0),
             landing_buffers=len(self._buffers),
             restarted=self.restarted,

@@ -10,19 +10,36 @@ straight into its landing buffer. Stores go the same way: the client sends a run
 pages with their keys and chain parent, the server keeps them and answers how many it
 stored and which pages it dropped meanwhile. Nothing is pickled and no actor method runs.
 
-Every connection opens with the runtime's secret token (32 random bytes made when the
-runtime starts and handed by the controller to its stores and clients only): a peer
-without it is disconnected before it can name a key. The token is not encryption; page
-bytes cross the network in the clear, as with Ray's own transfers (docs/security.md).
+Both ends prove they hold the runtime's secret token (32 random bytes made when the
+runtime starts and handed by the controller to its stores and clients only) before a key
+crosses: each sends a fresh nonce and answers the other's with an HMAC-SHA256 under the
+token, so the token itself never goes on the wire, a server at a stale address that lacks
+it learns neither the token nor a key, and a client without it is disconnected before it
+can name one. Every page travels with its xxh3-64 and is verified on arrival: a page that
+fails ends a load's hit there (a shorter hit, never wrong KV) and a store's run there. The
+checksums follow their pages, so each side hashes a batch of pages while the next one crosses.
+Every count read off the wire is bounded before anything is sized by it. None of this is
+encryption; page bytes cross the network in the clear, as with Ray's own transfers
+(docs/security.md).
+
+A server stays up for token holders whatever strangers do: a handshake has a deadline
+(``handshake_s``), at most ``max_handshakes`` run at once (a new connection takes the
+place of the oldest) and at most ``max_connections`` are open; a failed ``accept`` (out of
+file descriptors, say) or a connection thread that cannot start is logged and retried
+after a pause. Page buffers are taken per request from a pool that keeps one largest
+request's worth between requests, so an idle connection holds none.
 
 Wire format, little-endian, requests pipelined on a connection, answers in order::
 
-    client -> server   token (32 bytes, once), then per request: u8 op, u32 n, and
-                         LOAD:  n x 16-byte keys
-                         STORE: u8 has_parent, 16-byte parent key, n x 16-byte keys,
-                                n x page_nbytes bytes
-    server -> client     LOAD:  u32 got (<= n), got x page_nbytes bytes
-                         STORE: u32 stored, u32 d, d x 16-byte keys dropped
+    handshake  client -> server   c (32-byte nonce)
+               server -> client   s (32-byte nonce), HMAC(token, "kvray page server" c s)
+               client -> server   HMAC(token, "kvray page client" c s)
+    requests   client -> server   u8 op, u32 n (<= max_pages), and
+                                    LOAD:  n x 16-byte keys
+                                    STORE: u8 has_parent, 16-byte parent key, n x 16-byte keys,
+                                           n x page_nbytes bytes, n x u64 xxh3-64 of them
+    answers    server -> client   LOAD:  u32 got (<= n), got x page_nbytes bytes, got x u64 xxh3-64
+                                  STORE: u32 stored (<= n), u32 d (<= MAX_DROPPED), d x 16-byte keys dropped
 
 Example::
 
@@ -36,32 +53,66 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
+import logging
+import secrets
 import socket
 import struct
-import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from threading import Lock, Thread
 
 import numpy as np
+import xxhash
 
 from kvray.core.errors import ClusterError
 from kvray.core.keys import KEY_BYTES, pack_keys, unpack_keys
 
+log = logging.getLogger(__name__)
+
 TOKEN_BYTES = 32
+NONCE_BYTES = 32
+PROOF_BYTES = 32  # HMAC-SHA256
+SERVER_PROOF, CLIENT_PROOF = b"kvray page server", b"kvray page client"
 REQUEST = struct.Struct("<BI")  # op, pages
 COUNT = struct.Struct("<I")
 PARENT = struct.Struct("<B16s")  # has parent, parent key
+CHECKSUM = np.dtype("<u8")
 LOAD, STORE = 1, 2
+BATCH_BYTES = 1 << 20  # pages cross in batches of about this much, each hashed while the next one moves
+MAX_DROPPED = 1 << 16  # dropped keys one STORE answer carries (1 MiB); the rest go with the next
+ACCEPT_PAUSE_S = (0.01, 1.0)  # first and longest pause after a failed accept
+WARN_EVERY_S = 10.0
+OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 PageReader = Callable[[Sequence[int], np.ndarray], int]  # (keys, out rows) -> pages written
 PageWriter = Callable[[Sequence[int], np.ndarray, "int | None"], tuple[int, list[int]]]  # -> (stored, dropped)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False if the peer closed first."""
+class WireError(OSError):
+    """A peer sent what no page server or client of this runtime sends: the connection is
+    dropped like a broken one, and the reason logged."""
+
+
+def _proof(token: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """Proof of the token for one connection: both fresh nonces make it useless on any
+    other, the role makes a server's proof useless as a client's (no reflection)."""
+    return hmac.digest(token, role + client_nonce + server_nonce, "sha256")
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> bool:
+    """Fill ``view`` from ``sock``; False if the peer closed first. With a ``deadline``
+    (``time.monotonic``), the whole read must finish by then: a peer trickling a byte at a
+    time gets no more time than a silent one."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            sock.settimeout(left)
         n = sock.recv_into(view[got:])
         if n == 0:
             return False
@@ -69,9 +120,83 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def _recv_bytes(sock: socket.socket, n: int) -> bytes | None:
+def _recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
     buf = bytearray(n)
-    return bytes(buf) if _recv_exact(sock, memoryview(buf)) else None
+    return bytes(buf) if _recv_exact(sock, memoryview(buf), deadline) else None
+
+
+def _batches(rows: np.ndarray) -> Iterator[np.ndarray]:
+    step = max(1, BATCH_BYTES // max(rows.shape[1], 1))
+    for start in range(0, len(rows), step):
+        yield rows[start : start + step]
+
+
+def _send_pages(sock: socket.socket, rows: np.ndarray) -> bytes:
+    """Send ``rows`` batch by batch and return the checksums of what was sent. Each batch is
+    hashed once the kernel has it, while it is on the wire, so hashing adds little time."""
+    checksums: list[int] = []
+    for batch in _batches(rows):
+        sock.sendall(memoryview(batch).cast("B"))
+        checksums.extend(xxhash.xxh3_64_intdigest(row) for row in batch)
+    return np.array(checksums, dtype=CHECKSUM).tobytes()
+
+
+def _recv_pages(sock: socket.socket, rows: np.ndarray) -> np.ndarray | None:
+    """Receive into ``rows`` batch by batch and return the checksums of what arrived (None if
+    the peer closed first). Each batch is hashed while the next one arrives."""
+    checksums = np.empty(len(rows), dtype=CHECKSUM)
+    done = 0
+    for batch in _batches(rows):
+        if not _recv_exact(sock, memoryview(batch).cast("B")):
+            return None
+        checksums[done : done + len(batch)] = [xxhash.xxh3_64_intdigest(row) for row in batch]
+        done += len(batch)
+    return checksums
+
+
+def _verified(arrived: np.ndarray, claimed: bytes) -> int:
+    """How many leading pages arrived as their sender hashed them: a run is only as good as its prefix."""
+    bad = np.flatnonzero(arrived != np.frombuffer(claimed, dtype=CHECKSUM))
+    return int(bad[0]) if len(bad) else len(arrived)
+
+
+class _RowPool:
+    """Page buffers for the requests in flight on a server's connections.
+
+    A request takes rows for its pages and gives them back once answered. Between requests
+    at most ``keep_rows`` rows stay allocated in all (one largest request's worth, so a
+    steady stream of requests reuses warm memory): an idle connection holds none, and a
+    burst of parallel requests allocates buffers that are freed once they are answered.
+    """
+
+    def __init__(self, page_nbytes: int, keep_rows: int) -> None:
+        self._page_nbytes = page_nbytes
+        self._keep_rows = keep_rows
+        self._free: list[np.ndarray] = []  # smallest first
+        self._lock = Lock()
+
+    @property
+    def kept_rows(self) -> int:
+        with self._lock:
+            return sum(len(rows) for rows in self._free)
+
+    def take(self, n: int) -> np.ndarray:
+        """At least ``n`` rows, the smallest free buffer that fits or a new one."""
+        with self._lock:
+            for i, rows in enumerate(self._free):
+                if len(rows) >= n:
+                    return self._free.pop(i)
+        return np.empty((n, self._page_nbytes), dtype=np.uint8)
+
+    def give(self, rows: np.ndarray) -> None:
+        """Keep ``rows`` for later requests if they fit, making room by freeing smaller buffers."""
+        with self._lock:
+            kept = sum(len(free) for free in self._free)
+            while self._free and kept + len(rows) > self._keep_rows and len(self._free[0]) < len(rows):
+                kept -= len(self._free.pop(0))
+            if kept + len(rows) <= self._keep_rows:
+                self._free.append(rows)
+                self._free.sort(key=len)
 
 
 class PageServer:
@@ -79,94 +204,223 @@ class PageServer:
 
     ``read(keys, out)`` writes the cached, verified prefix of ``keys`` into rows of ``out``
     and returns how many; the server never sends a page it did not get from it.
-    ``write(keys, pages, parent)`` keeps a run of pages and returns (stored, keys dropped).
+    ``write(keys, pages, parent)`` keeps a run of pages and returns (stored, keys dropped);
+    it only ever sees pages that passed their checksum.
     """
 
     def __init__(self, read: PageReader, write: PageWriter, page_nbytes: int, token: bytes, host: str,
-                 max_pages: int) -> None:
+                 max_pages: int, *, handshake_s: float = 5.0, max_handshakes: int = 16,
+                 max_connections: int = 256) -> None:
         self._read = read
         self._write = write
         self._page_nbytes = page_nbytes
         self._token = token
         self._max_pages = max_pages
+        self._handshake_s = handshake_s
+        self._max_handshakes = max_handshakes
+        self._max_connections = max_connections
+        self._rows = _RowPool(page_nbytes, keep_rows=max_pages)
         self._listener = socket.create_server((host, 0))
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         self.sent_bytes = 0
         self.received_bytes = 0
-        self.rejected = 0
+        self.rejected = 0  # connections closed before they proved the token (wrong, too slow, crowded out)
+        self.corrupt = 0  # stored runs cut short by a page that failed its checksum
+        self._pending: dict[socket.socket, None] = {}  # connections in their handshake, oldest first
         self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, name="kvray-page-server", daemon=True).start()
+        self._unreported: list[int] = []  # dropped keys beyond what the last answer could carry
+        self._lock = Lock()
+        self._closed = False
+        self._warned = -WARN_EVERY_S  # when the accept loop last logged a warning
+        Thread(target=self._accept, name="kvray-page-server", daemon=True).start()
 
+    @property
+    def kept_rows(self) -> int:
+        """Page rows of buffer the server holds between requests."""
+        return self._rows.kept_rows
+
+    # -- connections -------------------------------------------------------------------
     def _accept(self) -> None:
+        """Accept until closed. A failed accept or a thread that cannot start costs a logged
+        pause (doubling while the failures go on), never the server; out of descriptors, the
+        oldest handshake is closed to free one for whoever waits in the backlog."""
+        pause = ACCEPT_PAUSE_S[0]
         while True:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kvray-page-conn", daemon=True).start()
+            except OSError as error:
+                if self._closed:
+                    return
+                if error.errno in OUT_OF_RESOURCES:
+                    self._evict_oldest_handshake()
+                pause = self._pause(f"accept failed: {error}", pause)
+                continue
+            if not self._admit(conn):
+                continue
+            try:
+                Thread(target=self._serve, args=(conn,), name="kvray-page-conn", daemon=True).start()
+            except RuntimeError as error:  # no thread for it (a thread limit): turn this one away
+                self._forget(conn)
+                pause = self._pause(f"no thread for a connection: {error}", pause)
+                continue
+            pause = ACCEPT_PAUSE_S[0]
+
+    def _pause(self, what: str, pause: float) -> float:
+        """Log (a warning at most every ``WARN_EVERY_S``: a flood of connections can fail
+        thousands of accepts) and wait; returns the next pause."""
+        now = time.monotonic()
+        quiet = now - self._warned < WARN_EVERY_S
+        if not quiet:
+            self._warned = now
+        (log.debug if quiet else log.warning)("kvray page server %s: %s; retrying", self.address, what)
+        time.sleep(pause)
+        return min(2 * pause, ACCEPT_PAUSE_S[1])
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """Track a new connection within the bounds. With every handshake place or every
+        connection taken, the oldest handshake gives up its place (a peer that has not proved
+        itself yet yields to one that may); with only authenticated peers, the newcomer is
+        turned away."""
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return False
+            crowded = len(self._pending) >= self._max_handshakes or len(self._conns) >= self._max_connections
+            if crowded and not self._evict_oldest_handshake_locked():
+                self.rejected += 1
+                conn.close()
+                return False
+            self._pending[conn] = None
+            self._conns.add(conn)
+        return True
+
+    def _evict_oldest_handshake(self) -> None:
+        with self._lock:
+            self._evict_oldest_handshake_locked()
+
+    def _evict_oldest_handshake_locked(self) -> bool:
+        """Shut the oldest connection still in its handshake (its thread then fails it, counts
+        it and closes it); False if there is none. Under the lock, as closes are, so the
+        descriptor shut is never one reused by a newer socket."""
+        victim = next(iter(self._pending), None)
+        if victim is None:
+            return False
+        del self._pending[victim]
+        self._conns.discard(victim)
+        with contextlib.suppress(OSError):  # the peer already went away
+            victim.shutdown(socket.SHUT_RDWR)
+        return True
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._pending.pop(conn, None)
+            self._conns.discard(conn)
+            conn.close()
+
+    def _handshake(self, conn: socket.socket) -> bool:
+        """Mutual proof of the token within ``handshake_s``; True once the client proved it
+        and still holds its place."""
+        deadline = time.monotonic() + self._handshake_s
+        try:
+            client_nonce = _recv_bytes(conn, NONCE_BYTES, deadline)
+            if client_nonce is None:
+                return False
+            server_nonce = secrets.token_bytes(NONCE_BYTES)
+            conn.sendall(server_nonce + _proof(self._token, SERVER_PROOF, client_nonce, server_nonce))
+            proof = _recv_bytes(conn, PROOF_BYTES, deadline)
+        except OSError:
+            return False  # too slow, or gone
+        if proof is None or not hmac.compare_digest(proof, _proof(self._token, CLIENT_PROOF, client_nonce, server_nonce)):
+            return False
+        with self._lock:
+            if conn not in self._pending:
+                return False  # crowded out meanwhile
+            del self._pending[conn]
+        return True
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            token = _recv_bytes(conn, TOKEN_BYTES)
-            if token is None or not hmac.compare_digest(token, self._token):
-                self.rejected += 1
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not self._handshake(conn):
+                with self._lock:
+                    self.rejected += 1
                 return
-            rows = np.empty((0, self._page_nbytes), dtype=np.uint8)
+            conn.settimeout(None)  # an authenticated link idles between requests for as long as its client lives
             while (head := _recv_bytes(conn, REQUEST.size)) is not None:
                 op, n = REQUEST.unpack(head)
                 if n > self._max_pages or op not in (LOAD, STORE):
                     return  # not a kvray client of this runtime: hang up
-                if len(rows) < n:
-                    rows = np.empty((n, self._page_nbytes), dtype=np.uint8)
-                if not (self._load if op == LOAD else self._store)(conn, rows[:n]):
+                rows = self._rows.take(n)
+                try:
+                    answered = (self._load if op == LOAD else self._store)(conn, rows[:n])
+                finally:
+                    self._rows.give(rows)
+                if not answered:
                     return
         except OSError:
             return  # the client went away mid-request
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+            self._forget(conn)
 
+    # -- requests ----------------------------------------------------------------------
     def _load(self, conn: socket.socket, rows: np.ndarray) -> bool:
         raw = _recv_bytes(conn, len(rows) * KEY_BYTES)
         if raw is None:
             return False
         got = self._read(unpack_keys(raw), rows) if len(rows) else 0
         conn.sendall(COUNT.pack(got))
-        if got:
-            conn.sendall(memoryview(rows[:got]).cast("B"))
-        self.sent_bytes += got * self._page_nbytes
+        conn.sendall(_send_pages(conn, rows[:got]))
+        with self._lock:
+            self.sent_bytes += got * self._page_nbytes
         return True
 
     def _store(self, conn: socket.socket, rows: np.ndarray) -> bool:
-        head = _recv_bytes(conn, PARENT.size)
-        raw = _recv_bytes(conn, len(rows) * KEY_BYTES) if head is not None else None
-        if raw is None or not _recv_exact(conn, memoryview(rows).cast("B")):
+        n = len(rows)
+        head = _recv_bytes(conn, PARENT.size + n * KEY_BYTES)
+        arrived = _recv_pages(conn, rows) if head is not None else None
+        claimed = _recv_bytes(conn, n * CHECKSUM.itemsize) if arrived is not None else None
+        if claimed is None:
             return False
-        has_parent, parent = PARENT.unpack(head)
-        self.received_bytes += rows.nbytes
-        stored, dropped = self._write(unpack_keys(raw), rows, int.from_bytes(parent, "little") if has_parent else None)
+        has_parent, parent = PARENT.unpack_from(head)
+        if has_parent > 1:
+            return False  # not a kvray client: hang up
+        keys = unpack_keys(head[PARENT.size :])
+        good = _verified(arrived, claimed)
+        with self._lock:
+            self.received_bytes += rows.nbytes
+            self.corrupt += int(good < n)
+        stored, dropped = (0, [])
+        if good:
+            stored, dropped = self._write(keys[:good], rows[:good], int.from_bytes(parent, "little") if has_parent else None)
+        dropped = self._reportable(dropped)
         conn.sendall(COUNT.pack(stored) + COUNT.pack(len(dropped)) + pack_keys(dropped))
         return True
 
+    def _reportable(self, dropped: list[int]) -> list[int]:
+        """The dropped keys this answer carries: at most ``MAX_DROPPED``, oldest first, the
+        rest kept for the next answer."""
+        with self._lock:
+            self._unreported.extend(dropped)
+            report, self._unreported = self._unreported[:MAX_DROPPED], self._unreported[MAX_DROPPED:]
+        return report
+
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         with contextlib.suppress(OSError):  # never connected: nothing to shut down
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         with self._lock:
-            conns, self._conns = list(self._conns), set()
-        for conn in conns:
-            with contextlib.suppress(OSError):  # already closed by the peer
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
+            for conn in self._conns:
+                with contextlib.suppress(OSError):  # already closed by the peer
+                    conn.shutdown(socket.SHUT_RDWR)  # its thread wakes up and closes it
+            self._conns.clear()
+            self._pending.clear()
 
 
 @dataclass
 class _Link:
+    address: tuple[str, int]
     sock: socket.socket
     broken: bool = False
 
@@ -175,6 +429,7 @@ class _Link:
 class _Pending:
     """A request sent on a peer link, waiting for its answer (``link`` None: never sent)."""
 
+    links: PeerLinks
     link: _Link | None
     pages: int
 
@@ -183,7 +438,9 @@ class _Pending:
             return None
         try:
             return read(self.link.sock)
-        except OSError:
+        except OSError as error:
+            if isinstance(error, WireError):
+                log.warning("kvray page link to %s: %s; dropping the connection", self.link.address, error)
             self.link.broken = True  # answers after this one can no longer be framed
             return None
 
@@ -197,15 +454,23 @@ def _count(sock: socket.socket) -> int:
 
 class PendingLoad(_Pending):
     def receive(self, out: np.ndarray) -> int:
-        """Receive the pages into rows of ``out``; 0 if the peer failed (a miss)."""
+        """Receive the pages into rows of ``out``: how many lead with verified pages (0 if
+        the peer failed: a miss). Rows past that may hold unverified bytes."""
 
         def read(sock: socket.socket) -> int:
             got = _count(sock)
             if got > self.pages:
-                raise OSError(f"peer answered {got} pages for a request of {self.pages}")
-            if got and not _recv_exact(sock, memoryview(out[:got]).cast("B")):
-                raise OSError("peer closed the connection mid-page")
-            return got
+                raise WireError(f"peer answered {got} pages for a request of {self.pages}")
+            arrived = _recv_pages(sock, out[:got])
+            claimed = _recv_bytes(sock, got * CHECKSUM.itemsize) if arrived is not None else None
+            if claimed is None:
+                raise OSError("peer closed the connection mid-answer")
+            good = _verified(arrived, claimed)
+            if good < got:
+                self.links.corrupt += 1
+                log.warning("kvray page link to %s: page %d of %d failed its checksum; the hit ends there",
+                            self.link.address, good, got)
+            return good
 
         return self._answer(read) or 0
 
@@ -215,9 +480,12 @@ class PendingStore(_Pending):
         """(pages stored, keys the peer dropped meanwhile), or None if the peer failed."""
 
         def read(sock: socket.socket) -> tuple[int, list[int]]:
-            stored, dropped = _count(sock), _count(sock)
+            stored = _count(sock)
             if stored > self.pages:
-                raise OSError(f"peer stored {stored} pages of {self.pages}")
+                raise WireError(f"peer stored {stored} pages of {self.pages}")
+            dropped = _count(sock)
+            if dropped > MAX_DROPPED:
+                raise WireError(f"peer reported {dropped} dropped keys, more than an answer carries ({MAX_DROPPED})")
             raw = _recv_bytes(sock, dropped * KEY_BYTES)
             if raw is None:
                 raise OSError("peer closed the connection")
@@ -227,7 +495,10 @@ class PendingStore(_Pending):
 
 
 class PeerLinks:
-    """One persistent, authenticated connection per peer page server."""
+    """One persistent, mutually authenticated connection per peer page server.
+
+    ``corrupt`` counts answers cut short by a page that failed its checksum.
+    """
 
     def __init__(self, token: bytes, page_nbytes: int, timeout_s: float) -> None:
         if len(token) != TOKEN_BYTES:
@@ -236,6 +507,7 @@ class PeerLinks:
         self._page_nbytes = page_nbytes
         self._timeout_s = timeout_s
         self._links: dict[tuple[str, int], _Link] = {}
+        self.corrupt = 0
 
     def _link(self, address: tuple[str, int]) -> _Link:
         link = self._links.get(address)
@@ -244,31 +516,55 @@ class PeerLinks:
         if link is not None:
             link.sock.close()
         sock = socket.create_connection(address, timeout=self._timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(self._token)
-        link = self._links[address] = _Link(sock)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._handshake(sock)
+        except OSError:
+            sock.close()
+            raise
+        link = self._links[address] = _Link(address, sock)
         return link
 
-    def _send(self, address: tuple[str, int], parts: Sequence[bytes | memoryview]) -> _Link | None:
+    def _handshake(self, sock: socket.socket) -> None:
+        """Have the server prove the token before anything else is sent, then prove it back."""
+        client_nonce = secrets.token_bytes(NONCE_BYTES)
+        sock.sendall(client_nonce)
+        reply = _recv_bytes(sock, NONCE_BYTES + PROOF_BYTES)
+        if reply is None:
+            raise OSError("peer closed the connection in the handshake")
+        server_nonce, proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+        if not hmac.compare_digest(proof, _proof(self._token, SERVER_PROOF, client_nonce, server_nonce)):
+            raise WireError("the peer does not hold this runtime's transfer token (a stale address?)")
+        sock.sendall(_proof(self._token, CLIENT_PROOF, client_nonce, server_nonce))
+
+    def _send(self, address: tuple[str, int], write: Callable[[socket.socket], None]) -> _Link | None:
+        """Send one request with ``write`` on the link to ``address``; None if that failed."""
         try:
             link = self._link(address)
-            for part in parts:
-                link.sock.sendall(part)
-        except OSError:
+            write(link.sock)
+        except OSError as error:
+            if isinstance(error, WireError):
+                log.warning("kvray page link to %s: %s", address, error)
             self._drop(address)
             return None
         return link
 
     def load(self, address: tuple[str, int], keys: Sequence[int]) -> PendingLoad:
         """Ask for the cached prefix of ``keys``; :meth:`PendingLoad.receive` reads the answer."""
-        return PendingLoad(self._send(address, [REQUEST.pack(LOAD, len(keys)) + pack_keys(keys)]), len(keys))
+        request = REQUEST.pack(LOAD, len(keys)) + pack_keys(keys)
+        return PendingLoad(self, self._send(address, lambda sock: sock.sendall(request)), len(keys))
 
     def store(self, address: tuple[str, int], keys: Sequence[int], pages: np.ndarray,
               parent: int | None) -> PendingStore:
         """Send a run of pages (rows of ``pages``, one per key) continuing ``parent``'s chain."""
+        pages = np.ascontiguousarray(pages)
         head = REQUEST.pack(STORE, len(keys)) + PARENT.pack(parent is not None, (parent or 0).to_bytes(KEY_BYTES, "little"))
-        link = self._send(address, [head + pack_keys(keys), memoryview(np.ascontiguousarray(pages)).cast("B")])
-        return PendingStore(link, len(keys))
+
+        def write(sock: socket.socket) -> None:
+            sock.sendall(head + pack_keys(keys))
+            sock.sendall(_send_pages(sock, pages))
+
+        return PendingStore(self, self._send(address, write), len(keys))
 
     def _drop(self, address: tuple[str, int]) -> None:
         link = self._links.pop(address, None)

@@ -1,17 +1,37 @@
 """The direct TCP page path against a dict model, without Ray: exact prefixes, framing of
-short answers, strangers without the token, a server that goes away."""
+short answers, strangers without the token, a server that goes away; and the hostile
+cases of issue 13: idle strangers and a server out of descriptors, slow handshakes, an
+impostor at a stale address, pages corrupted and counts rewritten on the wire."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvray.cluster.transfer import TOKEN_BYTES, PageServer, PeerLinks
+from kvray.cluster import transfer
+from kvray.cluster.transfer import (
+    NONCE_BYTES,
+    PROOF_BYTES,
+    TOKEN_BYTES,
+    PageServer,
+    PeerLinks,
+)
 from kvray.core.errors import ClusterError
+from kvray.core.keys import pack_keys
 
 PAGE = 4096
 MAX_PAGES = 16
@@ -54,6 +74,17 @@ class DictStore:
         return got
 
 
+def eventually(check, timeout_s: float = 10.0) -> bool:
+    """Poll ``check`` until it holds or ``timeout_s`` passes: what a server thread does
+    after its peer hung up lands a moment later."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 @pytest.fixture
 def served():
     token = secrets.token_bytes(TOKEN_BYTES)
@@ -93,8 +124,9 @@ def test_a_stranger_without_the_token_gets_nothing(served):
     stranger = PeerLinks(secrets.token_bytes(TOKEN_BYTES), PAGE, timeout_s=10)
     rows = np.zeros((2, PAGE), dtype=np.uint8)
     assert stranger.load(server.address, [1, 2]).receive(rows) == 0
-    assert not rows.any() and server.rejected == 1 and server.sent_bytes == 0
     stranger.close()
+    assert eventually(lambda: server.rejected == 1)
+    assert not rows.any() and server.sent_bytes == 0
 
 
 def test_an_oversized_request_is_hung_up_on_and_the_link_recovers(served):
@@ -155,3 +187,293 @@ def test_a_store_to_a_vanished_server_is_not_kept(served):
 def test_a_token_of_the_wrong_size_is_refused():
     with pytest.raises(ClusterError, match="token must be 32 bytes"):
         PeerLinks(b"short", PAGE, timeout_s=1)
+
+
+# -- hardening (issue 13): strangers, impostors, corruption on the wire, hostile counts --------
+
+ROOT = Path(__file__).resolve().parents[1]
+HANDSHAKE_REPLY = NONCE_BYTES + PROOF_BYTES  # what a server sends before its first answer
+CLIENT_HELLO = NONCE_BYTES + PROOF_BYTES  # what a client sends before its first request
+
+
+def _pump(src: socket.socket, dst: socket.socket, patches: dict[int, bytes]) -> None:
+    """Copy ``src`` to ``dst`` until either closes, overwriting the bytes at ``patches``'
+    stream offsets on the way."""
+    pos = 0
+    try:
+        while chunk := src.recv(1 << 16):
+            buf = bytearray(chunk)
+            for offset, new in patches.items():
+                for i, byte in enumerate(new):
+                    if pos <= offset + i < pos + len(buf):
+                        buf[offset + i - pos] = byte
+            dst.sendall(buf)
+            pos += len(buf)
+    except OSError:
+        pass  # one side went away: so does the relay
+    finally:
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_RDWR)
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 to ``upstream`` that overwrites bytes at given offsets of each
+    connection's server -> client (``to_client``) or client -> server (``to_server``) stream:
+    a network that corrupts, or a man in the middle who rewrites counts."""
+
+    def __init__(self, upstream, to_client: dict[int, bytes] | None = None,
+                 to_server: dict[int, bytes] | None = None) -> None:
+        self._upstream = upstream
+        self._patches = (to_server or {}, to_client or {})
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = ("127.0.0.1", self._listener.getsockname()[1])
+        self._socks: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(self._upstream, timeout=10)
+            server.settimeout(None)
+            self._socks += [client, server]
+            threading.Thread(target=_pump, args=(client, server, self._patches[0]), daemon=True).start()
+            threading.Thread(target=_pump, args=(server, client, self._patches[1]), daemon=True).start()
+
+    def close(self) -> None:
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+@pytest.mark.parametrize("batch_bytes", [PAGE, transfer.BATCH_BYTES])  # a page a batch, all in one
+def test_a_corrupted_page_in_an_answer_ends_the_hit_there(served, monkeypatch, batch_bytes):
+    monkeypatch.setattr(transfer, "BATCH_BYTES", batch_bytes)
+    server, _, _, token = served
+    # Page 2 of the first answer: after the handshake and the count.
+    offset = HANDSHAKE_REPLY + 4 + 2 * PAGE + 7
+    relay = Relay(server.address, to_client={offset: bytes([page_of(3)[7] ^ 0xFF])})
+    links = PeerLinks(token, PAGE, timeout_s=10)
+    try:
+        rows = np.zeros((4, PAGE), dtype=np.uint8)
+        assert links.load(relay.address, [1, 2, 3, 4]).receive(rows) == 2
+        assert np.array_equal(rows[0], page_of(1)) and np.array_equal(rows[1], page_of(2))
+        assert links.corrupt == 1
+        assert links.load(relay.address, [1, 2, 3, 4]).receive(rows) == 4  # the link stays framed
+        assert np.array_equal(rows[2], page_of(3))
+    finally:
+        links.close()
+        relay.close()
+
+
+@pytest.mark.parametrize("batch_bytes", [PAGE, transfer.BATCH_BYTES])
+def test_a_page_corrupted_on_its_way_to_the_server_is_not_stored(served, monkeypatch, batch_bytes):
+    monkeypatch.setattr(transfer, "BATCH_BYTES", batch_bytes)
+    server, _, store, token = served
+    # Page 1 of the first run: after the client's handshake, the request head, the parent
+    # and three keys.
+    offset = CLIENT_HELLO + 5 + 17 + 3 * 16 + PAGE + 9
+    rows = np.stack([page_of(k) for k in (100, 101, 102)])
+    relay = Relay(server.address, to_server={offset: bytes([rows[1, 9] ^ 0xFF])})
+    links = PeerLinks(token, PAGE, timeout_s=10)
+    try:
+        assert links.store(relay.address, [100, 101, 102], rows, parent=39).receive() == (1, [1])
+        assert np.array_equal(store.pages[100], page_of(100)) and 101 not in store.pages and 102 not in store.pages
+        assert server.corrupt == 1
+    finally:
+        links.close()
+        relay.close()
+
+
+@pytest.mark.parametrize(("verb", "offset", "message"), [
+    ("load", HANDSHAKE_REPLY, "pages for a request of 2"),  # got
+    ("store", HANDSHAKE_REPLY + 4, "dropped keys"),  # d, after stored
+])
+def test_a_huge_count_off_the_wire_is_refused_without_a_big_allocation(served, caplog, verb, offset, message):
+    server, _, _, token = served
+    relay = Relay(server.address, to_client={offset: b"\xff\xff\xff\xff"})
+    links = PeerLinks(token, PAGE, timeout_s=10)
+    rows = np.stack([page_of(k) for k in (1, 2)])
+    tracemalloc.start()
+    try:
+        if verb == "load":
+            assert links.load(relay.address, [1, 2]).receive(np.zeros((2, PAGE), np.uint8)) == 0
+        else:
+            assert links.store(relay.address, [300, 301], rows, parent=None).receive() is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        links.close()
+        relay.close()
+    assert peak < 16 << 20  # 2^32-1 dropped keys would be 64 GiB
+    assert message in caplog.text
+
+
+def test_a_server_without_the_token_gets_neither_the_token_nor_a_key_and_its_pages_are_refused():
+    token = secrets.token_bytes(TOKEN_BYTES)
+    listener = socket.create_server(("127.0.0.1", 0))
+    heard = bytearray()
+
+    def impostor() -> None:
+        """Answers two connections at once, as if the handshake had gone through: a made-up
+        proof, then two pages with their right checksums."""
+        fake = np.full((2, PAGE), 7, dtype=np.uint8)
+        for _ in range(2):
+            conn, _ = listener.accept()
+            conn.settimeout(10)
+            with conn:
+                conn.sendall(secrets.token_bytes(HANDSHAKE_REPLY) + struct.pack("<I", 2) + fake.tobytes()
+                             + b"".join(struct.pack("<Q", xxhash.xxh3_64_intdigest(row)) for row in fake))
+                with contextlib.suppress(OSError):
+                    while chunk := conn.recv(1 << 16):
+                        heard.extend(chunk)
+
+    thread = threading.Thread(target=impostor, daemon=True)
+    thread.start()
+    links = PeerLinks(token, PAGE, timeout_s=10)
+    rows = np.zeros((2, PAGE), dtype=np.uint8)
+    try:
+        assert links.load(listener.getsockname(), [1, 2]).receive(rows) == 0
+        assert links.store(listener.getsockname(), [3], rows[:1], parent=None).receive() is None
+    finally:
+        links.close()
+        thread.join(10)
+        listener.close()
+    assert not rows.any()
+    assert token not in heard and pack_keys([1, 2]) not in heard
+    assert len(heard) == 2 * NONCE_BYTES  # each connection's nonce, and nothing after it
+
+
+def test_a_handshake_that_never_completes_is_dropped_at_its_deadline():
+    token = secrets.token_bytes(TOKEN_BYTES)
+    store = DictStore(range(1, 4))
+    server = PageServer(store.read, store.write, PAGE, token, "127.0.0.1", MAX_PAGES, handshake_s=0.5)
+    silent = socket.create_connection(server.address, timeout=10)
+    trickler = socket.create_connection(server.address, timeout=10)
+    try:
+        start = time.monotonic()
+        for _ in range(NONCE_BYTES - 1):  # a byte every 0.05 s: never a whole nonce
+            with contextlib.suppress(OSError):
+                trickler.sendall(b"x")
+            time.sleep(0.05)
+        for sock in (silent, trickler):
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1) == b""  # the server hung up
+        assert time.monotonic() - start < 5
+        assert eventually(lambda: server.rejected == 2)
+    finally:
+        silent.close()
+        trickler.close()
+        server.close()
+
+
+def test_idle_strangers_beyond_the_bound_do_not_keep_a_token_holder_out():
+    token = secrets.token_bytes(TOKEN_BYTES)
+    store = DictStore(range(1, 40))
+    server = PageServer(store.read, store.write, PAGE, token, "127.0.0.1", MAX_PAGES, max_handshakes=4)
+    idle = [socket.create_connection(server.address, timeout=10) for _ in range(20)]
+    links = PeerLinks(token, PAGE, timeout_s=10)
+    try:
+        assert eventually(lambda: server.rejected >= 16)  # crowded out, oldest first
+        rows = np.zeros((3, PAGE), dtype=np.uint8)
+        assert links.load(server.address, [1, 2, 3]).receive(rows) == 3
+        assert np.array_equal(rows[2], page_of(3))
+    finally:
+        links.close()
+        for sock in idle:
+            sock.close()
+        server.close()
+
+
+SERVE_WITH_FEW_DESCRIPTORS = """
+import os, resource, sys
+from tests.test_transfer import DictStore, MAX_PAGES, PAGE
+from kvray.cluster.transfer import PageServer
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+store = DictStore(range(1, 40))
+server = PageServer(store.read, store.write, PAGE, bytes.fromhex(sys.argv[1]), "127.0.0.1", MAX_PAGES)
+held = []
+while True:  # use up the descriptors but a few, so strangers run the server out of them
+    try:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        break
+for fd in held[-6:]:
+    os.close(fd)
+print(server.address[1], flush=True)
+sys.stdin.read()  # serve until the test closes our stdin
+for fd in held[:-6]:
+    os.close(fd)  # what runs at exit (Ray's atexit hook) opens files
+"""
+
+
+@pytest.mark.fault
+def test_a_server_out_of_file_descriptors_keeps_serving_token_holders():
+    """The issue's reproduction: 80 idle unauthenticated connections against a server with
+    few descriptors left used to end its accept loop for good."""
+    token = secrets.token_bytes(TOKEN_BYTES)
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FEW_DESCRIPTORS, token.hex()], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    idle = []
+    links = PeerLinks(token, PAGE, timeout_s=20)
+    try:
+        address = ("127.0.0.1", int(proc.stdout.readline()))
+        idle = [socket.create_connection(address, timeout=10) for _ in range(80)]
+        rows = np.zeros((3, PAGE), dtype=np.uint8)
+        assert links.load(address, [1, 2, 3]).receive(rows) == 3
+        assert np.array_equal(rows[2], page_of(3))
+        assert links.load(address, [4]).receive(rows) == 1  # and it goes on serving
+    finally:
+        links.close()
+        for sock in idle:
+            sock.close()
+        proc.stdin.close()
+        proc.wait(20)
+
+
+def test_a_connection_thread_that_cannot_start_costs_that_connection_only(monkeypatch):
+    class OneFailure(threading.Thread):
+        failed = False
+
+        def start(self) -> None:
+            if self.name == "kvray-page-conn" and not OneFailure.failed:
+                OneFailure.failed = True
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(transfer, "Thread", OneFailure)
+    token = secrets.token_bytes(TOKEN_BYTES)
+    store = DictStore(range(1, 4))
+    server = PageServer(store.read, store.write, PAGE, token, "127.0.0.1", MAX_PAGES)
+    links = PeerLinks(token, PAGE, timeout_s=10)
+    try:
+        rows = np.zeros((2, PAGE), dtype=np.uint8)
+        assert links.load(server.address, [1, 2]).receive(rows) == 0  # its connection was turned away
+        assert links.load(server.address, [1, 2]).receive(rows) == 2
+    finally:
+        links.close()
+        server.close()
+
+
+def test_request_buffers_are_not_kept_per_connection():
+    token = secrets.token_bytes(TOKEN_BYTES)
+    store = DictStore(range(1, 40))
+    server = PageServer(store.read, store.write, PAGE, token, "127.0.0.1", MAX_PAGES)
+    clients = [PeerLinks(token, PAGE, timeout_s=10) for _ in range(4)]
+    try:
+        rows = np.stack([page_of(k) for k in range(100, 100 + MAX_PAGES)])
+        pending = [links.store(server.address, list(range(100 + 1000 * i, 100 + 1000 * i + MAX_PAGES)), rows, parent=None)
+                   for i, links in enumerate(clients)]
+        assert all(run.receive()[0] == MAX_PAGES for run in pending)
+        assert server.kept_rows <= MAX_PAGES  # one largest request's worth in all, not one per connection
+        out = np.zeros((MAX_PAGES, PAGE), dtype=np.uint8)
+        assert clients[0].load(server.address, list(range(100, 100 + MAX_PAGES))).receive(out) == MAX_PAGES
+        assert np.array_equal(out, rows)
+    finally:
+        for links in clients:
+            links.close()
+        server.close()
