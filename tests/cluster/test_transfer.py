@@ -191,7 +191,7 @@ def test_a_token_of_the_wrong_size_is_refused():
 
 # -- hardening (issue 13): strangers, impostors, corruption on the wire, hostile counts --------
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HANDSHAKE_REPLY = NONCE_BYTES + PROOF_BYTES  # what a server sends before its first answer
 CLIENT_HELLO = NONCE_BYTES + PROOF_BYTES  # what a client sends before its first request
 
