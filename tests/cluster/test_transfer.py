@@ -390,7 +390,7 @@ def test_idle_strangers_beyond_the_bound_do_not_keep_a_token_holder_out():
 
 SERVE_WITH_FEW_DESCRIPTORS = """
 import os, resource, sys
-from tests.test_transfer import DictStore, MAX_PAGES, PAGE
+from tests.cluster.test_transfer import DictStore, MAX_PAGES, PAGE
 from kvray.cluster.transfer import PageServer
 
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
