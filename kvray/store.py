@@ -192,8 +192,13 @@ class PageStore:
         """Pin the cached prefix of ``keys``, copy each verified page into ``targets(i)``, unpin.
 
         Returns the number of leading pages delivered and their count per tier; a page
-        that fails verification ends the prefix and is dropped.
+        that fails verification ends the prefix and is dropped. Every target is resolved
+        and checked before anything is pinned, so a caller's buffer too small for
+        ``keys`` raises :class:`LayoutError` and costs no page; an error while copying
+        (a disk that fails) propagates and drops nothing either: only bytes that fail
+        their checksum condemn a page.
         """
+        views = self._targets(targets, len(keys))
         with self._lock:
             match = self.manager.lookup(keys)
             self.manager.pin(match.handles)
@@ -202,19 +207,38 @@ class PageStore:
         try:
             for i in range(len(match)):
                 tier, slot, expected = Tier(int(match.tiers[i])), int(match.slots[i]), int(match.checksums[i])
-                if not self._read_page(tier, slot, expected, targets(i)):
+                if not self._read_page(tier, slot, expected, views[i]):
                     break
                 delivered += 1
-        finally:
+        except BaseException:
             with self._lock:
                 self.manager.unpin(match.handles)
-                if delivered < len(match):
-                    self.metrics.corrupt_pages += 1
-                    self.manager.drop(int(match.handles[delivered]))
-                self._hit(match.handles[:delivered])
-                self.metrics.observe("load", time.perf_counter() - t0)
+            raise
+        with self._lock:
+            self.manager.unpin(match.handles)
+            if delivered < len(match):  # the loop stopped at a page that failed verification
+                self.metrics.corrupt_pages += 1
+                self.manager.drop(int(match.handles[delivered]))
+            self._hit(match.handles[:delivered])
+            self.metrics.observe("load", time.perf_counter() - t0)
         labels, counts = np.unique(match.tiers[:delivered], return_counts=True)
         return delivered, {Tier(int(t)).label: int(n) for t, n in zip(labels, counts)}
+
+    def _targets(self, targets: PageSource, pages: int) -> list[np.ndarray]:
+        """``targets(i)`` for every page of a request, each checked to hold exactly one page."""
+        views = []
+        for i in range(pages):
+            try:
+                view = targets(i)
+            except (IndexError, ValueError) as exc:
+                raise LayoutError(f"target buffer has no room for page {i} of {pages}: {exc}") from None
+            if not isinstance(view, np.ndarray) or view.dtype != np.uint8 or view.nbytes != self.layout.page_nbytes:
+                what = f"{view.dtype} {view.shape}" if isinstance(view, np.ndarray) else type(view).__name__
+                raise LayoutError(
+                    f"target of page {i} of {pages} is {what}, not the {self.layout.page_nbytes} bytes of one page"
+                )
+            views.append(view)
+        return views
 
     def touch_pages(self, keys: Sequence[int]) -> int:
         """Count a hit on the cached prefix of ``keys`` that a reader copied out of the shared
