@@ -81,7 +81,10 @@ class StoreConfig(_Frozen):
     ``checksum_memory`` hashes pages in the memory tiers as well and verifies every read
     of them (a full extra pass over each page: guards against memory corruption at a
     cost of about a quarter of host-tier bandwidth). Off, a memory page gets its
-    checksum when it is demoted to disk.
+    checksum when it is demoted to disk. ``host_shared_memory`` puts the host tier in that
+    POSIX shared-memory segment, beside a slot directory, so engines on the node copy its
+    pages without a call; only on x86-64, whose memory ordering the directory's lock-free
+    reads rely on (:mod:`kvray.tiers.directory`): elsewhere the tier stays private.
     """
 
     layout: PageLayout

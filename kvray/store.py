@@ -41,7 +41,7 @@ from kvray.manager import CacheManager
 from kvray.pages import check_request_kv, copy_page, hash_page, request_bytes, request_page, runs, torch_dtype
 from kvray.policy import PageContext, PlacementPolicy, make_policy
 from kvray.tiers import DevicePool, DiskPool, HostPool, StoredPage, Tier
-from kvray.tiers.directory import SlotDirectory, directory_name
+from kvray.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 
 PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
 UNHASHED = 0  # the checksum of a memory page stored without one (``checksum_memory`` off)
@@ -78,11 +78,14 @@ class PageStore:
             self.pools[Tier.DEVICE] = DevicePool(sizes.device, nbytes)
         # With a shared host tier, engines on this node read its pages themselves, finding
         # them through the slot directory this store keeps current (kvray.tiers.directory).
+        # Only where that lock-free protocol is sound: elsewhere the tier stays private and
+        # engines read through the store.
         self.directory: SlotDirectory | None = None
         if sizes.host:
-            self.pools[Tier.HOST] = HostPool(sizes.host, nbytes, shared_name=config.host_shared_memory)
-            if config.host_shared_memory:
-                self.directory = SlotDirectory.create(directory_name(config.host_shared_memory), sizes.host)
+            shared = config.host_shared_memory if mapped_reads_sound() else None
+            self.pools[Tier.HOST] = HostPool(sizes.host, nbytes, shared_name=shared)
+            if shared:
+                self.directory = SlotDirectory.create(directory_name(shared), sizes.host)
         recovered: list[StoredPage] = []
         if sizes.disk:
             disk = DiskPool(config.disk_dir, sizes.disk, nbytes, self.fingerprint.digest, fsync=config.disk_fsync)

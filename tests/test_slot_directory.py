@@ -135,3 +135,40 @@ def test_optimistic_reads_never_return_bytes_of_another_key(tmp_path, verify):
     assert writer.exitcode == 0
     with pytest.raises(StorageError):
         SlotDirectory.attach(directory_name(name))  # the store unlinked its segments on close
+
+
+# -- where mapped reads are allowed ------------------------------------------------------------
+@pytest.mark.parametrize("machine", ["aarch64", "arm64", "ppc64le", "riscv64"])
+@pytest.mark.parametrize("checksum_memory", [False, True])
+def test_off_x86_64_the_host_tier_is_not_shared_and_pages_go_through_the_store(monkeypatch, machine, checksum_memory):
+    """Without total store order a seqlock reader can pair a stale key with a new page and
+    its new checksum, so neither mapped reads nor checksums make it sound there."""
+    monkeypatch.setattr("platform.machine", lambda: machine)
+    name = _name()
+    store = PageStore(StoreConfig(layout=LAYOUT, tiers=TierSizes(host=4), host_shared_memory=name,
+                                  checksum_memory=checksum_memory))
+    try:
+        assert store.directory is None and store.pools[1].shared_name is None
+        assert not (SHM_DIR / name).exists() and not (SHM_DIR / directory_name(name)).exists()
+        with pytest.raises(StorageError, match="cannot be mapped"):
+            SharedHostTier.attach(name, 4, LAYOUT.page_nbytes)
+        page = page_of(5)
+        store.put_pages([5], page[None], store.fingerprint.digest)
+        assert np.array_equal(store.get_pages([5])[1][0], page)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "AMD64"])
+def test_on_x86_64_the_host_tier_is_shared_with_its_directory(monkeypatch, machine):
+    monkeypatch.setattr("platform.machine", lambda: machine)
+    name = _name()
+    store = PageStore(StoreConfig(layout=LAYOUT, tiers=TierSizes(host=4), host_shared_memory=name))
+    try:
+        store.put_pages([5], page_of(5)[None], store.fingerprint.digest)
+        tier = SharedHostTier.attach(name, 4, LAYOUT.page_nbytes)
+        rows = np.empty((1, LAYOUT.page_nbytes), np.uint8)
+        assert tier.read([5], rows, verify=False) == 1 and np.array_equal(rows[0], page_of(5))
+        tier.close()
+    finally:
+        store.close()

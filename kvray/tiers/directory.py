@@ -21,13 +21,16 @@ is a miss. The table is only a hint: a reader racing a deletion's backward shift
 miss an entry that is moving (a miss, never a wrong slot), because every slot it
 finds is validated against the slot's own key and generation.
 
-Memory ordering: the store and the engines run on x86, whose TSO model keeps stores in
-program order and loads in program order, so plain numpy stores and loads (each a
-separate C call, which the compiler cannot reorder across) make this seqlock correct:
-a reader that sees the same even generation before and after its copy read bytes that
-were all written before that generation was published. On a weaker memory model the
-generation accesses would need fences. With ``checksum_memory`` on, readers verify each
-page's checksum as well.
+Memory ordering: on x86-64, whose TSO model keeps stores in program order and loads in
+program order, plain numpy stores and loads (each a separate C call, which the compiler
+cannot reorder across) make this seqlock correct: a reader that sees the same even
+generation before and after its copy read bytes that were all written before that
+generation was published. Python offers no fences, and on a weaker memory model
+(aarch64, POWER) loads and stores to different words may be seen out of order: a reader
+could pair a stale generation and key with a new page's bytes *and* its new checksum, so
+``checksum_memory`` would not catch it either. A store therefore shares its host tier and
+publishes a directory only where :func:`mapped_reads_sound` says so; elsewhere engines
+read every page through the store's lock (``read_into``), which is slower but correct.
 
 Example::
 
@@ -40,6 +43,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import platform
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -55,6 +59,13 @@ EMPTY = -1
 MASK64 = (1 << 64) - 1
 SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory segments
 _HEADER = 8  # uint64 words: magic, capacity, table size, state, (reserved)
+ORDERED_MACHINES = frozenset({"x86_64", "amd64"})  # total store order: the seqlock needs no fences
+
+
+def mapped_reads_sound() -> bool:
+    """Whether this machine keeps loads and stores in program order, as the seqlock needs
+    (see the module docstring); ``platform.machine()`` names the architecture."""
+    return platform.machine().lower() in ORDERED_MACHINES
 
 
 class SlotDirectory:
