@@ -43,7 +43,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
+import stat
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -217,17 +219,41 @@ def directory_name(host_name: str) -> str:
     return f"{host_name}_dir"
 
 
+def _own_segment(info: os.stat_result) -> bool:
+    """Whether a /dev/shm entry is a segment this user made: a regular file of its uid.
+    Another user's file (or a link) matching a store's name is theirs to keep, and
+    touching it would fail or, as root, destroy it."""
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+
+
 def retire(host_name: str) -> None:
     """Mark a dead store's directory closed (its readers drop it at once) and unlink its
-    segments: a store killed without ``close`` leaves them behind until the machine reboots."""
+    segments: a store killed without ``close`` leaves them behind until the machine reboots.
+    Segments that are not this user's own (see :func:`_own_segment`) are left alone."""
     directory = SHM_DIR / directory_name(host_name)
     with contextlib.suppress(OSError, ValueError):
-        header = np.memmap(directory, dtype=np.uint64, mode="r+", shape=(_HEADER,))
-        if int(header[0]) == MAGIC:
-            header[3] = CLOSED
-        del header
+        with open(os.open(directory, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC), "r+b") as segment:
+            if _own_segment(os.fstat(segment.fileno())):
+                header = np.memmap(segment, dtype=np.uint64, mode="r+", shape=(_HEADER,))
+                if int(header[0]) == MAGIC:
+                    header[3] = CLOSED
+                del header
     for path in (directory, SHM_DIR / host_name):
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if _own_segment(path.lstat()):
+                path.unlink()
+
+
+def retire_predecessors(prefix: str) -> list[str]:
+    """Retire every host tier named ``prefix...`` that is this user's (an earlier incarnation
+    of a store, killed before it could close them); returns the names retired."""
+    retired = []
+    for path in SHM_DIR.glob(f"{prefix}*"):
+        with contextlib.suppress(FileNotFoundError):  # retired meanwhile
+            if not path.name.endswith("_dir") and _own_segment(path.lstat()):
+                retire(path.name)
+                retired.append(path.name)
+    return retired
 
 
 class SharedHostTier:
