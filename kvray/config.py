@@ -76,8 +76,10 @@ class TierSizes(_Frozen):
 class StoreConfig(_Frozen):
     """Settings of one in-process :class:`kvray.store.PageStore`.
 
-    ``model_name`` and ``layout`` form the model fingerprint that every page key carries,
-    so two models never share pages. Disk pages are always hashed and verified;
+    ``model_name``, ``layout`` and ``model_revision`` form the model fingerprint that every
+    page key carries, so two models never share pages; give ``model_revision`` (a commit,
+    a weights hash) whenever a checkpoint can change under the same name, or a persistent
+    disk tier serves the old weights' KV to the new ones. Disk pages are always hashed and verified;
     ``checksum_memory`` hashes pages in the memory tiers as well and verifies every read
     of them (a full extra pass over each page: guards against memory corruption at a
     cost of about a quarter of host-tier bandwidth). Off, a memory page gets its
@@ -89,6 +91,7 @@ class StoreConfig(_Frozen):
 
     layout: PageLayout
     model_name: str = Field(default="model", min_length=1, max_length=256)
+    model_revision: str | None = Field(default=None, min_length=1, max_length=256)
     tiers: TierSizes = TierSizes(host=1024)
     disk_dir: Path | None = None
     disk_fsync: bool = False

@@ -70,7 +70,7 @@ class PageStore:
     def __init__(self, config: StoreConfig, policy: PlacementPolicy | None = None) -> None:
         self.config = config
         self.layout = config.layout
-        self.fingerprint = ModelFingerprint.of(config.layout, config.model_name)
+        self.fingerprint = ModelFingerprint.of(config.layout, config.model_name, config.model_revision)
         nbytes = self.layout.page_nbytes
         sizes = config.tiers
         self.pools: dict[Tier, DevicePool | HostPool | DiskPool] = {}
