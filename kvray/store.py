@@ -20,6 +20,10 @@ they leave memory for disk. Pages read are pinned until copied out; a page that 
 its checksum is counted, dropped (with its descendants) and never returned, so a load
 yields a shorter prefix, never wrong KV. A request whose input is invalid raises before
 anything stored is touched.
+
+One lock guards the index, the slot accounting and the counters: every change to them,
+and every read of them that must add up (``stats``), happens under it; only the copies
+of page bytes run outside it, on pinned pages.
 """
 
 from __future__ import annotations
@@ -368,9 +372,15 @@ class PageStore:
         return len(self.manager.index)
 
     def stats(self) -> dict:
-        """Counters, per-tier occupancy and fragmentation, and whether the device is a stand-in."""
-        snap = self.metrics.snapshot()
-        snap["tiers"] = self.manager.occupancy()
+        """Counters, per-tier occupancy and fragmentation, and whether the device is a stand-in.
+
+        Read under the store's lock, like every change to them: a slot allocator caught
+        between its free list and its bitmap would report nonsense (or fail), and
+        counters read mid-request would not add up.
+        """
+        with self._lock:
+            snap = self.metrics.snapshot()
+            snap["tiers"] = self.manager.occupancy()
         if Tier.DEVICE in self.pools:
             snap["tiers"]["device"]["stand_in"] = self.pools[Tier.DEVICE].stand_in
         return snap
