@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -306,3 +307,20 @@ def test_a_failing_disk_read_is_a_storage_error_and_drops_nothing(tmp_path):
     hit = store.load(tokens)
     assert hit.tokens == 12 and torch.equal(hit.kv, prefix_kv(TINY, tokens))
     assert store.stats()["corrupt_pages"] == 0
+
+
+# -- state read while another thread changes it --------------------------------------------
+def test_stats_wait_for_a_change_in_progress(tmp_path):
+    """``stats`` reads the slot allocators and counters under the store's lock: a snapshot
+    taken while another thread is between a slot's allocation and its bookkeeping would
+    not add up (or fail: an allocator's bitmap and free list disagree for a moment)."""
+    store = PageStore(StoreConfig(layout=TINY, tiers=TierSizes(host=4, disk=8), disk_dir=tmp_path))
+    tokens = list(range(12))
+    store.store(tokens, prefix_kv(TINY, tokens))
+    done = threading.Event()
+    with store._lock:  # a store in the middle of a change
+        reader = threading.Thread(target=lambda: (store.stats(), done.set()))
+        reader.start()
+        assert not done.wait(0.3)
+    reader.join(10)
+    assert done.is_set() and store.stats()["stored_pages"] == 3
