@@ -201,4 +201,3 @@ FUZZ_TOKENS = list(range(16))
 FUZZ_STORE = PageStore(StoreConfig(layout=TINY, tiers=TierSizes(host=64)))
 FUZZ_STORE.store(FUZZ_TOKENS, prefix_kv(TINY, FUZZ_TOKENS))
 
-
