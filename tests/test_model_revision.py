@@ -17,7 +17,8 @@ from tests.conftest import TINY, prefix_kv
 
 
 def llama(**changes) -> LlamaConfig:
-    settings = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=100)
+    settings = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+                "vocab_size": 100}
     return LlamaConfig(**{**settings, **changes})
 
 

@@ -19,7 +19,16 @@ from kvray.config import PageLayout, StoreConfig, TierSizes
 from kvray.errors import StorageError
 from kvray.store import PageStore
 from kvray.tiers.directory import (
-    CLOSED, EMPTY, MAGIC, OPEN, SHM_DIR, SharedHostTier, SlotDirectory, directory_name, retire, retire_predecessors,
+    CLOSED,
+    EMPTY,
+    MAGIC,
+    OPEN,
+    SHM_DIR,
+    SharedHostTier,
+    SlotDirectory,
+    directory_name,
+    retire,
+    retire_predecessors,
 )
 
 CAPACITY = 6

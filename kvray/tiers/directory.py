@@ -231,13 +231,13 @@ def retire(host_name: str) -> None:
     segments: a store killed without ``close`` leaves them behind until the machine reboots.
     Segments that are not this user's own (see :func:`_own_segment`) are left alone."""
     directory = SHM_DIR / directory_name(host_name)
-    with contextlib.suppress(OSError, ValueError):
-        with open(os.open(directory, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC), "r+b") as segment:
-            if _own_segment(os.fstat(segment.fileno())):
-                header = np.memmap(segment, dtype=np.uint64, mode="r+", shape=(_HEADER,))
-                if int(header[0]) == MAGIC:
-                    header[3] = CLOSED
-                del header
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    with contextlib.suppress(OSError, ValueError), open(os.open(directory, flags), "r+b") as segment:
+        if _own_segment(os.fstat(segment.fileno())):
+            header = np.memmap(segment, dtype=np.uint64, mode="r+", shape=(_HEADER,))
+            if int(header[0]) == MAGIC:
+                header[3] = CLOSED
+            del header
     for path in (directory, SHM_DIR / host_name):
         with contextlib.suppress(FileNotFoundError):
             if _own_segment(path.lstat()):
