@@ -50,7 +50,7 @@ from kvray.cluster.transfer import PageServer
 from kvray.core.index import ROOT
 from kvray.core.keys import unpack_keys
 from kvray.core.store import PageStore
-from kvray.core.tiers.directory import SHM_DIR, retire
+from kvray.core.tiers.directory import retire_predecessors
 
 COLLECTIVE_GROUP = "kvray-pages"
 
@@ -65,9 +65,7 @@ class NodeStore:
         self.config = config
         self.node_id = node_id = node_id or ray.get_runtime_context().get_node_id()
         prefix = f"kvray_{config.name}_{node_id[:16]}_"  # one store per runtime and node at a time
-        for path in SHM_DIR.glob(f"{prefix}*"):
-            if not path.name.endswith("_dir"):
-                retire(path.name)  # an earlier incarnation's, killed before it could close them
+        retire_predecessors(prefix)  # an earlier incarnation's segments, killed before it could close them
         self.host_name = prefix + secrets.token_hex(4)  # new per incarnation
         self.store = PageStore(config.store_config(node_id, self.host_name if config.tiers.host else None))
         self.page_nbytes = config.layout.page_nbytes

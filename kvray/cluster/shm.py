@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
+import stat
 from collections.abc import Container
 from multiprocessing import shared_memory
 
 import numpy as np
 
 from kvray.core.errors import StorageError
+from kvray.core.tiers.directory import SHM_DIR
 from kvray.core.tiers.memory import attach_shared
+
+LANDING_NAME = re.compile(r"kvray_(\d+)_[0-9a-f]{8}")  # a landing buffer's name: its engine's pid
 
 
 class LandingBuffer:
@@ -46,8 +51,8 @@ class LandingBuffer:
         return self._shm.name
 
     @classmethod
-    def create(cls, pages: int, page_nbytes: int, prefix: str = "kvray") -> LandingBuffer:
-        name = f"{prefix}_{os.getpid()}_{secrets.token_hex(4)}"
+    def create(cls, pages: int, page_nbytes: int) -> LandingBuffer:
+        name = f"kvray_{os.getpid()}_{secrets.token_hex(4)}"  # what LANDING_NAME recognises
         try:
             shm = shared_memory.SharedMemory(name=name, create=True, size=max(pages * page_nbytes, 1))
         except OSError as exc:
@@ -61,15 +66,31 @@ class LandingBuffer:
     @property
     def owner_alive(self) -> bool:
         """Whether the process that created this buffer still runs (on this node: engines
-        and the store share its PID namespace, as Ray's workers do)."""
-        _, pid, _ = self.name.rsplit("_", 2)
+        and the store share its PID namespace, as Ray's workers do). A segment whose name
+        ``create`` did not make names no process: it counts as alive and is left alone."""
+        made = LANDING_NAME.fullmatch(self.name)
+        if made is None:
+            return True
         try:
-            os.kill(int(pid), 0)
+            os.kill(int(made[1]), 0)
         except ProcessLookupError:
             return False
-        except (PermissionError, ValueError):
-            return True  # someone else's process, or not a name ``create`` made: leave it
+        except PermissionError:
+            return True  # someone else's process
         return True
+
+    @property
+    def unlinkable(self) -> bool:
+        """Whether the name still belongs to the segment mapped here and to this user, so
+        removing it frees this buffer's memory and nothing else: a name since taken by
+        another segment, or another user's segment, is not this store's to remove."""
+        try:
+            named = os.lstat(SHM_DIR / self.name)
+            mapped = os.fstat(self._shm._fd)  # type: ignore[union-attr]  # the descriptor SharedMemory keeps
+        except OSError:
+            return False
+        same = (named.st_dev, named.st_ino) == (mapped.st_dev, mapped.st_ino)
+        return same and stat.S_ISREG(named.st_mode) and named.st_uid == os.geteuid()
 
     def close(self, unlink: bool | None = None) -> None:
         """Unmap (no view of ``pages`` may be in use: the memory goes away); the owner, or
@@ -86,7 +107,12 @@ class LandingBuffer:
 
 def reap_orphans(buffers: dict[str, LandingBuffer], busy: Container[str] = ()) -> list[str]:
     """Unmap and unlink the buffers in ``buffers`` (not named in ``busy``) whose creating
-    process died; returns the names removed.
+    process died; returns the names forgotten.
+
+    Only a name ``create`` made (``kvray_<pid>_<8 hex>``) counts, and only this user's
+    segment, still the one mapped, is unlinked: a caller can ask the store to map any
+    name, and asking must not let it remove another program's segment named after a
+    dead process.
 
     An engine killed with SIGKILL (or with its node's process group) never unlinks its
     buffer, and the segment would hold its memory in ``/dev/shm`` until the machine
@@ -97,7 +123,7 @@ def reap_orphans(buffers: dict[str, LandingBuffer], busy: Container[str] = ()) -
     for name, buf in list(buffers.items()):
         if name in busy or buf.owner_alive:
             continue
-        buf.close(unlink=True)
+        buf.close(unlink=buf.unlinkable)
         del buffers[name]
         reaped.append(name)
     return reaped

@@ -78,16 +78,22 @@ class TierSizes(FrozenModel):
 class StoreConfig(FrozenModel):
     """Settings of one in-process :class:`kvray.core.store.PageStore`.
 
-    ``model_name`` and ``layout`` form the model fingerprint that every page key carries,
-    so two models never share pages. Disk pages are always hashed and verified;
+    ``model_name``, ``layout`` and ``model_revision`` form the model fingerprint that every
+    page key carries, so two models never share pages; give ``model_revision`` (a commit,
+    a weights hash) whenever a checkpoint can change under the same name, or a persistent
+    disk tier serves the old weights' KV to the new ones. Disk pages are always hashed and verified;
     ``checksum_memory`` hashes pages in the memory tiers as well and verifies every read
     of them (a full extra pass over each page: guards against memory corruption at a
     cost of about a quarter of host-tier bandwidth). Off, a memory page gets its
-    checksum when it is demoted to disk.
+    checksum when it is demoted to disk. ``host_shared_memory`` puts the host tier in that
+    POSIX shared-memory segment, beside a slot directory, so engines on the node copy its
+    pages without a call; only on x86-64, whose memory ordering the directory's lock-free
+    reads rely on (:mod:`kvray.core.tiers.directory`): elsewhere the tier stays private.
     """
 
     layout: PageLayout
     model_name: str = Field(default="model", min_length=1, max_length=256)
+    model_revision: str | None = Field(default=None, min_length=1, max_length=256)
     tiers: TierSizes = TierSizes(host=1024)
     disk_dir: Path | None = None
     disk_fsync: bool = False

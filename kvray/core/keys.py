@@ -35,14 +35,23 @@ TOKEN_DTYPE = np.dtype("<i4")
 
 @dataclass(frozen=True)
 class ModelFingerprint:
-    """What a page's KV depends on besides the tokens: model identity and page layout."""
+    """What a page's KV depends on besides the tokens: model identity and page layout.
+
+    A name and a layout do not tell two checkpoints of one model apart (a fine-tune saved
+    under the same name): ``revision`` names the weights as well (a hub commit, a hash,
+    a version; see :mod:`kvray.engines.revision`), so a persistent disk tier never
+    serves the KV of the weights it replaced. Without one the digest is what it always
+    was, so disk tiers written before revisions existed stay readable.
+    """
 
     digest: bytes
     page_tokens: int
 
     @classmethod
-    def of(cls, layout: PageLayout, model_name: str) -> ModelFingerprint:
+    def of(cls, layout: PageLayout, model_name: str, revision: str | None = None) -> ModelFingerprint:
         text = f"{model_name}|{layout.model_dump_json()}"
+        if revision is not None:
+            text += f"|revision|{revision}"
         return cls(digest=xxhash.xxh3_128_digest(text.encode()), page_tokens=layout.page_tokens)
 
     def seed_key(self, salt: str = "") -> bytes:

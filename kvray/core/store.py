@@ -20,6 +20,10 @@ they leave memory for disk. Pages read are pinned until copied out; a page that 
 its checksum is counted, dropped (with its descendants) and never returned, so a load
 yields a shorter prefix, never wrong KV. A request whose input is invalid raises before
 anything stored is touched.
+
+One lock guards the index, the slot accounting and the counters: every change to them,
+and every read of them that must add up (``stats``), happens under it; only the copies
+of page bytes run outside it, on pinned pages.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from kvray.core.manager import CacheManager
 from kvray.core.pages import check_request_kv, copy_page, hash_page, request_bytes, request_page, runs, torch_dtype
 from kvray.policy import PageContext, PlacementPolicy, make_policy
 from kvray.core.tiers import DevicePool, DiskPool, HostPool, StoredPage, Tier
-from kvray.core.tiers.directory import SlotDirectory, directory_name
+from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 
 PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
 UNHASHED = 0  # the checksum of a memory page stored without one (``checksum_memory`` off)
@@ -70,7 +74,7 @@ class PageStore:
     def __init__(self, config: StoreConfig, policy: PlacementPolicy | None = None) -> None:
         self.config = config
         self.layout = config.layout
-        self.fingerprint = ModelFingerprint.of(config.layout, config.model_name)
+        self.fingerprint = ModelFingerprint.of(config.layout, config.model_name, config.model_revision)
         nbytes = self.layout.page_nbytes
         sizes = config.tiers
         self.pools: dict[Tier, DevicePool | HostPool | DiskPool] = {}
@@ -78,11 +82,14 @@ class PageStore:
             self.pools[Tier.DEVICE] = DevicePool(sizes.device, nbytes)
         # With a shared host tier, engines on this node read its pages themselves, finding
         # them through the slot directory this store keeps current (kvray.core.tiers.directory).
+        # Only where that lock-free protocol is sound: elsewhere the tier stays private and
+        # engines read through the store.
         self.directory: SlotDirectory | None = None
         if sizes.host:
-            self.pools[Tier.HOST] = HostPool(sizes.host, nbytes, shared_name=config.host_shared_memory)
-            if config.host_shared_memory:
-                self.directory = SlotDirectory.create(directory_name(config.host_shared_memory), sizes.host)
+            shared = config.host_shared_memory if mapped_reads_sound() else None
+            self.pools[Tier.HOST] = HostPool(sizes.host, nbytes, shared_name=shared)
+            if shared:
+                self.directory = SlotDirectory.create(directory_name(shared), sizes.host)
         recovered: list[StoredPage] = []
         if sizes.disk:
             disk = DiskPool(config.disk_dir, sizes.disk, nbytes, self.fingerprint.digest, fsync=config.disk_fsync)
@@ -196,8 +203,13 @@ class PageStore:
         """Pin the cached prefix of ``keys``, copy each verified page into ``targets(i)``, unpin.
 
         Returns the number of leading pages delivered and their count per tier; a page
-        that fails verification ends the prefix and is dropped.
+        that fails verification ends the prefix and is dropped. Every target is resolved
+        and checked before anything is pinned, so a caller's buffer too small for
+        ``keys`` raises :class:`LayoutError` and costs no page; an error while copying
+        (a disk that fails) propagates and drops nothing either: only bytes that fail
+        their checksum condemn a page.
         """
+        views = self._targets(targets, len(keys))
         with self._lock:
             match = self.manager.lookup(keys)
             self.manager.pin(match.handles)
@@ -206,19 +218,38 @@ class PageStore:
         try:
             for i in range(len(match)):
                 tier, slot, expected = Tier(int(match.tiers[i])), int(match.slots[i]), int(match.checksums[i])
-                if not self._read_page(tier, slot, expected, targets(i)):
+                if not self._read_page(tier, slot, expected, views[i]):
                     break
                 delivered += 1
-        finally:
+        except BaseException:
             with self._lock:
                 self.manager.unpin(match.handles)
-                if delivered < len(match):
-                    self.metrics.corrupt_pages += 1
-                    self.manager.drop(int(match.handles[delivered]))
-                self._hit(match.handles[:delivered])
-                self.metrics.observe("load", time.perf_counter() - t0)
+            raise
+        with self._lock:
+            self.manager.unpin(match.handles)
+            if delivered < len(match):  # the loop stopped at a page that failed verification
+                self.metrics.corrupt_pages += 1
+                self.manager.drop(int(match.handles[delivered]))
+            self._hit(match.handles[:delivered])
+            self.metrics.observe("load", time.perf_counter() - t0)
         labels, counts = np.unique(match.tiers[:delivered], return_counts=True)
         return delivered, {Tier(int(t)).label: int(n) for t, n in zip(labels, counts)}
+
+    def _targets(self, targets: PageSource, pages: int) -> list[np.ndarray]:
+        """``targets(i)`` for every page of a request, each checked to hold exactly one page."""
+        views = []
+        for i in range(pages):
+            try:
+                view = targets(i)
+            except (IndexError, ValueError) as exc:
+                raise LayoutError(f"target buffer has no room for page {i} of {pages}: {exc}") from None
+            if not isinstance(view, np.ndarray) or view.dtype != np.uint8 or view.nbytes != self.layout.page_nbytes:
+                what = f"{view.dtype} {view.shape}" if isinstance(view, np.ndarray) else type(view).__name__
+                raise LayoutError(
+                    f"target of page {i} of {pages} is {what}, not the {self.layout.page_nbytes} bytes of one page"
+                )
+            views.append(view)
+        return views
 
     def touch_pages(self, keys: Sequence[int]) -> int:
         """Count a hit on the cached prefix of ``keys`` that a reader copied out of the shared
@@ -345,9 +376,15 @@ class PageStore:
         return len(self.manager.index)
 
     def stats(self) -> dict:
-        """Counters, per-tier occupancy and fragmentation, and whether the device is a stand-in."""
-        snap = self.metrics.snapshot()
-        snap["tiers"] = self.manager.occupancy()
+        """Counters, per-tier occupancy and fragmentation, and whether the device is a stand-in.
+
+        Read under the store's lock, like every change to them: a slot allocator caught
+        between its free list and its bitmap would report nonsense (or fail), and
+        counters read mid-request would not add up.
+        """
+        with self._lock:
+            snap = self.metrics.snapshot()
+            snap["tiers"] = self.manager.occupancy()
         if Tier.DEVICE in self.pools:
             snap["tiers"]["device"]["stand_in"] = self.pools[Tier.DEVICE].stand_in
         return snap

@@ -87,7 +87,8 @@ class CachedCausalLM:
 
         model = LlamaForCausalLM(LlamaConfig(...)).eval()
         layout = model_layout(model.config, model.dtype, page_tokens=64)
-        lm = CachedCausalLM(model, PageStore(StoreConfig(layout=layout, model_name="tiny-llama")))
+        revision = checkpoint_revision(model.config, "my-weights-v1")   # see kvray.engines.revision
+        lm = CachedCausalLM(model, PageStore(StoreConfig(layout=layout, model_name="tiny-llama", model_revision=revision)))
         first = lm.prefill(prompt)          # computes everything, stores full pages
         again = lm.prefill(prompt)          # loads all but the last partial page
         again.cached_tokens, again.logits.argmax()

@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvray.core.config import PageLayout, validate
 from kvray.engines.hf import DTYPE_NAMES
+from kvray.engines.revision import checkpoint_revision
 from kvray.engines.vllm_blocks import BlockCodec
 from kvray.engines.vllm_settings import ConnectorSettings, connector_settings, store_config
 from kvray.core.errors import ConfigError
@@ -85,7 +86,11 @@ def page_layout(vllm_config: VllmConfig) -> PageLayout:
 
 
 def open_store(vllm_config: VllmConfig, settings: ConnectorSettings) -> PageStore:
-    return PageStore(store_config(settings, page_layout(vllm_config), vllm_config.model_config.served_model_name))
+    """The connector's store, its pages bound to this checkpoint: the hub revision vLLM
+    loaded (or the user's ``model_revision``) and a hash of the model config."""
+    model = vllm_config.model_config
+    revision = checkpoint_revision(model.hf_config, settings.model_revision or model.revision)
+    return PageStore(store_config(settings, page_layout(vllm_config), model.served_model_name, revision))
 
 
 # -- what travels between the two halves ------------------------------------------------

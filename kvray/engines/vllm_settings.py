@@ -32,7 +32,9 @@ class ConnectorSettings(BaseModel):
     started on the same directory finds them (one live engine per directory at a time:
     concurrent sharing is the Ray runtime's job). ``model_name`` defaults to vLLM's
     served model name; it goes into every page key with the layout, as do ``salt`` and
-    each request's own ``cache_salt``.
+    each request's own ``cache_salt``, and the checkpoint's revision: vLLM's ``revision``
+    (or ``model_revision``, which overrides it: name your local fine-tunes with it) and a
+    hash of the model's config (:mod:`kvray.engines.revision`).
 
     Example::
 
@@ -42,6 +44,7 @@ class ConnectorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model_name: str | None = Field(default=None, min_length=1)
+    model_revision: str | None = Field(default=None, min_length=1, max_length=200)
     salt: str = ""
     device_pages: int = Field(default=0, ge=0)
     host_pages: int = Field(default=1024, ge=0)
@@ -59,11 +62,15 @@ def connector_settings(extra: Any) -> ConnectorSettings:
     return validate(ConnectorSettings, extra, source=SOURCE)
 
 
-def store_config(settings: ConnectorSettings, layout: PageLayout, served_model_name: str) -> StoreConfig:
-    """The page store the connector opens; every combination of settings is checked here."""
+def store_config(
+    settings: ConnectorSettings, layout: PageLayout, served_model_name: str, model_revision: str | None = None
+) -> StoreConfig:
+    """The page store the connector opens (``model_revision``: the checkpoint's, see
+    :func:`~kvray.engines.revision.checkpoint_revision`); every combination of settings is checked here."""
     config = {
         "layout": layout,
         "model_name": settings.model_name or served_model_name,
+        "model_revision": model_revision,
         "tiers": {"device": settings.device_pages, "host": settings.host_pages, "disk": settings.disk_pages},
         "disk_dir": settings.disk_dir,
         "policy": settings.policy,

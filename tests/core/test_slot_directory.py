@@ -1,10 +1,14 @@
-"""The shared slot directory: its key -> slot table against a dict model, and optimistic
-reads racing a real PageStore that keeps overwriting, demoting and evicting host slots."""
+"""The shared slot directory: its key -> slot table against a dict model, optimistic
+reads racing a real PageStore that keeps overwriting, demoting and evicting host slots,
+the clean-up of a killed store's segments (never another user's), and the machines on
+which engines may read it at all."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import secrets
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +18,18 @@ from hypothesis import strategies as st
 from kvray.core.config import PageLayout, StoreConfig, TierSizes
 from kvray.core.errors import StorageError
 from kvray.core.store import PageStore
-from kvray.core.tiers.directory import EMPTY, SHM_DIR, SharedHostTier, SlotDirectory, directory_name, retire
+from kvray.core.tiers.directory import (
+    CLOSED,
+    EMPTY,
+    MAGIC,
+    OPEN,
+    SHM_DIR,
+    SharedHostTier,
+    SlotDirectory,
+    directory_name,
+    retire,
+    retire_predecessors,
+)
 
 CAPACITY = 6
 # Keys share their low bits in small groups, so probe runs collide, wrap around the table
@@ -82,6 +97,58 @@ def test_a_dead_stores_segments_are_retired_closed_and_unlinked():
     store.close()  # a store that was not dead after all still closes cleanly
 
 
+OTHER_UID = 12345  # a uid nobody on the test machine is; segments are given to it with os.chown (root)
+
+
+def _foreign_segments(prefix: str) -> tuple[Path, Path]:
+    """A host tier and an open slot directory under a store's prefix that another user made."""
+    host = SHM_DIR / f"{prefix}{secrets.token_hex(4)}"
+    directory = SHM_DIR / directory_name(host.name)
+    host.write_bytes(b"\7" * 4096)
+    directory.write_bytes(np.array([MAGIC, 1, 2, OPEN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], np.uint64).tobytes())
+    for path in (host, directory):
+        os.chown(path, OTHER_UID, OTHER_UID)
+    return host, directory
+
+
+def test_another_users_segments_under_a_stores_prefix_are_left_alone():
+    """They must neither stop the store from starting (a PermissionError, as a plain user)
+    nor, as root, be marked closed and unlinked."""
+    assert os.geteuid() == 0, "the test suite runs as root (os.chown to another uid)"
+    prefix = f"kvray_t{secrets.token_hex(3)}_node_"
+    host, directory = _foreign_segments(prefix)
+    mine = f"{prefix}{secrets.token_hex(4)}"
+    killed = PageStore(StoreConfig(layout=LAYOUT, tiers=TierSizes(host=2), host_shared_memory=mine))  # never closed
+    try:
+        retire(host.name)
+        assert retire_predecessors(prefix) == [mine]
+        assert host.read_bytes() == b"\7" * 4096 and directory.exists()
+        assert int(np.frombuffer(directory.read_bytes(), np.uint64)[3]) == OPEN
+        assert not (SHM_DIR / mine).exists() and not (SHM_DIR / directory_name(mine)).exists()
+        assert int(killed.directory._header[3]) == CLOSED
+    finally:
+        killed.close()
+        host.unlink()
+        directory.unlink()
+
+
+def test_a_link_under_a_stores_prefix_is_not_followed(tmp_path):
+    prefix = f"kvray_t{secrets.token_hex(3)}_node_"
+    victim = tmp_path / "victim"
+    victim.write_bytes(np.array([MAGIC, 1, 2, OPEN, 0, 0, 0, 0], np.uint64).tobytes())
+    before = victim.read_bytes()
+    host, directory = SHM_DIR / f"{prefix}abcd", SHM_DIR / f"{prefix}abcd_dir"
+    host.symlink_to(victim)
+    directory.symlink_to(victim)
+    try:
+        assert retire_predecessors(prefix) == []
+        retire(host.name)
+        assert victim.read_bytes() == before and host.is_symlink() and directory.is_symlink()
+    finally:
+        host.unlink()
+        directory.unlink()
+
+
 # -- optimistic reads racing a writer process ---------------------------------------------------
 LAYOUT = PageLayout(layers=2, kv_heads=4, head_dim=64, page_tokens=64, dtype="float16")  # 128 KiB pages
 POOL = 24  # keys the writer cycles through, over 4 host slots and 6 disk slots
@@ -135,3 +202,40 @@ def test_optimistic_reads_never_return_bytes_of_another_key(tmp_path, verify):
     assert writer.exitcode == 0
     with pytest.raises(StorageError):
         SlotDirectory.attach(directory_name(name))  # the store unlinked its segments on close
+
+
+# -- where mapped reads are allowed ------------------------------------------------------------
+@pytest.mark.parametrize("machine", ["aarch64", "arm64", "ppc64le", "riscv64"])
+@pytest.mark.parametrize("checksum_memory", [False, True])
+def test_off_x86_64_the_host_tier_is_not_shared_and_pages_go_through_the_store(monkeypatch, machine, checksum_memory):
+    """Without total store order a seqlock reader can pair a stale key with a new page and
+    its new checksum, so neither mapped reads nor checksums make it sound there."""
+    monkeypatch.setattr("platform.machine", lambda: machine)
+    name = _name()
+    store = PageStore(StoreConfig(layout=LAYOUT, tiers=TierSizes(host=4), host_shared_memory=name,
+                                  checksum_memory=checksum_memory))
+    try:
+        assert store.directory is None and store.pools[1].shared_name is None
+        assert not (SHM_DIR / name).exists() and not (SHM_DIR / directory_name(name)).exists()
+        with pytest.raises(StorageError, match="cannot be mapped"):
+            SharedHostTier.attach(name, 4, LAYOUT.page_nbytes)
+        page = page_of(5)
+        store.put_pages([5], page[None], store.fingerprint.digest)
+        assert np.array_equal(store.get_pages([5])[1][0], page)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "AMD64"])
+def test_on_x86_64_the_host_tier_is_shared_with_its_directory(monkeypatch, machine):
+    monkeypatch.setattr("platform.machine", lambda: machine)
+    name = _name()
+    store = PageStore(StoreConfig(layout=LAYOUT, tiers=TierSizes(host=4), host_shared_memory=name))
+    try:
+        store.put_pages([5], page_of(5)[None], store.fingerprint.digest)
+        tier = SharedHostTier.attach(name, 4, LAYOUT.page_nbytes)
+        rows = np.empty((1, LAYOUT.page_nbytes), np.uint8)
+        assert tier.read([5], rows, verify=False) == 1 and np.array_equal(rows[0], page_of(5))
+        tier.close()
+    finally:
+        store.close()

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -259,3 +260,67 @@ def test_memory_page_gets_its_checksum_when_demoted_to_disk(tmp_path):
         fh.seek(_page_offset(store, tokens, 1))
         fh.write(b"\xff\xff")
     assert store.load(tokens).tokens == 4 and store.stats()["corrupt_pages"] == 1
+
+
+# -- a read that fails for another reason than its bytes drops nothing ----------------------
+@pytest.mark.parametrize("tiers", [{"host": 8}, {"disk": 8}], ids=["host", "disk"])
+@pytest.mark.parametrize("row", [1, 3], ids=["buffer-one-row-short", "row-past-the-buffer"])
+def test_a_target_buffer_too_small_raises_before_any_page_is_touched(tmp_path, tiers, row):
+    """What ``NodeStore.read_into`` hands the store: rows ``row..`` of a caller's landing buffer."""
+    store = make_store(tmp_path, **tiers)
+    tokens = list(range(12))
+    store.store(tokens, prefix_kv(TINY, tokens))
+    buffer = np.zeros((3, TINY.page_nbytes), np.uint8)
+    with pytest.raises(LayoutError, match=f"no room for page {3 - row} of 3") as info:
+        store.read_pages(store.keys(tokens), lambda i: buffer[row + i])
+    assert isinstance(info.value, KvrayError)
+    assert not buffer.any()  # validated before the first copy
+    hit = store.load(tokens)
+    assert hit.tokens == 12 and torch.equal(hit.kv, prefix_kv(TINY, tokens))
+    assert store.stats()["corrupt_pages"] == 0 and not store.manager.index.pins.any()
+
+
+def test_a_target_of_the_wrong_size_is_a_layout_error(tmp_path):
+    store = make_store(tmp_path, host=4)
+    tokens = list(range(8))
+    store.store(tokens, prefix_kv(TINY, tokens))
+    with pytest.raises(LayoutError, match=f"target of page 0 of 2 is uint8 \\(8,\\), not the {TINY.page_nbytes} bytes"):
+        store.read_pages(store.keys(tokens), lambda i: np.zeros(8, np.uint8))
+    assert store.load(tokens).tokens == 8 and store.stats()["corrupt_pages"] == 0
+
+
+def test_a_failing_disk_read_is_a_storage_error_and_drops_nothing(tmp_path):
+    store = make_store(tmp_path, disk=8)
+    tokens = list(range(12))
+    store.store(tokens, prefix_kv(TINY, tokens))
+    pool = store.pools[2]
+    saved = os.dup(pool._fd)
+    broken = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    os.dup2(broken, pool._fd)  # every pread now fails with EISDIR, as a failing device would with EIO
+    try:
+        with pytest.raises(StorageError, match="read of slot"):
+            store.load(tokens)
+    finally:
+        os.dup2(saved, pool._fd)
+        os.close(saved)
+        os.close(broken)
+    hit = store.load(tokens)
+    assert hit.tokens == 12 and torch.equal(hit.kv, prefix_kv(TINY, tokens))
+    assert store.stats()["corrupt_pages"] == 0
+
+
+# -- state read while another thread changes it --------------------------------------------
+def test_stats_wait_for_a_change_in_progress(tmp_path):
+    """``stats`` reads the slot allocators and counters under the store's lock: a snapshot
+    taken while another thread is between a slot's allocation and its bookkeeping would
+    not add up (or fail: an allocator's bitmap and free list disagree for a moment)."""
+    store = PageStore(StoreConfig(layout=TINY, tiers=TierSizes(host=4, disk=8), disk_dir=tmp_path))
+    tokens = list(range(12))
+    store.store(tokens, prefix_kv(TINY, tokens))
+    done = threading.Event()
+    with store._lock:  # a store in the middle of a change
+        reader = threading.Thread(target=lambda: (store.stats(), done.set()))
+        reader.start()
+        assert not done.wait(0.3)
+    reader.join(10)
+    assert done.is_set() and store.stats()["stored_pages"] == 3

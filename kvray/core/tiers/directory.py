@@ -21,13 +21,16 @@ is a miss. The table is only a hint: a reader racing a deletion's backward shift
 miss an entry that is moving (a miss, never a wrong slot), because every slot it
 finds is validated against the slot's own key and generation.
 
-Memory ordering: the store and the engines run on x86, whose TSO model keeps stores in
-program order and loads in program order, so plain numpy stores and loads (each a
-separate C call, which the compiler cannot reorder across) make this seqlock correct:
-a reader that sees the same even generation before and after its copy read bytes that
-were all written before that generation was published. On a weaker memory model the
-generation accesses would need fences. With ``checksum_memory`` on, readers verify each
-page's checksum as well.
+Memory ordering: on x86-64, whose TSO model keeps stores in program order and loads in
+program order, plain numpy stores and loads (each a separate C call, which the compiler
+cannot reorder across) make this seqlock correct: a reader that sees the same even
+generation before and after its copy read bytes that were all written before that
+generation was published. Python offers no fences, and on a weaker memory model
+(aarch64, POWER) loads and stores to different words may be seen out of order: a reader
+could pair a stale generation and key with a new page's bytes *and* its new checksum, so
+``checksum_memory`` would not catch it either. A store therefore shares its host tier and
+publishes a directory only where :func:`mapped_reads_sound` says so; elsewhere engines
+read every page through the store's lock (``read_into``), which is slower but correct.
 
 Example::
     import os
@@ -44,6 +47,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
+import stat
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -59,6 +65,13 @@ OPEN, CLOSED = 1, 2
 EMPTY = -1
 SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory segments
 _HEADER = 8  # uint64 words: magic, capacity, table size, state, (reserved)
+ORDERED_MACHINES = frozenset({"x86_64", "amd64"})  # total store order: the seqlock needs no fences
+
+
+def mapped_reads_sound() -> bool:
+    """Whether this machine keeps loads and stores in program order, as the seqlock needs
+    (see the module docstring); ``platform.machine()`` names the architecture."""
+    return platform.machine().lower() in ORDERED_MACHINES
 
 
 class SlotDirectory:
@@ -210,17 +223,41 @@ def directory_name(host_name: str) -> str:
     return f"{host_name}_dir"
 
 
+def _own_segment(info: os.stat_result) -> bool:
+    """Whether a /dev/shm entry is a segment this user made: a regular file of its uid.
+    Another user's file (or a link) matching a store's name is theirs to keep, and
+    touching it would fail or, as root, destroy it."""
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+
+
 def retire(host_name: str) -> None:
     """Mark a dead store's directory closed (its readers drop it at once) and unlink its
-    segments: a store killed without ``close`` leaves them behind until the machine reboots."""
+    segments: a store killed without ``close`` leaves them behind until the machine reboots.
+    Segments that are not this user's own (see :func:`_own_segment`) are left alone."""
     directory = SHM_DIR / directory_name(host_name)
-    with contextlib.suppress(OSError, ValueError):
-        header = np.memmap(directory, dtype=np.uint64, mode="r+", shape=(_HEADER,))
-        if int(header[0]) == MAGIC:
-            header[3] = CLOSED
-        del header
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    with contextlib.suppress(OSError, ValueError), open(os.open(directory, flags), "r+b") as segment:
+        if _own_segment(os.fstat(segment.fileno())):
+            header = np.memmap(segment, dtype=np.uint64, mode="r+", shape=(_HEADER,))
+            if int(header[0]) == MAGIC:
+                header[3] = CLOSED
+            del header
     for path in (directory, SHM_DIR / host_name):
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if _own_segment(path.lstat()):
+                path.unlink()
+
+
+def retire_predecessors(prefix: str) -> list[str]:
+    """Retire every host tier named ``prefix...`` that is this user's (an earlier incarnation
+    of a store, killed before it could close them); returns the names retired."""
+    retired = []
+    for path in SHM_DIR.glob(f"{prefix}*"):
+        with contextlib.suppress(FileNotFoundError):  # retired meanwhile
+            if not path.name.endswith("_dir") and _own_segment(path.lstat()):
+                retire(path.name)
+                retired.append(path.name)
+    return retired
 
 
 class SharedHostTier:

@@ -5,14 +5,19 @@ header (magic, key, parent key, fingerprint, checksum, length) followed by the p
 bytes, written straight from the caller's buffers (an engine's KV tensor slices, no
 staging copy) and hashed on the way. A new process pointed at the same directory rebuilds what it holds
 by reading the headers (:meth:`DiskPool.scan`); a freed slot has its magic cleared so it
-is never resurrected. The file and directory are private to the user (0600 / 0700), and
-the file name comes from the fingerprint alone, never from a user string.
+is never resurrected. The file name comes from the fingerprint alone, never from a user
+string, so it is predictable: whoever can write the directory could plant a link or a file
+of their own there. The pool therefore trusts a directory and a file only if they are
+this user's and closed to group and others (0700 / 0600, whether kvray created them or
+found them), opens neither through a symbolic link, and refuses anything else with an
+error naming the path and what is wrong with it (see docs/security.md).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +47,73 @@ def _batches(chunks: list[np.ndarray], limit: int) -> list[list[np.ndarray]]:
         groups[-1].append(chunk)
         size += chunk.size
     return groups
+
+
+def _refusal(path: Path, exc: OSError) -> str:
+    """Why ``path`` could not be opened, in words a user can act on (``O_NOFOLLOW`` reports
+    a link as ELOOP, or as ENOTDIR where a directory was asked for)."""
+    if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and path.is_symlink()):
+        return "it is a symbolic link (kvray does not follow links in its disk tier)"
+    return exc.strerror or str(exc)
+
+
+def _check_private(path: Path, info: os.stat_result, what: str, private_mode: int) -> None:
+    """Refuse ``path`` unless this user owns it and group and others have no access to it.
+
+    A directory or file someone else owns, or can write, lets them plant or rewrite pages
+    whose checksums they recompute (see docs/security.md); one they can read leaks KV.
+    """
+    uid = os.geteuid()
+    if info.st_uid != uid:
+        raise StorageError(f"disk tier: {what} {path} is owned by uid {info.st_uid}, not by this user (uid {uid})")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        raise StorageError(
+            f"disk tier: {what} {path} has mode {mode:04o}, open to group or others (chmod {private_mode:o} it)"
+        )
+
+
+def _open_private_directory(directory: Path) -> int:
+    """Create ``directory`` (0700) if missing; a descriptor of it once it checks out as private."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(f"disk tier: cannot create directory {directory}: {exc.strerror}") from None
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StorageError(f"disk tier: cannot open directory {directory}: {_refusal(directory, exc)}") from None
+    try:
+        _check_private(directory, os.fstat(fd), "directory", 0o700)
+    except StorageError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_private_file(path: Path, directory_fd: int) -> int:
+    """Open (or create, 0600) the slot file inside the already checked directory.
+
+    Opened relative to the directory's descriptor, so the directory cannot be swapped
+    between its check and this open, and with ``O_NOFOLLOW``, so a link planted at the
+    predictable name is refused instead of followed to a file it would overwrite.
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path.name, flags, 0o600, dir_fd=directory_fd)
+    except OSError as exc:
+        raise StorageError(f"disk tier: cannot open {path}: {_refusal(path, exc)}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise StorageError(f"disk tier: {path} is not a regular file")
+        if info.st_nlink != 1:
+            raise StorageError(f"disk tier: {path} has {info.st_nlink} hard links; its pages must be its own")
+        _check_private(path, info, "file", 0o600)
+    except StorageError:
+        os.close(fd)
+        raise
+    return fd
 
 
 @dataclass(frozen=True)
@@ -79,16 +151,11 @@ class DiskPool:
         self.fsync = fsync
         self.stride = -(-(HEADER_BYTES + page_nbytes) // ALIGN) * ALIGN
         self.path = self.directory / f"{fingerprint.hex()}.kvpages"
+        directory_fd = _open_private_directory(self.directory)
         try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StorageError(f"disk tier: cannot create directory {self.directory}: {exc.strerror}") from None
-        if not self.directory.is_dir() or not os.access(self.directory, os.W_OK | os.X_OK):
-            raise StorageError(f"disk tier: directory {self.directory} is not writable")
-        try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise StorageError(f"disk tier: cannot open {self.path}: {exc.strerror}") from None
+            self._fd = _open_private_file(self.path, directory_fd)
+        finally:
+            os.close(directory_fd)
 
     def _header(self, key: int, parent_key: int | None, checksum: int) -> bytes:
         flags = 0 if parent_key is None else FLAG_HAS_PARENT
@@ -141,17 +208,20 @@ class DiskPool:
         """Read ``slot`` into ``chunks``: (its header, or None if missing or torn; the
         checksum of the bytes read). Each chunk is hashed right after its ``pread``."""
         base = slot * self.stride
-        header = os.pread(self._fd, HEADER_BYTES, base)
-        page = self._parse(slot, header) if len(header) == HEADER_BYTES else None
-        if page is None:
-            return None, 0
-        hasher = xxhash.xxh3_64()
-        offset = base + HEADER_BYTES
-        for chunk in chunks:
-            if os.preadv(self._fd, [chunk], offset) < chunk.size:
+        try:
+            header = os.pread(self._fd, HEADER_BYTES, base)
+            page = self._parse(slot, header) if len(header) == HEADER_BYTES else None
+            if page is None:
                 return None, 0
-            hasher.update(chunk)
-            offset += chunk.size
+            hasher = xxhash.xxh3_64()
+            offset = base + HEADER_BYTES
+            for chunk in chunks:
+                if os.preadv(self._fd, [chunk], offset) < chunk.size:
+                    return None, 0
+                hasher.update(chunk)
+                offset += chunk.size
+        except OSError as exc:  # the device failed, not the page: the store keeps it and reports
+            raise StorageError(f"disk tier {self.directory}: read of slot {slot} failed: {exc.strerror}") from None
         return page, hasher.intdigest()
 
     def _parse(self, slot: int, header: bytes) -> StoredPage | None:

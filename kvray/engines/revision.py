@@ -1,0 +1,35 @@
+"""What names a checkpoint beyond its model name: the ``model_revision`` of its pages.
+
+A persistent disk tier outlives the weights that filled it. If a checkpoint is replaced
+under the same name (a fine-tune, a re-quantisation, a new download of a moving branch),
+pages keyed by name and layout alone would hand the new weights the old weights' KV.
+The engines therefore put a revision into the model fingerprint: the hub commit the
+weights came from when the engine knows it (vLLM's ``revision``), a value the user gives
+(the only thing that tells two local fine-tunes with one config apart), and a hash of the
+model config, which changes with any architecture or hyperparameter edit.
+
+Example::
+
+    StoreConfig(layout=layout, model_name="llama-3-8b", model_revision=checkpoint_revision(model.config, "v2"))
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import xxhash
+
+# Keys of a transformers config that name where and with what it was loaded, not the model.
+_NOT_THE_MODEL = ("_name_or_path", "transformers_version")
+
+
+def checkpoint_revision(config: Any, revision: str | None = None) -> str:
+    """``<revision or "unversioned">+config-<hash>`` for a transformers config (``to_dict``).
+
+    The hash covers every setting of the model but not its path or the transformers
+    version, so moving a checkpoint or upgrading the library keeps its pages.
+    """
+    settings = {k: v for k, v in config.to_dict().items() if k not in _NOT_THE_MODEL}
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return f"{revision or 'unversioned'}+config-{xxhash.xxh3_64_hexdigest(text.encode())}"
