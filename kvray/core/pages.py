@@ -88,6 +88,9 @@ def copy_page(dst: np.ndarray | torch.Tensor, src: np.ndarray | torch.Tensor) ->
         torch.as_tensor(dst).copy_(torch.as_tensor(src))
 
 
+UNHASHED = 0  # the checksum of a memory page stored without one (``checksum_memory`` off)
+
+
 def hash_page(page: np.ndarray) -> int:
     """xxh3-64 of a page view's bytes, run by run: what stored pages carry and reads check."""
     hasher = xxhash.xxh3_64()

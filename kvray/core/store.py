@@ -42,13 +42,12 @@ from kvray.core.errors import FingerprintMismatch, LayoutError, StorageError
 from kvray.core.index import ROOT
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.manager import CacheManager
-from kvray.core.pages import check_request_kv, copy_page, hash_page, request_bytes, request_page, runs, torch_dtype
+from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, torch_dtype
 from kvray.policy import PageContext, PlacementPolicy, make_policy
-from kvray.core.tiers import DevicePool, DiskPool, HostPool, StoredPage, Tier
+from kvray.core.tiers import DevicePool, DiskPool, HostPool, Pool, StoredPage, Tier
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 
 PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
-UNHASHED = 0  # the checksum of a memory page stored without one (``checksum_memory`` off)
 
 
 @dataclass(frozen=True)
@@ -77,9 +76,9 @@ class PageStore:
         self.fingerprint = ModelFingerprint.of(config.layout, config.model_name, config.model_revision)
         nbytes = self.layout.page_nbytes
         sizes = config.tiers
-        self.pools: dict[Tier, DevicePool | HostPool | DiskPool] = {}
+        self.pools: dict[Tier, Pool] = {}
         if sizes.device:
-            self.pools[Tier.DEVICE] = DevicePool(sizes.device, nbytes)
+            self.pools[Tier.DEVICE] = DevicePool(sizes.device, nbytes, checksum=config.checksum_memory)
         # With a shared host tier, engines on this node read its pages themselves, finding
         # them through the slot directory this store keeps current (kvray.core.tiers.directory).
         # Only where that lock-free protocol is sound: elsewhere the tier stays private and
@@ -87,7 +86,7 @@ class PageStore:
         self.directory: SlotDirectory | None = None
         if sizes.host:
             shared = config.host_shared_memory if mapped_reads_sound() else None
-            self.pools[Tier.HOST] = HostPool(sizes.host, nbytes, shared_name=shared)
+            self.pools[Tier.HOST] = HostPool(sizes.host, nbytes, shared_name=shared, checksum=config.checksum_memory)
             if shared:
                 self.directory = SlotDirectory.create(directory_name(shared), sizes.host)
         recovered: list[StoredPage] = []
@@ -316,31 +315,19 @@ class PageStore:
     # -- data plane ----------------------------------------------------------------------
     def _write_page(self, tier: Tier, slot: int, key: int, parent_key: int | None, page: np.ndarray) -> int:
         """Write ``page`` into ``slot``; return its checksum (UNHASHED for an unhashed memory page)."""
-        pool = self.pools[tier]
-        if isinstance(pool, DiskPool):
-            return pool.write(slot, key, parent_key, runs(page))
-        copy_page(pool.view(slot), page)
-        return hash_page(page) if self.config.checksum_memory else UNHASHED
+        return self.pools[tier].write(slot, key, parent_key, page)
 
     def _read_page(self, tier: Tier, slot: int, expected: int, page: np.ndarray) -> bool:
         """Copy ``slot`` into ``page``; False when the bytes fail verification."""
-        pool = self.pools[tier]
-        if isinstance(pool, DiskPool):
-            stored, digest = pool.read_into(slot, runs(page))
-            return stored is not None and stored.checksum == expected and digest == expected
-        copy_page(page, pool.view(slot))
-        return self._verified(page, expected)
-
-    def _verified(self, page: np.ndarray, expected: int) -> bool:
-        """A memory page's bytes check out (always, unless ``checksum_memory`` asks to hash)."""
-        return not self.config.checksum_memory or hash_page(page) == expected
+        return self.pools[tier].read_into(slot, page, expected)
 
     def _move_source(self, tier: Tier, slot: int, expected: int) -> np.ndarray | None:
         """A page's verified bytes to move from, or None: a host slot itself (the source stays
         intact until the move is published), else a copy read out of the tier."""
-        view = self.pools[tier].view(slot) if tier != Tier.DISK else None
+        view = self.pools[tier].view(slot)
         if isinstance(view, np.ndarray):
-            return view if self._verified(view, expected) else None
+            verified = not self.config.checksum_memory or hash_page(view) == expected
+            return view if verified else None
         buffer = np.empty(self.layout.page_nbytes, dtype=np.uint8)
         return buffer if self._read_page(tier, slot, expected, buffer) else None
 
@@ -361,10 +348,8 @@ class PageStore:
         return digest if dst == Tier.DISK else None
 
     def _slot_freed(self, tier: Tier, slot: int) -> None:
-        pool = self.pools[tier]
-        if isinstance(pool, DiskPool):
-            pool.free(slot)
-        elif tier == Tier.HOST and self.directory is not None:
+        self.pools[tier].free(slot)
+        if tier == Tier.HOST and self.directory is not None:
             self.directory.free(slot)
 
     def _page_placed(self, key: int, tier: Tier, slot: int, checksum: int) -> None:

@@ -10,7 +10,16 @@ model config, which changes with any architecture or hyperparameter edit.
 
 Example::
 
-    StoreConfig(layout=layout, model_name="llama-3-8b", model_revision=checkpoint_revision(model.config, "v2"))
+    import torch
+    from kvray import StoreConfig
+    from kvray.engines.hf import model_layout
+    from kvray.engines.revision import checkpoint_revision
+    from kvray.engines.tiny import tiny_llama
+
+    model = tiny_llama()
+    revision = checkpoint_revision(model.config, "v2")   # "v2+config-<hash of the config>"
+    layout = model_layout(model.config, torch.float32, page_tokens=16)
+    config = StoreConfig(layout=layout, model_name="tiny-llama", model_revision=revision)
 """
 
 from __future__ import annotations

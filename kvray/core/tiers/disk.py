@@ -26,6 +26,7 @@ import numpy as np
 import xxhash
 
 from kvray.core.errors import StorageError
+from kvray.core.pages import runs
 
 MAGIC = b"KVRAYPG1"
 HEADER = struct.Struct("<8sHHI16s16s16sQQ")  # magic, version, flags, pad, key, parent, fingerprint, checksum, nbytes
@@ -134,8 +135,8 @@ class DiskPool:
     Example::
 
         pool = DiskPool("/tmp/kv", capacity=16, page_nbytes=4096, fingerprint=fp.digest)
-        digest = pool.write(0, key, None, [page_bytes])
-        page, read_digest = pool.read_into(0, [out])   # page: the slot's header
+        digest = pool.write(0, key, None, page)          # page: a uint8 page view
+        assert pool.read_into(0, out, expected=digest)   # False: missing, torn or corrupt
     """
 
     kind = "disk"
@@ -165,7 +166,20 @@ class DiskPool:
         )  # fmt: skip
         return raw.ljust(HEADER_BYTES, b"\0")
 
-    def write(self, slot: int, key: int, parent_key: int | None, chunks: list[np.ndarray]) -> int:
+    def view(self, slot: int) -> None:
+        """Disk slots are not addressable memory: moves read them out first."""
+        return None
+
+    def write(self, slot: int, key: int, parent_key: int | None, page: np.ndarray) -> int:
+        """Write a page view run by run, straight from the caller's buffer; return its checksum."""
+        return self.write_runs(slot, key, parent_key, runs(page))
+
+    def read_into(self, slot: int, page: np.ndarray, expected: int) -> bool:
+        """Read ``slot`` into a page view; True only if its header and its bytes carry ``expected``."""
+        stored, digest = self.read_runs(slot, runs(page))
+        return stored is not None and stored.checksum == expected and digest == expected
+
+    def write_runs(self, slot: int, key: int, parent_key: int | None, chunks: list[np.ndarray]) -> int:
         """Write one page, given as byte chunks that add up to ``page_nbytes``; return its checksum.
 
         Chunks go out in ``pwritev`` batches of a few MiB, each batch hashed right after it
@@ -204,7 +218,7 @@ class DiskPool:
                 views[0] = views[0][written:]
         return offset
 
-    def read_into(self, slot: int, chunks: list[np.ndarray]) -> tuple[StoredPage | None, int]:
+    def read_runs(self, slot: int, chunks: list[np.ndarray]) -> tuple[StoredPage | None, int]:
         """Read ``slot`` into ``chunks``: (its header, or None if missing or torn; the
         checksum of the bytes read). Each chunk is hashed right after its ``pread``."""
         base = slot * self.stride

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvray.core.errors import StorageError
+from kvray.core.pages import UNHASHED, copy_page, hash_page
 
 PAGE_ALIGN = 4096
 
@@ -50,7 +51,29 @@ def attach_shared(name: str, nbytes: int, what: str) -> shared_memory.SharedMemo
     return shm
 
 
-class HostPool:
+class MemorySlots:
+    """The :class:`~kvray.core.tiers.Pool` verbs of a pool whose slots are memory views.
+
+    A page is one strided copy in or out of its slot. With ``checksum`` the page is hashed
+    as it is written and verified as it is read (``checksum_memory``); without, it carries
+    ``UNHASHED`` until it reaches disk, and a read always verifies.
+    """
+
+    checksum: bool
+
+    def write(self, slot: int, key: int, parent_key: int | None, page: np.ndarray) -> int:
+        copy_page(self.view(slot), page)
+        return hash_page(page) if self.checksum else UNHASHED
+
+    def read_into(self, slot: int, page: np.ndarray, expected: int) -> bool:
+        copy_page(page, self.view(slot))
+        return not self.checksum or hash_page(page) == expected
+
+    def free(self, slot: int) -> None:
+        """Nothing to clear: a memory slot's bytes are only reachable through the index."""
+
+
+class HostPool(MemorySlots):
     """Page slots in host memory (optionally a named shared-memory segment).
 
     Example::
@@ -62,10 +85,13 @@ class HostPool:
     kind = "host"
     stand_in = False
 
-    def __init__(self, capacity: int, page_nbytes: int, shared_name: str | None = None, attach: bool = False) -> None:
+    def __init__(
+        self, capacity: int, page_nbytes: int, shared_name: str | None = None, attach: bool = False, checksum: bool = False
+    ) -> None:
         """``shared_name``: create that shared segment (this pool owns it), or with
         ``attach`` map the one another process's pool created (read it, never unlink it)."""
         self.capacity = capacity
+        self.checksum = checksum
         self.page_nbytes = page_nbytes
         self._shm: shared_memory.SharedMemory | None = None
         self._owner = not attach
@@ -100,7 +126,7 @@ class HostPool:
             self._shm = None
 
 
-class DevicePool:
+class DevicePool(MemorySlots):
     """Page slots in accelerator memory; a CPU stand-in (``stand_in=True``) without CUDA.
 
     The stand-in keeps the tier's accounting and copy paths real on machines without an
@@ -109,8 +135,9 @@ class DevicePool:
 
     kind = "device"
 
-    def __init__(self, capacity: int, page_nbytes: int, device: str | None = None) -> None:
+    def __init__(self, capacity: int, page_nbytes: int, device: str | None = None, checksum: bool = False) -> None:
         self.capacity = capacity
+        self.checksum = checksum
         self.page_nbytes = page_nbytes
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.stand_in = self.device.type == "cpu"
