@@ -104,7 +104,7 @@ def run(
     else:
         from kvray.apps.results import print_results
 
-        print_results({result.policy: result}, Console(), title=f"kvray run: measured replay of {result.scenario}")
+        print_results({result.policy: result}, Console(), title=f"kvray run: measured replay ({result.scenario} settings)")
 
 
 @app.command()
@@ -142,8 +142,9 @@ def up(
         config = settings_from(scenario, runtime={"name": name, "policy": policy, "disk_root": disk_root},
                                tiers={"host": host_pages, "disk": disk_pages}, replay={}).runtime
         nodes = start(address, config)
-    console.print(f"kvray runtime {name!r} is up: {config.policy} over {config.tiers.host} host pages on each of "
-                  f"{len(nodes)} nodes; `kvray status --name {name}` reads it, `kvray down --name {name}` stops it")
+    console.print(f"kvray runtime {name!r} is up: {config.policy} over {config.tiers.host} host pages per node on "
+                  f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}; `kvray status --name {name}` reads it, "
+                  f"`kvray down --name {name}` stops it")
 
 
 @app.command()
@@ -156,7 +157,7 @@ def down(
 
     with reported_errors():
         stores = stop(address, name)
-    console.print(f"kvray runtime {name!r} is down ({stores} stores stopped)")
+    console.print(f"kvray runtime {name!r} is down ({stores} store{'' if stores == 1 else 's'} stopped)")
 
 
 @app.command()

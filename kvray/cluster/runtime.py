@@ -88,10 +88,10 @@ class RayConnection:
             check_reachable(self.address)
             try:
                 ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
-            except ConnectionError:  # Ray's "Could not find any running Ray instance"
+            except ConnectionError as exc:  # none found, or it refused this driver (auth)
                 raise ClusterError(
-                    f"no Ray cluster running at {self.address}: start one with `ray start --head`, "
-                    "or pass --address / set RAY_ADDRESS"
+                    f"cannot connect to Ray at {self.address}: {exc} (`ray start --head` starts a cluster; "
+                    "one with token authentication, Ray's default, needs RAY_AUTH_MODE=token and its token here too)"
                 ) from None
         elif self.nodes > 1:
             from ray.cluster_utils import Cluster
