@@ -7,8 +7,8 @@ import io
 from rich.console import Console
 from typer.testing import CliRunner
 
-from kvray.cli import app
 from kvray.apps.chat import conversation_demo, speed_up
+from kvray.cli import app
 
 
 def test_later_turns_reuse_history_and_agree_with_recompute():
