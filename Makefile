@@ -32,6 +32,7 @@ vllm-env: $(VLLM_STAMP)
 
 demo: install
 	$(VENV)/bin/kvray demo
+	@echo "kvray lives in $(VENV)/bin: 'source $(VENV)/bin/activate' puts the kvray command on your PATH"
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,8 @@
-"""The ``kvray`` command line: demo, bench, sim, train, eval, calibrate (run, status as they land)."""
+"""The ``kvray`` command line: demo, run, up/status/down, sim, train, eval, calibrate, bench.
+
+Help is rendered by click's plain formatter (``rich_markup_mode=None``): it shows flags as
+flags and every default, where typer's rich panels print a ``<bool>`` after each flag.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from rich.console import Console
 from kvray.core.errors import KvrayError
 from kvray.progress import progress_bar
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvray: tiered KV-cache offload and reuse")
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="kvray: tiered KV-cache offload and reuse")
 console = Console(stderr=True)
 
 
@@ -52,7 +57,7 @@ def demo(
     out: str = typer.Option("results", "--out", help="directory for the JSON and the plots"),
     chat_turns: int = typer.Option(4, "--chat-turns", min=0, help="turns of the real-model conversation (0: skip)"),
 ) -> None:
-    """Replay a slice of the real conversation trace on local Ray nodes and compare policies;
+    """Replay a slice of the real conversation trace on local Ray nodes without and with kvray;
     then serve a multi-turn conversation on a real (random-weight) Llama, with and without kvray."""
     from kvray.apps.demo import run_demo
 
@@ -71,6 +76,8 @@ def run(
     nodes: int | None = typer.Option(None, "--nodes", help="local Ray nodes to start (ignored with --address)"),
     scenario: str | None = typer.Option(None, "--scenario", help="YAML file of replay settings, or a kvray sim scenario (one node)"),
     address: str | None = typer.Option(None, "--address", help="existing Ray cluster (default: $RAY_ADDRESS)"),
+    name: str | None = typer.Option(None, "--name", help="replay on this runtime, up on the cluster (kvray up), "
+                                    "with its own tiers and policy; it stays up"),
     limit: int | None = typer.Option(None, "--limit", help="replay only the first N requests"),
     host_pages: int | None = typer.Option(None, "--host-pages", help="host-tier pages per node"),
     disk_pages: int | None = typer.Option(None, "--disk-pages", help="disk-tier pages per node (needs --disk-root)"),
@@ -88,16 +95,16 @@ def run(
             tiers={"host": host_pages, "disk": disk_pages},
             replay={"nodes": nodes, "limit": limit, "prefill_us_per_token": prefill_us},
         )
-        result = run_replay(trace, settings, address=address, progress=not json_out)
+        result = run_replay(trace, settings, address=address, progress=not json_out, runtime_name=name)
     if result.wrong_pages:
         console.print(f"[red]{result.wrong_pages} pages came back with wrong KV[/]")
         raise typer.Exit(2)
     if json_out:
         print(json.dumps(result.as_dict()))
     else:
-        from kvray.apps.demo import print_results
+        from kvray.apps.results import print_results
 
-        print_results({settings.runtime.policy: result}, console)
+        print_results({result.policy: result}, Console(), title=f"kvray run: measured replay ({result.scenario} settings)")
 
 
 @app.command()
@@ -106,7 +113,7 @@ def status(
     name: str = typer.Option("kvray", "--name", help="kvray runtime name"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Metrics of a running kvray runtime: hit rate, hits per tier, occupancy, latency, bytes moved."""
+    """Metrics of a running kvray runtime (kvray up): hit rate, hits per tier, occupancy, latency, bytes moved."""
     from kvray.apps.status import fetch_status, print_status
 
     with reported_errors():
@@ -115,6 +122,42 @@ def status(
         print(json.dumps(snapshot, default=str))
     else:
         print_status(snapshot, console)
+
+
+@app.command()
+def up(
+    address: str | None = typer.Option(None, "--address", help="Ray cluster (default: $RAY_ADDRESS or a local one)"),
+    name: str = typer.Option("kvray", "--name", help="kvray runtime name"),
+    scenario: str | None = typer.Option(None, "--scenario", help="YAML file of runtime settings, as for kvray run"),
+    policy: str | None = typer.Option(None, "--policy", help="placement policy of every node's tiers (default lru)"),
+    host_pages: int | None = typer.Option(None, "--host-pages", help="host-tier pages per node (default 256)"),
+    disk_pages: int | None = typer.Option(None, "--disk-pages", help="disk-tier pages per node (needs --disk-root)"),
+    disk_root: str | None = typer.Option(None, "--disk-root", help="directory for the nodes' disk tiers"),
+) -> None:
+    """Start a kvray runtime on a Ray cluster that stays up after this command (until kvray down)."""
+    from kvray.apps.replay import settings_from
+    from kvray.apps.service import up as start
+
+    with reported_errors():
+        config = settings_from(scenario, runtime={"name": name, "policy": policy, "disk_root": disk_root},
+                               tiers={"host": host_pages, "disk": disk_pages}, replay={}).runtime
+        nodes = start(address, config)
+    console.print(f"kvray runtime {name!r} is up: {config.policy} over {config.tiers.host} host pages per node on "
+                  f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}; `kvray status --name {name}` reads it, "
+                  f"`kvray down --name {name}` stops it")
+
+
+@app.command()
+def down(
+    address: str | None = typer.Option(None, "--address", help="Ray cluster (default: $RAY_ADDRESS or a local one)"),
+    name: str = typer.Option("kvray", "--name", help="kvray runtime name"),
+) -> None:
+    """Stop a kvray runtime started by kvray up (its stores release their memory; disk files stay)."""
+    from kvray.apps.service import down as stop
+
+    with reported_errors():
+        stores = stop(address, name)
+    console.print(f"kvray runtime {name!r} is down ({stores} store{'' if stores == 1 else 's'} stopped)")
 
 
 @app.command()
@@ -141,7 +184,13 @@ def sim(
     if json_out:
         print(result.as_json())
     else:
-        _print_result(result.as_dict())
+        from kvray.apps.results import print_results
+
+        out = Console()
+        print_results({policy: result}, out, title=f"kvray sim: modeled replay on scenario {result.scenario}")
+        capacity = ", ".join(f"{tier} {pages}" for tier, pages in result.extra["capacity_pages"].items())
+        out.print(f"capacity (pages): {capacity}; warm-up requests {warmup_requests}; "
+                  f"moves between tiers {result.extra['background_move_ms']:.1f} ms (off the TTFT path)")
 
 
 @app.command()
@@ -155,8 +204,10 @@ def train(
     holdout: list[Path] = typer.Option([], "--holdout", help="traces held out whole, evaluated in the card"),
     evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score the policy on held-out data"),
     tensorboard: Path = typer.Option(None, "--tensorboard", help="TensorBoard log folder (default OUT/tensorboard)"),
+    json_out: bool = typer.Option(False, "--json", help="print the model card as one JSON object"),
 ) -> None:
-    """Train the RL placement policy with PPO; writes policy.safetensors, card.json and TensorBoard logs."""
+    """Train the RL placement policy with PPO; writes policy.safetensors, card.json and TensorBoard logs.
+    Progress and logs go to stderr, so stdout holds only the result."""
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
     from kvray.rl.train import train as run_training
 
@@ -178,7 +229,9 @@ def train(
         card = run_training(spec, trace, timesteps, out, seed, train_fraction, progress=True,
                             evaluate=score if evaluate else None, tensorboard=tensorboard or out / "tensorboard")
     console.print(f"wrote {out}: {card['training']['timesteps']} steps in {card['training']['wall_s']} s")
-    if "evaluation" in card:
+    if json_out:
+        print(json.dumps(card))
+    elif "evaluation" in card:
         print(json.dumps(card["evaluation"]["goals"], indent=2))
 
 
@@ -188,9 +241,11 @@ _CARD_KEYS = ("trace", "capacity_fraction", "policy", "token_hit_rate", "mean_tt
 @app.command(name="eval")
 def eval_(
     trace: list[str] = typer.Option(..., "--trace", help="PATH or PATH@F (only requests after fraction F of its time)"),
-    policy: list[str] = typer.Option(["lru", "lfu", "arc", "wfq", "threshold", "belady", "rl"], "--policy"),
-    fraction: list[float] = typer.Option([0.02, 0.05, 0.10, 0.25], "--capacity-fraction"),
-    scenario: Path = typer.Option(None, "--scenario"),
+    policy: list[str] = typer.Option(["lru", "lfu", "arc", "wfq", "threshold", "belady", "rl"], "--policy",
+                                     help="policies to compare (rl: the shipped one, rl:PATH: a trained one)"),
+    fraction: list[float] = typer.Option([0.02, 0.05, 0.10, 0.25], "--capacity-fraction",
+                                         help="device+host = F x unique pages; one value draws bars"),
+    scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
     out: Path = typer.Option(Path("results/eval"), "--out", help="folder for eval.json and plots"),
     card: Path = typer.Option(None, "--card", help="model card whose training curve to plot (default: the rl policy's)"),
 ) -> None:
@@ -259,15 +314,6 @@ def generate(
                                            "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
                                for r in trace))
     console.print(f"wrote {len(trace)} requests to {out}")
-
-
-def _print_result(result: dict) -> None:
-    from rich.table import Table
-
-    table = Table(show_header=False)
-    for key, value in result.items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
-    Console().print(table)
 
 
 @app.command("chat-demo")

@@ -1,9 +1,11 @@
-"""``kvray demo``: the real conversation trace on local Ray nodes, two policies side by side.
+"""``kvray demo``: the real conversation trace on local Ray nodes, without and with kvray.
 
 It replays a slice (from request 1000 on) of the bundled Mooncake conversation trace on ``nodes``
 local Ray nodes (one engine and one store per node), once per contender, and prints a
 table of what was measured: token hit rate, hits per tier, mean and p99 time to first
-token, bytes moved. The contenders are LRU and ARC. Results go to ``<out>/demo.json`` and ``<out>/demo.png``.
+token, bytes moved. The contenders are the same engines recomputing every prompt (no
+cache: what an engine without kvray does) and with kvray's tiers under LRU, so the table
+shows what kvray buys. Results go to ``<out>/demo.json`` and ``<out>/demo.png``.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import json
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
-from kvray.cluster.config import RuntimeConfig
 from kvray.apps.replay import ReplayResult, ReplaySettings, replay_on_runtime
+from kvray.apps.results import TIER_ORDER, print_results
+from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.runtime import RayConnection
 from kvray.core.config import TierSizes
 from kvray.traces import read_trace
@@ -23,13 +25,18 @@ from kvray.traces import read_trace
 DEMO_TRACE = "conversation_trace_first30min.jsonl"  # shipped in data/traces (kvray.resources)
 DEMO_HOST_PAGES = 1200  # per node, 512 KiB pages: ~0.6 GiB of host tier per node
 DEMO_START = 1000  # ~5 minutes in: conversations already under way come back for more turns
-TIER_ORDER = ("device", "host", "disk", "remote")
+NO_CACHE = "no cache"
+KVRAY = "kvray (lru)"
 
 
-def contenders() -> dict[str, RuntimeConfig]:
-    """LRU against ARC, with the same host tier."""
-    tiers = TierSizes(host=DEMO_HOST_PAGES)
-    return {policy: RuntimeConfig(name=f"demo-{policy}", policy=policy, tiers=tiers) for policy in ("lru", "arc")}
+def contenders(nodes: int) -> dict[str, ReplaySettings]:
+    """The same engines recomputing every prompt, and with kvray's host tier under LRU
+    (the no-cache runtime gets one page per node: it is never asked for any)."""
+    return {
+        label: ReplaySettings(name=f"demo-{nodes}-nodes", nodes=nodes, cache=cache,
+                              runtime=RuntimeConfig(name=f"demo-{runtime}", tiers=TierSizes(host=host)))
+        for label, runtime, host, cache in ((NO_CACHE, "nocache", 1, False), (KVRAY, "kvray", DEMO_HOST_PAGES, True))
+    }
 
 
 def run_demo(requests: int, nodes: int, out_dir: str | Path, console: Console) -> dict[str, ReplayResult]:
@@ -39,28 +46,15 @@ def run_demo(requests: int, nodes: int, out_dir: str | Path, console: Console) -
         f"replaying requests {DEMO_START}..{DEMO_START + len(trace) - 1} of {DEMO_TRACE} on {nodes} local Ray nodes"
     )
     with RayConnection(nodes=nodes, object_store_mb=150):
-        for label, config in contenders().items():
-            settings = ReplaySettings(name=f"demo-{nodes}-nodes", nodes=nodes, runtime=config)
+        for label, settings in contenders(nodes).items():
             results[label] = replay_on_runtime(trace, settings, progress=True)
-    print_results(results, console)
+    print_results(results, console, title="kvray on Ray: measured replay (TTFT = lookup + load + prefill of misses)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "demo.json").write_text(json.dumps({k: r.as_dict() for k, r in results.items()}, indent=2))
     plot_results(results, out / "demo.png")
     console.print(f"saved {out / 'demo.json'} and {out / 'demo.png'}")
     return results
-
-
-def print_results(results: dict[str, ReplayResult], console: Console) -> None:
-    table = Table(title="kvray on Ray: measured replay (TTFT = lookup + load + prefill of misses)")
-    for col in ("policy", "requests", "token hit rate", "hits per tier (tokens)", "mean TTFT ms", "p99 TTFT ms", "bytes moved"):
-        table.add_column(col, justify="left" if col in ("policy", "hits per tier (tokens)") else "right")
-    for label, result in results.items():
-        r = result.as_dict()
-        tiers = ", ".join(f"{t} {r['hit_tokens_by_tier'][t]}" for t in TIER_ORDER if t in r["hit_tokens_by_tier"])
-        table.add_row(label, str(r["requests"]), f"{r['token_hit_rate']:.3f}", tiers or "-", f"{r['mean_ttft_ms']:.1f}",
-                      f"{r['p99_ttft_ms']:.1f}", f"{r['bytes_moved'] / 2**20:.1f} MiB")
-    console.print(table)
 
 
 def plot_results(results: dict[str, ReplayResult], path: Path) -> None:

@@ -41,7 +41,7 @@ def load_trace_spec(spec: str) -> tuple[str, list[TraceRequest]]:
         raise ConfigError(f"{spec}: expected PATH@FRACTION, got fraction {cut!r}") from None
     if not 0 <= fraction < 1:
         raise ConfigError(f"{spec}: held-out fraction must be in [0, 1)")
-    return f"{name}@{cut}", split_by_time(trace, fraction)[1]
+    return f"{name}@{cut}", split_by_time(trace, fraction)[1]  # never empty: the last request is at or after the cut
 
 
 def compare(
@@ -87,7 +87,8 @@ def goals(rows: list[dict], learned: str = "rl") -> dict:
 
 def plot(rows: list[dict], out: Path, card: dict | None = None) -> list[Path]:
     """Hit rate and mean TTFT against capacity, one line per policy and one figure per
-    trace; the training curve of ``card`` if given. Returns the files written."""
+    trace (bars per policy when there is one capacity: a line of one point shows nothing);
+    the training curve of ``card`` if given. Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,15 +96,11 @@ def plot(rows: list[dict], out: Path, card: dict | None = None) -> list[Path]:
 
     written = []
     for trace in sorted({r["trace"] for r in rows}):
-        fig, (hit_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4))
-        for policy in dict.fromkeys(r["policy"] for r in rows):
-            mine = sorted((r for r in rows if r["trace"] == trace and r["policy"] == policy), key=lambda r: r["capacity_fraction"])
-            xs = [100 * r["capacity_fraction"] for r in mine]
-            hit_ax.plot(xs, [r["token_hit_rate"] for r in mine], marker="o", label=policy)
-            ttft_ax.plot(xs, [r["mean_ttft_ms"] for r in mine], marker="o", label=policy)
-        hit_ax.set(xlabel="device + host capacity (% of unique pages)", ylabel="token hit rate", title=trace)
-        ttft_ax.set(xlabel="device + host capacity (% of unique pages)", ylabel="mean TTFT (ms, modeled)", title=trace)
-        hit_ax.legend()
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        mine = [r for r in rows if r["trace"] == trace]
+        for ax, key, label in zip(axes, ("token_hit_rate", "mean_ttft_ms"), ("token hit rate", "mean TTFT (ms, modeled)")):
+            _draw(ax, mine, key)
+            ax.set(ylabel=label, title=trace)
         fig.tight_layout()
         path = out / f"{trace.replace('@', '_at_')}.png"
         fig.savefig(path, dpi=110)
@@ -120,6 +117,23 @@ def plot(rows: list[dict], out: Path, card: dict | None = None) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _draw(ax, rows: list[dict], key: str) -> None:
+    """``key`` of one trace's rows: a line per policy over the capacities, or bars when
+    every row has the same capacity."""
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    capacities = sorted({r["capacity_fraction"] for r in rows})
+    if len(capacities) == 1:
+        at = {r["policy"]: r[key] for r in rows}
+        ax.bar(policies, [at[p] for p in policies], color="tab:blue")
+        ax.set_xlabel(f"policy (device + host capacity {100 * capacities[0]:g}% of unique pages)")
+        return
+    for policy in policies:
+        mine = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["capacity_fraction"])
+        ax.plot([100 * r["capacity_fraction"] for r in mine], [r[key] for r in mine], marker="o", label=policy)
+    ax.set_xlabel("device + host capacity (% of unique pages)")
+    ax.legend()
 
 
 def write_report(out: Path, rows: list[dict], summary: dict) -> Path:

@@ -45,6 +45,7 @@ class ReplaySettings(FrozenModel):
 
     A ``--scenario`` YAML file holds these fields (``runtime`` nested) or is a simulator
     scenario (:func:`settings_of_sim_scenario`); the CLI's options override them.
+    ``cache=False`` replays without kvray (every prompt recomputed): the baseline.
     """
 
     name: str = "default"
@@ -53,6 +54,7 @@ class ReplaySettings(FrozenModel):
     prefill_us_per_token: float = Field(default=5.0, ge=0)
     limit: int | None = Field(default=None, gt=0)
     object_store_mb: int = Field(default=150, ge=80)
+    cache: bool = True
 
     @model_validator(mode="after")
     def _pages_are_trace_blocks(self) -> ReplaySettings:
@@ -90,10 +92,11 @@ def settings_from(scenario: str | Path | None, runtime: dict, tiers: dict, repla
         base = settings_of_sim_scenario(validate(Scenario, data, source=str(scenario)))
     else:
         base = validate(ReplaySettings, data, source=str(scenario)).model_dump()
+        base["name"] = data.get("name", Path(scenario).stem)  # reported by its name, or its file's
     base["runtime"]["tiers"].update({k: v for k, v in tiers.items() if v is not None})
     base["runtime"].update({k: v for k, v in runtime.items() if v is not None})
     base.update({k: v for k, v in replay.items() if v is not None})
-    return validate(ReplaySettings, base, source=str(scenario or "kvray run options"))
+    return validate(ReplaySettings, base, source=str(scenario or "command-line options"))
 
 
 class Replay:
@@ -104,7 +107,7 @@ class Replay:
         self.settings = settings
         self.engines = {
             node: ReplayEngineActor.options(num_cpus=0, scheduling_strategy=on_node(node)).remote(
-                runtime.config.name, settings.prefill_us_per_token
+                runtime.config.name, settings.prefill_us_per_token, settings.cache
             )
             for node in runtime.stores
         }
@@ -112,8 +115,10 @@ class Replay:
 
     def run(self, trace: list[TraceRequest], progress: bool = True,
             on_request: Callable[[int], None] | None = None) -> ReplayResult:
-        """Replay ``trace``; ``on_request(i)`` runs before request ``i`` (fault injection)."""
-        policy = self.runtime.config.policy
+        """Replay ``trace``; ``on_request(i)`` runs before request ``i`` (fault injection).
+        Bytes moved count this replay's only: a runtime kept up may have moved some before."""
+        policy = self.runtime.config.policy if self.settings.cache else "none"
+        moved_before = self._bytes_moved()
         tally = ReplayTally(self.settings.runtime.layout.page_tokens)
         wrong_pages, lost_nodes = 0, []
         with progress_bar(len(trace), f"replay {policy}", enabled=progress) as tick:
@@ -125,10 +130,14 @@ class Replay:
                 wrong_pages += outcome["wrong_pages"]
                 if tick:
                     tick(i)
+        return tally.result(policy, self.settings.name, self._bytes_moved() - moved_before, wrong_pages=wrong_pages,
+                            lost_nodes=lost_nodes)
+
+    def _bytes_moved(self) -> int:
+        """Page bytes moved so far, between tiers inside the nodes and between nodes."""
         stats = self.runtime.store_stats()
         cluster = ray.get(self.runtime.controller.snapshot.remote())
-        bytes_moved = sum(s["bytes_moved"] for s in stats.values()) + cluster["bytes_between_nodes"]
-        return tally.result(policy, self.settings.name, bytes_moved, wrong_pages=wrong_pages, lost_nodes=lost_nodes)
+        return sum(s["bytes_moved"] for s in stats.values()) + cluster["bytes_between_nodes"]
 
     def _serve(self, i: int, request: TraceRequest, lost_nodes: list[str]) -> dict:
         while self.engines:
@@ -161,19 +170,34 @@ class Replay:
 def replay_on_runtime(trace: list[TraceRequest], settings: ReplaySettings, progress: bool = True) -> ReplayResult:
     """Start a runtime on the connected Ray, replay ``trace`` on it, and tear it down."""
     runtime = Runtime.start(settings.runtime)
-    replay = None
     try:
-        replay = Replay(runtime, settings)
-        return replay.run(trace, progress=progress)
+        return replay_with(runtime, trace, settings, progress)
     finally:
-        if replay is not None:
-            replay.close()
         runtime.close()
 
 
+def replay_with(runtime: Runtime, trace: list[TraceRequest], settings: ReplaySettings,
+                progress: bool = True) -> ReplayResult:
+    """Replay ``trace`` on a started ``runtime`` with engines of its own; the runtime stays."""
+    replay = Replay(runtime, settings)
+    try:
+        return replay.run(trace, progress=progress)
+    finally:
+        replay.close()
+
+
 def run_replay(trace_path: str | Path, settings: ReplaySettings, address: str | None = None,
-               progress: bool = True) -> ReplayResult:
-    """``kvray run``: read the trace, connect to (or start) Ray, replay, report."""
+               progress: bool = True, runtime_name: str | None = None) -> ReplayResult:
+    """``kvray run``: read the trace, connect to (or start) Ray, replay, report.
+
+    With ``runtime_name`` the replay uses that runtime, already up on the cluster
+    (``kvray up``), with its own settings, and leaves it running and warm.
+    """
     trace = read_trace(trace_path, limit=settings.limit)
+    if runtime_name is not None:  # it runs on an existing cluster: never start one
+        address = address or "auto"
     with RayConnection(address=address, nodes=settings.nodes, object_store_mb=settings.object_store_mb):
-        return replay_on_runtime(trace, settings, progress=progress)
+        if runtime_name is None:
+            return replay_on_runtime(trace, settings, progress=progress)
+        runtime = Runtime.attach(runtime_name)
+        return replay_with(runtime, trace, settings.model_copy(update={"runtime": runtime.config}), progress)

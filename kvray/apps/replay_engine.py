@@ -7,6 +7,9 @@ the time to first token, then stores the new pages. Page bytes are deterministic
 page key (a fixed random pattern XOR the key), so every loaded page is checked against
 what it must contain: a wrong page is counted, never silently used.
 
+With ``cache=False`` the engine never looks up or stores pages: it recomputes every
+prompt, as an engine without kvray does, which is the baseline kvray is measured against.
+
 Example::
 
     engine = ReplayEngineActor.options(scheduling_strategy=on_node(node)).remote("kvray", 5.0)
@@ -51,8 +54,9 @@ class PagePattern:
 class ReplayEngine:
     """Serves requests on its node; see the module docstring."""
 
-    def __init__(self, runtime_name: str, us_per_token: float) -> None:
+    def __init__(self, runtime_name: str, us_per_token: float, cache: bool = True) -> None:
         torch.set_num_threads(1)
+        self.cache = cache
         self.client = KvrayClient.connect(runtime_name)
         self.page_tokens = self.client.config.layout.page_tokens
         self.pattern = PagePattern(self.client.page_nbytes)
@@ -82,7 +86,7 @@ class ReplayEngine:
         keys = self.client.keys_for_trace(full_blocks(hash_ids, input_length, self.page_tokens))
         rows = self.client.buffer.pages
         hit, by_tier, plan, loaded = 0, {}, None, None
-        if keys:
+        if keys and self.cache:
             plan = self.client.lookup(keys)
             loaded = self.client.load(keys, plan)
             hit, by_tier = loaded.pages, loaded.by_tier

@@ -10,20 +10,19 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from kvray.cluster.config import NAMESPACE, controller_name
+from kvray.cluster.runtime import CALL_TIMEOUT_S, RayConnection, find_controller
 from kvray.core.errors import ClusterError
 
 
 def fetch_status(address: str | None, name: str) -> dict:
-    ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
-    try:
+    """The controller's status of runtime ``name`` on an existing cluster (``address``,
+    ``RAY_ADDRESS`` or the one on this machine); every failure is a one-line ClusterError."""
+    with RayConnection(address=address or "auto"):
+        controller = find_controller(name)
         try:
-            controller = ray.get_actor(controller_name(name), namespace=NAMESPACE)
-        except ValueError:
-            raise ClusterError(f"no kvray runtime named {name!r} is running on this Ray cluster") from None
-        return ray.get(controller.status.remote(), timeout=60)
-    finally:
-        ray.shutdown()
+            return ray.get(controller.status.remote(), timeout=CALL_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            raise ClusterError(f"the controller of kvray runtime {name!r} did not answer: {type(exc).__name__}") from None
 
 
 def print_status(snapshot: dict, console: Console) -> None:

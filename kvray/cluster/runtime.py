@@ -8,7 +8,9 @@ on every live node (node affinity, so a store never wanders off the node whose t
 owns) and joins the stores in one collective group for the collective transfer path.
 
 All kvray actors live in the Ray namespace ``kvray`` under names derived from
-``RuntimeConfig.name``, so a job, an engine or ``kvray status`` finds them by name.
+``RuntimeConfig.name``, so a job, an engine or ``kvray status`` finds them by name. A
+runtime started ``detached`` (``kvray up``) outlives the process that started it;
+:meth:`Runtime.attach` finds it again by name (``kvray run --name``, ``kvray down``).
 
 Example::
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -33,21 +36,48 @@ from kvray.cluster.node_store import NodeStoreActor
 from kvray.cluster.transfer import TOKEN_BYTES
 from kvray.core.errors import ClusterError
 
+CONNECT_TIMEOUT_S = 5.0  # Ray itself retries an address nobody answers at for about a minute
+CALL_TIMEOUT_S = 60.0  # a controller that does not answer a metadata call within this is stuck
+
 
 def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
 
 
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail within ``timeout_s`` when nothing listens at a ``HOST:PORT`` Ray address, so a
+    mistyped address is one clear error instead of a minute of Ray's own retries.
+
+    ``auto`` (Ray finds a cluster on this machine itself) and client URLs (``ray://``)
+    are left to Ray.
+    """
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterError(f"{address!r} is not a Ray address: expected HOST:PORT, auto or ray://HOST:PORT")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ClusterError(
+            f"no Ray cluster answers at {address} ({exc.strerror or exc}); "
+            "start one with `ray start --head`, or check --address / RAY_ADDRESS"
+        ) from None
+
+
 class RayConnection:
     """Connect to (or start) Ray; a context manager that shuts down what it started.
 
-    ``nodes`` > 1 starts that many local nodes (the head plus workers), each with
+    ``address`` (or ``RAY_ADDRESS``, which wins over ``auto``) names an existing cluster;
+    an address nobody answers at is a :class:`ClusterError` within ``CONNECT_TIMEOUT_S``.
+    Without one, ``nodes`` > 1 starts that many local nodes (the head plus workers), each with
     ``cpus_per_node`` CPUs and an object store of ``object_store_mb``.
     """
 
     def __init__(self, address: str | None = None, nodes: int = 1, cpus_per_node: int = 1,
                  object_store_mb: int = 200) -> None:
-        self.address = address or os.environ.get("RAY_ADDRESS") or None
+        from_env = os.environ.get("RAY_ADDRESS")
+        self.address = from_env if from_env and address in (None, "auto") else address
         self.nodes = nodes
         self.cpus_per_node = cpus_per_node
         self.object_store_bytes = object_store_mb << 20
@@ -55,7 +85,14 @@ class RayConnection:
 
     def __enter__(self) -> RayConnection:
         if self.address:
-            ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
+            check_reachable(self.address)
+            try:
+                ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
+            except ConnectionError as exc:  # none found, or it refused this driver (auth)
+                raise ClusterError(
+                    f"cannot connect to Ray at {self.address}: {exc} (`ray start --head` starts a cluster; "
+                    "one with token authentication, Ray's default, needs RAY_AUTH_MODE=token and its token here too)"
+                ) from None
         elif self.nodes > 1:
             from ray.cluster_utils import Cluster
 
@@ -98,25 +135,43 @@ class Runtime:
         self.stores = stores
 
     @classmethod
-    def start(cls, config: RuntimeConfig) -> Runtime:
+    def start(cls, config: RuntimeConfig, detached: bool = False) -> Runtime:
+        """Place the controller and the stores; ``detached`` ones outlive this driver
+        (Ray's ``lifetime="detached"``) until :meth:`close`, otherwise they end with it."""
         nodes = alive_nodes(config.store_resources)
         if not nodes:
             raise ClusterError(f"no live Ray node offers {config.store_resources or 'any resources'} for a store")
+        try:
+            ray.get_actor(controller_name(config.name), namespace=NAMESPACE)
+        except ValueError:
+            pass  # the name is free
+        else:
+            raise ClusterError(f"a kvray runtime named {config.name!r} is already running on this Ray cluster "
+                               f"(stop it with `kvray down --name {config.name}`, or pick another --name)")
         here = ray.get_runtime_context().get_node_id()
         token = secrets.token_bytes(TOKEN_BYTES)
-        controller = ControllerActor.options(  # beside the driver: it lives as long as the job does
+        controller = ControllerActor.options(  # beside the driver
             name=controller_name(config.name),
             namespace=NAMESPACE,
             num_cpus=0,
             scheduling_strategy=on_node(here if here in alive_nodes() else nodes[0]),
+            lifetime="detached" if detached else None,
         ).remote(config, token)
-        stores = {node: spawn_store(config, node, token) for node in nodes}
+        stores = {node: spawn_store(config, node, token, detached) for node in nodes}
         servers = dict(zip(stores, ray.get([s.server_address.remote() for s in stores.values()])))
         ranks: dict[str, int | None] = dict.fromkeys(stores)
         if config.collective and len(stores) > 1:
             ranks = dict(zip(stores, ray.get([s.init_collective.remote(len(stores), r) for r, s in enumerate(stores.values())])))
         ray.get([controller.register_store.remote(node, store, ranks[node], None, servers[node])
                  for node, store in stores.items()])
+        return cls(config, controller, stores)
+
+    @classmethod
+    def attach(cls, name: str) -> Runtime:
+        """The runtime ``name`` already running on the connected cluster (``kvray up``)."""
+        controller = find_controller(name)
+        config = ray.get(controller.runtime_config.remote(), timeout=CALL_TIMEOUT_S)
+        stores = ray.get(controller.members.remote(), timeout=CALL_TIMEOUT_S)["stores"]
         return cls(config, controller, stores)
 
     def node_lost(self, node_id: str) -> int:
@@ -146,13 +201,25 @@ class Runtime:
         self.stores = {}
 
 
-def spawn_store(config: RuntimeConfig, node_id: str, token: bytes):
+def find_controller(name: str):
+    """The controller of the runtime ``name`` on the connected cluster, or a ClusterError
+    that says how to start one."""
+    try:
+        return ray.get_actor(controller_name(name), namespace=NAMESPACE)
+    except ValueError:
+        raise ClusterError(f"no kvray runtime named {name!r} is running on this Ray cluster "
+                           f"(start one with `kvray up --name {name}`)") from None
+
+
+def spawn_store(config: RuntimeConfig, node_id: str, token: bytes, detached: bool = False):
     """A store actor pinned to ``node_id``, asking for the runtime's store resources
-    (``token``: the runtime's transfer secret, see :mod:`kvray.cluster.transfer`)."""
+    (``token``: the runtime's transfer secret, see :mod:`kvray.cluster.transfer`;
+    ``detached``: it outlives the driver, see :meth:`Runtime.start`)."""
     return NodeStoreActor.options(
         name=store_name(config.name, node_id),
         namespace=NAMESPACE,
         num_cpus=0,
         resources=dict(config.store_resources),
         scheduling_strategy=on_node(node_id),
+        lifetime="detached" if detached else None,
     ).remote(config, node_id, controller_name(config.name), token)

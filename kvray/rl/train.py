@@ -30,8 +30,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvray.core.errors import TraceError
 from kvray.policy.features import CANDIDATES, FEATURES
 from kvray.policy.rl import CARD_FILE, WEIGHTS_FILE, observation_spec
+from kvray.progress import progress_bar
 from kvray.sim.cost import Scenario
 from kvray.traces import TraceRequest
 
@@ -138,6 +140,8 @@ def train(
     train_parts, held_out, sources = [], [], []
     for path in traces:
         first, rest = split_by_time(read_trace(path), train_fraction)
+        if not first:  # the held-out rest never is empty: the last request is at or after the cut
+            raise TraceError(f"{path}: no requests in the first {train_fraction:g} of its time span to train on")
         train_parts.append(first)
         held_out.append(rest)
         sources.append({"trace": str(path), "train_requests": len(first), "held_out_requests": len(rest)})
@@ -163,10 +167,13 @@ def train(
             self.logger.record("rollout/mean_reward", mean_reward)  # episodes are long: SB3's ep_rew_mean lags
 
         def _on_step(self) -> bool:
+            if tick:
+                tick(self.num_timesteps - 1)
             return True
 
     started = time.time()
-    model.learn(total_timesteps=timesteps, callback=Curve(), progress_bar=progress)
+    with progress_bar(timesteps, "train", enabled=progress) as tick:  # on stderr: stdout stays for --json
+        model.learn(total_timesteps=timesteps, callback=Curve())
     out.mkdir(parents=True, exist_ok=True)
     export_scorer(model.policy.mlp_extractor.scorer, out)
     card = {

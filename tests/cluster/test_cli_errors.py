@@ -1,14 +1,18 @@
 """Bad input to ``kvray run`` ends with one clear line naming the file (and line), before
-any Ray process starts."""
+any Ray process starts; an address no Ray cluster answers at ends ``kvray status``,
+``up`` and ``down`` with one line within seconds."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from kvray.cli import app
+from kvray.cluster.runtime import CONNECT_TIMEOUT_S
+from tests.cluster.test_launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "data" / "traces" / "conversation_trace_first30min.jsonl"
@@ -60,3 +64,28 @@ def test_impossible_scenarios_name_the_file_and_field(tmp_path, yaml_text, expec
 def test_unknown_policy_lists_the_known_ones():
     result = run("--trace", str(TRACE), "--policy", "mru")
     assert result.exit_code == 2 and "unknown policy 'mru'; known:" in message(result)
+
+
+def test_an_empty_trace_is_refused_before_ray_starts(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    started = time.monotonic()
+    result = run("--trace", str(path))
+    assert result.exit_code == 2 and message(result) == f"kvray: {path}: the trace holds no requests"
+    assert time.monotonic() - started < 5  # no Ray was started on the way
+
+
+@pytest.mark.parametrize("command", ["status", "up", "down"])
+def test_an_address_nobody_answers_at_is_one_line_within_seconds(command):
+    """A closed loopback port: Ray itself would retry it for about a minute."""
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    result = CliRunner().invoke(app, [command, "--address", address])
+    assert time.monotonic() - started < CONNECT_TIMEOUT_S + 5
+    assert result.exit_code == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and f"no Ray cluster answers at {address}" in message(result)
+
+
+def test_an_address_that_is_not_one_says_what_is_expected():
+    result = CliRunner().invoke(app, ["status", "--address", "localhost"])
+    assert result.exit_code == 2 and "'localhost' is not a Ray address: expected HOST:PORT" in message(result)

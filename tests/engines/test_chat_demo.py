@@ -7,8 +7,8 @@ import io
 from rich.console import Console
 from typer.testing import CliRunner
 
+from kvray.apps.chat import conversation_demo, speed_up
 from kvray.cli import app
-from kvray.apps.chat import conversation_demo
 
 
 def test_later_turns_reuse_history_and_agree_with_recompute():
@@ -20,7 +20,9 @@ def test_later_turns_reuse_history_and_agree_with_recompute():
     for previous, row in zip(rows, rows[1:]):  # the whole previous prompt + reply, in full pages
         assert row["cached_tokens"] == (previous["prompt_tokens"] + 8 - 1) // 16 * 16
     assert all(r["same_reply"] for r in rows)
-    assert "TTFT kvray" in out.getvalue()
+    assert "TTFT kvray" in out.getvalue() and "—" in out.getvalue()
+    assert speed_up(rows[0]) == "—"  # kvray gave turn 1 nothing: no speed-up to claim
+    assert all(speed_up(r).endswith("x") for r in rows[1:])
 
 
 def test_chat_demo_command_prints_the_table_and_saves_the_chart(tmp_path):

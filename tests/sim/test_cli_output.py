@@ -1,0 +1,116 @@
+"""What a new user sees from the offline commands: an empty trace is one clear line and a
+nonzero exit everywhere, human output carries its units and the scenario's name, `kvray
+train --json` keeps stdout for the JSON, one capacity is drawn as bars, and `--help`
+shows flags as flags with their defaults."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvray.apps.evaluate import _draw
+from kvray.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT / "data" / "traces" / "conversation_trace_first30min.jsonl"
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def one_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+@pytest.fixture
+def empty_trace(tmp_path) -> Path:
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sim", "--trace", "{trace}"],
+        ["train", "--trace", "{trace}", "--out", "{out}", "--timesteps", "1"],
+        ["eval", "--trace", "{trace}", "--out", "{out}", "--policy", "lru"],
+        ["eval", "--trace", "{trace}@0.5", "--out", "{out}", "--policy", "lru"],
+    ],
+    ids=["sim", "train", "eval", "eval-slice"],
+)
+def test_an_empty_trace_is_one_clear_line(command, empty_trace, tmp_path):
+    args = [a.format(trace=empty_trace, out=tmp_path / "out") for a in command]
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert one_line(result.stderr) == f"kvray: {empty_trace}: the trace holds no requests"
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_refuses_a_trace_with_nothing_before_the_split(tmp_path):
+    single = tmp_path / "single.jsonl"
+    single.write_text(TRACE.read_text().splitlines()[0] + "\n")
+    result = invoke("train", "--trace", str(single), "--out", str(tmp_path / "out"), "--no-evaluate")
+    assert result.exit_code == 2
+    assert "no requests in the first 0.6 of its time span to train on" in one_line(result.stderr)
+
+
+def test_sim_reports_in_units_and_names_the_scenario():
+    scenario = ROOT / "simulations" / "reference-single-tier.yaml"
+    result = invoke("sim", "--trace", str(TRACE), "--limit", "60", "--scenario", str(scenario))
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "scenario reference-single-tier" in text and str(scenario) not in text
+    assert " ms" in text and "MiB" in text and "capacity (pages): host" in text
+
+
+def test_train_json_leaves_stdout_to_the_card(tmp_path):
+    """In a process of its own, so anything written to the real stdout (progress bars,
+    library logs) would show."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(TRACE.read_text().splitlines(keepends=True)[:120]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvray", "train", "--trace", str(trace), "--timesteps", "64", "--out",
+         str(tmp_path / "tiny"), "--no-evaluate", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    card = json.loads(proc.stdout)
+    assert card["name"] == "tiny" and card["training"]["timesteps"] >= 64
+    assert "wrote" in proc.stderr
+
+
+def test_one_capacity_is_drawn_as_bars_and_several_as_lines():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [{"policy": p, "capacity_fraction": f, "token_hit_rate": h}
+            for p, h in (("lru", 0.2), ("arc", 0.3)) for f in (0.05, 0.1)]
+    fig, (single, several) = plt.subplots(1, 2)
+    _draw(single, [r for r in rows if r["capacity_fraction"] == 0.05], "token_hit_rate")
+    _draw(several, rows, "token_hit_rate")
+    assert [bar.get_height() for bar in single.patches] == [0.2, 0.3] and not single.lines
+    assert len(several.lines) == 2 and not several.patches
+    plt.close(fig)
+
+
+@pytest.mark.parametrize(
+    ("command", "default"),
+    [("sim", "[default: lru]"), ("train", "[default: 0.6]"), ("status", "[default: kvray]"), ("run", None)],
+)
+def test_help_shows_flags_as_flags_and_defaults(command, default):
+    result = invoke(command, "--help")
+    assert result.exit_code == 0
+    json_flag = next(line.split() for line in result.stdout.splitlines() if line.strip().startswith("--json"))
+    assert json_flag[1] != "<bool>" and "<bool>" not in result.stdout
+    assert default is None or default in result.stdout
