@@ -11,9 +11,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from kvray.core.tiers import TIER_LABELS
 from kvray.report import ReplayResult
 
-TIER_ORDER = ("device", "host", "disk", "remote")
+TIER_ORDER = TIER_LABELS  # fastest first
 COLUMNS = ("policy", "requests", "token hit rate", "hit tokens by tier", "mean TTFT", "p99 TTFT", "bytes moved")
 
 
