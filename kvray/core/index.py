@@ -27,11 +27,15 @@ Example::
 from __future__ import annotations
 
 import sys
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
+
 import numpy as np
 
 ROOT = -1  # the parent handle of a request's first page
 NONE = -1  # no child / no sibling
+Item = TypeVar("Item")
 
 _COLUMNS: dict[str, np.dtype] = {
     "tier": np.dtype(np.int8),
@@ -218,6 +222,14 @@ class PrefixIndex:
                 child = nxt[child]
         return list(dict.fromkeys(reversed(order)))  # a handle reached twice keeps its deeper place
 
+    def remove_subtree(self, handle: int) -> list[int]:
+        """Drop ``handle`` and its descendants (they can never match without it), children
+        first; returns their keys. Raises ValueError, removing nothing, if one is pinned."""
+        doomed = self.subtree([handle])
+        if (self._cols["pins"][doomed] > 0).any():
+            raise ValueError(f"page {self.key_of(handle):#x} or a descendant is pinned")
+        return [self.remove(h) for h in doomed]
+
     def move(self, handle: int, tier: int, slot: int, node: int | None = None) -> None:
         self._cols["tier"][handle] = tier
         self._cols["slot"][handle] = slot
@@ -248,3 +260,21 @@ class PrefixIndex:
         keys = sum(sys.getsizeof(k) + sys.getsizeof(h) for k, h in self._handles.items())
         columns = sum(col.itemsize for col in self._cols.values()) * len(self._keys)
         return sys.getsizeof(self._handles) + keys + sys.getsizeof(self._keys) + columns
+
+
+def parents_first(links: Iterable[tuple[int, int | None, Item]]) -> tuple[list[tuple[int, int | None, Item]], list[Item]]:
+    """Order ``(key, parent key or None, item)`` links so each parent comes before its
+    children, as :meth:`PrefixIndex.add` needs to rebuild a prefix-closed index (a disk
+    tier after a restart, a controller from its stores); items whose chain does not reach a
+    root come back apart as orphans: they could never be matched.
+    """
+    children: dict[int | None, list[tuple[int, int | None, Item]]] = defaultdict(list)
+    for link in links:
+        children[link[1]].append(link)
+    ordered: list[tuple[int, int | None, Item]] = []
+    stack = children.pop(None, [])
+    while stack:
+        link = stack.pop()
+        ordered.append(link)
+        stack.extend(children.pop(link[0], []))
+    return ordered, [item for orphans in children.values() for _, _, item in orphans]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ import torch
 
 from kvray.core.config import StoreConfig
 from kvray.core.errors import FingerprintMismatch, LayoutError, StorageError
-from kvray.core.index import ROOT
+from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.manager import CacheManager
 from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, torch_dtype
@@ -108,17 +107,13 @@ class PageStore:
 
     def _recover(self, pages: list[StoredPage]) -> None:
         """Re-index pages found on disk, parents first; free those whose parent is gone."""
-        children: dict[int | None, list[StoredPage]] = defaultdict(list)
-        for page in pages:
-            children[page.parent_key].append(page)
-        stack = [(page, ROOT) for page in children.pop(None, [])]
-        while stack:
-            page, parent = stack.pop()
-            handle = self.manager.restore(page.key, Tier.DISK, page.slot, page.checksum, parent=parent)
-            stack.extend((child, handle) for child in children.pop(page.key, []))
-        for orphans in children.values():
-            for page in orphans:
-                self.manager.abort_store(Tier.DISK, page.slot)
+        ordered, orphans = parents_first((page.key, page.parent_key, page) for page in pages)
+        handles: dict[int, int] = {}
+        for key, parent_key, page in ordered:
+            parent = ROOT if parent_key is None else handles[parent_key]
+            handles[key] = self.manager.restore(key, Tier.DISK, page.slot, page.checksum, parent=parent)
+        for page in orphans:
+            self.manager.abort_store(Tier.DISK, page.slot)
 
     # -- keys ----------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray, salt: str = "") -> list[int]:

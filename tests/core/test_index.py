@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvray.core.index import ROOT, PrefixIndex
+from kvray.core.index import ROOT, PrefixIndex, parents_first
 
 
 class IndexMachine(RuleBasedStateMachine):
@@ -98,3 +98,40 @@ def test_add_needs_an_indexed_parent_and_a_new_key():
     index.remove(root)
     with pytest.raises(KeyError, match="parent handle"):
         index.add(2, 1, 0, 0, parent=root)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.one_of(st.none(), st.integers(1, 30))), max_size=40, unique_by=lambda link: link[0]))
+def test_parents_first_orders_every_rooted_chain_and_sets_orphans_apart(links):
+    ordered, orphans = parents_first((key, parent, key) for key, parent in links)
+    position = {key: i for i, (key, _, _) in enumerate(ordered)}
+    parent_of = dict(links)
+    rooted = set()
+    for key in parent_of:  # a key is rooted when following parents reaches None without a cycle
+        seen, k = set(), key
+        while k is not None and k in parent_of and k not in seen:
+            seen.add(k)
+            k = parent_of[k]
+        if k is None:
+            rooted.add(key)
+    assert set(position) == rooted and set(orphans) == set(parent_of) - rooted
+    assert all(parent is None or position[parent] < position[key] for key, parent, _ in ordered)
+    index = PrefixIndex()  # and the order rebuilds a prefix-closed index
+    handles: dict[int, int] = {}
+    for key, parent, _ in ordered:
+        handles[key] = index.add(key, 1, 0, 0, parent=ROOT if parent is None else handles[parent])
+    assert len(index) == len(rooted)
+
+
+def test_remove_subtree_takes_the_descendants_or_nothing_when_one_is_pinned():
+    index = PrefixIndex()
+    a = index.add(1, 1, 0, 0, parent=ROOT)
+    b = index.add(2, 1, 1, 0, parent=a)
+    c = index.add(3, 1, 2, 0, parent=b)
+    index.add(4, 1, 3, 0, parent=a)
+    index.pin(np.array([c]))
+    with pytest.raises(ValueError, match="pinned"):
+        index.remove_subtree(b)
+    assert len(index) == 4
+    index.unpin(np.array([c]))
+    assert index.remove_subtree(b) == [3, 2] and sorted(index.keys()) == [1, 4]
