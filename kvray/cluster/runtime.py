@@ -54,12 +54,24 @@ class RayConnection:
         self.cluster = None
 
     def __enter__(self) -> RayConnection:
+        """Connect; Ray's own start-up failing (its GCS not up in time on a loaded machine,
+        say) is a ClusterError with one line, and what was started is shut down again."""
+        try:
+            self._connect()
+        except (RuntimeError, TimeoutError, ConnectionError) as exc:
+            self.__exit__()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ClusterError(f"Ray did not start: {first}") from None
+        return self
+
+    def _connect(self) -> None:
         if self.address:
             ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
         elif self.nodes > 1:
             from ray.cluster_utils import Cluster
 
-            self.cluster = Cluster(initialize_head=True, head_node_args={**self._node_args(), "include_dashboard": False})
+            self.cluster = Cluster()  # kept before any node starts, so a failed start shuts down what did
+            self.cluster.add_node(**self._node_args(), include_dashboard=False)  # the first node is the head
             for _ in range(self.nodes - 1):
                 self.cluster.add_node(**self._node_args())
             self.cluster.wait_for_nodes()
@@ -68,7 +80,6 @@ class RayConnection:
             # address="local": a fresh instance even when another Ray runs on this machine
             ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
                      **self._node_args())
-        return self
 
     def _node_args(self) -> dict:
         return {"num_cpus": self.cpus_per_node, "object_store_memory": self.object_store_bytes}
@@ -77,6 +88,7 @@ class RayConnection:
         ray.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
+            self.cluster = None
 
 
 def alive_nodes(resources: dict[str, float] | None = None) -> list[str]:
@@ -122,7 +134,7 @@ class Runtime:
     def node_lost(self, node_id: str) -> int:
         """Tell the controller a node left; returns how many page locations it dropped."""
         self.stores.pop(node_id, None)
-        return ray.get(self.controller.remove_node.remote(node_id))
+        return ray.get(self.controller.remove_node.remote(node_id), timeout=120)
 
     def store_stats(self) -> dict[str, dict]:
         refs = {node: store.stats.remote() for node, store in self.stores.items()}
