@@ -107,9 +107,12 @@ class Controller:
         self.lost_pages = 0
         self.rebuilt_pages = 0
         self.rebuild_s = 0.0
-        context = ray.get_runtime_context()  # in a driver too: benchmarks weigh a controller in-process
-        if context.get_actor_id() is not None and context.was_current_actor_reconstructed:
-            self.rebuild()
+        # In a driver without Ray too (benchmarks weigh a controller in-process): asking for
+        # the runtime context there would start Ray.
+        if ray.is_initialized():
+            context = ray.get_runtime_context()
+            if context.get_actor_id() is not None and context.was_current_actor_reconstructed:
+                self.rebuild()
 
     def rebuild(self) -> int:
         """Recover membership and index from the live store actors; returns pages indexed.
