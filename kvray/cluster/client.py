@@ -89,9 +89,11 @@ HOST_CHECK_S = 1.0  # how often a client asks its node's store which host segmen
 DEFAULT_TIMEOUT_S = 60.0  # how long a client waits for any one Ray call
 MEMBERS_CHECK_S = 5.0  # how often a client re-reads the stores and their page servers
 ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
-# A store's call that raised (disk full, an OSError of its disk tier) finished: a miss, and
-# unlike the others it can no longer touch the landing buffer.
+# A store's call that raised (disk full, an OSError of its disk tier) is a miss too.
 STORE_ERRORS = (*ACTOR_ERRORS, ray.exceptions.RayTaskError)
+# A call that ended (it raised, or its process died) can no longer touch the landing buffer;
+# one given up on (timeout) or unanswered (the actor unavailable) may still.
+ENDED = (ray.exceptions.RayTaskError, ray.exceptions.ActorDiedError)
 
 
 @dataclass
@@ -363,7 +365,7 @@ class KvrayClient:
             answer = ray.get(ref, timeout=self.timeout_s)
         except STORE_ERRORS as exc:
             self._count(exc)
-            if path in BUFFER_PATHS and not isinstance(exc, ray.exceptions.RayTaskError):
+            if path in BUFFER_PATHS and not isinstance(exc, ENDED):
                 self._stale = True  # the store may still be copying into the buffer
             return 0, {}
         if path == "local":
@@ -474,7 +476,7 @@ class KvrayClient:
             return ray.get(ref, timeout=self.timeout_s)
         except STORE_ERRORS as exc:
             self._count(exc)
-            if touches_buffer and not isinstance(exc, ray.exceptions.RayTaskError):
+            if touches_buffer and not isinstance(exc, ENDED):
                 self._stale = True  # the store may still be reading the buffer
             return None
 
