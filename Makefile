@@ -11,7 +11,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvray-installed
 export KVRAY_VLLM_PYTHON ?= $(abspath $(VLLM_VENV))/bin/python
 
-.PHONY: install vllm-env demo lint test bench clean
+.PHONY: install vllm-env demo lint test bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ test: lint vllm-env
 
 bench: install vllm-env
 	$(VENV)/bin/kvray bench
+
+# Not in CI or `make test`: 8 clients x SOAK_MINUTES on 3 local Ray nodes under random store
+# and controller kills, delayed calls and hostile connections (kvray/apps/soak.py).
+SOAK_MINUTES ?= 10
+soak: install
+	$(PY) -m kvray.apps.soak --minutes $(SOAK_MINUTES) --clients 8 --nodes 3
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .ruff_cache results build *.egg-info

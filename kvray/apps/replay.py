@@ -38,6 +38,10 @@ from kvray.report import ReplayResult, ReplayTally
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
 
 ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+# Bounds on waiting for an actor: a request (its engine's client waits at most its own
+# timeout per Ray call, a few calls per request), and a metadata call.
+REQUEST_TIMEOUT_S = 600.0
+CALL_TIMEOUT_S = 120.0
 
 
 class ReplaySettings(FrozenModel):
@@ -111,7 +115,7 @@ class Replay:
             )
             for node in runtime.stores
         }
-        ray.get([e.node_id.remote() for e in self.engines.values()])
+        _bounded([e.node_id.remote() for e in self.engines.values()], CALL_TIMEOUT_S, "engines starting")
 
     def run(self, trace: list[TraceRequest], progress: bool = True,
             on_request: Callable[[int], None] | None = None) -> ReplayResult:
@@ -136,7 +140,7 @@ class Replay:
     def _bytes_moved(self) -> int:
         """Page bytes moved so far, between tiers inside the nodes and between nodes."""
         stats = self.runtime.store_stats()
-        cluster = ray.get(self.runtime.controller.snapshot.remote())
+        cluster = _bounded(self.runtime.controller.snapshot.remote(), CALL_TIMEOUT_S, "the controller's snapshot")
         return sum(s["bytes_moved"] for s in stats.values()) + cluster["bytes_between_nodes"]
 
     def _serve(self, i: int, request: TraceRequest, lost_nodes: list[str]) -> dict:
@@ -144,7 +148,8 @@ class Replay:
             nodes = list(self.engines)
             node = nodes[i % len(nodes)]
             try:
-                return ray.get(self.engines[node].serve.remote(list(request.hash_ids), request.input_length))
+                return _bounded(self.engines[node].serve.remote(list(request.hash_ids), request.input_length),
+                                REQUEST_TIMEOUT_S, f"request {i} on node {node[:12]}")
             except ENGINE_ERRORS:
                 self._lose_node(node, lost_nodes)
         raise ClusterError("every replay engine is gone: no node left to serve requests")
@@ -156,7 +161,7 @@ class Replay:
         self.runtime.node_lost(node)
         for gone in set(self.runtime.stores) - set(alive_nodes()):
             self.runtime.node_lost(gone)
-        ray.get([e.refresh.remote() for e in self.engines.values()])
+        _bounded([e.refresh.remote() for e in self.engines.values()], CALL_TIMEOUT_S, "engines re-reading the members")
 
     def close(self) -> None:
         for engine in self.engines.values():
@@ -165,6 +170,14 @@ class Replay:
             except (*ENGINE_ERRORS, TimeoutError):
                 pass  # died with its node; its buffer went with it
             ray.kill(engine)
+
+
+def _bounded(refs, timeout_s: float, what: str):
+    """``ray.get`` that ends a hung replay with a ClusterError saying what did not answer."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ClusterError(f"{what}: no answer within {timeout_s:g} s") from None
 
 
 def replay_on_runtime(trace: list[TraceRequest], settings: ReplaySettings, progress: bool = True) -> ReplayResult:

@@ -24,8 +24,8 @@ import numpy as np
 import ray
 import torch
 
-from kvray.cluster.client import KvrayClient
 from kvray.apps.prefill import PrefillWorkload
+from kvray.cluster.client import KvrayClient, Loaded
 from kvray.core.keys import MASK64
 from kvray.traces import full_blocks
 
@@ -84,24 +84,28 @@ class ReplayEngine:
         """Serve one request; returns its measured TTFT and what the cache gave it."""
         t0 = time.perf_counter()
         keys = self.client.keys_for_trace(full_blocks(hash_ids, input_length, self.page_tokens))
-        rows = self.client.buffer.pages
-        hit, by_tier, plan, loaded = 0, {}, None, None
-        if keys and self.cache:
-            plan = self.client.lookup(keys)
-            loaded = self.client.load(keys, plan)
-            hit, by_tier = loaded.pages, loaded.by_tier
-        self.prefill.run(input_length - hit * self.page_tokens)
-        for i in range(hit, len(keys)):
-            self.pattern.fill(keys[i], rows[i])
-        ttft = time.perf_counter() - t0
-        wrong = sum(not self.pattern.matches(keys[i], rows[i]) for i in range(hit))
+        plan, loaded = None, Loaded(0)
+        try:
+            if keys and self.cache:
+                plan = self.client.lookup(keys)
+                loaded = self.client.load(keys, plan)
+            hit = loaded.pages
+            rows = self.client.buffer.pages  # after the load: it may have moved to a fresh buffer
+            self.prefill.run(input_length - hit * self.page_tokens)
+            for i in range(hit, len(keys)):
+                self.pattern.fill(keys[i], rows[i])
+            ttft = time.perf_counter() - t0
+            wrong = sum(not self.pattern.matches(keys[i], rows[i]) for i in range(hit))
+            del rows  # no view of the buffer may outlive a store call (it may move to a fresh one)
+        finally:  # even if the load raised: a lease never released pins its pages until it expires
+            if plan is not None:
+                self.client.release(plan, loaded)
         if plan is not None:
-            self.client.release(plan, loaded)
             self.client.store(keys, hit, plan)
         return {
             "ttft_s": ttft,
             "tokens": input_length,
-            "hit_tokens_by_tier": {tier: n * self.page_tokens for tier, n in by_tier.items()},
+            "hit_tokens_by_tier": {tier: n * self.page_tokens for tier, n in loaded.by_tier.items()},
             "wrong_pages": wrong,
         }
 

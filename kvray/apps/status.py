@@ -20,9 +20,23 @@ def fetch_status(address: str | None, name: str) -> dict:
     with RayConnection(address=address or "auto"):
         controller = find_controller(name)
         try:
-            return ray.get(controller.status.remote(), timeout=CALL_TIMEOUT_S)
+            return resolve_status(ray.get(controller.status.remote(), timeout=CALL_TIMEOUT_S))
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise ClusterError(f"the controller of kvray runtime {name!r} did not answer: {type(exc).__name__}") from None
+
+
+def resolve_status(status: dict, timeout_s: float = 10.0) -> dict:
+    """The controller's ``status()`` with each store's stats awaited here, for at most
+    ``timeout_s`` in all: a store that does not answer shows as an error, not a hang."""
+    refs = status["stores"]
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    per_node = {}
+    for node, ref in refs.items():
+        try:
+            per_node[node] = ray.get(ref) if ref in ready else {"error": "no answer"}
+        except ray.exceptions.RayError as exc:
+            per_node[node] = {"error": type(exc).__name__}
+    return {"cluster": status["cluster"], "stores": per_node}
 
 
 def print_status(snapshot: dict, console: Console) -> None:

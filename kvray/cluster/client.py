@@ -8,7 +8,9 @@ this node's host tier holds the whole request:
   a local plan (lease ``LOCAL_LEASE``) made without any Ray call: nothing is pinned, the
   load validates each page itself. Otherwise the controller pins the cached prefix under
   a lease and says where each cached page is and where each missing page should go
-  (:class:`~kvray.cluster.controller.Plan`).
+  (:class:`~kvray.cluster.controller.Plan`). The client names the lease, so when the
+  answer does not come in time it still ends the pins the call may have taken; a lease
+  never released (the client died) expires.
 - ``load(keys, plan)``: pages arrive in the client's :class:`LandingBuffer` rows ``0..n``.
   This node's host pages are copied straight out of the mapped host tier (path
   ``mapped``: an optimistic, seqlock-validated copy; a page freed or rewritten meanwhile is
@@ -34,11 +36,19 @@ each): the client asks the store every ``HOST_CHECK_S`` which segment it serves,
 waiting, and a closed segment says so in its header, so a client drops a dead or
 restarted store's memory and maps the new one when the store answers again. Until it
 notices, a dead store's segment is frozen: a page that validates there still holds
-exactly its key's KV.
+exactly its key's KV. Likewise the client re-reads the stores and their page servers from
+the controller every ``MEMBERS_CHECK_S`` (without waiting), so a restarted store's new
+page server is found.
 
 While the controller is down (Ray restarts it and it rebuilds its index from the stores),
 ``lookup`` answers a miss with nothing to store (lease ``NO_LEASE``) instead of failing:
-the engine computes the KV itself, as on any miss.
+the engine computes the KV itself, as on any miss. A store call that fails (the store
+raised, say its disk is full, or it died) or does not answer in ``timeout_s`` is a miss
+too. A call given up on may still be running in the store, copying into or out of the
+landing buffer; so the client never uses that buffer again: at the end of that ``load``
+or ``store`` it moves to a fresh one (the rows loaded so far copied over), and the late
+copy touches memory no request reads. Hence ``client.buffer`` is read anew after each
+``load`` and ``store``, never kept across them.
 
 Example::
 
@@ -56,7 +66,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -64,7 +74,7 @@ import ray
 import xxhash
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
-from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan
+from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan, new_lease
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks, PendingStore
 from kvray.core.errors import ClusterError, RequestError, StorageError
@@ -73,9 +83,17 @@ from kvray.core.tiers import Tier
 from kvray.core.tiers.directory import SharedHostTier
 
 REMOTE = Tier.REMOTE.label
+BUFFER_PATHS = ("local", "collective")  # transfer paths where a store actor copies into the landing buffer
 HOST = Tier.HOST.label
 HOST_CHECK_S = 1.0  # how often a client asks its node's store which host segment it serves
+DEFAULT_TIMEOUT_S = 60.0  # how long a client waits for any one Ray call
+MEMBERS_CHECK_S = 5.0  # how often a client re-reads the stores and their page servers
 ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
+# A store's call that raised (disk full, an OSError of its disk tier) is a miss too.
+STORE_ERRORS = (*ACTOR_ERRORS, ray.exceptions.RayTaskError)
+# A call that ended (it raised, or its process died) can no longer touch the landing buffer;
+# one given up on (timeout) or unanswered (the actor unavailable) may still.
+ENDED = (ray.exceptions.RayTaskError, ray.exceptions.ActorDiedError)
 
 
 @dataclass
@@ -120,11 +138,13 @@ class KvrayClient:
     """Per-process handle on a kvray runtime; see the module docstring.
 
     ``mapped_reads`` False sends every same-node page through the store actor (``read_into``),
-    as before the host tier was mapped; benchmarks compare the two.
+    as before the host tier was mapped; benchmarks compare the two. ``faults`` counts the
+    calls that became misses: ``timeout`` (no answer in ``timeout_s``), ``unavailable``
+    (the actor died or is restarting), ``store_error`` (the store raised).
     """
 
     def __init__(self, config: RuntimeConfig, controller, node_id: str | None = None,
-                 buffer_pages: int | None = None, timeout_s: float = 60.0, mapped_reads: bool = True) -> None:
+                 buffer_pages: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, mapped_reads: bool = True) -> None:
         self.config = config
         self.controller = controller
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
@@ -134,9 +154,15 @@ class KvrayClient:
         self.timeout_s = timeout_s
         self.links: PeerLinks | None = None
         self.mapped_reads = mapped_reads
+        self.faults: Counter[str] = Counter()
+        self.renewed_buffers = 0
+        self._stale = False  # a call given up on may still copy into or out of ``buffer``
+        self._retired: list[LandingBuffer] = []  # old buffers a caller still held a view of
         self._host: SharedHostTier | None = None  # this node's store's host tier, mapped
         self._host_info = None  # ref: the local store's ``host_tier`` answer, while awaited
         self._next_check = 0.0  # when to ask the store again which segment it serves
+        self._members = None  # ref: the controller's ``members`` answer, while awaited
+        self._next_members = time.monotonic() + MEMBERS_CHECK_S
         self.refresh()
 
     @classmethod
@@ -146,23 +172,38 @@ class KvrayClient:
             controller = ray.get_actor(controller_name(name), namespace=NAMESPACE)
         except ValueError:
             raise ClusterError(f"no kvray runtime named {name!r} on this Ray cluster (namespace {NAMESPACE!r})") from None
-        config = ray.get(controller.runtime_config.remote())
+        config = _answer(controller.runtime_config.remote(), kwargs.get("timeout_s", DEFAULT_TIMEOUT_S), "runtime_config")
         return cls(config, controller, **kwargs)
 
     def refresh(self) -> None:
         """Re-read the live stores, their collective ranks and page servers from the controller."""
-        members = ray.get(self.controller.members.remote())
-        self.stores: dict[str, ray.actor.ActorHandle] = members["stores"]
-        self.ranks: dict[str, int] = members["ranks"]
-        self.servers: dict[str, tuple[str, int]] = members["servers"]
-        if self.links is None and members["token"] is not None:
-            self.links = PeerLinks(members["token"], self.page_nbytes, self.timeout_s)
+        self._route(_answer(self.controller.members.remote(), self.timeout_s, "members"))
         self._detach()
         self._host_info, self._next_check = None, 0.0
         self._mapped_host()  # asks the local store which host segment it serves
         if self._host_info is not None:
             ray.wait([self._host_info], timeout=self.timeout_s)
             self._mapped_host()
+
+    def _route(self, members: dict) -> None:
+        self.stores: dict[str, ray.actor.ActorHandle] = members["stores"]
+        self.ranks: dict[str, int] = members["ranks"]
+        self.servers: dict[str, tuple[str, int]] = members["servers"]
+        if self.links is None and members["token"] is not None:
+            self.links = PeerLinks(members["token"], self.page_nbytes, self.timeout_s)
+
+    def _poll_members(self) -> None:
+        """Every ``MEMBERS_CHECK_S`` ask the controller (without waiting) who serves where,
+        and route by the answer once it is in: a store that restarted serves pages from a
+        new page server port, which a client that never asked would not find."""
+        now = time.monotonic()
+        if self._members is None and now >= self._next_members:
+            self._members = self.controller.members.remote()
+            self._next_members = now + MEMBERS_CHECK_S
+        if self._members is not None and ray.wait([self._members], timeout=0)[0]:
+            with contextlib.suppress(ray.exceptions.RayError):  # the controller is restarting: asked again later
+                self._route(ray.get(self._members))
+            self._members = None
 
     # -- this node's host tier, mapped ------------------------------------------------------
     def _mapped_host(self) -> SharedHostTier | None:
@@ -214,17 +255,40 @@ class KvrayClient:
     # -- lookup + pin ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int]) -> Plan:
         self._check(keys)
+        self._poll_members()
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):
             return Plan(LOCAL_LEASE, [self.node_id] * len(keys), [])
+        lease = new_lease()
         try:
-            return ray.get(self.controller.lookup_pin.remote(list(keys), self.node_id), timeout=self.timeout_s)
-        except ACTOR_ERRORS:
-            return Plan(NO_LEASE, [], [])  # the controller is restarting: a miss, nothing placed
+            return ray.get(self.controller.lookup_pin.remote(list(keys), self.node_id, lease), timeout=self.timeout_s)
+        except ACTOR_ERRORS as exc:
+            self._count(exc)
+            # The pin may still happen (or have happened) after we stopped waiting: end it by
+            # its id. The controller runs one caller's calls in order, so this comes after it.
+            self.controller.release.remote(lease, {}, {})
+            return Plan(NO_LEASE, [], [])  # the controller is restarting or slow: a miss, nothing placed
+
+    def _count(self, exc: Exception) -> None:
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            self.faults["timeout"] += 1
+        elif isinstance(exc, ray.exceptions.RayTaskError):
+            self.faults["store_error"] += 1
+        else:
+            self.faults["unavailable"] += 1
 
     # -- load -----------------------------------------------------------------------------------
     def load(self, keys: Sequence[int], plan: Plan) -> Loaded:
-        """Bring the plan's cached pages into buffer rows ``0..``; stops at the first page missing."""
+        """Bring the plan's cached pages into buffer rows ``0..``; stops at the first page missing.
+
+        If a store call was given up on, ``buffer`` is a fresh one afterwards, holding the
+        rows loaded (see the module docstring).
+        """
+        loaded = self._load(keys, plan)
+        self._renew_if_stale(keep=loaded.pages)
+        return loaded
+
+    def _load(self, keys: Sequence[int], plan: Plan) -> Loaded:
         runs = _runs(plan.hit_nodes, 0)
         host = self._mapped_host() if self.mapped_reads else None
         # Transfers from the store actors first, so they move while this thread copies mapped pages.
@@ -290,25 +354,52 @@ class KvrayClient:
         return path, store.get_pages.remote(sub)
 
     def _finish_run(self, run: _Run, path: str, ref) -> tuple[int, dict[str, int]]:
+        """A run's pages in the buffer (count, by tier); 0 on any failure (the peer died
+        mid-transfer, its store raised or is gone, or it took too long): misses."""
         if ref is None:
             return 0, {}
+        if path == "tcp":
+            got = ref.receive(self.buffer.pages[run.start : run.stop])
+            return got, {REMOTE: got}
         try:
-            if path == "local":
-                return ray.get(ref, timeout=self.timeout_s)
-            if path == "tcp":
-                got = ref.receive(self.buffer.pages[run.start : run.stop])
-                return got, {REMOTE: got}
-            if path == "collective":
-                try:
-                    got = ray.get(ref, timeout=self.timeout_s)
-                except ray.exceptions.RayTaskError:
-                    return 0, {}  # the peer died mid-transfer: gloo fails the receive
-                return got, {REMOTE: got}
-            pages = ray.get(ref, timeout=self.timeout_s)
-            self.buffer.pages[run.start : run.start + len(pages)] = pages
-            return len(pages), {REMOTE: len(pages)}
-        except ACTOR_ERRORS:
-            return 0, {}  # the node or its store is gone: these pages are misses
+            answer = ray.get(ref, timeout=self.timeout_s)
+        except STORE_ERRORS as exc:
+            self._count(exc)
+            if path in BUFFER_PATHS and not isinstance(exc, ENDED):
+                self._stale = True  # the store may still be copying into the buffer
+            return 0, {}
+        if path == "local":
+            return answer
+        if path == "collective":
+            return answer, {REMOTE: answer}
+        self.buffer.pages[run.start : run.start + len(answer)] = answer
+        return len(answer), {REMOTE: len(answer)}
+
+    def _renew_if_stale(self, keep: int) -> None:
+        """Move to a fresh landing buffer if a call given up on may still use this one;
+        rows ``0..keep`` (loaded, and out of every late call's reach) come along.
+
+        The old buffer is unmapped and unlinked here, before its store hears of it, so a
+        late call that has not mapped it yet cannot. A caller still holding a view of it
+        would compute into memory no store call reads: that fails loudly (RequestError),
+        and that buffer stays mapped until ``close``.
+        """
+        if not self._stale:
+            return
+        old, name = self.buffer, self.buffer.name
+        self.buffer = LandingBuffer.create(old.capacity, self.page_nbytes)
+        self.buffer.pages[:keep] = old.pages[:keep]
+        self._stale = False
+        self.renewed_buffers += 1
+        held = old.views_out > 0
+        if held:
+            self._retired.append(old)
+        else:
+            old.close()
+        if self.local_store is not None:
+            self.local_store.release_buffer.remote(name)  # unmapped there once its late call returns
+        if held:
+            raise RequestError("a view of client.buffer.pages was kept across load/store; read client.buffer anew after each")
 
     # -- release ----------------------------------------------------------------------------------
     def release(self, plan: Plan, loaded: Loaded) -> None:
@@ -337,9 +428,15 @@ class KvrayClient:
         Each maximal run of pages bound for one node goes as one chain (same-node by shared
         memory, others by direct TCP to their page server, or the object store with ``tcp``
         off); the controller then learns the longest chain that landed, continuing the
-        cached prefix.
+        cached prefix. If a same-node write was given up on, ``buffer`` is a fresh one
+        afterwards (see the module docstring).
         """
         self._check(keys)
+        stored = self._store(keys, start, plan)
+        self._renew_if_stale(keep=0)
+        return stored
+
+    def _store(self, keys: Sequence[int], start: int, plan: Plan) -> int:
         # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
         targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
         runs = _runs(targets, start)
@@ -358,7 +455,7 @@ class KvrayClient:
                 refs.append(store.put_pages.remote(sub, self.buffer.pages[run.start : run.stop], parent))
         stored, landed, dropped = 0, start, defaultdict(list)
         for run, ref in zip(runs, refs):
-            result = self._stored(ref)
+            result = self._stored(ref, touches_buffer=run.node == self.node_id)
             if result is not None:
                 stored += result[0]
                 dropped[run.node].extend(result[1])
@@ -368,16 +465,19 @@ class KvrayClient:
         self.controller.commit.remote(parent, list(keys[start:landed]), targets[: landed - start], start, dict(dropped))
         return stored
 
-    def _stored(self, ref) -> tuple[int, list[int]] | None:
+    def _stored(self, ref, touches_buffer: bool) -> tuple[int, list[int]] | None:
         """A store run's answer: (stored, dropped), or None if it was not kept (no store,
-        or the node left while we wrote)."""
+        the node left while we wrote, the store raised or took too long)."""
         if ref is None:
             return None
         if isinstance(ref, PendingStore):
             return ref.receive()
         try:
             return ray.get(ref, timeout=self.timeout_s)
-        except ACTOR_ERRORS:
+        except STORE_ERRORS as exc:
+            self._count(exc)
+            if touches_buffer and not isinstance(exc, ENDED):
+                self._stale = True  # the store may still be reading the buffer
             return None
 
     def close(self) -> None:
@@ -386,5 +486,15 @@ class KvrayClient:
         self._detach()
         for store in self.stores.values():
             store.release_buffer.remote(self.buffer.name)
-        self.buffer.close()
+        for buf in (*self._retired, self.buffer):
+            buf.close()
 
+
+def _answer(ref, timeout_s: float, what: str):
+    """``ray.get`` of a controller call the client cannot work without, or a ClusterError."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ClusterError(f"the kvray controller did not answer {what} within {timeout_s:g} s") from None
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+        raise ClusterError(f"the kvray controller is unavailable ({type(exc).__name__})") from None

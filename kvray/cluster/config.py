@@ -46,7 +46,9 @@ class RuntimeConfig(FrozenModel):
     they spread over all nodes by consistent hashing. Cross-node loads go by direct TCP
     to the peer's page server when ``tcp`` is on (no Ray call on the way); otherwise runs
     of at least ``collective_min_bytes`` use the collective path (gloo on CPU), smaller
-    ones Ray's object store.
+    ones Ray's object store. A lease (the controller's pins of one request's cached
+    prefix) ends at ``release`` or after ``lease_ttl_s``, whichever comes first; it should
+    outlast a client's calls of one request (``KvrayClient`` waits ``timeout_s`` per call).
     """
 
     name: str = Field(default="kvray", pattern=r"^[A-Za-z0-9_-]{1,40}$")
@@ -61,6 +63,7 @@ class RuntimeConfig(FrozenModel):
     collective_min_bytes: int = Field(default=1 << 20, ge=0)  # measured: gloo beats the object store from 2 MiB up
     local_pages_limit: int | None = Field(default=None, ge=0)
     max_request_pages: int = Field(default=256, gt=0)
+    lease_ttl_s: float = Field(default=120.0, gt=0)
     store_resources: dict[str, float] = {}
 
     @model_validator(mode="after")

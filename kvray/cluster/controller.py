@@ -21,18 +21,28 @@ finds the runtime's store actors by name and rebuilds membership and index from 
 hold (:meth:`Controller.rebuild`) before it answers anyone. Leases and pins of the old
 incarnation are gone; clients treat a request that meets the outage as a miss.
 
+Leases are named by the client (:func:`new_lease`), so a client whose ``lookup_pin``
+timed out can still end the pins that call may have taken, and every lease expires after
+``RuntimeConfig.lease_ttl_s``: a client that dies between ``lookup_pin`` and ``release``
+holds its pages for that long at most. A page dropped while pinned waits, invisible to
+lookups ("doomed"), until its last lease ends; pins only guard this forgetting (stores
+verify every page they return), so a lease that expired under a slow reader costs it
+misses, never wrong KV.
+
 Example::
 
-    plan = ray.get(controller.lookup_pin.remote(keys, my_node))
+    lease = new_lease()
+    plan = ray.get(controller.lookup_pin.remote(keys, my_node, lease))
     plan.hit_nodes          # node of each cached page, root first
     plan.targets            # node for each page still to store
-    controller.release.remote(plan.lease, {"host": 3}, lost={})
+    controller.release.remote(lease, {"host": 3}, lost={})
 """
 
 from __future__ import annotations
 
+import secrets
 import time
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -49,6 +59,13 @@ NO_NODE = -1
 NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
 LOCAL_LEASE = -1  # a plan the client answered from its node's host tier alone: nothing pinned here
 REBUILD_WAIT_S = 10.0  # how long a restarted controller waits for each store's holdings
+
+
+def new_lease() -> int:
+    """A fresh lease id, drawn by the client so it knows the id even if ``lookup_pin``'s
+    answer never arrives. Random, so no two clients (or a client across a controller
+    restart) collide in practice; never ``NO_LEASE`` or ``LOCAL_LEASE``."""
+    return secrets.randbits(62) + 1
 
 
 @dataclass(frozen=True)
@@ -77,11 +94,11 @@ class Controller:
         self._node_ix: dict[str, int] = {}
         self.stores: dict[str, ray.actor.ActorHandle] = {}
         self.ranks: dict[str, int] = {}
-        self._leases: dict[int, np.ndarray] = {}
-        # Lease numbers start at the clock so a restarted controller never reuses one a
-        # client still holds from the previous incarnation.
-        self._next_lease = time.time_ns()
+        # lease -> (expiry on the monotonic clock, pinned handles); every lease lives
+        # lease_ttl_s, so insertion order is expiry order and expiring is popping the front.
+        self._leases: OrderedDict[int, tuple[float, np.ndarray]] = OrderedDict()
         self._doomed: set[int] = set()
+        self.expired_leases = 0
         self.lookups = 0
         self.local_lookups = 0  # requests clients answered from their own node's host tier
         self.lookup_pages = 0
@@ -90,9 +107,12 @@ class Controller:
         self.lost_pages = 0
         self.rebuilt_pages = 0
         self.rebuild_s = 0.0
-        context = ray.get_runtime_context()  # in a driver too: benchmarks weigh a controller in-process
-        if context.get_actor_id() is not None and context.was_current_actor_reconstructed:
-            self.rebuild()
+        # In a driver without Ray too (benchmarks weigh a controller in-process): asking for
+        # the runtime context there would start Ray.
+        if ray.is_initialized():
+            context = ray.get_runtime_context()
+            if context.get_actor_id() is not None and context.was_current_actor_reconstructed:
+                self.rebuild()
 
     def rebuild(self) -> int:
         """Recover membership and index from the live store actors; returns pages indexed.
@@ -200,28 +220,61 @@ class Controller:
         """Forget a page and its descendants (they can never match without it).
 
         If a reader holds any of them, the whole subtree waits in ``_doomed`` (invisible to
-        lookups) until its last lease ends.
+        lookups) until its last lease ends. A lease pins a whole chain from the root, so a
+        pinned descendant means ``handle`` itself is pinned, and the lease that ends last
+        passes through ``handle`` (:meth:`_end`).
         """
         subtree = self.index.subtree([handle])
         if (self.index.pins[subtree] > 0).any():
             self._doomed.add(handle)
             return
         for h in subtree:  # children before parents
+            self._doomed.discard(h)  # its handle may be reused by a new page
             self.index.remove(h)
 
+    def _end(self, handles: np.ndarray) -> None:
+        """Unpin a lease's chain and drop the doomed pages on it that no lease holds any more:
+        the work is the chain's length, whatever the number of leases or doomed pages."""
+        self.index.unpin(handles)
+        if self._doomed:
+            for handle in handles.tolist():  # root first: an ancestor's drop takes its doomed descendants
+                if handle in self._doomed and not self.index.pins[handle]:
+                    self._doomed.discard(handle)
+                    self._drop(handle)
+
+    def _expire(self) -> None:
+        """End the leases whose time is up (a client that died or gave up without ``release``)."""
+        now = time.monotonic()
+        while self._leases:
+            lease, (deadline, handles) = next(iter(self._leases.items()))
+            if deadline > now:
+                return
+            del self._leases[lease]
+            self.expired_leases += 1
+            self._end(handles)
+
     # -- the per-request verbs ----------------------------------------------------------------
-    def lookup_pin(self, keys: Sequence[int], requester: str | None) -> Plan:
-        """Cached prefix of ``keys`` (pinned under a lease) and a node for each missing page."""
+    def lookup_pin(self, keys: Sequence[int], requester: str | None, lease: int | None = None) -> Plan:
+        """Cached prefix of ``keys`` (pinned under ``lease``, drawn here if None) and a node
+        for each missing page. A ``lease`` still open is ended first: an id pins one chain."""
+        self._expire()
+        if lease is None:
+            lease = new_lease()
+        self._release_pins(lease)
         handles = self.index.lookup(keys)
         handles = handles[: self._first_doomed(handles)]
         self.index.pin(handles)
         self.index.touch(handles)
-        self._next_lease += 1
-        self._leases[self._next_lease] = handles
+        self._leases[lease] = (time.monotonic() + self.config.lease_ttl_s, handles)
         self.lookups += 1
         self.lookup_pages += len(keys)
         hit_nodes = [self.node_ids[i] for i in self.index.node[handles].tolist()]
-        return Plan(self._next_lease, hit_nodes, self._place(keys[len(handles):], len(keys), requester))
+        return Plan(lease, hit_nodes, self._place(keys[len(handles):], len(keys), requester))
+
+    def _release_pins(self, lease: int) -> None:
+        held = self._leases.pop(lease, None)
+        if held is not None:
+            self._end(held[1])
 
     def _first_doomed(self, handles: np.ndarray) -> int:
         """Length of the chain before its first doomed page (its descendants are doomed too)."""
@@ -246,9 +299,8 @@ class Controller:
         ``LOCAL_LEASE``) pinned nothing here. ``local_pages``: the pages of a request the
         client answered without ``lookup_pin`` (lease ``LOCAL_LEASE``), counted as looked up.
         """
-        handles = self._leases.pop(lease, None)
-        if handles is not None:
-            self.index.unpin(handles)
+        self._expire()
+        self._release_pins(lease)
         if lease == LOCAL_LEASE:
             self.local_lookups += 1
             self.lookup_pages += local_pages
@@ -256,15 +308,12 @@ class Controller:
         self.bytes_between_nodes += bytes_between_nodes
         for node_id, keys in lost.items():
             self.lost_pages += self._forget(node_id, keys)
-        for handle in list(self._doomed):
-            if not (self.index.pins[self.index.subtree([handle])] > 0).any():
-                self._doomed.discard(handle)
-                self._drop(handle)
 
     def commit(self, parent_key: int | None, keys: Sequence[int], nodes: Sequence[str], depth: int,
                dropped: Mapping[str, Sequence[int]]) -> int:
         """Publish a chain of pages stores now hold (``keys[i]`` on ``nodes[i]``, the first one
         a child of ``parent_key``); forget the pages stores report evicted. Returns pages added."""
+        self._expire()
         for node_id, gone in dropped.items():
             self._forget(node_id, gone)
         parent = ROOT if parent_key is None else self.index.handle_of(parent_key)
@@ -296,6 +345,7 @@ class Controller:
         return {node: int(n) for node, n in zip(self.node_ids, counts.tolist())}
 
     def snapshot(self) -> dict:
+        self._expire()
         hits = sum(self.hit_pages.values())
         snap = {
             "nodes": list(self.stores),
@@ -310,23 +360,18 @@ class Controller:
             "bytes_between_nodes": self.bytes_between_nodes,
             "lost_pages": self.lost_pages,
             "open_leases": len(self._leases),
+            "expired_leases": self.expired_leases,
+            "doomed_pages": len(self._doomed),
             "rebuilt_pages": self.rebuilt_pages,
             "rebuild_s": self.rebuild_s,
         }
         export_cluster_stats(snap)
         return snap
 
-    def status(self, timeout_s: float = 10.0) -> dict:
-        """Cluster snapshot plus every live store's tier stats (metadata calls only)."""
-        refs = {node: store.stats.remote() for node, store in self.stores.items()}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        per_node = {}
-        for node, ref in refs.items():
-            try:
-                per_node[node] = ray.get(ref) if ref in ready else {"error": "no answer"}
-            except ray.exceptions.RayError as exc:
-                per_node[node] = {"error": type(exc).__name__}
-        return {"cluster": self.snapshot(), "stores": per_node}
+    def status(self) -> dict:
+        """Cluster snapshot, and a ``stats`` call to every live store (object refs, which
+        the caller awaits with its own deadline: waiting here would hold up every lookup)."""
+        return {"cluster": self.snapshot(), "stores": {node: store.stats.remote() for node, store in self.stores.items()}}
 
 
 ControllerActor = ray.remote(max_restarts=-1, max_task_retries=0)(Controller)

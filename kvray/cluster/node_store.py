@@ -24,6 +24,12 @@ controller which pages survived. A controller that restarts asks every store for
 ``holdings`` (each page with its parent in the request chain) and rebuilds its index from
 them, so the store remembers the chain parent of each run written to it.
 
+An engine that gave up on a call (it timed out) stops using that landing buffer and
+``release_buffer``s it; a copy still running on it keeps its mapping until it returns,
+and only then is it unmapped (:meth:`NodeStore._close_released`). ``inject_faults`` is a
+test hook (the tests and ``kvray.apps.soak`` only): it delays, or fails, the next
+copies between landing buffers and the tiers, as a slow or failing disk would.
+
 Example::
 
     store = NodeStoreActor.options(scheduling_strategy=on_node(node_id)).remote(config, node_id)
@@ -33,6 +39,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import threading
 import time
@@ -52,7 +59,10 @@ from kvray.core.keys import unpack_keys
 from kvray.core.store import PageStore
 from kvray.core.tiers.directory import retire_predecessors
 
+logger = logging.getLogger(__name__)
 COLLECTIVE_GROUP = "kvray-pages"
+STORE_RESTARTS = 3  # how often Ray restarts a store actor that died
+CALL_TIMEOUT_S = 60.0  # how long a store waits for another actor's answer
 
 
 class NodeStore:
@@ -75,6 +85,8 @@ class NodeStore:
         self._buffers: dict[str, LandingBuffer] = {}
         self._buffers_lock = threading.Lock()
         self._in_use: Counter[str] = Counter()  # buffer name -> copies in flight
+        self._released: dict[str, LandingBuffer] = {}  # released by their engine while a copy still ran
+        self._faults = _InjectedFaults()
         self._rank: int | None = None
         self._run_parents: dict[int, int | None] = {}  # first key of a run -> the key before it in its chain
         self._peer_locks: dict[int, threading.Lock] = {}
@@ -91,9 +103,21 @@ class NodeStore:
         context = ray.get_runtime_context()
         self.restarted = context.was_current_actor_reconstructed
         if self.restarted:  # the disk tier survived; the host tier and collective rank did not
-            ray.get(ray.get_actor(controller, namespace=NAMESPACE).register_store.remote(
-                node_id, context.current_actor, None, list(self.store.manager.index.keys()), self.server_address()
-            ))
+            self._register(context.current_actor)
+
+    def _register(self, me) -> None:
+        """Tell the controller this restarted store is back, with the pages its disk kept.
+
+        Bounded: if the controller is down or slow, its rebuild (or the loss reports of
+        engines that miss here) brings the index in line instead.
+        """
+        try:
+            controller = ray.get_actor(self._controller_name, namespace=NAMESPACE)
+            ray.get(controller.register_store.remote(
+                self.node_id, me, None, list(self.store.manager.index.keys()), self.server_address()
+            ), timeout=CALL_TIMEOUT_S)
+        except (ValueError, ray.exceptions.RayError) as exc:
+            logger.warning("restarted store %s could not register with the controller: %s", self.node_id[:12], exc)
 
     # -- bookkeeping -----------------------------------------------------------------
     def _on_drop(self, key: int) -> None:
@@ -122,12 +146,14 @@ class NodeStore:
         the reaping of dead engines' buffers must skip the ones in use.
         """
         with self._buffers_lock:
+            self._close_released()
             buf = self._buffers.get(name)
             if buf is None:
                 reap_orphans(self._buffers, self._in_use)  # a new engine here: a good moment to forget dead ones
                 buf = self._buffers[name] = LandingBuffer.attach(name, capacity, self.page_nbytes)
             self._in_use[name] += 1
         try:
+            self._faults.apply()  # mapped and in use: a delayed copy lands in this mapping
             yield buf.pages
         finally:
             with self._buffers_lock:
@@ -213,11 +239,24 @@ class NodeStore:
         return self._controller_handle
 
     def release_buffer(self, buffer: str) -> None:
-        """The engine is done with ``buffer`` (its last requests have returned)."""
+        """The engine is done with ``buffer`` (it closed, or gave up on a call still copying)."""
         with self._buffers_lock:
             buf = self._buffers.pop(buffer, None)
-        if buf is not None:
-            buf.close()
+            if buf is not None:
+                self._released[buffer] = buf
+            self._close_released()
+
+    def _close_released(self) -> None:
+        """Unmap released buffers no copy uses any more (under ``_buffers_lock``). A copy
+        that just finished may still hold a view for a moment: then a later call does it."""
+        for name in [n for n, buf in self._released.items() if not self._in_use[n] and not buf.views_out]:
+            self._released.pop(name).close()
+
+    def inject_faults(self, delay_s: float = 0.0, fail: bool = False, calls: int = 1) -> None:
+        """Test hook: the next ``calls`` copies between a landing buffer and the tiers
+        (``read_into``, ``write_from``, a ``pull``'s receive) first sleep ``delay_s``, then,
+        with ``fail``, raise ``OSError`` as a failing disk would."""
+        self._faults.arm(delay_s, fail, calls)
 
     # -- cross-node data plane: object store ----------------------------------------------
     def get_pages(self, keys: Sequence[int]) -> np.ndarray:
@@ -275,13 +314,14 @@ class NodeStore:
             if n:
                 with self._mapped(buffer, capacity) as pages:
                     collective.recv(torch.from_numpy(pages[offset : offset + n]), src_rank, COLLECTIVE_GROUP)
-            ray.get(sent)
+            ray.get(sent, timeout=CALL_TIMEOUT_S)
         self.received_bytes += n * self.page_nbytes
         return n
 
     # -- state ----------------------------------------------------------------------------
     def stats(self) -> dict:
         with self._buffers_lock:
+            self._close_released()
             reap_orphans(self._buffers, self._in_use)
         stats = self.store.stats()
         stats.update(
@@ -291,7 +331,7 @@ class NodeStore:
             tcp_rejected=self._server.rejected if self._server else 0,
             tcp_corrupt=self._server.corrupt if self._server else 0,
             received_bytes=self.received_bytes + (self._server.received_bytes if self._server else 0),
-            landing_buffers=len(self._buffers),
+            landing_buffers=len(self._buffers) + len(self._released),  # mapped here, released or not
             restarted=self.restarted,
             time=time.time(),
         )
@@ -304,10 +344,35 @@ class NodeStore:
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for buf in self._buffers.values():
+        for buf in [*self._buffers.values(), *self._released.values()]:
             buf.close()
         self._buffers.clear()
+        self._released.clear()
         self.store.close()
 
 
-NodeStoreActor = ray.remote(max_restarts=3, max_task_retries=0, max_concurrency=8)(NodeStore)
+class _InjectedFaults:
+    """What :meth:`NodeStore.inject_faults` armed: a delay and maybe an error for the next calls."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._left = 0
+        self._delay_s = 0.0
+        self._fail = False
+
+    def arm(self, delay_s: float, fail: bool, calls: int) -> None:
+        with self._lock:
+            self._left, self._delay_s, self._fail = calls, delay_s, fail
+
+    def apply(self) -> None:
+        with self._lock:
+            if not self._left:
+                return
+            self._left -= 1
+            delay_s, fail = self._delay_s, self._fail
+        time.sleep(delay_s)
+        if fail:
+            raise OSError("injected store fault (test hook)")
+
+
+NodeStoreActor = ray.remote(max_restarts=STORE_RESTARTS, max_task_retries=0, max_concurrency=8)(NodeStore)

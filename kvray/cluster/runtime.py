@@ -84,6 +84,17 @@ class RayConnection:
         self.cluster = None
 
     def __enter__(self) -> RayConnection:
+        """Connect; Ray's own start-up failing (its GCS not up in time on a loaded machine,
+        say) is a ClusterError with one line, and what was started is shut down again."""
+        try:
+            self._connect()
+        except (RuntimeError, TimeoutError, ConnectionError) as exc:
+            self.__exit__()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ClusterError(f"Ray did not start: {first}") from None
+        return self
+
+    def _connect(self) -> None:
         if self.address:
             check_reachable(self.address)
             try:
@@ -96,7 +107,8 @@ class RayConnection:
         elif self.nodes > 1:
             from ray.cluster_utils import Cluster
 
-            self.cluster = Cluster(initialize_head=True, head_node_args={**self._node_args(), "include_dashboard": False})
+            self.cluster = Cluster()  # kept before any node starts, so a failed start shuts down what did
+            self.cluster.add_node(**self._node_args(), include_dashboard=False)  # the first node is the head
             for _ in range(self.nodes - 1):
                 self.cluster.add_node(**self._node_args())
             self.cluster.wait_for_nodes()
@@ -105,7 +117,6 @@ class RayConnection:
             # address="local": a fresh instance even when another Ray runs on this machine
             ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
                      **self._node_args())
-        return self
 
     def _node_args(self) -> dict:
         return {"num_cpus": self.cpus_per_node, "object_store_memory": self.object_store_bytes}
@@ -114,6 +125,7 @@ class RayConnection:
         ray.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
+            self.cluster = None
 
 
 def alive_nodes(resources: dict[str, float] | None = None) -> list[str]:
@@ -177,7 +189,7 @@ class Runtime:
     def node_lost(self, node_id: str) -> int:
         """Tell the controller a node left; returns how many page locations it dropped."""
         self.stores.pop(node_id, None)
-        return ray.get(self.controller.remove_node.remote(node_id))
+        return ray.get(self.controller.remove_node.remote(node_id), timeout=120)
 
     def store_stats(self) -> dict[str, dict]:
         refs = {node: store.stats.remote() for node, store in self.stores.items()}

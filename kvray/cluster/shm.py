@@ -24,6 +24,7 @@ import os
 import re
 import secrets
 import stat
+import sys
 from collections.abc import Container
 from multiprocessing import shared_memory
 
@@ -62,6 +63,12 @@ class LandingBuffer:
     @classmethod
     def attach(cls, name: str, pages: int, page_nbytes: int) -> LandingBuffer:
         return cls(attach_shared(name, pages * page_nbytes, "landing buffer"), pages, page_nbytes, owner=False)
+
+    @property
+    def views_out(self) -> int:
+        """Views of ``pages`` alive besides ``pages`` itself (every slice of it refers to it).
+        Unmapping while one is alive would leave it pointing at freed memory."""
+        return sys.getrefcount(self.pages) - 2  # the attribute and getrefcount's argument
 
     @property
     def owner_alive(self) -> bool:

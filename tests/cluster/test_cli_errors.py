@@ -1,6 +1,7 @@
 """Bad input to ``kvray run`` ends with one clear line naming the file (and line), before
-any Ray process starts; an address no Ray cluster answers at ends ``kvray status``,
-``up`` and ``down`` with one line within seconds."""
+any Ray process starts; so does Ray failing to start (and ``kvray bench`` then runs what
+does not need Ray); an address no Ray cluster answers at ends ``kvray status``, ``up`` and
+``down`` with one line within seconds."""
 
 from __future__ import annotations
 
@@ -89,3 +90,33 @@ def test_an_address_nobody_answers_at_is_one_line_within_seconds(command):
 def test_an_address_that_is_not_one_says_what_is_expected():
     result = CliRunner().invoke(app, ["status", "--address", "localhost"])
     assert result.exit_code == 2 and "'localhost' is not a Ray address: expected HOST:PORT" in message(result)
+
+
+def ray_that_does_not_start(monkeypatch) -> None:
+    """``ray.init`` failing as it does when Ray's GCS is not up in time on a loaded machine."""
+    import ray
+
+    def init(*args, **kwargs):
+        raise RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_ffff\nmore detail")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def test_kvray_run_says_in_one_line_that_ray_did_not_start(monkeypatch):
+    ray_that_does_not_start(monkeypatch)
+    result = run("--trace", str(TRACE), "--limit", "1")
+    assert result.exit_code == 2
+    assert "kvray: Ray did not start: Timed out waiting for file" in message(result)
+    assert "Traceback" not in result.output
+
+
+def test_kvray_bench_skips_what_needs_ray_and_runs_the_rest(monkeypatch, capsys):
+    from kvray.bench import run_benchmarks
+    from kvray.bench.runtime import _Bench
+
+    ray_that_does_not_start(monkeypatch)
+    monkeypatch.setattr(_Bench, "_failure", None)
+    results = run_benchmarks(only=["controller_"], quick=True, progress=False)
+    assert [r.name for r in results] == ["controller_memory_per_page_vs_dict"]  # in-process: no Ray needed
+    assert "kvray bench: controller_lookup_vs_empty_call skipped: Ray did not start:" in capsys.readouterr().err

@@ -150,16 +150,17 @@ def client_process(runtime_name: str, worker: int, requests: int) -> dict:
     rng = random.Random(worker)
     seen = {"requests": 0, "lookup_pages": 0, "hit_pages": 0, "wrong_pages": 0, "remote_pages": 0,
             "bytes_between_nodes": 0, "stored_pages": 0}
-    rows = client.buffer.pages
     try:
         for _ in range(requests):
             conversation, depth = rng.randrange(6), rng.randint(1, 8)
             keys = client.keys_for_trace([conversation * 100 + j for j in range(depth)])
             plan = client.lookup(keys)
             loaded = client.load(keys, plan)
+            rows = client.buffer.pages  # after the load: a timed-out call moves the client to a fresh buffer
             seen["wrong_pages"] += sum(not pattern.matches(keys[i], rows[i]) for i in range(loaded.pages))
             for i in range(loaded.pages, len(keys)):
                 pattern.fill(keys[i], rows[i])
+            del rows
             client.release(plan, loaded)
             seen["stored_pages"] += client.store(keys, loaded.pages, plan)
             seen["requests"] += 1
