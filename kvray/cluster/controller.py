@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -52,8 +52,7 @@ import ray
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, store_name
 from kvray.cluster.hashring import HashRing
 from kvray.cluster.metrics import export_cluster_stats
-from kvray.core.index import ROOT, PrefixIndex
-from kvray.core.tiers import Tier
+from kvray.core.index import ROOT, PrefixIndex, parents_first
 
 NO_NODE = -1
 NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
@@ -132,7 +131,7 @@ class Controller:
                     continue  # stopped since it was listed
         refs = [store.holdings.remote() for store in stores]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=REBUILD_WAIT_S)
-        children: dict[int | None, list[tuple[int, str]]] = defaultdict(list)
+        links = []
         for store, ref in zip(stores, refs):
             try:
                 held = ray.get(ref) if ref in ready else None
@@ -140,15 +139,14 @@ class Controller:
                 held = None  # dying or restarting: it re-registers when it is back
             if held is not None:
                 self.register_store(held["node_id"], store, held["rank"], server=held["server"])
-                for key, parent in held["pages"]:
-                    children[parent].append((key, held["node_id"]))
-        stack = [(ROOT, 0, key, node) for key, node in children.pop(None, [])]
-        while stack:
-            parent, depth, key, node = stack.pop()
+                links.extend((key, parent, held["node_id"]) for key, parent in held["pages"])
+        ordered, _ = parents_first(links)  # pages whose chain lost its root stay out: misses
+        for key, parent_key, node in ordered:
             if self.index.handle_of(key) is not None:
                 continue  # the same page on two nodes: one location is enough
-            handle = self.index.add(key, Tier.HOST, 0, 0, parent=parent, depth=depth, node=self._node_ix[node])
-            stack.extend((handle, depth + 1, child, n) for child, n in children.pop(key, []))
+            parent = ROOT if parent_key is None else self.index.handle_of(parent_key)
+            depth = 0 if parent == ROOT else int(self.index.depth[parent]) + 1
+            self.index.add(key, parent=parent, depth=depth, node=self._node_ix[node])
         self.rebuilt_pages = len(self.index)
         self.rebuild_s = time.perf_counter() - t0
         return self.rebuilt_pages
@@ -224,13 +222,12 @@ class Controller:
         pinned descendant means ``handle`` itself is pinned, and the lease that ends last
         passes through ``handle`` (:meth:`_end`).
         """
-        subtree = self.index.subtree([handle])
-        if (self.index.pins[subtree] > 0).any():
+        try:
+            removed = self.index.remove_subtree(handle)
+        except ValueError:  # a reader holds one of them
             self._doomed.add(handle)
             return
-        for h in subtree:  # children before parents
-            self._doomed.discard(h)  # its handle may be reused by a new page
-            self.index.remove(h)
+        self._doomed.difference_update(removed)  # their handles may be reused by new pages
 
     def _end(self, handles: np.ndarray) -> None:
         """Unpin a lease's chain and drop the doomed pages on it that no lease holds any more:
@@ -323,7 +320,7 @@ class Controller:
                 break  # the chain broke (its parent left meanwhile): the rest could never match
             handle = self.index.handle_of(key)
             if handle is None:
-                handle = self.index.add(key, Tier.HOST, 0, 0, parent=parent, depth=depth + i, node=self._node_ix[node_id])
+                handle = self.index.add(key, parent=parent, depth=depth + i, node=self._node_ix[node_id])
                 added += 1
             parent = handle
         return added

@@ -54,7 +54,6 @@ from kvray.cluster.config import NAMESPACE, RuntimeConfig
 from kvray.cluster.metrics import export_store_stats
 from kvray.cluster.shm import LandingBuffer, reap_orphans
 from kvray.cluster.transfer import PageServer
-from kvray.core.index import ROOT
 from kvray.core.keys import unpack_keys
 from kvray.core.store import PageStore
 from kvray.core.tiers.directory import retire_predecessors
@@ -81,7 +80,7 @@ class NodeStore:
         self.page_nbytes = config.layout.page_nbytes
         self._dropped: list[int] = []
         self._dropped_lock = threading.Lock()
-        self.store.manager.page_dropped = self._on_drop
+        self.store.on_page_dropped(self._on_drop)
         self._buffers: dict[str, LandingBuffer] = {}
         self._buffers_lock = threading.Lock()
         self._in_use: Counter[str] = Counter()  # buffer name -> copies in flight
@@ -114,7 +113,7 @@ class NodeStore:
         try:
             controller = ray.get_actor(self._controller_name, namespace=NAMESPACE)
             ray.get(controller.register_store.remote(
-                self.node_id, me, None, list(self.store.manager.index.keys()), self.server_address()
+                self.node_id, me, None, self.store.cached_keys(), self.server_address()
             ), timeout=CALL_TIMEOUT_S)
         except (ValueError, ray.exceptions.RayError) as exc:
             logger.warning("restarted store %s could not register with the controller: %s", self.node_id[:12], exc)
@@ -166,7 +165,7 @@ class NodeStore:
         return {
             "node_id": self.node_id,
             "restarted": self.restarted,
-            "keys": list(self.store.manager.index.keys()),
+            "keys": self.store.cached_keys(),
             "tiers": self.config.tiers.model_dump(),
         }
 
@@ -177,20 +176,12 @@ class NodeStore:
         Pages recovered from disk after this store restarted start runs whose chain parent
         died with the old process; they (and pages after them) are left out: misses, never wrong KV.
         """
-        index = self.store.manager.index
         with self._dropped_lock:
             run_parents = dict(self._run_parents)
         pages = []
-        for key in list(index.keys()):
-            handle = index.handle_of(key)
-            if handle is None:
-                continue  # evicted while we walked
-            local = int(index.parent[handle])
-            if local != ROOT:
-                try:
-                    pages.append((key, index.key_of(local)))
-                except KeyError:
-                    continue  # its parent was evicted while we walked: so will it be
+        for key, parent in self.store.chain_links():
+            if parent is not None:
+                pages.append((key, parent))
             elif key in run_parents:
                 pages.append((key, run_parents[key]))
         return {"node_id": self.node_id, "rank": self._rank, "server": self.server_address(), "pages": pages}
@@ -274,7 +265,7 @@ class NodeStore:
         """Store one run. It joins its parent's chain when that page is here, so evicting the
         parent drops the run too (as in the simulator and a single PageStore); otherwise it
         starts a root here."""
-        local = parent if parent is not None and self.store.manager.index.handle_of(parent) is not None else None
+        local = parent if parent is not None and parent in self.store else None
         return self._stored(keys, self.store.put_pages(keys, pages, self.store.fingerprint.digest, local), parent)
 
     # -- cross-node data plane: collective -------------------------------------------------

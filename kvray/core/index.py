@@ -35,6 +35,7 @@ import numpy as np
 
 ROOT = -1  # the parent handle of a request's first page
 NONE = -1  # no child / no sibling
+UNTRACKED = -1  # a tier or slot this index does not keep
 Item = TypeVar("Item")
 
 _COLUMNS: dict[str, np.dtype] = {
@@ -144,9 +145,21 @@ class PrefixIndex:
 
     # -- updates -----------------------------------------------------------------------
     def add(
-        self, key: int, tier: int, slot: int, checksum: int, *, parent: int, depth: int = 0, node: int = 0
+        self,
+        key: int,
+        tier: int = UNTRACKED,
+        slot: int = UNTRACKED,
+        checksum: int = 0,
+        *,
+        parent: int,
+        depth: int = 0,
+        node: int = 0,
     ) -> int:
-        """Index a page whose parent (handle, or :data:`ROOT`) is already indexed."""
+        """Index a page whose parent (handle, or :data:`ROOT`) is already indexed.
+
+        An index of locations only (the Ray controller's: which node holds a page) leaves
+        ``tier`` and ``slot`` UNTRACKED; the node's own store keeps those.
+        """
         if key in self._handles:
             raise KeyError(f"key {key:#x} is already indexed")
         if parent != ROOT and self._keys[parent] is None:
@@ -224,11 +237,14 @@ class PrefixIndex:
 
     def remove_subtree(self, handle: int) -> list[int]:
         """Drop ``handle`` and its descendants (they can never match without it), children
-        first; returns their keys. Raises ValueError, removing nothing, if one is pinned."""
+        first; returns their handles, free for reuse now. Raises ValueError, removing
+        nothing, if one of them is pinned."""
         doomed = self.subtree([handle])
         if (self._cols["pins"][doomed] > 0).any():
             raise ValueError(f"page {self.key_of(handle):#x} or a descendant is pinned")
-        return [self.remove(h) for h in doomed]
+        for h in doomed:
+            self.remove(h)
+        return doomed
 
     def move(self, handle: int, tier: int, slot: int, node: int | None = None) -> None:
         self._cols["tier"][handle] = tier

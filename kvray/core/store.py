@@ -124,6 +124,29 @@ class PageStore:
         """Leading tokens of ``tokens`` whose KV is cached (counts as a lookup, moves nothing)."""
         return self.match(self.keys(tokens, salt)) * self.layout.page_tokens
 
+    def __contains__(self, key: int) -> bool:
+        with self._lock:
+            return key in self.manager.index
+
+    def cached_keys(self) -> list[int]:
+        with self._lock:
+            return list(self.manager.index.keys())
+
+    def chain_links(self) -> list[tuple[int, int | None]]:
+        """``(key, parent key or None)`` of every page held: what a rebuild of a metadata
+        index elsewhere (the Ray controller's) needs to put the chains back in order."""
+        with self._lock:
+            index = self.manager.index
+            links = []
+            for key in index.keys():
+                parent = int(index.parent[index.handle_of(key)])
+                links.append((key, None if parent == ROOT else index.key_of(parent)))
+            return links
+
+    def on_page_dropped(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(key)`` whenever a page leaves this store (evicted, corrupt, lost)."""
+        self.manager.page_dropped = callback
+
     def match(self, keys: Sequence[int]) -> int:
         """How many leading ``keys`` are cached: what an engine that already holds the keys
         asks before storing the rest of a chain (moves nothing, counts nothing)."""

@@ -134,4 +134,4 @@ def test_remove_subtree_takes_the_descendants_or_nothing_when_one_is_pinned():
         index.remove_subtree(b)
     assert len(index) == 4
     index.unpin(np.array([c]))
-    assert index.remove_subtree(b) == [3, 2] and sorted(index.keys()) == [1, 4]
+    assert index.remove_subtree(b) == [c, b] and sorted(index.keys()) == [1, 4]
