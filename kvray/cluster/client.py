@@ -20,7 +20,7 @@ this node's host tier holds the whole request:
   with ``tcp`` off, by Ray's object store or, for transfers of at least
   ``collective_min_bytes``, by the collective path (the peer store sends straight into
   this node's store, which writes into the buffer). Runs of pages on different nodes move
-  concurrently.
+  concurrently. Each path is a handler in :mod:`kvray.cluster.paths`, picked by :meth:`KvrayClient.path_for`.
 - ``store(keys, start, plan)``: rows ``start..`` of the buffer go to the nodes the plan
   chose (same-node by shared memory, others by direct TCP or, with ``tcp`` off, the
   object store), then the controller is told, without waiting.
@@ -76,24 +76,17 @@ import xxhash
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan, new_lease
 from kvray.cluster.shm import LandingBuffer
-from kvray.cluster.transfer import PeerLinks, PendingStore
+from kvray.cluster.paths import ACTOR_ERRORS, PATHS, StoreCallPath
+from kvray.cluster.transfer import PeerLinks
 from kvray.core.errors import ClusterError, RequestError, StorageError
 from kvray.core.keys import ModelFingerprint, pack_keys
 from kvray.core.tiers import Tier
 from kvray.core.tiers.directory import SharedHostTier
 
-REMOTE = Tier.REMOTE.label
-BUFFER_PATHS = ("local", "collective")  # transfer paths where a store actor copies into the landing buffer
 HOST = Tier.HOST.label
 HOST_CHECK_S = 1.0  # how often a client asks its node's store which host segment it serves
 DEFAULT_TIMEOUT_S = 60.0  # how long a client waits for any one Ray call
 MEMBERS_CHECK_S = 5.0  # how often a client re-reads the stores and their page servers
-ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
-# A store's call that raised (disk full, an OSError of its disk tier) is a miss too.
-STORE_ERRORS = (*ACTOR_ERRORS, ray.exceptions.RayTaskError)
-# A call that ended (it raised, or its process died) can no longer touch the landing buffer;
-# one given up on (timeout) or unanswered (the actor unavailable) may still.
-ENDED = (ray.exceptions.RayTaskError, ray.exceptions.ActorDiedError)
 
 
 @dataclass
@@ -163,6 +156,7 @@ class KvrayClient:
         self._next_check = 0.0  # when to ask the store again which segment it serves
         self._members = None  # ref: the controller's ``members`` answer, while awaited
         self._next_members = time.monotonic() + MEMBERS_CHECK_S
+        self.paths: dict[str, StoreCallPath] = {path.name: path(self) for path in PATHS}
         self.refresh()
 
     @classmethod
@@ -263,13 +257,14 @@ class KvrayClient:
         try:
             return ray.get(self.controller.lookup_pin.remote(list(keys), self.node_id, lease), timeout=self.timeout_s)
         except ACTOR_ERRORS as exc:
-            self._count(exc)
+            self.count_fault(exc)
             # The pin may still happen (or have happened) after we stopped waiting: end it by
             # its id. The controller runs one caller's calls in order, so this comes after it.
             self.controller.release.remote(lease, {}, {})
             return Plan(NO_LEASE, [], [])  # the controller is restarting or slow: a miss, nothing placed
 
-    def _count(self, exc: Exception) -> None:
+    def count_fault(self, exc: Exception) -> None:
+        """A call that became a miss, by cause (see ``faults``)."""
         if isinstance(exc, ray.exceptions.GetTimeoutError):
             self.faults["timeout"] += 1
         elif isinstance(exc, ray.exceptions.RayTaskError):
@@ -296,15 +291,16 @@ class KvrayClient:
         loaded = Loaded(0)
         for run in runs:
             if run in started:
-                path, ref = started[run]
-                parts = [(path, *self._finish_run(run, path, ref))]
+                path, pending = started[run]
+                parts = [(path.name, *self._finish_run(run, path, pending))]
             else:
                 parts = self._read_mapped(host, keys, run)
             got = 0
-            for path, n, by_tier in parts:
+            for name, n, by_tier in parts:
                 if loaded.pages == run.start + got:  # the prefix is unbroken so far
-                    loaded.add(path, n, by_tier, 0 if path in ("mapped", "local") else n * self.page_nbytes)
-                    if path == "mapped":
+                    between = n * self.page_nbytes if name != "mapped" and self.paths[name].between_nodes else 0
+                    loaded.add(name, n, by_tier, between)
+                    if name == "mapped":
                         loaded.mapped.extend(keys[run.start + got : run.start + got + n])
                 got += n
             if got < run.stop - run.start:
@@ -320,13 +316,13 @@ class KvrayClient:
         parts = [("mapped", got, {HOST: got} if got else {})]
         if got < len(sub):
             rest = _Run(run.node, run.start + got, run.stop)
-            path, ref = self._start_run(keys, rest)
-            parts.append((path, *self._finish_run(rest, path, ref)))
+            path, pending = self._start_run(keys, rest)
+            parts.append((path.name, *self._finish_run(rest, path, pending)))
         return parts
 
     def path_for(self, node: str, nbytes: int, config: RuntimeConfig | None = None) -> str:
-        """The transfer path for ``nbytes`` of pages held by ``node`` under ``config``
-        (default: this client's)."""
+        """The one rule that picks a transfer path (:mod:`kvray.cluster.paths`) for
+        ``nbytes`` of pages held by ``node`` under ``config`` (default: this client's)."""
         config = config or self.config
         if node == self.node_id:
             return "local"
@@ -335,45 +331,21 @@ class KvrayClient:
         collective_ok = config.collective and node in self.ranks and self.node_id in self.ranks
         return "collective" if collective_ok and nbytes >= config.collective_min_bytes else "object_store"
 
-    def _start_run(self, keys: Sequence[int], run: _Run):
-        """Launch one run's transfer; returns (path, ref)."""
-        path = self.path_for(run.node, (run.stop - run.start) * self.page_nbytes)
-        sub = list(keys[run.start : run.stop])
+    def _start_run(self, keys: Sequence[int], run: _Run) -> tuple[StoreCallPath, object]:
+        """Launch one run's load on its path; returns (path, pending transfer or None)."""
+        path = self.paths[self.path_for(run.node, (run.stop - run.start) * self.page_nbytes)]
         store = self.stores.get(run.node)
-        if store is None:
-            return path, None
-        if path == "tcp":
-            return path, self.links.load(self.servers[run.node], sub)
-        if path == "local":
-            return path, store.read_into.remote(sub, self.buffer.name, self.buffer.capacity, run.start)
-        if path == "collective":
-            pull = self.local_store.pull.remote(
-                sub, store, self.ranks[run.node], self.buffer.name, self.buffer.capacity, run.start
-            )
-            return path, pull
-        return path, store.get_pages.remote(sub)
+        return path, None if store is None else path.start_load(store, list(keys[run.start : run.stop]), run)
 
-    def _finish_run(self, run: _Run, path: str, ref) -> tuple[int, dict[str, int]]:
+    def _finish_run(self, run: _Run, path: StoreCallPath, pending) -> tuple[int, dict[str, int]]:
         """A run's pages in the buffer (count, by tier); 0 on any failure (the peer died
         mid-transfer, its store raised or is gone, or it took too long): misses."""
-        if ref is None:
-            return 0, {}
-        if path == "tcp":
-            got = ref.receive(self.buffer.pages[run.start : run.stop])
-            return got, {REMOTE: got}
-        try:
-            answer = ray.get(ref, timeout=self.timeout_s)
-        except STORE_ERRORS as exc:
-            self._count(exc)
-            if path in BUFFER_PATHS and not isinstance(exc, ENDED):
-                self._stale = True  # the store may still be copying into the buffer
-            return 0, {}
-        if path == "local":
-            return answer
-        if path == "collective":
-            return answer, {REMOTE: answer}
-        self.buffer.pages[run.start : run.start + len(answer)] = answer
-        return len(answer), {REMOTE: len(answer)}
+        return (0, {}) if pending is None else path.finish_load(run, pending)
+
+    def buffer_may_be_in_use(self) -> None:
+        """A store call given up on may still copy into or out of ``buffer``: the request
+        in progress ends on a fresh one (:meth:`_renew_if_stale`)."""
+        self._stale = True
 
     def _renew_if_stale(self, keep: int) -> None:
         """Move to a fresh landing buffer if a call given up on may still use this one;
@@ -440,22 +412,16 @@ class KvrayClient:
         # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
         targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
         runs = _runs(targets, start)
-        refs = []
+        pending = []
         for run in runs:
             store = self.stores.get(run.node)
+            path = self.paths[self.path_for(run.node, (run.stop - run.start) * self.page_nbytes)]
             sub = list(keys[run.start : run.stop])
             parent = keys[run.start - 1] if run.start else None
-            if store is None:
-                refs.append(None)
-            elif run.node == self.node_id:
-                refs.append(store.write_from.remote(sub, self.buffer.name, self.buffer.capacity, run.start, parent))
-            elif self.path_for(run.node, len(sub) * self.page_nbytes) == "tcp":
-                refs.append(self.links.store(self.servers[run.node], sub, self.buffer.pages[run.start : run.stop], parent))
-            else:
-                refs.append(store.put_pages.remote(sub, self.buffer.pages[run.start : run.stop], parent))
+            pending.append((path, None if store is None else path.start_store(store, sub, run, parent)))
         stored, landed, dropped = 0, start, defaultdict(list)
-        for run, ref in zip(runs, refs):
-            result = self._stored(ref, touches_buffer=run.node == self.node_id)
+        for run, (path, transfer) in zip(runs, pending):
+            result = None if transfer is None else path.finish_store(transfer)
             if result is not None:
                 stored += result[0]
                 dropped[run.node].extend(result[1])
@@ -464,21 +430,6 @@ class KvrayClient:
         parent = keys[start - 1] if start else None
         self.controller.commit.remote(parent, list(keys[start:landed]), targets[: landed - start], start, dict(dropped))
         return stored
-
-    def _stored(self, ref, touches_buffer: bool) -> tuple[int, list[int]] | None:
-        """A store run's answer: (stored, dropped), or None if it was not kept (no store,
-        the node left while we wrote, the store raised or took too long)."""
-        if ref is None:
-            return None
-        if isinstance(ref, PendingStore):
-            return ref.receive()
-        try:
-            return ray.get(ref, timeout=self.timeout_s)
-        except STORE_ERRORS as exc:
-            self._count(exc)
-            if touches_buffer and not isinstance(exc, ENDED):
-                self._stale = True  # the store may still be reading the buffer
-            return None
 
     def close(self) -> None:
         if self.links is not None:
