@@ -79,7 +79,7 @@ from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.paths import ACTOR_ERRORS, PATHS, StoreCallPath
 from kvray.cluster.transfer import PeerLinks
 from kvray.core.errors import ClusterError, RequestError, StorageError
-from kvray.core.keys import ModelFingerprint, pack_keys
+from kvray.core.keys import pack_keys
 from kvray.core.tiers import Tier
 from kvray.core.tiers.directory import SharedHostTier
 
@@ -141,7 +141,7 @@ class KvrayClient:
         self.config = config
         self.controller = controller
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
-        self.fingerprint = ModelFingerprint.of(config.layout, config.model_name)
+        self.fingerprint = config.fingerprint()
         self.page_nbytes = config.layout.page_nbytes
         self.buffer = LandingBuffer.create(buffer_pages or config.max_request_pages, self.page_nbytes)
         self.timeout_s = timeout_s

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 
 from kvray.core.config import PageLayout, StoreConfig, TierSizes, FrozenModel
 from kvray.core.errors import PolicyError
+from kvray.core.keys import ModelFingerprint
 from kvray.policy import make_policy
 
 # The default page: 512 tokens (one Mooncake trace block) of a 2-layer slice of a
@@ -54,6 +55,7 @@ class RuntimeConfig(FrozenModel):
     name: str = Field(default="kvray", pattern=r"^[A-Za-z0-9_-]{1,40}$")
     layout: PageLayout = DEFAULT_LAYOUT
     model_name: str = "kvray-replay"
+    model_revision: str | None = Field(default=None, min_length=1, max_length=256)  # see StoreConfig
     tiers: TierSizes = TierSizes(host=256)
     policy: str = "lru"
     disk_root: Path | None = None
@@ -92,12 +94,17 @@ class RuntimeConfig(FrozenModel):
     def local_limit(self) -> int:
         return self.tiers.host if self.local_pages_limit is None else self.local_pages_limit
 
+    def fingerprint(self) -> ModelFingerprint:
+        """What every page key of this runtime binds: the stores' and the clients' alike."""
+        return ModelFingerprint.of(self.layout, self.model_name, self.model_revision)
+
     def store_config(self, node_id: str, host_shared_memory: str | None = None) -> StoreConfig:
         """One node store's settings; ``host_shared_memory`` names its shared host segment."""
         disk_dir = self.disk_root / f"{self.name}-{node_id[:16]}" if self.disk_root else None
         return StoreConfig(
             layout=self.layout,
             model_name=self.model_name,
+            model_revision=self.model_revision,
             tiers=self.tiers,
             disk_dir=disk_dir,
             policy=self.policy,

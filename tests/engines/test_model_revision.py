@@ -60,3 +60,18 @@ def test_the_vllm_connector_takes_a_revision_setting():
     assert settings.model_revision == "my-finetune-3"
     config = store_config(settings, TINY, "served", checkpoint_revision(llama(), settings.model_revision))
     assert config.model_revision.startswith("my-finetune-3+config-")
+
+
+def test_the_ray_runtime_binds_its_model_revision_in_clients_and_stores_alike(tmp_path):
+    """RuntimeConfig.model_revision reaches every node store, and the fingerprint clients key
+    pages with is the stores' own: a runtime over a swapped checkpoint shares nothing."""
+    from kvray.cluster.config import RuntimeConfig
+
+    configs = [RuntimeConfig(layout=TINY, model_revision=r, tiers=TierSizes(host=4)) for r in ("a", "b")]
+    stores = [PageStore(c.store_config("node-1")) for c in configs]
+    try:
+        assert [s.fingerprint for s in stores] == [c.fingerprint() for c in configs]
+        assert configs[0].fingerprint().digest != configs[1].fingerprint().digest
+    finally:
+        for store in stores:
+            store.close()
