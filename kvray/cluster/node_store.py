@@ -93,6 +93,7 @@ class NodeStore:
         self._controller_handle = None
         self.sent_bytes = 0
         self.received_bytes = 0
+        self._bytes_lock = threading.Lock()  # up to max_concurrency calls count at once
         self._server = None
         if token is not None:
             self._server = PageServer(
@@ -249,16 +250,21 @@ class NodeStore:
         with ``fail``, raise ``OSError`` as a failing disk would."""
         self._faults.arm(delay_s, fail, calls)
 
+    def _count_bytes(self, sent: int = 0, received: int = 0) -> None:
+        with self._bytes_lock:
+            self.sent_bytes += sent
+            self.received_bytes += received
+
     # -- cross-node data plane: object store ----------------------------------------------
     def get_pages(self, keys: Sequence[int]) -> np.ndarray:
         """The cached, verified prefix of ``keys`` as one array (travels by object store)."""
         pages = np.empty((len(keys), self.page_nbytes), dtype=np.uint8)
         got, _ = self._read(keys, lambda i: pages[i])
-        self.sent_bytes += got * self.page_nbytes
+        self._count_bytes(sent=got * self.page_nbytes)
         return pages[:got]
 
     def put_pages(self, keys: Sequence[int], pages: np.ndarray, parent: int | None = None) -> tuple[int, list[int]]:
-        self.received_bytes += pages.nbytes
+        self._count_bytes(received=pages.nbytes)
         return self._put(keys, pages, parent)
 
     def _put(self, keys: Sequence[int], pages: np.ndarray, parent: int | None) -> tuple[int, list[int]]:
@@ -306,7 +312,7 @@ class NodeStore:
                 with self._mapped(buffer, capacity) as pages:
                     collective.recv(torch.from_numpy(pages[offset : offset + n]), src_rank, COLLECTIVE_GROUP)
             ray.get(sent, timeout=CALL_TIMEOUT_S)
-        self.received_bytes += n * self.page_nbytes
+        self._count_bytes(received=n * self.page_nbytes)
         return n
 
     # -- state ----------------------------------------------------------------------------
