@@ -10,6 +10,9 @@ Verbs (the shape of vLLM's offloading manager):
 - ``reserve(tier, mover)``: a free slot in ``tier``, evicting by the policy if needed.
   Eviction demotes the victim to the tier the policy names, as a two-phase move
   (:meth:`relocate`), or drops it.
+- ``store_chain(keys, mover, write)``: store a request's pages that are not cached yet,
+  each admitted, given a slot and published under the page before it; the one writer
+  of chains, used by the PageStore, the simulator and the training environment.
 - ``complete_store`` / ``abort_store``: publish a page written into a reserved slot, or
   give the slot back. A page is published under its parent (the previous page of its
   request), which keeps the index prefix-closed; ``drop`` removes a page's descendants
@@ -38,6 +41,8 @@ from kvray.policy.base import PageContext, PlacementPolicy
 from kvray.tiers import SlotAllocator, Tier
 
 Mover = Callable[[int, Tier, int, Tier, int], int | None]  # returns a checksum it computed, if any
+# (depth, key, tier, slot, parent handle) -> the checksum of the page it wrote into the slot
+Writer = Callable[[int, int, Tier, int, int], int]
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,59 @@ class CacheManager:
                 self.relocate(handle, dst, mover)
 
     # -- writes --------------------------------------------------------------------------
+    def store_chain(
+        self,
+        keys: Sequence[int],
+        mover: Mover,
+        write: Writer | None = None,
+        *,
+        parent: int = ROOT,
+        priority: int = 0,
+        tenant: str = "",
+    ) -> int:
+        """Store the pages of one chain of ``keys`` (below ``parent``) that are not cached
+        yet, in order; returns how many were stored.
+
+        Each page is admitted by the policy, given a slot (evicting by the policy while the
+        page it joins is kept, so making room never drops its own chain), written by
+        ``write`` (the data plane; the simulator has none and stores checksum 0) and
+        published under its parent. Storing stops at the first page not kept: its
+        descendants could never be matched. If ``write`` raises, its slot is given back.
+        """
+        index = self.index
+        stored = 0
+        for depth, key in enumerate(keys):
+            handle = index.handle_of(key)
+            if handle is None:
+                ctx = PageContext(depth=depth, request_pages=len(keys), priority=priority, tenant=tenant)
+                tier = self.admit(ctx)
+                if tier is None:
+                    break
+                slot = self._reserve_under(parent, tier, mover)
+                if slot is None:
+                    break
+                checksum = 0
+                if write is not None:
+                    try:
+                        checksum = write(depth, key, tier, slot, parent)
+                    except BaseException:
+                        self.abort_store(tier, slot)
+                        raise
+                handle = self.complete_store(key, tier, slot, checksum, parent=parent, depth=depth, ctx=ctx)
+                stored += 1
+            parent = handle
+        return stored
+
+    def _reserve_under(self, parent: int, tier: Tier, mover: Mover) -> int | None:
+        """A slot in ``tier`` for a child of ``parent``, which is kept while room is made."""
+        if parent == ROOT:
+            return self.reserve(tier, mover)
+        self.keep(parent)
+        try:
+            return self.reserve(tier, mover)
+        finally:
+            self.release(parent)
+
     def complete_store(
         self,
         key: int,
