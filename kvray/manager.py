@@ -28,7 +28,6 @@ same manager, index, slot accounting and policy (DESIGN.md, seam 2).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +42,7 @@ from kvray.tiers import SlotAllocator, Tier
 Mover = Callable[[int, Tier, int, Tier, int], int | None]  # returns a checksum it computed, if any
 # (depth, key, tier, slot, parent handle) -> the checksum of the page it wrote into the slot
 Writer = Callable[[int, int, Tier, int, int], int]
+TIERS = tuple(Tier)  # tier number -> Tier, without the enum's slow constructor
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,12 @@ class CacheManager:
         self.policy = policy
         self.policy.bind(self.index, self.capacities)
         self.metrics = CacheMetrics(page_nbytes=page_nbytes)
-        self.slot_freed: Callable[[Tier, int], None] = lambda tier, slot: None
+        # Listeners of the data plane; None (the simulator's case) saves building their arguments.
+        self.slot_freed: Callable[[Tier, int], None] | None = None
         # a page was published in a slot: (key, tier, slot, checksum); the slot's bytes are complete
-        self.page_placed: Callable[[int, Tier, int, int], None] = lambda key, tier, slot, checksum: None
-        self.page_dropped: Callable[[int], None] = lambda key: None  # a key left this cache
-        self._kept: Counter[int] = Counter()
+        self.page_placed: Callable[[int, Tier, int, int], None] | None = None
+        self.page_dropped: Callable[[int], None] | None = None  # a key left this cache
+        self._kept: dict[int, int] = {}  # handle -> keep count
 
     @property
     def tiers(self) -> list[Tier]:
@@ -106,8 +107,9 @@ class CacheManager:
         if count:
             self.metrics.lookups += 1
             self.metrics.lookup_pages += len(keys)
-            for tier, n in zip(*np.unique(match.tiers, return_counts=True)):
-                self.metrics.hit_pages[Tier(int(tier)).label] += int(n)
+            for tier, n in enumerate(np.bincount(match.tiers, minlength=len(TIERS)).tolist()):
+                if n:
+                    self.metrics.hit_pages[TIERS[tier].label] += n
         return match
 
     def pin(self, handles: np.ndarray) -> None:
@@ -117,11 +119,13 @@ class CacheManager:
         self.index.unpin(handles)
 
     def keep(self, handle: int) -> None:
-        self._kept[handle] += 1
+        self._kept[handle] = self._kept.get(handle, 0) + 1
 
     def release(self, handle: int) -> None:
-        self._kept[handle] -= 1
-        if not self._kept[handle]:
+        n = self._kept[handle] - 1
+        if n:
+            self._kept[handle] = n
+        else:
             del self._kept[handle]
 
     def touch(self, handles: np.ndarray) -> None:
@@ -158,7 +162,7 @@ class CacheManager:
 
         False when neither is possible (a descendant is pinned): the page stays.
         """
-        src = Tier(int(self.index.tier[handle]))
+        src = TIERS[self.index.tier[handle]]
         dst = self.policy.demote_target(handle, src)
         if dst is not None and dst in self.slots and self.relocate(handle, dst, mover):
             return True
@@ -166,7 +170,8 @@ class CacheManager:
 
     def relocate(self, handle: int, dst: Tier, mover: Mover) -> bool:
         """Two-phase move of one page; False (page untouched at its source) on failure."""
-        src, src_slot = Tier(int(self.index.tier[handle])), int(self.index.slot[handle])
+        index = self.index
+        src, src_slot = TIERS[index.tier[handle]], int(index.slot[handle])
         self.keep(handle)  # the source must survive making room below
         try:
             dst_slot = self.reserve(dst, mover)
@@ -180,10 +185,11 @@ class CacheManager:
             self.abort_store(dst, dst_slot)
             return False
         if digest is not None:
-            self.index.checksum[handle] = digest
+            index.checksum[handle] = digest
         self.policy.on_remove(handle, src)
-        self.index.move(handle, dst, dst_slot)
-        self.page_placed(self.index.key_of(handle), dst, dst_slot, int(self.index.checksum[handle]))
+        index.move(handle, dst, dst_slot)
+        if self.page_placed is not None:
+            self.page_placed(index.key_of(handle), dst, dst_slot, int(index.checksum[handle]))
         self.policy.on_insert(handle, dst)
         self._free(src, src_slot)
         self.metrics.count_move(src.label, dst.label)
@@ -192,7 +198,7 @@ class CacheManager:
     def promote(self, handles: np.ndarray, mover: Mover) -> None:
         """Move hit pages up where the policy asks (pinned pages stay put)."""
         for handle in handles.tolist():
-            src = Tier(int(self.index.tier[handle]))
+            src = TIERS[self.index.tier[handle]]
             dst = self.policy.promote_target(handle, src)
             if dst is not None and dst in self.slots and dst != src and self.index.pins[handle] == 0:
                 self.relocate(handle, dst, mover)
@@ -272,7 +278,8 @@ class CacheManager:
     def restore(self, key: int, tier: Tier, slot: int, checksum: int, *, parent: int, depth: int = 0) -> int:
         """Publish a page found already in place (a disk tier after a restart)."""
         handle = self.index.add(key, tier, slot, checksum, parent=parent, depth=depth)
-        self.page_placed(key, tier, slot, checksum)
+        if self.page_placed is not None:
+            self.page_placed(key, tier, slot, checksum)
         self.policy.on_insert(handle, tier)
         return handle
 
@@ -283,17 +290,23 @@ class CacheManager:
         """Forget pages and their descendants, freeing their slots (eviction, corruption,
         a lost node). Returns how many pages went; 0 if any of them is pinned or kept."""
         index = self.index
-        if self._keeps_descendant(handles):
+        if not index.has_children(handles).any():
+            doomed = list(handles)
+            if any(handle in self._kept for handle in doomed):
+                return 0
+        elif self._keeps_descendant(handles):
             return 0  # cheap refusal before walking a possibly large subtree
-        doomed = index.subtree(handles) if index.has_children(handles).any() else list(handles)
+        else:
+            doomed = index.subtree(handles)
         if (index.pins[doomed] > 0).any():
             return 0
         for handle in doomed:
-            tier, slot = Tier(int(index.tier[handle])), int(index.slot[handle])
+            tier, slot = TIERS[index.tier[handle]], int(index.slot[handle])
             self.policy.on_remove(handle, tier)
             key = index.remove(handle)
             self._free(tier, slot)
-            self.page_dropped(key)
+            if self.page_dropped is not None:
+                self.page_dropped(key)
         self.metrics.evicted_pages += len(doomed)
         return len(doomed)
 
@@ -301,17 +314,18 @@ class CacheManager:
         """Whether a kept page is one of ``handles`` or below them: walk up from the few
         kept pages (a chain's depth) instead of down the handles' subtrees."""
         targets = set(handles)
-        parent = self.index.parent
+        up = self.index.parent.item  # a Python int per step, not a numpy scalar
         for handle in self._kept:
             while handle != ROOT:
                 if handle in targets:
                     return True
-                handle = int(parent[handle])
+                handle = up(handle)
         return False
 
     def _free(self, tier: Tier, slot: int) -> None:
         self.slots[tier].free(slot)
-        self.slot_freed(tier, slot)
+        if self.slot_freed is not None:
+            self.slot_freed(tier, slot)
 
     # -- state ---------------------------------------------------------------------------
     def occupancy(self) -> dict[str, dict[str, float]]:

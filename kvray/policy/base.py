@@ -73,13 +73,13 @@ class PlacementPolicy(ABC):
         self.index = index
         self.tiers = sorted(t for t, cap in capacities.items() if cap > 0)
         self.capacities = dict(capacities)
+        self._below = {t: next((s for s in self.tiers if s > t), None) for t in Tier}
 
     def admit(self, ctx: PageContext) -> Tier | None:
         return self.tiers[0]
 
     def demote_target(self, handle: int, tier: Tier) -> Tier | None:
-        lower = [t for t in self.tiers if t > tier]
-        return lower[0] if lower else None
+        return self._below[tier]
 
     def promote_target(self, handle: int, tier: Tier) -> Tier | None:
         return None
@@ -111,7 +111,10 @@ class PlacementPolicy(ABC):
 
     def _first_unpinned(self, handles: Iterable[int]) -> int | None:
         pins = self.index.pins
-        return next((h for h in handles if pins[h] == 0), None)
+        for h in handles:  # a loop, not next(genexpr): this runs once per eviction
+            if pins[h] == 0:
+                return h
+        return None
 
 
 class TierMembers:
