@@ -90,6 +90,9 @@ class CacheManager:
         self.page_placed: Callable[[int, Tier, int, int], None] | None = None
         self.page_dropped: Callable[[int], None] | None = None  # a key left this cache
         self._kept: dict[int, int] = {}  # handle -> keep count
+        # kept handle -> itself and its ancestors: stable while it is kept (they cannot be
+        # dropped), so repeated eviction refusals along one chain walk it once
+        self._lineage: dict[int, set[int]] = {}
 
     @property
     def tiers(self) -> list[Tier]:
@@ -127,6 +130,7 @@ class CacheManager:
             self._kept[handle] = n
         else:
             del self._kept[handle]
+            self._lineage.pop(handle, None)
 
     def touch(self, handles: np.ndarray) -> None:
         self.index.touch(handles)
@@ -311,16 +315,24 @@ class CacheManager:
         return len(doomed)
 
     def _keeps_descendant(self, handles: Sequence[int]) -> bool:
-        """Whether a kept page is one of ``handles`` or below them: walk up from the few
-        kept pages (a chain's depth) instead of down the handles' subtrees."""
-        targets = set(handles)
-        up = self.index.parent.item  # a Python int per step, not a numpy scalar
+        """Whether a kept page is one of ``handles`` or below them: look up the handles in
+        the lineage of the few kept pages (a chain's depth) instead of walking down the
+        handles' subtrees."""
         for handle in self._kept:
-            while handle != ROOT:
-                if handle in targets:
-                    return True
-                handle = up(handle)
+            lineage = self._lineage.get(handle)
+            if lineage is None:
+                lineage = self._lineage[handle] = self._ancestry(handle)
+            if not lineage.isdisjoint(handles):
+                return True
         return False
+
+    def _ancestry(self, handle: int) -> set[int]:
+        up = self.index.parent.item  # a Python int per step, not a numpy scalar
+        lineage = set()
+        while handle != ROOT:
+            lineage.add(handle)
+            handle = up(handle)
+        return lineage
 
     def _free(self, tier: Tier, slot: int) -> None:
         self.slots[tier].free(slot)
