@@ -144,6 +144,16 @@ class PlacementEnv(gym.Env):
         self.slot_cost = slot_cost
         self.max_regret = max_regret
         self._episode: PausedReplay | None = None
+        # per tier: each tier from it down, with how far ahead (in requests) a page kept
+        # there is still in that tier, as it ages down at ``rate``
+        self._reach: dict[Tier, list[tuple[Tier, float]]] = {}
+        for tier in self.capacities:
+            reach, steps = 0.0, []
+            for t in sorted(self.capacities):
+                if t >= tier:
+                    reach += self.capacities[t] / self.rate
+                    steps.append((t, reach))
+            self._reach[tier] = steps
 
     # -- gymnasium API -------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
@@ -225,12 +235,9 @@ class PlacementEnv(gym.Env):
         costs its recomputation, if it is used at all, plus ``slot_cost`` for the slot
         it held in vain."""
         distance = self._distance(key)
-        reach = 0.0
-        for t in sorted(self.capacities):
-            if t >= tier:
-                reach += self.capacities[t] / self.rate
-                if distance <= reach:
-                    return self.policy.tier_cost[t]
+        for t, reach in self._reach[tier]:
+            if distance <= reach:
+                return self.policy.tier_cost[t]
         return (DROP_COST if distance < np.inf else 0.0) + self.slot_cost
 
     def _dropped_cost(self, keys: Sequence[int]) -> float:
