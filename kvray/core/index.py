@@ -174,7 +174,7 @@ class PrefixIndex:
                 self._grow()
         self._handles[key] = handle
         cols = self._cols
-        cols["tier"][handle] = tier
+        cols["tier"][handle] = int(tier)  # an IntEnum costs numpy a slow protocol probe
         cols["slot"][handle] = slot
         cols["node"][handle] = node
         cols["checksum"][handle] = checksum
@@ -247,7 +247,7 @@ class PrefixIndex:
         return doomed
 
     def move(self, handle: int, tier: int, slot: int, node: int | None = None) -> None:
-        self._cols["tier"][handle] = tier
+        self._cols["tier"][handle] = int(tier)
         self._cols["slot"][handle] = slot
         if node is not None:
             self._cols["node"][handle] = node

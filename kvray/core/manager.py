@@ -10,6 +10,9 @@ Verbs (the shape of vLLM's offloading manager):
 - ``reserve(tier, mover)``: a free slot in ``tier``, evicting by the policy if needed.
   Eviction demotes the victim to the tier the policy names, as a two-phase move
   (:meth:`relocate`), or drops it.
+- ``store_chain(keys, mover, write)``: store a request's pages that are not cached yet,
+  each admitted, given a slot and published under the page before it; the one writer
+  of chains, used by the PageStore, the simulator and the training environment.
 - ``complete_store`` / ``abort_store``: publish a page written into a reserved slot, or
   give the slot back. A page is published under its parent (the previous page of its
   request), which keeps the index prefix-closed; ``drop`` removes a page's descendants
@@ -25,7 +28,6 @@ same manager, index, slot accounting and policy (docs/design.md, "One policy, tw
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +40,9 @@ from kvray.policy.base import PageContext, PlacementPolicy
 from kvray.core.tiers import SlotAllocator, Tier
 
 Mover = Callable[[int, Tier, int, Tier, int], int | None]  # returns a checksum it computed, if any
+# (depth, key, tier, slot, parent handle) -> the checksum of the page it wrote into the slot
+Writer = Callable[[int, int, Tier, int, int], int]
+TIERS = tuple(Tier)  # tier number -> Tier, without the enum's slow constructor
 
 
 @dataclass(frozen=True)
@@ -79,11 +84,15 @@ class CacheManager:
         self.policy = policy
         self.policy.bind(self.index, self.capacities)
         self.metrics = CacheMetrics(page_nbytes=page_nbytes)
-        self.slot_freed: Callable[[Tier, int], None] = lambda tier, slot: None
+        # Listeners of the data plane; None (the simulator's case) saves building their arguments.
+        self.slot_freed: Callable[[Tier, int], None] | None = None
         # a page was published in a slot: (key, tier, slot, checksum); the slot's bytes are complete
-        self.page_placed: Callable[[int, Tier, int, int], None] = lambda key, tier, slot, checksum: None
-        self.page_dropped: Callable[[int], None] = lambda key: None  # a key left this cache
-        self._kept: Counter[int] = Counter()
+        self.page_placed: Callable[[int, Tier, int, int], None] | None = None
+        self.page_dropped: Callable[[int], None] | None = None  # a key left this cache
+        self._kept: dict[int, int] = {}  # handle -> keep count
+        # kept handle -> itself and its ancestors: stable while it is kept (they cannot be
+        # dropped), so repeated eviction refusals along one chain walk it once
+        self._lineage: dict[int, set[int]] = {}
 
     @property
     def tiers(self) -> list[Tier]:
@@ -101,8 +110,9 @@ class CacheManager:
         if count:
             self.metrics.lookups += 1
             self.metrics.lookup_pages += len(keys)
-            for tier, n in zip(*np.unique(match.tiers, return_counts=True)):
-                self.metrics.hit_pages[Tier(int(tier)).label] += int(n)
+            for tier, n in enumerate(np.bincount(match.tiers, minlength=len(TIERS)).tolist()):
+                if n:
+                    self.metrics.hit_pages[TIERS[tier].label] += n
         return match
 
     def pin(self, handles: np.ndarray) -> None:
@@ -112,12 +122,15 @@ class CacheManager:
         self.index.unpin(handles)
 
     def keep(self, handle: int) -> None:
-        self._kept[handle] += 1
+        self._kept[handle] = self._kept.get(handle, 0) + 1
 
     def release(self, handle: int) -> None:
-        self._kept[handle] -= 1
-        if not self._kept[handle]:
+        n = self._kept[handle] - 1
+        if n:
+            self._kept[handle] = n
+        else:
             del self._kept[handle]
+            self._lineage.pop(handle, None)
 
     def touch(self, handles: np.ndarray) -> None:
         self.index.touch(handles)
@@ -153,7 +166,7 @@ class CacheManager:
 
         False when neither is possible (a descendant is pinned): the page stays.
         """
-        src = Tier(int(self.index.tier[handle]))
+        src = TIERS[self.index.tier[handle]]
         dst = self.policy.demote_target(handle, src)
         if dst is not None and dst in self.slots and self.relocate(handle, dst, mover):
             return True
@@ -161,7 +174,8 @@ class CacheManager:
 
     def relocate(self, handle: int, dst: Tier, mover: Mover) -> bool:
         """Two-phase move of one page; False (page untouched at its source) on failure."""
-        src, src_slot = Tier(int(self.index.tier[handle])), int(self.index.slot[handle])
+        index = self.index
+        src, src_slot = TIERS[index.tier[handle]], int(index.slot[handle])
         self.keep(handle)  # the source must survive making room below
         try:
             dst_slot = self.reserve(dst, mover)
@@ -175,10 +189,11 @@ class CacheManager:
             self.abort_store(dst, dst_slot)
             return False
         if digest is not None:
-            self.index.checksum[handle] = digest
+            index.checksum[handle] = digest
         self.policy.on_remove(handle, src)
-        self.index.move(handle, dst, dst_slot)
-        self.page_placed(self.index.key_of(handle), dst, dst_slot, int(self.index.checksum[handle]))
+        index.move(handle, dst, dst_slot)
+        if self.page_placed is not None:
+            self.page_placed(index.key_of(handle), dst, dst_slot, int(index.checksum[handle]))
         self.policy.on_insert(handle, dst)
         self._free(src, src_slot)
         self.metrics.count_move(src.label, dst.label)
@@ -187,12 +202,65 @@ class CacheManager:
     def promote(self, handles: np.ndarray, mover: Mover) -> None:
         """Move hit pages up where the policy asks (pinned pages stay put)."""
         for handle in handles.tolist():
-            src = Tier(int(self.index.tier[handle]))
+            src = TIERS[self.index.tier[handle]]
             dst = self.policy.promote_target(handle, src)
             if dst is not None and dst in self.slots and dst != src and self.index.pins[handle] == 0:
                 self.relocate(handle, dst, mover)
 
     # -- writes --------------------------------------------------------------------------
+    def store_chain(
+        self,
+        keys: Sequence[int],
+        mover: Mover,
+        write: Writer | None = None,
+        *,
+        parent: int = ROOT,
+        priority: int = 0,
+        tenant: str = "",
+    ) -> int:
+        """Store the pages of one chain of ``keys`` (below ``parent``) that are not cached
+        yet, in order; returns how many were stored.
+
+        Each page is admitted by the policy, given a slot (evicting by the policy while the
+        page it joins is kept, so making room never drops its own chain), written by
+        ``write`` (the data plane; the simulator has none and stores checksum 0) and
+        published under its parent. Storing stops at the first page not kept: its
+        descendants could never be matched. If ``write`` raises, its slot is given back.
+        """
+        index = self.index
+        stored = 0
+        for depth, key in enumerate(keys):
+            handle = index.handle_of(key)
+            if handle is None:
+                ctx = PageContext(depth=depth, request_pages=len(keys), priority=priority, tenant=tenant)
+                tier = self.admit(ctx)
+                if tier is None:
+                    break
+                slot = self._reserve_under(parent, tier, mover)
+                if slot is None:
+                    break
+                checksum = 0
+                if write is not None:
+                    try:
+                        checksum = write(depth, key, tier, slot, parent)
+                    except BaseException:
+                        self.abort_store(tier, slot)
+                        raise
+                handle = self.complete_store(key, tier, slot, checksum, parent=parent, depth=depth, ctx=ctx)
+                stored += 1
+            parent = handle
+        return stored
+
+    def _reserve_under(self, parent: int, tier: Tier, mover: Mover) -> int | None:
+        """A slot in ``tier`` for a child of ``parent``, which is kept while room is made."""
+        if parent == ROOT:
+            return self.reserve(tier, mover)
+        self.keep(parent)
+        try:
+            return self.reserve(tier, mover)
+        finally:
+            self.release(parent)
+
     def complete_store(
         self,
         key: int,
@@ -214,7 +282,8 @@ class CacheManager:
     def restore(self, key: int, tier: Tier, slot: int, checksum: int, *, parent: int, depth: int = 0) -> int:
         """Publish a page found already in place (a disk tier after a restart)."""
         handle = self.index.add(key, tier, slot, checksum, parent=parent, depth=depth)
-        self.page_placed(key, tier, slot, checksum)
+        if self.page_placed is not None:
+            self.page_placed(key, tier, slot, checksum)
         self.policy.on_insert(handle, tier)
         return handle
 
@@ -225,35 +294,50 @@ class CacheManager:
         """Forget pages and their descendants, freeing their slots (eviction, corruption,
         a lost node). Returns how many pages went; 0 if any of them is pinned or kept."""
         index = self.index
-        if self._keeps_descendant(handles):
+        if not index.has_children(handles).any():
+            doomed = list(handles)
+            if any(handle in self._kept for handle in doomed):
+                return 0
+        elif self._keeps_descendant(handles):
             return 0  # cheap refusal before walking a possibly large subtree
-        doomed = index.subtree(handles) if index.has_children(handles).any() else list(handles)
+        else:
+            doomed = index.subtree(handles)
         if (index.pins[doomed] > 0).any():
             return 0
         for handle in doomed:
-            tier, slot = Tier(int(index.tier[handle])), int(index.slot[handle])
+            tier, slot = TIERS[index.tier[handle]], int(index.slot[handle])
             self.policy.on_remove(handle, tier)
             key = index.remove(handle)
             self._free(tier, slot)
-            self.page_dropped(key)
+            if self.page_dropped is not None:
+                self.page_dropped(key)
         self.metrics.evicted_pages += len(doomed)
         return len(doomed)
 
     def _keeps_descendant(self, handles: Sequence[int]) -> bool:
-        """Whether a kept page is one of ``handles`` or below them: walk up from the few
-        kept pages (a chain's depth) instead of down the handles' subtrees."""
-        targets = set(handles)
-        parent = self.index.parent
+        """Whether a kept page is one of ``handles`` or below them: look up the handles in
+        the lineage of the few kept pages (a chain's depth) instead of walking down the
+        handles' subtrees."""
         for handle in self._kept:
-            while handle != ROOT:
-                if handle in targets:
-                    return True
-                handle = int(parent[handle])
+            lineage = self._lineage.get(handle)
+            if lineage is None:
+                lineage = self._lineage[handle] = self._ancestry(handle)
+            if not lineage.isdisjoint(handles):
+                return True
         return False
+
+    def _ancestry(self, handle: int) -> set[int]:
+        up = self.index.parent.item  # a Python int per step, not a numpy scalar
+        lineage = set()
+        while handle != ROOT:
+            lineage.add(handle)
+            handle = up(handle)
+        return lineage
 
     def _free(self, tier: Tier, slot: int) -> None:
         self.slots[tier].free(slot)
-        self.slot_freed(tier, slot)
+        if self.slot_freed is not None:
+            self.slot_freed(tier, slot)
 
     # -- state ---------------------------------------------------------------------------
     def occupancy(self) -> dict[str, dict[str, float]]:

@@ -42,7 +42,7 @@ from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.manager import CacheManager
 from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, torch_dtype
-from kvray.policy import PageContext, PlacementPolicy, make_policy
+from kvray.policy import PlacementPolicy, make_policy
 from kvray.core.tiers import DevicePool, DiskPool, HostPool, Pool, StoredPage, Tier
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 
@@ -284,51 +284,27 @@ class PageStore:
     def _store_pages(
         self, keys: list[int], sources: PageSource, priority: int = 0, parent_key: int | None = None
     ) -> int:
-        """Store the pages of one chain in order (after ``parent_key``'s page, if given);
-        stop at the first page not kept, since its descendants could never be matched."""
-        stored = 0
-        parent = ROOT
+        """Store the pages of one chain (after ``parent_key``'s page, if given) through the
+        manager's chain writer, writing each page's bytes into the slot it gets."""
         t0 = time.perf_counter()
         with self._lock:
+            parent = ROOT
             if parent_key is not None:
                 parent = self.manager.index.handle_of(parent_key)
                 if parent is None:
                     return 0
-            for i, key in enumerate(keys):
-                handle = self.manager.index.handle_of(key)
-                if handle is None:
-                    handle = self._store_one(i, key, parent, len(keys), sources, priority)
-                    if handle is None:
-                        break
-                    stored += 1
-                parent = handle
+
+            def write(i: int, key: int, tier: Tier, slot: int, under: int) -> int:
+                under_key = None if under == ROOT else self.manager.index.key_of(under)
+                try:
+                    return self._write_page(tier, slot, key, under_key, sources(i))
+                except StorageError as exc:
+                    slots = self.manager.slots[tier]
+                    raise StorageError(f"{exc} ({tier.label} tier {slots.used}/{slots.capacity} slots in use)") from None
+
+            stored = self.manager.store_chain(keys, self._move, write, parent=parent, priority=priority)
             self.metrics.observe("store", time.perf_counter() - t0)
         return stored
-
-    def _store_one(self, i: int, key: int, parent: int, pages: int, sources: PageSource, priority: int) -> int | None:
-        """Reserve, write and publish one page. Its parent is kept meanwhile, so making
-        room never drops the chain it is joining."""
-        ctx = PageContext(depth=i, request_pages=pages, priority=priority)
-        tier = self.manager.admit(ctx)
-        if tier is None:
-            return None
-        if parent != ROOT:
-            self.manager.keep(parent)
-        try:
-            slot = self.manager.reserve(tier, self._move)
-            if slot is None:
-                return None  # nothing in the tier can leave
-            parent_key = None if parent == ROOT else self.manager.index.key_of(parent)
-            try:
-                digest = self._write_page(tier, slot, key, parent_key, sources(i))
-            except StorageError as exc:
-                self.manager.abort_store(tier, slot)
-                slots = self.manager.slots[tier]
-                raise StorageError(f"{exc} ({tier.label} tier {slots.used}/{slots.capacity} slots in use)") from None
-        finally:
-            if parent != ROOT:
-                self.manager.release(parent)
-        return self.manager.complete_store(key, tier, slot, digest, parent=parent, depth=i, ctx=ctx)
 
     # -- data plane ----------------------------------------------------------------------
     def _write_page(self, tier: Tier, slot: int, key: int, parent_key: int | None, page: np.ndarray) -> int:

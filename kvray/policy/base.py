@@ -73,13 +73,13 @@ class PlacementPolicy(ABC):
         self.index = index
         self.tiers = sorted(t for t, cap in capacities.items() if cap > 0)
         self.capacities = dict(capacities)
+        self._below = {t: next((s for s in self.tiers if s > t), None) for t in Tier}
 
     def admit(self, ctx: PageContext) -> Tier | None:
         return self.tiers[0]
 
     def demote_target(self, handle: int, tier: Tier) -> Tier | None:
-        lower = [t for t in self.tiers if t > tier]
-        return lower[0] if lower else None
+        return self._below[tier]
 
     def promote_target(self, handle: int, tier: Tier) -> Tier | None:
         return None
@@ -111,7 +111,10 @@ class PlacementPolicy(ABC):
 
     def _first_unpinned(self, handles: Iterable[int]) -> int | None:
         pins = self.index.pins
-        return next((h for h in handles if pins[h] == 0), None)
+        for h in handles:  # a loop, not next(genexpr): this runs once per eviction
+            if pins[h] == 0:
+                return h
+        return None
 
 
 class TierMembers:
@@ -148,9 +151,6 @@ class TierMembers:
     def handles(self, tier: Tier) -> np.ndarray:
         return self._members[tier][: self._count[tier]]
 
-    def contains(self, handle: int) -> bool:
-        return handle in self._pos
-
 
 class ScoredPolicy(PlacementPolicy):
     """Evicts the unpinned page with the lowest ``scores`` in its tier.
@@ -159,7 +159,9 @@ class ScoredPolicy(PlacementPolicy):
     from what they know; scores must change only on ``on_access`` or when a subclass calls
     :meth:`rescored`. Scoring a whole tier per eviction would cost O(tier) each time, so
     each tier keeps a short queue of its lowest-scored pages; the queue stays exact because
-    it is dropped whenever a score changes or a page scoring below its last entry arrives.
+    it is dropped whenever a score changes or a page scoring below its last entry arrives,
+    and an entry counts only while its page has not left the tier since (so its score is
+    the one queued) and is not pinned.
 
     Example::
 
@@ -174,6 +176,7 @@ class ScoredPolicy(PlacementPolicy):
         super().bind(index, capacities)
         self.members = TierMembers({t: capacities[t] for t in self.tiers})
         self._queues: dict[Tier, list[tuple[float, int]]] = {}
+        self._queued: dict[int, Tier] = {}  # handle -> the tier whose queue holds it, while it stays there
 
     @abstractmethod
     def scores(self, handles: np.ndarray | int) -> np.ndarray | float:
@@ -182,6 +185,7 @@ class ScoredPolicy(PlacementPolicy):
     def rescored(self, handles: Iterable[int] | None = None) -> None:
         """Scores changed (of ``handles``, or of any page when None): queues are stale."""
         self._queues.clear()
+        self._queued.clear()
 
     def on_insert(self, handle: int, tier: Tier) -> None:
         self.members.add(handle, tier)
@@ -193,31 +197,33 @@ class ScoredPolicy(PlacementPolicy):
     def _check_newcomer(self, handle: int, tier: Tier) -> None:
         queue = self._queues.get(tier)
         if queue and self.scores(handle) < queue[-1][0]:
-            del self._queues[tier]
+            self._drop_queue(tier)
+
+    def _drop_queue(self, tier: Tier) -> None:
+        for _, handle in self._queues.pop(tier):
+            if self._queued.get(handle) == tier:
+                del self._queued[handle]
 
     def on_access(self, handles: np.ndarray) -> None:
         self.rescored(handles)
 
     def on_remove(self, handle: int, tier: Tier) -> None:
         self.members.remove(handle, tier)
+        self._queued.pop(handle, None)
 
     def victim(self, tier: Tier) -> int | None:
         queue = self._queues.get(tier)
+        queued, pins = self._queued, self.index.pins
         while queue:  # entries leave only once stale: asking twice gives the same answer
-            if self._still_lowest(queue[0][1], tier, queue[0][0]):
-                return queue[0][1]
+            handle = queue[0][1]
+            if queued.get(handle) == tier:
+                if pins[handle] == 0:
+                    return handle
+                del queued[handle]
             queue.pop(0)
         queue = self._queues[tier] = self._lowest(tier)
+        queued.update((handle, tier) for _, handle in queue)
         return queue[0][1] if queue else None
-
-    def _still_lowest(self, handle: int, tier: Tier, score: float) -> bool:
-        index = self.index
-        return (
-            self.members.contains(handle)
-            and index.tier[handle] == tier
-            and index.pins[handle] == 0
-            and self.scores(handle) == score
-        )
 
     def _lowest(self, tier: Tier) -> list[tuple[float, int]]:
         """The ``queue_length`` lowest-scored unpinned pages of ``tier``, lowest first."""

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from kvray.core.errors import ConfigError, PolicyError
-from kvray.policy.base import PageContext
-from kvray.policy.features import CANDIDATES, FEATURES, FeaturePolicy
+from kvray.policy.agent import AgentPolicy, Decision
+from kvray.policy.features import CANDIDATES, FEATURES
 from kvray.core.tiers import Tier
 from kvray.resources import shipped_or_given
 
@@ -92,7 +92,7 @@ def load_scorer(path: str | Path) -> tuple[MLPScorer, dict]:
     return MLPScorer(weights, biases), card
 
 
-class RLPolicy(FeaturePolicy):
+class RLPolicy(AgentPolicy):
     """Admission and eviction chosen by a trained scorer; demotion one tier down.
 
     Example::
@@ -104,6 +104,7 @@ class RLPolicy(FeaturePolicy):
     name = "rl"
 
     def __init__(self, scorer: MLPScorer, card: dict | None = None) -> None:
+        super().__init__(self.best)
         self.scorer = scorer
         self.card = card or {}
 
@@ -117,15 +118,9 @@ class RLPolicy(FeaturePolicy):
         scorer, card = load_scorer(path or DEFAULT_POLICY)
         return cls(scorer, card)
 
-    def admit(self, ctx: PageContext) -> Tier | None:
-        options, rows = self.admission_rows(ctx)
-        return options[int(np.argmax(self.scorer.score(rows)))]
-
-    def victim(self, tier: Tier) -> int | None:
-        candidates = self.candidates(tier)
-        if not candidates:
-            return None
-        return candidates[int(np.argmax(self.scorer.score(self.eviction_rows(tier, candidates))))]
+    def best(self, decision: Decision) -> int:
+        """The row the scorer rates highest."""
+        return int(np.argmax(self.scorer.score(decision.rows)))
 
 
 def decision_time_us(scorer: MLPScorer, decisions: int = 4096, repeats: int = 20) -> float:

@@ -31,20 +31,96 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
 
 import gymnasium as gym
 import numpy as np
 
-from kvray.core.index import ROOT
-from kvray.policy.base import PageContext
-from kvray.policy.features import CANDIDATES, DROP_COST, FEATURES, FeaturePolicy, padded
+from kvray.policy.agent import AgentPolicy, Decision
+from kvray.policy.features import CANDIDATES, DROP_COST, FEATURES, padded
 from kvray.sim.cost import Scenario
-from kvray.sim.simulator import Simulator, next_uses, session_of
+from kvray.sim.simulator import Simulator, next_uses
 from kvray.core.tiers import Tier
 from kvray.traces import TraceRequest, full_blocks, unique_blocks
 
-Decisions = Generator[np.ndarray, int, None]
+
+class _Stopped(Exception):
+    """Unwinds a paused replay that is abandoned (a new episode, or the env closed)."""
+
+
+_DONE = object()  # the replay ran to its end
+_STOP = object()  # the answer that abandons a paused replay
+
+
+class PausedReplay:
+    """A replay run in a thread of its own that pauses at every question it asks.
+
+    The manager asks its policy synchronously, deep inside the store and eviction loop,
+    while gymnasium hands each answer in later through ``step``: the thread keeps that
+    call stack waiting. Exactly one of the two threads runs at any time (each waits for
+    the other's hand-off), so the replay is as deterministic as a plain call.
+
+    Example::
+
+        replay = PausedReplay(lambda: print(replay.ask("question?")))
+        replay.start()            # "question?"
+        replay.answer(42)         # prints 42, returns None: the replay is over
+    """
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self._questions: queue.SimpleQueue = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(run,), daemon=True)
+        self.over = False
+
+    def _run(self, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except _Stopped:
+            return
+        except BaseException as exc:  # handed to the caller's thread, raised there
+            self._questions.put(exc)
+            return
+        self._questions.put(_DONE)
+
+    def ask(self, question: object) -> object:
+        """In the replay's thread: pause until the question is answered."""
+        self._questions.put(question)
+        answer = self._answers.get()
+        if answer is _STOP:
+            raise _Stopped
+        return answer
+
+    def start(self) -> object | None:
+        """Run up to the first question and return it (None: the replay asked nothing)."""
+        self._thread.start()
+        return self._next()
+
+    def answer(self, answer: object) -> object | None:
+        """Answer the open question; the next question, or None once the replay is over."""
+        if self.over:
+            return None
+        self._answers.put(answer)
+        return self._next()
+
+    def _next(self) -> object | None:
+        item = self._questions.get()
+        if item is _DONE or isinstance(item, BaseException):
+            self.over = True
+            self._thread.join()
+            if item is not _DONE:
+                raise item
+            return None
+        return item
+
+    def stop(self) -> None:
+        """Abandon the replay where it paused."""
+        if not self.over and self._thread.is_alive():
+            self._answers.put(_STOP)
+            self._thread.join()
+        self.over = True
 
 
 class PlacementEnv(gym.Env):
@@ -72,12 +148,23 @@ class PlacementEnv(gym.Env):
         self.action_space = gym.spaces.Discrete(CANDIDATES)
         self.slot_cost = slot_cost
         self.max_regret = max_regret
-        self._decisions: Decisions | None = None
+        self._episode: PausedReplay | None = None
+        # per tier: each tier from it down, with how far ahead (in requests) a page kept
+        # there is still in that tier, as it ages down at ``rate``
+        self._reach: dict[Tier, list[tuple[Tier, float]]] = {}
+        for tier in self.capacities:
+            reach, steps = 0.0, []
+            for t in sorted(self.capacities):
+                if t >= tier:
+                    reach += self.capacities[t] / self.rate
+                    steps.append((t, reach))
+            self._reach[tier] = steps
 
     # -- gymnasium API -------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
         super().reset(seed=seed)
-        self.policy = FeaturePolicy()
+        self.close()
+        self.policy = AgentPolicy()  # LRU's decisions while the cache warms up
         self.sim = Simulator(self.scenario, self.policy, self.capacities)
         last_start = len(self.trace) - self.episode_requests
         start = int(self.np_random.integers(0, last_start + 1))
@@ -86,92 +173,58 @@ class PlacementEnv(gym.Env):
             self._learn_future(i)
             self.sim.serve(self.trace[i])
         self.ttft_ms: list[float] = []
-        self._decisions = self._replay(start, start + self.episode_requests)
-        return next(self._decisions), {}
+        self.policy.agent = self._ask
+        self._episode = PausedReplay(lambda: self._replay(start, start + self.episode_requests))
+        obs = self._episode.start()
+        return self._no_obs() if obs is None else obs, {}
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
-        assert self._decisions is not None, "call reset() first"
+        assert self._episode is not None, "call reset() first"
         self._reward = 0.0
-        try:
-            obs = self._decisions.send(int(action))
-        except StopIteration:
-            self._decisions = None
+        obs = self._episode.answer(int(action))
+        if obs is None:
+            self._episode = None
             info = {"mean_ttft_ms": float(np.mean(self.ttft_ms)) if self.ttft_ms else 0.0}
-            return np.zeros(self.observation_space.shape, np.float32), self._reward, True, False, info
+            return self._no_obs(), self._reward, True, False, info
         return obs, self._reward, False, False, {}
+
+    def close(self) -> None:
+        if self._episode is not None:
+            self._episode.stop()
+            self._episode = None
+        super().close()
 
     # -- the replay, paused at every decision ------------------------------------------
     def _learn_future(self, i: int) -> None:
         for key, nxt in zip(self.trace[i].hash_ids, self.futures[i].tolist()):
             self._next_use[key] = nxt
 
-    def _replay(self, start: int, stop: int) -> Decisions:
-        sim, manager = self.sim, self.sim.manager
+    def _replay(self, start: int, stop: int) -> None:
+        """Serve the episode's requests; the policy asks :meth:`_ask` at every decision."""
         for i in range(start, stop):
             request = self.trace[i]
             self._now = i
             self._learn_future(i)
-            hit_tiers, ttft = sim.begin(request)
+            self._keys = full_blocks(request.hash_ids, request.input_length, self.sim.block_tokens)
+            _, ttft = self.sim.serve(request)
             self.ttft_ms.append(ttft)
-            keys, tenant = full_blocks(request.hash_ids, request.input_length, sim.block_tokens), session_of(request)
-            parent = ROOT if not hit_tiers else manager.index.handle_of(keys[len(hit_tiers) - 1])
-            for depth in range(len(hit_tiers), len(keys)):
-                ctx = PageContext(depth=depth, request_pages=len(keys), tenant=tenant)
-                options, rows = self.policy.admission_rows(ctx)
-                choice = options[(yield self._obs(rows)) % len(options)]
-                self._reward = -min(self._admission_regret(options, choice, keys[depth:]), self.max_regret)
-                if choice is None or not (yield from self._room_under(parent, choice)):
-                    break  # not kept: its descendants could never match
-                slot = manager.reserve(choice, sim.mover)  # a slot is free: no eviction here
-                parent = manager.complete_store(keys[depth], choice, slot, 0, parent=parent, depth=depth, ctx=ctx)
 
-    def _room_under(self, parent: int, tier: Tier) -> Generator[np.ndarray, int, bool]:
-        """Free a slot in ``tier`` while keeping ``parent`` (the chain a new page joins)."""
-        if parent == ROOT:
-            return (yield from self._make_room(tier))
-        self.sim.manager.keep(parent)
-        try:
-            return (yield from self._make_room(tier))
-        finally:
-            self.sim.manager.release(parent)
+    def _ask(self, decision: Decision) -> int:
+        """The agent of :attr:`policy`: show the decision, wait for the action, score its regret."""
+        action = int(self._episode.ask(self._obs(decision.rows)))
+        choices = decision.choices
+        choice = choices[action % len(choices)]
+        if decision.ctx is not None:
+            regret = self._admission_regret(choices, choice, self._keys[decision.ctx.depth :])
+        else:
+            dst = self.policy.demote_target(choice, decision.tier)
+            losses = [self._eviction_loss(h, decision.tier, dst) for h in choices]
+            regret = losses[action % len(choices)] - min(losses)
+        self._reward = -min(regret, self.max_regret)
+        return action
 
-    def _make_room(self, tier: Tier) -> Generator[np.ndarray, int, bool]:
-        """Free a slot in ``tier``, asking which page leaves; False if none can. Mirrors
-        :meth:`CacheManager.reserve`: a page that cannot leave is skipped (pinned) meanwhile."""
-        manager, policy, pins = self.sim.manager, self.policy, self.sim.manager.index.pins
-        refused: list[int] = []
-        try:
-            while manager.slots[tier].free_count == 0:
-                candidates = policy.candidates(tier)
-                if not candidates:
-                    return False
-                rows = policy.eviction_rows(tier, candidates)
-                victim = candidates[(yield self._obs(rows)) % len(candidates)]
-                dst = policy.demote_target(victim, tier)
-                losses = [self._eviction_loss(h, tier, dst) for h in candidates]
-                loss = losses[candidates.index(victim)]
-                self._reward = -min(loss - min(losses), self.max_regret)
-                if not (yield from self._evict(victim, dst)):
-                    pins[victim] += 1
-                    refused.append(victim)
-        finally:
-            for handle in refused:
-                pins[handle] -= 1
-        return True
-
-    def _evict(self, victim: int, dst: Tier | None) -> Generator[np.ndarray, int, bool]:
-        """Demote ``victim`` to ``dst`` (making room there first), else drop it: as
-        :meth:`CacheManager.evict` does."""
-        manager = self.sim.manager
-        if dst is not None and dst in manager.slots:
-            manager.keep(victim)
-            try:
-                room = yield from self._make_room(dst)
-            finally:
-                manager.release(victim)
-            if room and manager.relocate(victim, dst, self.sim.mover):
-                return True
-        return manager.drop(victim) > 0
+    def _no_obs(self) -> np.ndarray:
+        return np.zeros(self.observation_space.shape, np.float32)
 
     def _obs(self, rows: np.ndarray) -> np.ndarray:
         return np.clip(padded(rows), -10.0, 10.0).reshape(-1)
@@ -187,12 +240,9 @@ class PlacementEnv(gym.Env):
         costs its recomputation, if it is used at all, plus ``slot_cost`` for the slot
         it held in vain."""
         distance = self._distance(key)
-        reach = 0.0
-        for t in sorted(self.capacities):
-            if t >= tier:
-                reach += self.capacities[t] / self.rate
-                if distance <= reach:
-                    return self.policy.tier_cost[t]
+        for t, reach in self._reach[tier]:
+            if distance <= reach:
+                return self.policy.tier_cost[t]
         return (DROP_COST if distance < np.inf else 0.0) + self.slot_cost
 
     def _dropped_cost(self, keys: Sequence[int]) -> float:

@@ -33,9 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from kvray.core.errors import ConfigError
-from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
-from kvray.policy.base import PageContext, PlacementPolicy, RequestInfo
+from kvray.policy.base import PlacementPolicy, RequestInfo
 from kvray.sim.cost import CostModel, PrefillQueue, Scenario
 from kvray.report import ReplayResult, ReplayTally, hit_tokens
 from kvray.core.tiers import TIER_LABELS, Tier
@@ -111,7 +110,7 @@ class Simulator:
     def serve(self, request: TraceRequest, future: np.ndarray | None = None) -> tuple[list[str], float]:
         """Serve one request; returns the tier label of each hit page and its modeled TTFT (ms)."""
         hit_tiers, ttft_ms = self.begin(request, future)
-        self.store(request, len(hit_tiers))
+        self.store(request)
         return hit_tiers, ttft_ms
 
     def begin(self, request: TraceRequest, future: np.ndarray | None = None) -> tuple[list[str], float]:
@@ -132,33 +131,11 @@ class Simulator:
         manager.promote(match.handles, self.mover)
         return hit_tiers, wait_ms + load_ms + prefill_ms
 
-    def store(self, request: TraceRequest, first: int) -> None:
-        """Keep the request's pages from ``first`` on where the policy admits them, each
-        under its parent, stopping at the first page not kept (its descendants could never
-        match): the same steps, in the same order, as :meth:`kvray.core.store.PageStore.store`."""
+    def store(self, request: TraceRequest) -> None:
+        """Keep the request's pages not cached yet where the policy admits them, through the
+        manager's chain writer (the one :class:`kvray.core.store.PageStore` uses)."""
         keys = full_blocks(request.hash_ids, request.input_length, self.block_tokens)
-        manager, index = self.manager, self.manager.index
-        tenant = session_of(request)
-        parent = ROOT if first == 0 else index.handle_of(keys[first - 1])
-        for depth in range(first, len(keys)):
-            ctx = PageContext(depth=depth, request_pages=len(keys), tenant=tenant)
-            tier = manager.admit(ctx)
-            if tier is None:
-                return
-            slot = self._reserve_under(parent, tier)
-            if slot is None:
-                return
-            parent = manager.complete_store(keys[depth], tier, slot, checksum=0, parent=parent, depth=depth, ctx=ctx)
-
-    def _reserve_under(self, parent: int, tier: Tier) -> int | None:
-        """A slot in ``tier`` for a child of ``parent``, which is kept while room is made."""
-        if parent == ROOT:
-            return self.manager.reserve(tier, self.mover)
-        self.manager.keep(parent)
-        try:
-            return self.manager.reserve(tier, self.mover)
-        finally:
-            self.manager.release(parent)
+        self.manager.store_chain(keys, self.mover, tenant=session_of(request))
 
     def replay(
         self,

@@ -25,7 +25,10 @@ class Tier(IntEnum):
 
     @property
     def label(self) -> str:
-        return self.name.lower()
+        return _LABELS[self]
+
+
+_LABELS = {t: t.name.lower() for t in Tier}  # enum's ``name`` is a slow descriptor; labels are hot
 
 
 LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
