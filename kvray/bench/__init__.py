@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-MODULES = ("kvray.bench.core", "kvray.bench.load", "kvray.bench.policy", "kvray.bench.engines", "kvray.bench.runtime")
+MODULES = ("kvray.bench.core", "kvray.bench.fresh", "kvray.bench.load", "kvray.bench.policy", "kvray.bench.engines", "kvray.bench.runtime")
 
 
 @dataclass
