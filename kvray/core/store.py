@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +45,11 @@ from kvray.core.tiers.directory import SlotDirectory, directory_name
 
 PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
 UNHASHED = 0  # the checksum of a memory page stored without one (``checksum_memory`` off)
+
+
+def _disk_verified(stored: StoredPage | None, digest: int, expected: int) -> bool:
+    """A disk page read back is the one indexed: its header and its bytes carry ``expected``."""
+    return stored is not None and stored.checksum == expected and digest == expected
 
 
 @dataclass(frozen=True)
@@ -203,13 +208,19 @@ class PageStore:
             self.manager.pin(match.handles)
         delivered = 0
         t0 = time.perf_counter()
+        disk_reads = self._disk_reads(match.tiers, match.slots, targets)
         try:
             for i in range(len(match)):
                 tier, slot, expected = Tier(int(match.tiers[i])), int(match.slots[i]), int(match.checksums[i])
-                if not self._read_page(tier, slot, expected, targets(i)):
+                if tier == Tier.DISK:
+                    stored, digest = next(disk_reads)
+                    if not _disk_verified(stored, digest, expected):
+                        break
+                elif not self._read_page(tier, slot, expected, targets(i)):
                     break
                 delivered += 1
         finally:
+            disk_reads.close()
             with self._lock:
                 self.manager.unpin(match.handles)
                 if delivered < len(match):
@@ -219,6 +230,15 @@ class PageStore:
                 self.metrics.observe("load", time.perf_counter() - t0)
         labels, counts = np.unique(match.tiers[:delivered], return_counts=True)
         return delivered, {Tier(int(t)).label: int(n) for t, n in zip(labels, counts)}
+
+    def _disk_reads(self, tiers: np.ndarray, slots: np.ndarray, targets: PageSource) -> Iterator[tuple[StoredPage | None, int]]:
+        """The disk pages among a match, read ahead concurrently (:meth:`DiskPool.read_many`)
+        in match order; a page after one that fails verification may be read, never delivered.
+        Nothing runs until the first disk page is asked for."""
+        disk = self.pools.get(Tier.DISK)
+        if isinstance(disk, DiskPool):
+            wanted = np.flatnonzero(tiers == int(Tier.DISK))
+            yield from disk.read_many([(int(slots[i]), runs(targets(int(i)))) for i in wanted])
 
     def touch_pages(self, keys: Sequence[int]) -> int:
         """Count a hit on the cached prefix of ``keys`` that a reader copied out of the shared
@@ -295,8 +315,7 @@ class PageStore:
         """Copy ``slot`` into ``page``; False when the bytes fail verification."""
         pool = self.pools[tier]
         if isinstance(pool, DiskPool):
-            stored, digest = pool.read_into(slot, runs(page))
-            return stored is not None and stored.checksum == expected and digest == expected
+            return _disk_verified(*pool.read_into(slot, runs(page)), expected)
         copy_page(page, pool.view(slot))
         return self._verified(page, expected)
 
