@@ -10,7 +10,6 @@ plain copy of the same bytes into a resident buffer, in alternating order.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from kvray.bench import BenchResult, benchmark
+from kvray.bench import BenchResult, benchmark, child_env
 from kvray.core.config import PageLayout, StoreConfig, TierSizes
 from kvray.core.pages import request_bytes, request_page
 from kvray.core.store import PageStore
@@ -63,14 +62,8 @@ def measure(kvray_first: bool) -> dict[str, float]:
 
 def sample(kvray_first: bool) -> dict[str, float]:
     """Run :func:`measure` in a new interpreter with this checkout first on the path."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [os.path.dirname(os.path.dirname(os.path.dirname(__file__))), os.environ.get("PYTHONPATH")])
-        ),
-    }
     out = subprocess.run([sys.executable, "-m", "kvray.bench.fresh", str(int(kvray_first))],
-                         capture_output=True, text=True, check=True, env=env)  # fmt: skip
+                         capture_output=True, text=True, check=True, env=child_env())  # fmt: skip
     return json.loads(out.stdout)
 
 
