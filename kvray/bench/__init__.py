@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 MODULES = (
     "kvray.bench.core",
     "kvray.bench.fresh",
-    "kvray.bench.lmcache",
+    "kvray.bench.vs_lmcache",
     "kvray.bench.load",
     "kvray.bench.policy",
     "kvray.bench.engines",

