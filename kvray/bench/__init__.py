@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import os
 import statistics
 import sys
 import time
@@ -25,7 +26,15 @@ from dataclasses import asdict, dataclass, field
 
 from kvray.core.errors import ClusterError
 
-MODULES = ("kvray.bench.core", "kvray.bench.load", "kvray.bench.policy", "kvray.bench.engines", "kvray.bench.runtime")
+MODULES = (
+    "kvray.bench.core",
+    "kvray.bench.fresh",
+    "kvray.bench.vs_lmcache",
+    "kvray.bench.load",
+    "kvray.bench.policy",
+    "kvray.bench.engines",
+    "kvray.bench.runtime",
+)
 
 
 @dataclass
@@ -85,6 +94,14 @@ def paired_medians(
     """Median wall times of ``kvray`` and ``baseline``, run alternately (:func:`alternating_medians`)."""
     ours, base = alternating_medians(kvray, baseline, repeats=repeats, warmup=warmup)
     return ours, base
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for a benchmark's child interpreter: this checkout first on its path,
+    so a fresh process measures the same code as its parent."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def run_benchmarks(only: list[str], quick: bool, progress: bool) -> list[BenchResult]:

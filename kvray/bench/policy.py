@@ -26,7 +26,7 @@ from kvray.traces import read_trace
 
 TRACE = "data/traces/conversation_trace_first30min.jsonl"
 REPLAY_GOAL_REQUESTS_PER_S = 10_000
-DICT_LRU_REQUESTS_PER_S = 222_000  # the baseline on the reference machine (docs/kvray.bench.md)
+DICT_LRU_REQUESTS_PER_S = 222_000  # the baseline on the reference machine (docs/benchmarks.md)
 
 
 def _dict_lru_replay(requests, capacity: int) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,12 +41,14 @@ from kvray.core.errors import FingerprintMismatch, LayoutError, StorageError
 from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.manager import CacheManager
-from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, torch_dtype
+from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, runs, torch_dtype
 from kvray.policy import PlacementPolicy, make_policy
 from kvray.core.tiers import DevicePool, DiskPool, HostPool, Pool, StoredPage, Tier
+from kvray.core.tiers.disk import verified
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 
 PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
+
 
 
 @dataclass(frozen=True)
@@ -232,16 +234,23 @@ class PageStore:
             self.manager.pin(match.handles)
         delivered = 0
         t0 = time.perf_counter()
+        disk_reads = self._disk_reads(match.tiers, match.slots, lambda i: views[i])
         try:
             for i in range(len(match)):
                 tier, slot, expected = Tier(int(match.tiers[i])), int(match.slots[i]), int(match.checksums[i])
-                if not self._read_page(tier, slot, expected, views[i]):
+                if tier == Tier.DISK:
+                    stored, digest = next(disk_reads)
+                    if not verified(stored, digest, expected):
+                        break
+                elif not self._read_page(tier, slot, expected, views[i]):
                     break
                 delivered += 1
         except BaseException:
             with self._lock:
                 self.manager.unpin(match.handles)
             raise
+        finally:
+            disk_reads.close()  # read-ahead past a page that failed stops here
         with self._lock:
             self.manager.unpin(match.handles)
             if delivered < len(match):  # the loop stopped at a page that failed verification
@@ -267,6 +276,15 @@ class PageStore:
                 )
             views.append(view)
         return views
+
+    def _disk_reads(self, tiers: np.ndarray, slots: np.ndarray, targets: PageSource) -> Iterator[tuple[StoredPage | None, int]]:
+        """The disk pages among a match, read ahead concurrently (:meth:`DiskPool.read_many`)
+        in match order; a page after one that fails verification may be read, never delivered.
+        Nothing runs until the first disk page is asked for."""
+        disk = self.pools.get(Tier.DISK)
+        if isinstance(disk, DiskPool):
+            wanted = np.flatnonzero(tiers == int(Tier.DISK))
+            yield from disk.read_many([(int(slots[i]), runs(targets(int(i)))) for i in wanted])
 
     def touch_pages(self, keys: Sequence[int]) -> int:
         """Count a hit on the cached prefix of ``keys`` that a reader copied out of the shared

@@ -64,3 +64,18 @@ def test_packed_keys_round_trip_and_a_torn_buffer_is_refused():
     assert unpack_keys(pack_keys(keys)) == keys and unpack_keys(b"") == []
     with pytest.raises(RequestError, match="multiple of 16"):
         unpack_keys(pack_keys(keys)[:-1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    a=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=70),
+    page=st.sampled_from([1, 3, 4, 16]),
+    kind=st.sampled_from(["list", "tuple", "int32", "int64", "uint32"]),
+)
+def test_keys_of_a_list_equal_those_of_an_array(a, page, kind):
+    """Lists take a faster conversion than arrays; the keys must be the same bits."""
+    fp = ModelFingerprint(digest=FP.digest, page_tokens=page)
+    given_as = {"list": a, "tuple": tuple(a)}.get(kind)
+    if given_as is None:
+        given_as = np.asarray(a, dtype=kind)
+    assert page_keys(given_as, fp, salt="s") == page_keys(np.asarray(a, dtype=np.int32), fp, salt="s")

@@ -19,6 +19,8 @@ import errno
 import os
 import stat
 import struct
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,7 @@ VERSION = 2
 FLAG_HAS_PARENT = 1
 ALIGN = 4096
 WRITE_BATCH_BYTES = 4 << 20  # large enough to amortise the syscall, small enough to stay in cache
+READERS = 4  # pages of one request read at once: queue depth for the device, see read_many
 
 
 def _batches(chunks: list[np.ndarray], limit: int) -> list[list[np.ndarray]]:
@@ -117,6 +120,11 @@ def _open_private_file(path: Path, directory_fd: int) -> int:
     return fd
 
 
+def verified(stored: StoredPage | None, digest: int, expected: int) -> bool:
+    """A page read back is the one indexed: its header and its bytes both carry ``expected``."""
+    return stored is not None and stored.checksum == expected and digest == expected
+
+
 @dataclass(frozen=True)
 class StoredPage:
     """What a slot's header says it holds."""
@@ -151,6 +159,7 @@ class DiskPool:
         self.fingerprint = fingerprint
         self.fsync = fsync
         self.stride = -(-(HEADER_BYTES + page_nbytes) // ALIGN) * ALIGN
+        self._readers: ThreadPoolExecutor | None = None
         self.path = self.directory / f"{fingerprint.hex()}.kvpages"
         directory_fd = _open_private_directory(self.directory)
         try:
@@ -176,8 +185,7 @@ class DiskPool:
 
     def read_into(self, slot: int, page: np.ndarray, expected: int) -> bool:
         """Read ``slot`` into a page view; True only if its header and its bytes carry ``expected``."""
-        stored, digest = self.read_runs(slot, runs(page))
-        return stored is not None and stored.checksum == expected and digest == expected
+        return verified(*self.read_runs(slot, runs(page)), expected)
 
     def write_runs(self, slot: int, key: int, parent_key: int | None, chunks: list[np.ndarray]) -> int:
         """Write one page, given as byte chunks that add up to ``page_nbytes``; return its checksum.
@@ -238,6 +246,33 @@ class DiskPool:
             raise StorageError(f"disk tier {self.directory}: read of slot {slot} failed: {exc.strerror}") from None
         return page, hasher.intdigest()
 
+    def read_many(self, pages: list[tuple[int, list[np.ndarray]]]) -> Iterator[tuple[StoredPage | None, int]]:
+        """:meth:`read_runs` for each ``(slot, chunks)``, up to :data:`READERS` at once, yielded in order.
+
+        One reader at a time leaves a device idle between a page's last ``pread`` and the
+        next page's first and hashes with the device waiting; ``preadv`` and xxh3 release
+        the GIL, so a few threads keep several reads in flight and hash page i while
+        page i+1 is read. Closing the iterator early (a page failed verification) cancels
+        the reads not started and waits for those running, so no chunk is written after.
+        """
+        if len(pages) < 2:
+            yield from (self.read_runs(slot, chunks) for slot, chunks in pages)
+            return
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvray-disk-read")
+        futures: list[Future[tuple[StoredPage | None, int]]] = [
+            self._readers.submit(self.read_runs, slot, chunks) for slot, chunks in pages
+        ]
+        try:
+            for future in futures:
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+            for future in futures:
+                if not future.cancelled():
+                    future.exception()
+
     def _parse(self, slot: int, header: bytes) -> StoredPage | None:
         magic, version, flags, _, key, parent, fingerprint, checksum, nbytes = HEADER.unpack_from(header)
         if magic != MAGIC or version != VERSION or fingerprint != self.fingerprint or nbytes != self.page_nbytes:
@@ -265,6 +300,9 @@ class DiskPool:
         return found
 
     def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=True, cancel_futures=True)
+            self._readers = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
