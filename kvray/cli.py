@@ -17,8 +17,9 @@ from rich.console import Console
 from kvray.core.errors import KvrayError
 from kvray.progress import progress_bar
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
-                  help="kvray: tiered KV-cache offload and reuse")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="kvray: tiered KV-cache offload and reuse"
+)
 console = Console(stderr=True)
 
 
@@ -74,10 +75,13 @@ def run(
     trace: str = typer.Option(..., "--trace", help="Mooncake JSONL or Parquet trace"),
     policy: str | None = typer.Option(None, "--policy", help="placement policy of every node's tiers (default lru)"),
     nodes: int | None = typer.Option(None, "--nodes", help="local Ray nodes to start (ignored with --address)"),
-    scenario: str | None = typer.Option(None, "--scenario", help="YAML file of replay settings, or a kvray sim scenario (one node)"),
+    scenario: str | None = typer.Option(
+        None, "--scenario", help="YAML file of replay settings, or a kvray sim scenario (one node)"
+    ),
     address: str | None = typer.Option(None, "--address", help="existing Ray cluster (default: $RAY_ADDRESS)"),
-    name: str | None = typer.Option(None, "--name", help="replay on this runtime, up on the cluster (kvray up), "
-                                    "with its own tiers and policy; it stays up"),
+    name: str | None = typer.Option(
+        None, "--name", help="replay on this runtime, up on the cluster (kvray up), with its own tiers and policy; it stays up"
+    ),
     limit: int | None = typer.Option(None, "--limit", help="replay only the first N requests"),
     host_pages: int | None = typer.Option(None, "--host-pages", help="host-tier pages per node"),
     disk_pages: int | None = typer.Option(None, "--disk-pages", help="disk-tier pages per node (needs --disk-root)"),
@@ -139,12 +143,18 @@ def up(
     from kvray.apps.service import up as start
 
     with reported_errors():
-        config = settings_from(scenario, runtime={"name": name, "policy": policy, "disk_root": disk_root},
-                               tiers={"host": host_pages, "disk": disk_pages}, replay={}).runtime
+        config = settings_from(
+            scenario,
+            runtime={"name": name, "policy": policy, "disk_root": disk_root},
+            tiers={"host": host_pages, "disk": disk_pages},
+            replay={},
+        ).runtime
         nodes = start(address, config)
-    console.print(f"kvray runtime {name!r} is up: {config.policy} over {config.tiers.host} host pages per node on "
-                  f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}; `kvray status --name {name}` reads it, "
-                  f"`kvray down --name {name}` stops it")
+    console.print(
+        f"kvray runtime {name!r} is up: {config.policy} over {config.tiers.host} host pages per node on "
+        f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}; `kvray status --name {name}` reads it, "
+        f"`kvray down --name {name}` stops it"
+    )
 
 
 @app.command()
@@ -189,8 +199,10 @@ def sim(
         out = Console()
         print_results({policy: result}, out, title=f"kvray sim: modeled replay on scenario {result.scenario}")
         capacity = ", ".join(f"{tier} {pages}" for tier, pages in result.extra["capacity_pages"].items())
-        out.print(f"capacity (pages): {capacity}; warm-up requests {warmup_requests}; "
-                  f"moves between tiers {result.extra['background_move_ms']:.1f} ms (off the TTFT path)")
+        out.print(
+            f"capacity (pages): {capacity}; warm-up requests {warmup_requests}; "
+            f"moves between tiers {result.extra['background_move_ms']:.1f} ms (off the TTFT path)"
+        )
 
 
 @app.command()
@@ -208,8 +220,8 @@ def train(
 ) -> None:
     """Train the RL placement policy with PPO; writes policy.safetensors, card.json and TensorBoard logs.
     Progress and logs go to stderr, so stdout holds only the result."""
-    from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
     from kvray.rl.train import train as run_training
+    from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 
     with reported_errors():
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
@@ -220,14 +232,28 @@ def train(
 
             sets = {f"{t.stem}@{train_fraction:g}": h for t, h in zip(trace, held_out)}
             sets.update({t.stem: read_trace(t) for t in holdout})
-            rows = compare(sets, [*HEURISTICS, "belady", f"rl:{folder}"], [0.05, 0.10], spec,
-                           progress=lambda what: console.print(f"evaluating {what}"))
+            rows = compare(
+                sets,
+                [*HEURISTICS, "belady", f"rl:{folder}"],
+                [0.05, 0.10],
+                spec,
+                progress=lambda what: console.print(f"evaluating {what}"),
+            )
             for row in rows:
                 row["policy"] = "rl" if row["policy"].startswith("rl:") else row["policy"]
             return {"goals": goals(rows), "rows": [{k: r[k] for k in _CARD_KEYS} for r in rows]}
 
-        card = run_training(spec, trace, timesteps, out, seed, train_fraction, progress=True,
-                            evaluate=score if evaluate else None, tensorboard=tensorboard or out / "tensorboard")
+        card = run_training(
+            spec,
+            trace,
+            timesteps,
+            out,
+            seed,
+            train_fraction,
+            progress=True,
+            evaluate=score if evaluate else None,
+            tensorboard=tensorboard or out / "tensorboard",
+        )
     console.print(f"wrote {out}: {card['training']['timesteps']} steps in {card['training']['wall_s']} s")
     if json_out:
         print(json.dumps(card))
@@ -241,19 +267,23 @@ _CARD_KEYS = ("trace", "capacity_fraction", "policy", "token_hit_rate", "mean_tt
 @app.command(name="eval")
 def eval_(
     trace: list[str] = typer.Option(..., "--trace", help="PATH or PATH@F (only requests after fraction F of its time)"),
-    policy: list[str] = typer.Option(["lru", "lfu", "arc", "wfq", "threshold", "belady", "rl"], "--policy",
-                                     help="policies to compare (rl: the shipped one, rl:PATH: a trained one)"),
-    fraction: list[float] = typer.Option([0.02, 0.05, 0.10, 0.25], "--capacity-fraction",
-                                         help="device+host = F x unique pages; one value draws bars"),
+    policy: list[str] = typer.Option(
+        ["lru", "lfu", "arc", "wfq", "threshold", "belady", "rl"],
+        "--policy",
+        help="policies to compare (rl: the shipped one, rl:PATH: a trained one)",
+    ),
+    fraction: list[float] = typer.Option(
+        [0.02, 0.05, 0.10, 0.25], "--capacity-fraction", help="device+host = F x unique pages; one value draws bars"
+    ),
     scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
     out: Path = typer.Option(Path("results/eval"), "--out", help="folder for eval.json and plots"),
     card: Path = typer.Option(None, "--card", help="model card whose training curve to plot (default: the rl policy's)"),
 ) -> None:
     """Compare policies over traces and capacities; writes eval.json and plots."""
+    from kvray.apps.evaluate import compare, goals, load_trace_spec, plot, write_report
     from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, decision_time_us, load_scorer
     from kvray.resources import shipped_or_given
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
-    from kvray.apps.evaluate import compare, goals, load_trace_spec, plot, write_report
 
     with reported_errors():
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
@@ -283,7 +313,8 @@ def calibrate(
     size_mib: int = typer.Option(64, "--size-mib", min=1, help="bytes per copy, disk and socket run"),
 ) -> None:
     """Measure memcpy, disk, loopback and a small Llama's prefill here; write a scenario."""
-    from kvray.sim.calibrate import calibrate as measure, write_scenario
+    from kvray.sim.calibrate import calibrate as measure
+    from kvray.sim.calibrate import write_scenario
 
     with console.status("measuring memcpy, disk, loopback and prefill"):
         scenario = measure(disk_dir, repeats, size_mib)
@@ -301,7 +332,8 @@ def generate(
 ) -> None:
     """Generate a seeded chat workload (sessions, shared prompts and documents) as a trace."""
     from kvray.core.config import load_yaml
-    from kvray.sim.workloads import WorkloadSpec, generate as make
+    from kvray.sim.workloads import WorkloadSpec
+    from kvray.sim.workloads import generate as make
     from kvray.traces import write_parquet
 
     with reported_errors():
@@ -310,9 +342,20 @@ def generate(
     if out.suffix == ".parquet":
         write_parquet(trace, out)
     else:
-        out.write_text("".join(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
-                                           "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
-                               for r in trace))
+        out.write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "timestamp": r.timestamp_ms,
+                        "input_length": r.input_length,
+                        "output_length": r.output_length,
+                        "hash_ids": list(r.hash_ids),
+                    }
+                )
+                + "\n"
+                for r in trace
+            )
+        )
     console.print(f"wrote {len(trace)} requests to {out}")
 
 

@@ -94,8 +94,15 @@ class ReplayTally:
             self.hit_by_tier[tier] = self.hit_by_tier.get(tier, 0) + n
         self.ttft_ms.append(ttft_ms)
 
-    def result(self, policy: str, scenario: str, bytes_moved: int, wrong_pages: int | None = None,
-               lost_nodes: Sequence[str] = (), **extra) -> ReplayResult:
+    def result(
+        self,
+        policy: str,
+        scenario: str,
+        bytes_moved: int,
+        wrong_pages: int | None = None,
+        lost_nodes: Sequence[str] = (),
+        **extra,
+    ) -> ReplayResult:
         ttft = np.asarray(self.ttft_ms)
         return ReplayResult(
             requests=len(ttft),

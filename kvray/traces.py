@@ -127,6 +127,5 @@ def write_parquet(requests: list[TraceRequest], path: str | Path) -> None:
     pq.write_table(table, path)
 
 
-
 def unique_blocks(requests: list[TraceRequest]) -> int:
     return len({h for r in requests for h in r.hash_ids})

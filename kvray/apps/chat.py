@@ -28,10 +28,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvray.core.config import StoreConfig, TierSizes
+from kvray.core.store import PageStore
 from kvray.engines.hf import CachedCausalLM, greedy_decode, model_layout
 from kvray.engines.timing import torch_threads
 from kvray.engines.tiny import tiny_llama
-from kvray.core.store import PageStore
 
 
 @torch.inference_mode()
@@ -76,11 +76,16 @@ def conversation_demo(
             else:
                 reply, first = lm.generate(prompt, reply_tokens)
                 plain_reply, plain_ttft = _recompute(model, prompt, reply_tokens)
-            rows.append({
-                "turn": turn, "prompt_tokens": int(prompt.size), "cached_tokens": first.cached_tokens,
-                "ttft_recompute_ms": plain_ttft * 1e3, "ttft_kvray_ms": first.seconds * 1e3,
-                "same_reply": reply == plain_reply,
-            })
+            rows.append(
+                {
+                    "turn": turn,
+                    "prompt_tokens": int(prompt.size),
+                    "cached_tokens": first.cached_tokens,
+                    "ttft_recompute_ms": plain_ttft * 1e3,
+                    "ttft_kvray_ms": first.seconds * 1e3,
+                    "same_reply": reply == plain_reply,
+                }
+            )
             history = np.concatenate([prompt, np.asarray(reply, dtype=np.int32)])
     _print(rows, model_name, console or Console())
     if plot is not None:
@@ -100,8 +105,11 @@ def _print(rows: list[dict], model_name: str, console: Console) -> None:
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(
-            str(row["turn"]), str(row["prompt_tokens"]), str(row["cached_tokens"]),
-            f"{row['ttft_recompute_ms']:.1f} ms", f"{row['ttft_kvray_ms']:.1f} ms",
+            str(row["turn"]),
+            str(row["prompt_tokens"]),
+            str(row["cached_tokens"]),
+            f"{row['ttft_recompute_ms']:.1f} ms",
+            f"{row['ttft_kvray_ms']:.1f} ms",
             speed_up(row),
             "[green]yes[/]" if row["same_reply"] else "[red]NO[/]",
         )

@@ -33,8 +33,12 @@ def contenders(nodes: int) -> dict[str, ReplaySettings]:
     """The same engines recomputing every prompt, and with kvray's host tier under LRU
     (the no-cache runtime gets one page per node: it is never asked for any)."""
     return {
-        label: ReplaySettings(name=f"demo-{nodes}-nodes", nodes=nodes, cache=cache,
-                              runtime=RuntimeConfig(name=f"demo-{runtime}", tiers=TierSizes(host=host)))
+        label: ReplaySettings(
+            name=f"demo-{nodes}-nodes",
+            nodes=nodes,
+            cache=cache,
+            runtime=RuntimeConfig(name=f"demo-{runtime}", tiers=TierSizes(host=host)),
+        )
         for label, runtime, host, cache in ((NO_CACHE, "nocache", 1, False), (KVRAY, "kvray", DEMO_HOST_PAGES, True))
     }
 
@@ -42,9 +46,7 @@ def contenders(nodes: int) -> dict[str, ReplaySettings]:
 def run_demo(requests: int, nodes: int, out_dir: str | Path, console: Console) -> dict[str, ReplayResult]:
     trace = read_trace(DEMO_TRACE)[DEMO_START : DEMO_START + requests]
     results: dict[str, ReplayResult] = {}
-    console.print(
-        f"replaying requests {DEMO_START}..{DEMO_START + len(trace) - 1} of {DEMO_TRACE} on {nodes} local Ray nodes"
-    )
+    console.print(f"replaying requests {DEMO_START}..{DEMO_START + len(trace) - 1} of {DEMO_TRACE} on {nodes} local Ray nodes")
     with RayConnection(nodes=nodes, object_store_mb=150):
         for label, settings in contenders(nodes).items():
             results[label] = replay_on_runtime(trace, settings, progress=True)

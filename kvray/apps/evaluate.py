@@ -60,8 +60,7 @@ def compare(
                     progress(f"{name} {fraction:g} {policy}")
                 started = time.perf_counter()
                 result = simulate(trace, policy, scenario, capacity_fraction=fraction).as_dict()
-                rows.append({"trace": name, "capacity_fraction": fraction, **result,
-                             "replay_s": time.perf_counter() - started})
+                rows.append({"trace": name, "capacity_fraction": fraction, **result, "replay_s": time.perf_counter() - started})
     return rows
 
 
@@ -110,7 +109,9 @@ def plot(rows: list[dict], out: Path, card: dict | None = None) -> list[Path]:
     if curve:
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([c["timesteps"] for c in curve], [c["mean_reward"] for c in curve])
-        ax.set(xlabel="timesteps", ylabel="mean reward per rollout (-regret, page prefills)", title=f"training: {card.get('name')}")
+        ax.set(
+            xlabel="timesteps", ylabel="mean reward per rollout (-regret, page prefills)", title=f"training: {card.get('name')}"
+        )
         fig.tight_layout()
         path = out / "training_curve.png"
         fig.savefig(path, dpi=110)

@@ -27,14 +27,14 @@ from pathlib import Path
 import ray
 from pydantic import Field, model_validator
 
-from kvray.cluster.config import RuntimeConfig
 from kvray.apps.replay_engine import ReplayEngineActor
+from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.runtime import RayConnection, Runtime, alive_nodes, on_node
 from kvray.core.config import FrozenModel, read_yaml, validate
 from kvray.core.errors import ClusterError
 from kvray.progress import progress_bar
-from kvray.sim.cost import Scenario
 from kvray.report import ReplayResult, ReplayTally
+from kvray.sim.cost import Scenario
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
 
 ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -63,9 +63,7 @@ class ReplaySettings(FrozenModel):
     @model_validator(mode="after")
     def _pages_are_trace_blocks(self) -> ReplaySettings:
         if self.runtime.layout.page_tokens != MOONCAKE_BLOCK_TOKENS:
-            raise ValueError(
-                f"runtime.layout.page_tokens must be {MOONCAKE_BLOCK_TOKENS}: one page per trace block"
-            )
+            raise ValueError(f"runtime.layout.page_tokens must be {MOONCAKE_BLOCK_TOKENS}: one page per trace block")
         return self
 
 
@@ -117,8 +115,9 @@ class Replay:
         }
         _bounded([e.node_id.remote() for e in self.engines.values()], CALL_TIMEOUT_S, "engines starting")
 
-    def run(self, trace: list[TraceRequest], progress: bool = True,
-            on_request: Callable[[int], None] | None = None) -> ReplayResult:
+    def run(
+        self, trace: list[TraceRequest], progress: bool = True, on_request: Callable[[int], None] | None = None
+    ) -> ReplayResult:
         """Replay ``trace``; ``on_request(i)`` runs before request ``i`` (fault injection).
         Bytes moved count this replay's only: a runtime kept up may have moved some before."""
         policy = self.runtime.config.policy if self.settings.cache else "none"
@@ -134,8 +133,9 @@ class Replay:
                 wrong_pages += outcome["wrong_pages"]
                 if tick:
                     tick(i)
-        return tally.result(policy, self.settings.name, self._bytes_moved() - moved_before, wrong_pages=wrong_pages,
-                            lost_nodes=lost_nodes)
+        return tally.result(
+            policy, self.settings.name, self._bytes_moved() - moved_before, wrong_pages=wrong_pages, lost_nodes=lost_nodes
+        )
 
     def _bytes_moved(self) -> int:
         """Page bytes moved so far, between tiers inside the nodes and between nodes."""
@@ -148,8 +148,11 @@ class Replay:
             nodes = list(self.engines)
             node = nodes[i % len(nodes)]
             try:
-                return _bounded(self.engines[node].serve.remote(list(request.hash_ids), request.input_length),
-                                REQUEST_TIMEOUT_S, f"request {i} on node {node[:12]}")
+                return _bounded(
+                    self.engines[node].serve.remote(list(request.hash_ids), request.input_length),
+                    REQUEST_TIMEOUT_S,
+                    f"request {i} on node {node[:12]}",
+                )
             except ENGINE_ERRORS:
                 self._lose_node(node, lost_nodes)
         raise ClusterError("every replay engine is gone: no node left to serve requests")
@@ -189,8 +192,7 @@ def replay_on_runtime(trace: list[TraceRequest], settings: ReplaySettings, progr
         runtime.close()
 
 
-def replay_with(runtime: Runtime, trace: list[TraceRequest], settings: ReplaySettings,
-                progress: bool = True) -> ReplayResult:
+def replay_with(runtime: Runtime, trace: list[TraceRequest], settings: ReplaySettings, progress: bool = True) -> ReplayResult:
     """Replay ``trace`` on a started ``runtime`` with engines of its own; the runtime stays."""
     replay = Replay(runtime, settings)
     try:
@@ -199,8 +201,13 @@ def replay_with(runtime: Runtime, trace: list[TraceRequest], settings: ReplaySet
         replay.close()
 
 
-def run_replay(trace_path: str | Path, settings: ReplaySettings, address: str | None = None,
-               progress: bool = True, runtime_name: str | None = None) -> ReplayResult:
+def run_replay(
+    trace_path: str | Path,
+    settings: ReplaySettings,
+    address: str | None = None,
+    progress: bool = True,
+    runtime_name: str | None = None,
+) -> ReplayResult:
     """``kvray run``: read the trace, connect to (or start) Ray, replay, report.
 
     With ``runtime_name`` the replay uses that runtime, already up on the cluster

@@ -26,6 +26,13 @@ def print_results(results: dict[str, ReplayResult], console: Console, title: str
     for label, result in results.items():
         r = result.as_dict()
         tiers = ", ".join(f"{t} {r['hit_tokens_by_tier'][t]}" for t in TIER_ORDER if t in r["hit_tokens_by_tier"])
-        table.add_row(label, str(r["requests"]), f"{r['token_hit_rate']:.3f}", tiers or "-",
-                      f"{r['mean_ttft_ms']:.1f} ms", f"{r['p99_ttft_ms']:.1f} ms", f"{r['bytes_moved'] / 2**20:.1f} MiB")
+        table.add_row(
+            label,
+            str(r["requests"]),
+            f"{r['token_hit_rate']:.3f}",
+            tiers or "-",
+            f"{r['mean_ttft_ms']:.1f} ms",
+            f"{r['p99_ttft_ms']:.1f} ms",
+            f"{r['bytes_moved'] / 2**20:.1f} MiB",
+        )
     console.print(table)

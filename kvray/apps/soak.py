@@ -45,9 +45,9 @@ from collections import Counter
 
 import ray
 
+from kvray.apps.replay_engine import PagePattern
 from kvray.cluster.client import KvrayClient, Loaded
 from kvray.cluster.config import RuntimeConfig
-from kvray.apps.replay_engine import PagePattern
 from kvray.cluster.node_store import STORE_RESTARTS
 from kvray.cluster.runtime import RayConnection, Runtime
 from kvray.core.config import PageLayout, TierSizes
@@ -170,8 +170,9 @@ class Chaos:
             return False
         host, port = self.rng.choice(servers)
         garbage = [os.urandom(self.rng.randint(1, 4096)), b"\0" * 32 + os.urandom(64), os.urandom(32)[:-1]]
-        threading.Thread(target=_hostile, args=((host, port), self.rng.choice(garbage), self.rng.uniform(0, 3)),
-                         daemon=True).start()
+        threading.Thread(
+            target=_hostile, args=((host, port), self.rng.choice(garbage), self.rng.uniform(0, 3)), daemon=True
+        ).start()
         return True
 
 
@@ -210,11 +211,14 @@ def wrong_at_rest(runtime: Runtime, held: dict[str, set[int]], acknowledged: set
 
 
 def soak(minutes: float, clients: int, nodes: int, fault_every_s: float, seed: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="kvray-soak-") as disk_root, \
-            RayConnection(nodes=nodes, object_store_mb=150):
+    with tempfile.TemporaryDirectory(prefix="kvray-soak-") as disk_root, RayConnection(nodes=nodes, object_store_mb=150):
         config = RuntimeConfig(
-            name="soak", layout=LAYOUT, tiers=TierSizes(host=0, disk=2 * CONVERSATIONS * MAX_DEPTH),
-            disk_root=disk_root, collective=False, local_pages_limit=4,
+            name="soak",
+            layout=LAYOUT,
+            tiers=TierSizes(host=0, disk=2 * CONVERSATIONS * MAX_DEPTH),
+            disk_root=disk_root,
+            collective=False,
+            local_pages_limit=4,
         )
         runtime = Runtime.start(config)
         try:
@@ -239,9 +243,13 @@ def soak(minutes: float, clients: int, nodes: int, fault_every_s: float, seed: i
                 figures.update(r["tally"])
                 errors.update(r["errors"])
             return {
-                "minutes": round(elapsed / 60, 2), "clients": clients, "nodes": nodes,
-                **{k: figures[k] for k in ("requests_served", "requests_failed", "pages_requested", "pages_hit",
-                                           "wrong_kv_served")},
+                "minutes": round(elapsed / 60, 2),
+                "clients": clients,
+                "nodes": nodes,
+                **{
+                    k: figures[k]
+                    for k in ("requests_served", "requests_failed", "pages_requested", "pages_hit", "wrong_kv_served")
+                },
                 "acknowledged_pages": len(acknowledged),
                 "acknowledged_pages_lost": len(lost),
                 "wrong_kv_at_rest": wrong_at_rest(runtime, held, acknowledged, LAYOUT.page_nbytes),
@@ -265,8 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     figures = soak(args.minutes, args.clients, args.nodes, args.fault_every_s, args.seed)
     print("SOAK " + json.dumps(figures))
-    ok = not (figures["wrong_kv_served"] or figures["wrong_kv_at_rest"] or figures["acknowledged_pages_lost"]
-              or figures["requests_failed"] or figures["stores_unanswered_at_end"])
+    ok = not (
+        figures["wrong_kv_served"]
+        or figures["wrong_kv_at_rest"]
+        or figures["acknowledged_pages_lost"]
+        or figures["requests_failed"]
+        or figures["stores_unanswered_at_end"]
+    )
     print("soak: " + ("ok" if ok else "FAILED"), file=sys.stderr)
     return 0 if ok else 1
 

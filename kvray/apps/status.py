@@ -55,6 +55,13 @@ def print_status(snapshot: dict, console: Console) -> None:
             continue
         p99 = stats["swap_latency"].get("load", {}).get("p99_s", 0.0) * 1e3
         for tier, occ in stats["tiers"].items():
-            table.add_row(node[:12], tier, f"{occ['used']} / {occ['capacity']}", f"{occ['occupancy']:.2f}",
-                          f"{occ['fragmentation']:.2f}", f"{p99:.2f}", str(stats["bytes_moved"]))
+            table.add_row(
+                node[:12],
+                tier,
+                f"{occ['used']} / {occ['capacity']}",
+                f"{occ['occupancy']:.2f}",
+                f"{occ['fragmentation']:.2f}",
+                f"{p99:.2f}",
+                str(stats["bytes_moved"]),
+            )
     console.print(table)

@@ -48,9 +48,7 @@ class _TierCase:
         self.layout = _layout(layers)
         self.pages = max(2, ((REQUEST_MIB // (2 if quick else 1)) << 20) // self.layout.page_nbytes)
         tokens = self.pages * self.layout.page_tokens
-        config = StoreConfig(
-            layout=self.layout, tiers=TierSizes(**{tier: self.pages}), disk_dir=directory, disk_fsync=fsync
-        )
+        config = StoreConfig(layout=self.layout, tiers=TierSizes(**{tier: self.pages}), disk_dir=directory, disk_fsync=fsync)
         self.store = PageStore(config)
         self.tokens = np.arange(tokens, dtype=np.int32) % 30000
         self.kv = torch.randn(self.layout.request_shape(tokens)).to(torch.bfloat16)
@@ -77,11 +75,22 @@ class _TierCase:
     def gbps(self, seconds: float) -> float:
         return self.nbytes / seconds / 1e9
 
-    def result(self, name: str, kvray: Callable[[], None], baseline: Callable[[], None],
-               contiguous: Callable[[], None], repeats: int, **params) -> BenchResult:
+    def result(
+        self,
+        name: str,
+        kvray: Callable[[], None],
+        baseline: Callable[[], None],
+        contiguous: Callable[[], None],
+        repeats: int,
+        **params,
+    ) -> BenchResult:
         ours, base, best = alternating_medians(kvray, baseline, contiguous, repeats=repeats)
-        params = {**self.params, **params, "contiguous_baseline_gbps": round(self.gbps(best), 2),
-                  "ratio_vs_contiguous": round(best / ours, 3)}
+        params = {
+            **self.params,
+            **params,
+            "contiguous_baseline_gbps": round(self.gbps(best), 2),
+            "ratio_vs_contiguous": round(best / ours, 3),
+        }
         return BenchResult(name, self.gbps(ours), self.gbps(base), "GB/s", ">= 0.8", params)
 
 
@@ -149,11 +158,17 @@ def disk_tier(quick: bool) -> list[BenchResult]:
                         os.preadv(fd, [case.plain[i]], i * size)
 
                 suffix = f"{label},fsync" if fsync else label
-                results.append(case.result(f"disk_tier_write_vs_raw_file[{suffix}]", case.write, raw_write,
-                                           contiguous_write, repeats, fsync=fsync))
+                results.append(
+                    case.result(
+                        f"disk_tier_write_vs_raw_file[{suffix}]", case.write, raw_write, contiguous_write, repeats, fsync=fsync
+                    )
+                )
                 if not fsync:
-                    results.append(case.result(f"disk_tier_read_vs_raw_file[{label}]", case.read, raw_read,
-                                               contiguous_read, repeats, fsync=fsync))
+                    results.append(
+                        case.result(
+                            f"disk_tier_read_vs_raw_file[{label}]", case.read, raw_read, contiguous_read, repeats, fsync=fsync
+                        )
+                    )
                 os.close(fd)
                 case.store.close()
     return results

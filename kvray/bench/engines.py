@@ -25,18 +25,17 @@ import torch
 
 from kvray.bench import BenchResult, benchmark, paired_medians
 from kvray.core.config import StoreConfig, TierSizes
+from kvray.core.store import PageStore
 from kvray.engines.hf import CachedCausalLM, model_layout
 from kvray.engines.timing import torch_threads
 from kvray.engines.tiny import tiny_llama
 from kvray.engines.vllm_runs import run_in_vllm_env
-from kvray.core.store import PageStore
 
 MODEL = "bench-llama"
 PROMPT, PREFIX, PAGE = 2048, 1792, 256
 # One intra-op thread: see kvray.engines.timing for why.
 HF_THREADS = 1
-SHAPE = {"model": MODEL, "layers": 4, "hidden": 1024, "ffn": 3584, "heads": 8, "kv_heads": 2, "head_dim": 128,
-         "dtype": "float32"}
+SHAPE = {"model": MODEL, "layers": 4, "hidden": 1024, "ffn": 3584, "heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "float32"}
 
 
 def _prompt(n: int, seed: int) -> np.ndarray:
@@ -80,8 +79,14 @@ def _hf_figures(quick: bool) -> tuple[tuple[float, float], tuple[float, float]]:
 def hf_ttft(quick: bool) -> list[BenchResult]:
     with torch_threads(HF_THREADS):
         (hit, suffix_s), (hit_again, full_s) = _hf_figures(quick)
-    params = {**SHAPE, "prompt_tokens": PROMPT, "cached_tokens": PREFIX, "page_tokens": PAGE, "tier": "host",
-              "torch_threads": HF_THREADS}
+    params = {
+        **SHAPE,
+        "prompt_tokens": PROMPT,
+        "cached_tokens": PREFIX,
+        "page_tokens": PAGE,
+        "tier": "host",
+        "torch_threads": HF_THREADS,
+    }
     return [
         BenchResult("hf_ttft_hit_vs_suffix_only", hit * 1e3, suffix_s * 1e3, "ms", "<= 1.3", params),
         BenchResult("hf_ttft_hit_vs_recompute", hit_again * 1e3, full_s * 1e3, "ms", "<= 0.25", params),
@@ -94,19 +99,26 @@ def vllm_ttft(quick: bool) -> list[BenchResult]:
     pairs = 3 if quick else 8
     suffixes = [_prompt(PROMPT - PREFIX, seed=2 + i).tolist() for i in range(1 + 2 * pairs)]
     spec = {
-        "run": "ttft", "model": MODEL, "block_size": block, "omp_threads_bind": "0",
-        "kvray": {"host_pages": 256}, "prefix": _prompt(PREFIX, seed=1).tolist(), "suffixes": suffixes,
+        "run": "ttft",
+        "model": MODEL,
+        "block_size": block,
+        "omp_threads_bind": "0",
+        "kvray": {"host_pages": 256},
+        "prefix": _prompt(PREFIX, seed=1).tolist(),
+        "suffixes": suffixes,
     }
     run = run_in_vllm_env(spec, timeout=600)
     loaded, expected = run["counters"]["loaded_pages"], pairs * PREFIX // block
     if loaded != expected:
         raise AssertionError(f"kvray loaded {loaded} pages, expected {expected}: the figure would not be a hit")
-    params = {**SHAPE, "prompt_tokens": PROMPT, "cached_tokens": PREFIX, "block_tokens": block, "tier": "host",
-              "omp_threads": 1}
+    params = {**SHAPE, "prompt_tokens": PROMPT, "cached_tokens": PREFIX, "block_tokens": block, "tier": "host", "omp_threads": 1}
     return [
         BenchResult(
-            "vllm_ttft_kvray_hit_vs_vllm_prefix_cache", statistics.median(run["times_s"]["kvray"]) * 1e3,
+            "vllm_ttft_kvray_hit_vs_vllm_prefix_cache",
+            statistics.median(run["times_s"]["kvray"]) * 1e3,
             statistics.median(run["times_s"]["vllm"]) * 1e3,
-            "ms", "<= 1.5", params,
+            "ms",
+            "<= 1.5",
+            params,
         )
     ]

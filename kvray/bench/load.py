@@ -37,7 +37,9 @@ class DictCache:
             for i, key in enumerate(keys):
                 if key not in self.pages:
                     start = i * LAYOUT.page_tokens
-                    self.pages[key] = kv[:, :, start : start + LAYOUT.page_tokens].contiguous().view(torch.uint8).numpy().tobytes()
+                    self.pages[key] = (
+                        kv[:, :, start : start + LAYOUT.page_tokens].contiguous().view(torch.uint8).numpy().tobytes()
+                    )
 
     def load(self, tokens: np.ndarray) -> int:
         keys = page_keys(tokens, self.fp)

@@ -17,11 +17,11 @@ from collections import OrderedDict
 import numpy as np
 
 from kvray.bench import BenchResult, benchmark, paired_medians
+from kvray.core.tiers import Tier
 from kvray.policy import make_policy
 from kvray.policy.rl import DEFAULT_POLICY, decision_time_us, load_scorer
 from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator, fast_capacity
-from kvray.core.tiers import Tier
 from kvray.traces import read_trace
 
 TRACE = "data/traces/conversation_trace_first30min.jsonl"
@@ -60,11 +60,16 @@ def sim_replay_requests_per_s(quick: bool) -> list[BenchResult]:
         repeats=1 if quick else 3,
         warmup=0,
     )
-    return [BenchResult("sim_replay_requests_per_s[lru,3 tiers vs dict LRU]", kvray=len(requests) / sim_s,
-                        baseline=len(requests) / dict_s, unit="requests/s",
-                        goal=f">= {REPLAY_GOAL_REQUESTS_PER_S / DICT_LRU_REQUESTS_PER_S:.3f}",
-                        params={"requests": len(requests), "pages": pages,
-                                "goal_requests_per_s": REPLAY_GOAL_REQUESTS_PER_S})]
+    return [
+        BenchResult(
+            "sim_replay_requests_per_s[lru,3 tiers vs dict LRU]",
+            kvray=len(requests) / sim_s,
+            baseline=len(requests) / dict_s,
+            unit="requests/s",
+            goal=f">= {REPLAY_GOAL_REQUESTS_PER_S / DICT_LRU_REQUESTS_PER_S:.3f}",
+            params={"requests": len(requests), "pages": pages, "goal_requests_per_s": REPLAY_GOAL_REQUESTS_PER_S},
+        )
+    ]
 
 
 @benchmark("rl_policy_decision")
@@ -86,7 +91,12 @@ def rl_policy_decision(quick: bool) -> list[BenchResult]:
     scorer, _ = load_scorer(DEFAULT_POLICY)
     batched = float(np.median([decision_time_us(scorer, decisions=1024, repeats=10) for _ in range(3)]))
     return [
-        BenchResult("rl_policy_decision[batched scorer vs lru victim]", kvray=batched, baseline=lru_us, unit="us/decision",
-                    params={"goal_us": 5.0, "decisions_per_batch": 1024}),
+        BenchResult(
+            "rl_policy_decision[batched scorer vs lru victim]",
+            kvray=batched,
+            baseline=lru_us,
+            unit="us/decision",
+            params={"goal_us": 5.0, "decisions_per_batch": 1024},
+        ),
         BenchResult("rl_policy_decision[victim call vs lru victim]", kvray=rl_us, baseline=lru_us, unit="us/decision"),
     ]

@@ -53,8 +53,9 @@ class _Bench:
         self.connection = None
         if not ray.is_initialized():
             self.connection = RayConnection(nodes=2, object_store_mb=400).__enter__()
-        self.config = RuntimeConfig(name="bench", layout=LAYOUT, tiers=TierSizes(host=2 * REQUEST_PAGES + 8),
-                                    local_pages_limit=1 << 20)
+        self.config = RuntimeConfig(
+            name="bench", layout=LAYOUT, tiers=TierSizes(host=2 * REQUEST_PAGES + 8), local_pages_limit=1 << 20
+        )
         self.runtime = Runtime.start(self.config)
         self.client = KvrayClient.connect("bench", buffer_pages=REQUEST_PAGES)
         self.here = self.client.node_id
@@ -144,14 +145,17 @@ def same_node_load(quick: bool) -> list[BenchResult]:
     dst = np.empty_like(src)
     params = {"pages": len(keys), "page_bytes": LAYOUT.page_nbytes, "checksum_memory": bench.config.checksum_memory}
     mapped, via_actor, base = alternating_medians(
-        lambda: bench.load(keys, True), lambda: bench.load(keys, False), lambda: np.copyto(dst, src),
+        lambda: bench.load(keys, True),
+        lambda: bench.load(keys, False),
+        lambda: np.copyto(dst, src),
         repeats=7 if quick else 21,
     )
     bench.client.mapped_reads = True
     return [
         BenchResult("same_node_load_vs_memcpy[64MiB]", _gbps(nbytes, mapped), _gbps(nbytes, base), "GB/s", ">= 0.8", params),
-        BenchResult("same_node_load_via_store_actor_vs_memcpy[64MiB]", _gbps(nbytes, via_actor), _gbps(nbytes, base), "GB/s",
-                    None, params),
+        BenchResult(
+            "same_node_load_via_store_actor_vs_memcpy[64MiB]", _gbps(nbytes, via_actor), _gbps(nbytes, base), "GB/s", None, params
+        ),
     ]
 
 
@@ -168,10 +172,16 @@ def cross_node(quick: bool) -> list[BenchResult]:
             bench.use_path(path)
             kvray, base = paired_medians(lambda: bench.transfer(keys, plan), tcp.move, 5 if quick else 15)
             picked = path == bench.client.path_for(bench.there, nbytes, bench.config)
-            results.append(BenchResult(
-                f"cross_node_transfer_vs_loopback_tcp[{path},{label}]", _gbps(nbytes, kvray), _gbps(nbytes, base), "GB/s",
-                ">= 0.5" if picked else None, {"picked_by_kvray": picked, "pages": pages},
-            ))
+            results.append(
+                BenchResult(
+                    f"cross_node_transfer_vs_loopback_tcp[{path},{label}]",
+                    _gbps(nbytes, kvray),
+                    _gbps(nbytes, base),
+                    "GB/s",
+                    ">= 0.5" if picked else None,
+                    {"picked_by_kvray": picked, "pages": pages},
+                )
+            )
         bench.client.release(plan, bench.client.load(keys, plan))
         tcp.close()
     return results
@@ -201,10 +211,16 @@ def cross_node_store(quick: bool) -> list[BenchResult]:
             for _ in range(-(-bench.config.tiers.host // pages)):
                 store()
             kvray, base = paired_medians(store, tcp.move, 5 if quick else 15)
-            results.append(BenchResult(
-                f"cross_node_store_vs_loopback_tcp[{path},{label}]", _gbps(nbytes, kvray), _gbps(nbytes, base), "GB/s",
-                None, {"picked_by_kvray": path == "tcp", "pages": pages},
-            ))
+            results.append(
+                BenchResult(
+                    f"cross_node_store_vs_loopback_tcp[{path},{label}]",
+                    _gbps(nbytes, kvray),
+                    _gbps(nbytes, base),
+                    "GB/s",
+                    None,
+                    {"picked_by_kvray": path == "tcp", "pages": pages},
+                )
+            )
         tcp.close()
     bench.use_path("tcp")
     return results
@@ -230,8 +246,16 @@ def controller_lookup(quick: bool) -> list[BenchResult]:
 
     kvray, base = paired_medians(lookup, lambda: ray.get(empty.call.remote()), 50 if quick else 200, warmup=5)
     ray.kill(empty)
-    return [BenchResult("controller_lookup_vs_empty_call[64 pages]", kvray * 1e6, base * 1e6, "us", "<= 1.5",
-                        {"pages": 64, "cached": len(keys)})]
+    return [
+        BenchResult(
+            "controller_lookup_vs_empty_call[64 pages]",
+            kvray * 1e6,
+            base * 1e6,
+            "us",
+            "<= 1.5",
+            {"pages": 64, "cached": len(keys)},
+        )
+    ]
 
 
 @benchmark("controller_memory_per_page")
@@ -250,5 +274,13 @@ def controller_memory(quick: bool) -> list[BenchResult]:
     per_page = controller.index.memory_bytes() / len(controller.index)
     plain = {k: (i % 4, 1) for i, k in enumerate(keys)}
     plain_bytes = sys.getsizeof(plain) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in plain.items())
-    return [BenchResult("controller_memory_per_page_vs_dict", per_page, plain_bytes / pages, "bytes", None,
-                        {"pages": pages, "budget_bytes": 200, "within_budget": per_page <= 200})]
+    return [
+        BenchResult(
+            "controller_memory_per_page_vs_dict",
+            per_page,
+            plain_bytes / pages,
+            "bytes",
+            None,
+            {"pages": pages, "budget_bytes": 200, "within_budget": per_page <= 200},
+        )
+    ]

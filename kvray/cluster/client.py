@@ -75,8 +75,8 @@ import xxhash
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan, new_lease
-from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.paths import ACTOR_ERRORS, PATHS, StoreCallPath
+from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks
 from kvray.core.errors import ClusterError, RequestError, StorageError
 from kvray.core.keys import pack_keys
@@ -136,8 +136,15 @@ class KvrayClient:
     (the actor died or is restarting), ``store_error`` (the store raised).
     """
 
-    def __init__(self, config: RuntimeConfig, controller, node_id: str | None = None,
-                 buffer_pages: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, mapped_reads: bool = True) -> None:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        controller,
+        node_id: str | None = None,
+        buffer_pages: int | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        mapped_reads: bool = True,
+    ) -> None:
         self.config = config
         self.controller = controller
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
@@ -307,8 +314,7 @@ class KvrayClient:
                 loaded.lost.setdefault(run.node, []).extend(keys[run.start + got : run.stop])
         return loaded
 
-    def _read_mapped(self, host: SharedHostTier, keys: Sequence[int],
-                     run: _Run) -> list[tuple[str, int, dict[str, int]]]:
+    def _read_mapped(self, host: SharedHostTier, keys: Sequence[int], run: _Run) -> list[tuple[str, int, dict[str, int]]]:
         """Copy a same-node run out of the mapped host tier; the rest of it (pages on the
         local disk tier, or freed meanwhile) through the store actor."""
         sub = list(keys[run.start : run.stop])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from kvray.core.config import PageLayout, StoreConfig, TierSizes, FrozenModel
+from kvray.core.config import FrozenModel, PageLayout, StoreConfig, TierSizes
 from kvray.core.errors import PolicyError
 from kvray.core.keys import ModelFingerprint
 from kvray.policy import make_policy

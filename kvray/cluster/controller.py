@@ -152,8 +152,14 @@ class Controller:
         return self.rebuilt_pages
 
     # -- membership ---------------------------------------------------------------------
-    def register_store(self, node_id: str, store: ray.actor.ActorHandle, rank: int | None = None,
-                       kept_keys: Sequence[int] | None = None, server: tuple[str, int] | None = None) -> None:
+    def register_store(
+        self,
+        node_id: str,
+        store: ray.actor.ActorHandle,
+        rank: int | None = None,
+        kept_keys: Sequence[int] | None = None,
+        server: tuple[str, int] | None = None,
+    ) -> None:
         """Add a node's store (``server``: its page server's address, if any); with
         ``kept_keys`` (a restart) forget what it no longer holds."""
         if node_id not in self._node_ix:
@@ -266,7 +272,7 @@ class Controller:
         self.lookups += 1
         self.lookup_pages += len(keys)
         hit_nodes = [self.node_ids[i] for i in self.index.node[handles].tolist()]
-        return Plan(lease, hit_nodes, self._place(keys[len(handles):], len(keys), requester))
+        return Plan(lease, hit_nodes, self._place(keys[len(handles) :], len(keys), requester))
 
     def _release_pins(self, lease: int) -> None:
         held = self._leases.pop(lease, None)
@@ -288,8 +294,14 @@ class Controller:
             return [requester] * len(missing)
         return self.ring.owners(missing)
 
-    def release(self, lease: int, hits_by_tier: Mapping[str, int], lost: Mapping[str, Sequence[int]],
-                bytes_between_nodes: int = 0, local_pages: int = 0) -> None:
+    def release(
+        self,
+        lease: int,
+        hits_by_tier: Mapping[str, int],
+        lost: Mapping[str, Sequence[int]],
+        bytes_between_nodes: int = 0,
+        local_pages: int = 0,
+    ) -> None:
         """End a lease: unpin, count the hits the engine got, drop locations that failed.
 
         A lease this incarnation never granted (made before a restart, ``NO_LEASE`` or
@@ -306,8 +318,9 @@ class Controller:
         for node_id, keys in lost.items():
             self.lost_pages += self._forget(node_id, keys)
 
-    def commit(self, parent_key: int | None, keys: Sequence[int], nodes: Sequence[str], depth: int,
-               dropped: Mapping[str, Sequence[int]]) -> int:
+    def commit(
+        self, parent_key: int | None, keys: Sequence[int], nodes: Sequence[str], depth: int, dropped: Mapping[str, Sequence[int]]
+    ) -> int:
         """Publish a chain of pages stores now hold (``keys[i]`` on ``nodes[i]``, the first one
         a child of ``parent_key``); forget the pages stores report evicted. Returns pages added."""
         self._expire()

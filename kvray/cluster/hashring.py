@@ -22,7 +22,6 @@ import xxhash
 from kvray.core.keys import MASK64
 
 
-
 def low64(keys: Sequence[int]) -> np.ndarray:
     """The low 64 bits of 128-bit page keys (already uniform: keys are xxh3 digests)."""
     return np.fromiter((k & MASK64 for k in keys), dtype=np.uint64, count=len(keys))

@@ -36,8 +36,9 @@ def validate_cluster(config: dict, source: str = "cluster.yaml") -> None:
         raise ConfigError(f"{source}: {where}: {exc.message}") from None
 
 
-def fake_autoscaler_config(config: dict, gcs_address: str, idle_timeout_minutes: float,
-                           object_store_bytes: int = 100 << 20, head_cpus: int = 1) -> dict:
+def fake_autoscaler_config(
+    config: dict, gcs_address: str, idle_timeout_minutes: float, object_store_bytes: int = 100 << 20, head_cpus: int = 1
+) -> dict:
     """A fake multi-node config with ``config``'s worker node types and autoscaler settings.
 
     Node configs (instance types) mean nothing locally and become empty; every node gets a

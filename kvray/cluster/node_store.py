@@ -97,8 +97,12 @@ class NodeStore:
         self._server = None
         if token is not None:
             self._server = PageServer(
-                lambda keys, rows: self._read(keys, lambda i: rows[i])[0], self._put,
-                self.page_nbytes, token, ray.util.get_node_ip_address(), config.max_request_pages,
+                lambda keys, rows: self._read(keys, lambda i: rows[i])[0],
+                self._put,
+                self.page_nbytes,
+                token,
+                ray.util.get_node_ip_address(),
+                config.max_request_pages,
             )
         context = ray.get_runtime_context()
         self.restarted = context.was_current_actor_reconstructed
@@ -113,9 +117,10 @@ class NodeStore:
         """
         try:
             controller = ray.get_actor(self._controller_name, namespace=NAMESPACE)
-            ray.get(controller.register_store.remote(
-                self.node_id, me, None, self.store.cached_keys(), self.server_address()
-            ), timeout=CALL_TIMEOUT_S)
+            ray.get(
+                controller.register_store.remote(self.node_id, me, None, self.store.cached_keys(), self.server_address()),
+                timeout=CALL_TIMEOUT_S,
+            )
         except (ValueError, ray.exceptions.RayError) as exc:
             logger.warning("restarted store %s could not register with the controller: %s", self.node_id[:12], exc)
 
@@ -193,8 +198,9 @@ class NodeStore:
         with self._mapped(buffer, capacity) as pages:
             return self._read(keys, lambda i: pages[row + i])
 
-    def write_from(self, keys: Sequence[int], buffer: str, capacity: int, row: int,
-                   parent: int | None = None) -> tuple[int, list[int]]:
+    def write_from(
+        self, keys: Sequence[int], buffer: str, capacity: int, row: int, parent: int | None = None
+    ) -> tuple[int, list[int]]:
         """Store buffer rows ``row..`` as one chain under ``keys`` (``parent``: the key before
         ``keys[0]`` in the request, None at its start); returns (stored, keys dropped since the last report)."""
         with self._mapped(buffer, capacity) as pages:
@@ -211,6 +217,7 @@ class NodeStore:
     def server_address(self) -> tuple[str, int] | None:
         """Where this store's page server listens (None: it serves no TCP peers)."""
         return self._server.address if self._server else None
+
     def host_tier(self) -> dict | None:
         """What an engine on this node maps to read the host tier itself (None: no host tier)."""
         if self.store.directory is None:

@@ -74,8 +74,7 @@ class RayConnection:
     ``cpus_per_node`` CPUs and an object store of ``object_store_mb``.
     """
 
-    def __init__(self, address: str | None = None, nodes: int = 1, cpus_per_node: int = 1,
-                 object_store_mb: int = 200) -> None:
+    def __init__(self, address: str | None = None, nodes: int = 1, cpus_per_node: int = 1, object_store_mb: int = 200) -> None:
         from_env = os.environ.get("RAY_ADDRESS")
         self.address = from_env if from_env and address in (None, "auto") else address
         self.nodes = nodes
@@ -115,8 +114,7 @@ class RayConnection:
             ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
         else:
             # address="local": a fresh instance even when another Ray runs on this machine
-            ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-                     **self._node_args())
+            ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, **self._node_args())
 
     def _node_args(self) -> dict:
         return {"num_cpus": self.cpus_per_node, "object_store_memory": self.object_store_bytes}
@@ -131,11 +129,7 @@ class RayConnection:
 def alive_nodes(resources: dict[str, float] | None = None) -> list[str]:
     """Ids of live nodes that offer ``resources``."""
     needed = resources or {}
-    return [
-        n["NodeID"]
-        for n in ray.nodes()
-        if n["Alive"] and all(n["Resources"].get(r, 0) >= q for r, q in needed.items())
-    ]
+    return [n["NodeID"] for n in ray.nodes() if n["Alive"] and all(n["Resources"].get(r, 0) >= q for r, q in needed.items())]
 
 
 class Runtime:
@@ -158,8 +152,10 @@ class Runtime:
         except ValueError:
             pass  # the name is free
         else:
-            raise ClusterError(f"a kvray runtime named {config.name!r} is already running on this Ray cluster "
-                               f"(stop it with `kvray down --name {config.name}`, or pick another --name)")
+            raise ClusterError(
+                f"a kvray runtime named {config.name!r} is already running on this Ray cluster "
+                f"(stop it with `kvray down --name {config.name}`, or pick another --name)"
+            )
         here = ray.get_runtime_context().get_node_id()
         token = secrets.token_bytes(TOKEN_BYTES)
         controller = ControllerActor.options(  # beside the driver
@@ -174,8 +170,9 @@ class Runtime:
         ranks: dict[str, int | None] = dict.fromkeys(stores)
         if config.collective and len(stores) > 1:
             ranks = dict(zip(stores, ray.get([s.init_collective.remote(len(stores), r) for r, s in enumerate(stores.values())])))
-        ray.get([controller.register_store.remote(node, store, ranks[node], None, servers[node])
-                 for node, store in stores.items()])
+        ray.get(
+            [controller.register_store.remote(node, store, ranks[node], None, servers[node]) for node, store in stores.items()]
+        )
         return cls(config, controller, stores)
 
     @classmethod
@@ -219,8 +216,9 @@ def find_controller(name: str):
     try:
         return ray.get_actor(controller_name(name), namespace=NAMESPACE)
     except ValueError:
-        raise ClusterError(f"no kvray runtime named {name!r} is running on this Ray cluster "
-                           f"(start one with `kvray up --name {name}`)") from None
+        raise ClusterError(
+            f"no kvray runtime named {name!r} is running on this Ray cluster (start one with `kvray up --name {name}`)"
+        ) from None
 
 
 def spawn_store(config: RuntimeConfig, node_id: str, token: bytes, detached: bool = False):

@@ -208,9 +208,19 @@ class PageServer:
     it only ever sees pages that passed their checksum.
     """
 
-    def __init__(self, read: PageReader, write: PageWriter, page_nbytes: int, token: bytes, host: str,
-                 max_pages: int, *, handshake_s: float = 5.0, max_handshakes: int = 16,
-                 max_connections: int = 256) -> None:
+    def __init__(
+        self,
+        read: PageReader,
+        write: PageWriter,
+        page_nbytes: int,
+        token: bytes,
+        host: str,
+        max_pages: int,
+        *,
+        handshake_s: float = 5.0,
+        max_handshakes: int = 16,
+        max_connections: int = 256,
+    ) -> None:
         self._read = read
         self._write = write
         self._page_nbytes = page_nbytes
@@ -468,8 +478,9 @@ class PendingLoad(_Pending):
             good = _verified(arrived, claimed)
             if good < got:
                 self.links.corrupt += 1
-                log.warning("kvray page link to %s: page %d of %d failed its checksum; the hit ends there",
-                            self.link.address, good, got)
+                log.warning(
+                    "kvray page link to %s: page %d of %d failed its checksum; the hit ends there", self.link.address, good, got
+                )
             return good
 
         return self._answer(read) or 0
@@ -554,8 +565,7 @@ class PeerLinks:
         request = REQUEST.pack(LOAD, len(keys)) + pack_keys(keys)
         return PendingLoad(self, self._send(address, lambda sock: sock.sendall(request)), len(keys))
 
-    def store(self, address: tuple[str, int], keys: Sequence[int], pages: np.ndarray,
-              parent: int | None) -> PendingStore:
+    def store(self, address: tuple[str, int], keys: Sequence[int], pages: np.ndarray, parent: int | None) -> PendingStore:
         """Send a run of pages (rows of ``pages``, one per key) continuing ``parent``'s chain."""
         pages = np.ascontiguousarray(pages)
         head = REQUEST.pack(STORE, len(keys)) + PARENT.pack(parent is not None, (parent or 0).to_bytes(KEY_BYTES, "little"))

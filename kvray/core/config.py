@@ -114,9 +114,7 @@ def validate(model: type[BaseModel], data: Any, source: str = "config") -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors())
         raise ConfigError(f"{source}: invalid {model.__name__}: {problems}") from None
 
 

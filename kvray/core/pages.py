@@ -28,7 +28,6 @@ def torch_dtype(layout: PageLayout) -> torch.dtype:
     return TORCH_DTYPES[layout.dtype]
 
 
-
 def check_request_kv(layout: PageLayout, kv: torch.Tensor, tokens: int) -> None:
     """Reject KV whose dtype or shape does not match ``layout`` for ``tokens`` tokens."""
     if not isinstance(kv, torch.Tensor):
@@ -37,9 +36,7 @@ def check_request_kv(layout: PageLayout, kv: torch.Tensor, tokens: int) -> None:
         raise LayoutError(f"KV dtype {kv.dtype} does not match the layout's {layout.dtype}")
     expected = layout.request_shape(tokens)
     if tuple(kv.shape) != expected:
-        raise LayoutError(
-            f"KV shape {tuple(kv.shape)} does not match [layers, 2, tokens, kv_heads, head_dim] = {expected}"
-        )
+        raise LayoutError(f"KV shape {tuple(kv.shape)} does not match [layers, 2, tokens, kv_heads, head_dim] = {expected}")
 
 
 def request_bytes(kv: torch.Tensor) -> np.ndarray:

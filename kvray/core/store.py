@@ -42,13 +42,12 @@ from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.manager import CacheManager
 from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, runs, torch_dtype
-from kvray.policy import PlacementPolicy, make_policy
 from kvray.core.tiers import DevicePool, DiskPool, HostPool, Pool, StoredPage, Tier
-from kvray.core.tiers.disk import verified
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
+from kvray.core.tiers.disk import verified
+from kvray.policy import PlacementPolicy, make_policy
 
 PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
-
 
 
 @dataclass(frozen=True)
@@ -162,9 +161,7 @@ class PageStore:
         kv_bytes = request_bytes(kv)
         return self._store_pages(self.keys(arr, salt), lambda i: request_page(self.layout, kv_bytes, i), priority)
 
-    def load(
-        self, tokens: Sequence[int] | np.ndarray, salt: str = "", out: torch.Tensor | None = None
-    ) -> LoadResult:
+    def load(self, tokens: Sequence[int] | np.ndarray, salt: str = "", out: torch.Tensor | None = None) -> LoadResult:
         """KV of the longest cached prefix of ``tokens``, every page checksum-verified.
 
         ``out`` (contiguous ``[layers, 2, >=tokens, kv_heads, head_dim]``) receives the KV
@@ -191,9 +188,7 @@ class PageStore:
         return LoadResult(got * self.layout.page_tokens, out[:, :, : got * self.layout.page_tokens], by_tier)
 
     # -- page verbs (runtime transfers) --------------------------------------------------
-    def put_pages(
-        self, keys: Sequence[int], pages: np.ndarray, fingerprint: bytes, parent_key: int | None = None
-    ) -> int:
+    def put_pages(self, keys: Sequence[int], pages: np.ndarray, fingerprint: bytes, parent_key: int | None = None) -> int:
         """Store raw pages (``[n, page_nbytes]`` uint8) of one chain of ``keys``; returns pages stored.
 
         ``parent_key`` is the key of the page just before ``keys[0]`` in its chain when the
@@ -206,9 +201,7 @@ class PageStore:
             )
         pages = np.ascontiguousarray(pages)
         if pages.dtype != np.uint8 or pages.shape != (len(keys), self.layout.page_nbytes):
-            raise LayoutError(
-                f"pages must be uint8 [{len(keys)}, {self.layout.page_nbytes}], got {pages.dtype} {pages.shape}"
-            )
+            raise LayoutError(f"pages must be uint8 [{len(keys)}, {self.layout.page_nbytes}], got {pages.dtype} {pages.shape}")
         return self._store_pages(list(keys), lambda i: pages[i], parent_key=parent_key)
 
     def get_pages(self, keys: Sequence[int]) -> tuple[list[int], np.ndarray]:
@@ -271,9 +264,7 @@ class PageStore:
                 raise LayoutError(f"target buffer has no room for page {i} of {pages}: {exc}") from None
             if not isinstance(view, np.ndarray) or view.dtype != np.uint8 or view.nbytes != self.layout.page_nbytes:
                 what = f"{view.dtype} {view.shape}" if isinstance(view, np.ndarray) else type(view).__name__
-                raise LayoutError(
-                    f"target of page {i} of {pages} is {what}, not the {self.layout.page_nbytes} bytes of one page"
-                )
+                raise LayoutError(f"target of page {i} of {pages} is {what}, not the {self.layout.page_nbytes} bytes of one page")
             views.append(view)
         return views
 
@@ -299,9 +290,7 @@ class PageStore:
         self.manager.touch(handles)
         self.manager.promote(handles, self._move)
 
-    def _store_pages(
-        self, keys: list[int], sources: PageSource, priority: int = 0, parent_key: int | None = None
-    ) -> int:
+    def _store_pages(self, keys: list[int], sources: PageSource, priority: int = 0, parent_key: int | None = None) -> int:
         """Store the pages of one chain (after ``parent_key``'s page, if given) through the
         manager's chain writer, writing each page's bytes into the slot it gets."""
         t0 = time.perf_counter()

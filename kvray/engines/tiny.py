@@ -24,7 +24,6 @@ from kvray.core.errors import ConfigError
 from kvray.resources import bundled
 
 
-
 def model_dir(name: str) -> Path:
     """Directory holding ``config.json`` of the named model (what vLLM's ``model=`` takes)."""
     models = bundled("data/models")

@@ -43,13 +43,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvray.core.config import PageLayout, validate
+from kvray.core.errors import ConfigError
+from kvray.core.pages import torch_dtype
+from kvray.core.store import PageStore
 from kvray.engines.hf import DTYPE_NAMES
 from kvray.engines.revision import checkpoint_revision
 from kvray.engines.vllm_blocks import BlockCodec
 from kvray.engines.vllm_settings import ConnectorSettings, connector_settings, store_config
-from kvray.core.errors import ConfigError
-from kvray.core.pages import torch_dtype
-from kvray.core.store import PageStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -49,7 +49,11 @@ def run_in_vllm_env(spec: dict, timeout: float = 300) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{package_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
         [str(vllm_python()), "-m", "kvray.engines.vllm_runs", json.dumps(spec)],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=package_root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=package_root,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -74,13 +78,23 @@ def make_llm(model: str, kvray: dict | None, prefix_caching: bool, block_size: i
     transfer = None
     if kvray is not None:
         transfer = KVTransferConfig(
-            kv_connector="KVRayConnector", kv_connector_module_path="kvray.engines.vllm",
-            kv_role="kv_both", kv_connector_extra_config=kvray,
+            kv_connector="KVRayConnector",
+            kv_connector_module_path="kvray.engines.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=kvray,
         )
     return LLM(
-        model=str(path), load_format=weights, skip_tokenizer_init=True, enforce_eager=True,
-        dtype=dtype, max_model_len=4096, block_size=block_size, enable_prefix_caching=prefix_caching,
-        kv_cache_memory_bytes=256 << 20, kv_transfer_config=transfer, seed=0,
+        model=str(path),
+        load_format=weights,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype=dtype,
+        max_model_len=4096,
+        block_size=block_size,
+        enable_prefix_caching=prefix_caching,
+        kv_cache_memory_bytes=256 << 20,
+        kv_transfer_config=transfer,
+        seed=0,
     )
 
 

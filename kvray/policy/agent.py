@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvray.core.tiers import Tier
 from kvray.policy.base import PageContext
 from kvray.policy.features import FeaturePolicy
-from kvray.core.tiers import Tier
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import numpy as np
 
 from kvray.core.errors import PolicyError
 from kvray.core.index import PrefixIndex
-from kvray.policy.base import PageContext, RequestInfo, ScoredPolicy
 from kvray.core.tiers import Tier
+from kvray.policy.base import PageContext, RequestInfo, ScoredPolicy
 
 
 class BeladyPolicy(ScoredPolicy):

@@ -26,9 +26,9 @@ from itertools import islice
 import numpy as np
 
 from kvray.core.index import PrefixIndex
+from kvray.core.tiers import Tier
 from kvray.policy.base import PageContext, RequestInfo
 from kvray.policy.lru import LRUPolicy
-from kvray.core.tiers import Tier
 
 FEATURES = (
     "is_eviction",

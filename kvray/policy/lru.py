@@ -10,8 +10,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvray.policy.base import PlacementPolicy
 from kvray.core.tiers import Tier
+from kvray.policy.base import PlacementPolicy
 
 
 class LRUPolicy(PlacementPolicy):

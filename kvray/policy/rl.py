@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from kvray.core.errors import ConfigError, PolicyError
+from kvray.core.tiers import Tier
 from kvray.policy.agent import AgentPolicy, Decision
 from kvray.policy.features import CANDIDATES, FEATURES
-from kvray.core.tiers import Tier
 from kvray.resources import shipped_or_given
 
 DEFAULT_POLICY = "default"  # the policy shipped in policies/default (kvray.resources)
@@ -78,9 +78,7 @@ def load_scorer(path: str | Path) -> tuple[MLPScorer, dict]:
         raise PolicyError(f"{path}: unreadable policy file ({exc})") from None
     spec = card.get("observation") if isinstance(card, dict) else None
     if spec != observation_spec():
-        raise PolicyError(
-            f"{card_path}: policy was trained on observation {spec}, this kvray builds {observation_spec()}"
-        )
+        raise PolicyError(f"{card_path}: policy was trained on observation {spec}, this kvray builds {observation_spec()}")
     n = len(tensors) // 2
     try:
         weights = [tensors[f"layer{i}.weight"] for i in range(n)]

@@ -3,9 +3,9 @@ requests to the device, everything else to host memory; LRU eviction within each
 
 from __future__ import annotations
 
+from kvray.core.tiers import Tier
 from kvray.policy.base import PageContext
 from kvray.policy.lru import LRUPolicy
-from kvray.core.tiers import Tier
 
 
 class ThresholdPolicy(LRUPolicy):

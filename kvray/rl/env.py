@@ -38,11 +38,11 @@ from collections.abc import Callable, Mapping, Sequence
 import gymnasium as gym
 import numpy as np
 
+from kvray.core.tiers import Tier
 from kvray.policy.agent import AgentPolicy, Decision
 from kvray.policy.features import CANDIDATES, DROP_COST, FEATURES, padded
 from kvray.sim.cost import Scenario
 from kvray.sim.simulator import Simulator, next_uses
-from kvray.core.tiers import Tier
 from kvray.traces import TraceRequest, full_blocks, unique_blocks
 
 

@@ -102,7 +102,11 @@ def _scorer_policy_class():
 def export_scorer(scorer: RowScorer, folder: Path) -> None:
     from safetensors.torch import save_file
 
-    tensors = {f"layer{i}.{name}": p.detach().cpu().contiguous() for i, layer in enumerate(scorer.layers) for name, p in layer.named_parameters()}
+    tensors = {
+        f"layer{i}.{name}": p.detach().cpu().contiguous()
+        for i, layer in enumerate(scorer.layers)
+        for name, p in layer.named_parameters()
+    }
     save_file(tensors, str(folder / WEIGHTS_FILE))
 
 
@@ -146,16 +150,34 @@ def train(
         held_out.append(rest)
         sources.append({"trace": str(path), "train_requests": len(first), "held_out_requests": len(rest)})
     makers = [
-        (lambda t=t, f=f: gym.make("kvray/Placement-v0", trace=t, scenario=scenario,
-                                   capacities=fast_capacity(scenario, t, fraction=f), episode_requests=episode_requests))
+        (
+            lambda t=t, f=f: gym.make(
+                "kvray/Placement-v0",
+                trace=t,
+                scenario=scenario,
+                capacities=fast_capacity(scenario, t, fraction=f),
+                episode_requests=episode_requests,
+            )
+        )
         for t in train_parts
         for f in capacity_fractions
     ]
     env = DummyVecEnv(makers)
     env.seed(seed)
     model = PPO(
-        _scorer_policy_class(), env, n_steps=512, batch_size=256, n_epochs=4, gamma=0.0, gae_lambda=1.0,
-        learning_rate=1e-3, ent_coef=0.02, seed=seed, device="cpu", verbose=0, tensorboard_log=None if tensorboard is None else str(tensorboard),
+        _scorer_policy_class(),
+        env,
+        n_steps=512,
+        batch_size=256,
+        n_epochs=4,
+        gamma=0.0,
+        gae_lambda=1.0,
+        learning_rate=1e-3,
+        ent_coef=0.02,
+        seed=seed,
+        device="cpu",
+        verbose=0,
+        tensorboard_log=None if tensorboard is None else str(tensorboard),
     )
 
     curve: list[dict] = []

@@ -112,8 +112,13 @@ def llama_prefill(layers: int, hidden: int, heads: int, kv_heads: int, repeats: 
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+        vocab_size=4096,
+        hidden_size=hidden,
+        intermediate_size=hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
     )
     model = LlamaForCausalLM(config).eval()
     times = {}

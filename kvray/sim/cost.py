@@ -28,6 +28,7 @@ from kvray.core.config import FrozenModel, PageLayout, load_yaml
 from kvray.core.tiers import TIER_BY_LABEL, Tier
 from kvray.resources import shipped_or_given
 
+
 class TierSpec(FrozenModel):
     """One tier: its size in pages and how fast pages get in and out of it."""
 
@@ -139,7 +140,6 @@ class CostModel:
         """Each tier's page load time relative to recomputing the page: what a placement
         policy weighs tiers by (in the simulator, in training and in the runtime's card)."""
         return {t: self.load_ms(t) / self.page_prefill_ms() for t in tiers}
-
 
 
 class PrefillQueue:

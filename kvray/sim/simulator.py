@@ -34,12 +34,11 @@ import numpy as np
 
 from kvray.core.errors import ConfigError
 from kvray.core.manager import CacheManager
-from kvray.policy.base import PlacementPolicy, RequestInfo
-from kvray.sim.cost import CostModel, PrefillQueue, Scenario
-from kvray.report import ReplayResult, ReplayTally, hit_tokens
 from kvray.core.tiers import TIER_LABELS, Tier
+from kvray.policy.base import PlacementPolicy, RequestInfo
+from kvray.report import ReplayResult, ReplayTally, hit_tokens
+from kvray.sim.cost import CostModel, PrefillQueue, Scenario
 from kvray.traces import TraceRequest, full_blocks, unique_blocks
-
 
 
 def next_uses(trace: Sequence[TraceRequest]) -> list[np.ndarray]:

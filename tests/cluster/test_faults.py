@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import ray
 
-from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.apps.replay import Replay, ReplaySettings
+from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.core.config import PageLayout, TierSizes
 from kvray.traces import read_trace
-from tests.conftest import RAY_OBJECT_STORE_BYTES
 from tests.cluster.test_replay import TRACE
+from tests.conftest import RAY_OBJECT_STORE_BYTES
 
 pytestmark = [pytest.mark.ray, pytest.mark.fault]
 
@@ -25,8 +25,9 @@ _names = itertools.count()
 def replay_with_fault(runtime: Runtime, trace, fault, inspect=None) -> tuple:
     """Replay ``trace`` on ``runtime`` with ``fault(i)`` run before request ``i``; returns the
     result and what ``inspect()`` (default: the controller's snapshot) saw before teardown."""
-    replay = Replay(runtime, ReplaySettings(name="fault", nodes=len(runtime.stores), runtime=runtime.config,
-                                            prefill_us_per_token=1.0))
+    replay = Replay(
+        runtime, ReplaySettings(name="fault", nodes=len(runtime.stores), runtime=runtime.config, prefill_us_per_token=1.0)
+    )
     try:
         result = replay.run(trace, progress=False, on_request=fault)
         return result, (inspect or (lambda: ray.get(runtime.controller.snapshot.remote())))()
@@ -75,8 +76,14 @@ def restarted_info(store, timeout_s: float = 120.0) -> dict:
 
 
 def test_a_restarted_store_recovers_its_disk_tier(ray_cluster, tmp_path):
-    config = RuntimeConfig(name=f"f{next(_names)}", layout=LAYOUT, tiers=TierSizes(host=4, disk=32),
-                           disk_root=tmp_path, collective=False, local_pages_limit=12)
+    config = RuntimeConfig(
+        name=f"f{next(_names)}",
+        layout=LAYOUT,
+        tiers=TierSizes(host=4, disk=32),
+        disk_root=tmp_path,
+        collective=False,
+        local_pages_limit=12,
+    )
     runtime = Runtime.start(config)
     client = KvrayClient.connect(config.name, buffer_pages=16)
     try:

@@ -15,13 +15,13 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvray.cluster.config import RuntimeConfig
 from kvray.apps.replay import ReplaySettings, settings_from
+from kvray.cluster.config import RuntimeConfig
 from kvray.core.config import PageLayout, StoreConfig
-from kvray.engines.vllm_blocks import BlockCodec
-from kvray.engines.vllm_settings import ConnectorSettings, connector_settings, store_config
 from kvray.core.errors import KvrayError
 from kvray.core.pages import torch_dtype
+from kvray.engines.vllm_blocks import BlockCodec
+from kvray.engines.vllm_settings import ConnectorSettings, connector_settings, store_config
 
 pytestmark = pytest.mark.fault
 
@@ -30,10 +30,16 @@ tried: Counter = Counter()
 FUZZ = settings(max_examples=CASES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
-    st.text(max_size=30), st.sampled_from(["lru", "lfu", "arc", "rl", "rl:/nonexistent.zip", "../../etc", "", "0"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=30),
+    st.sampled_from(["lru", "lfu", "arc", "rl", "rl:/nonexistent.zip", "../../etc", "", "0"]),
 )
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
+values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6
+)
 
 
 def mapping(fields: list[str]):
@@ -86,8 +92,9 @@ def test_block_codec_refuses_mismatched_caches_and_round_trips_matching_ones(bac
     except KvrayError:
         return
     blocks = data.draw(st.lists(st.integers(0, caches[0].shape[0] - 1), min_size=1, max_size=5, unique=True))
-    pages = torch.randn(len(blocks), layout.layers, 2, layout.page_tokens, layout.kv_heads, layout.head_dim,
-                        dtype=torch_dtype(layout))
+    pages = torch.randn(
+        len(blocks), layout.layers, 2, layout.page_tokens, layout.kv_heads, layout.head_dim, dtype=torch_dtype(layout)
+    )
     codec.write(blocks, pages)
     assert torch.equal(codec.read(blocks), pages)
 
@@ -97,12 +104,14 @@ REPLAY_FIELDS = list(ReplaySettings.model_fields)
 
 
 @FUZZ
-@given(document=st.one_of(
-    mapping(REPLAY_FIELDS).map(yaml.safe_dump),
-    st.fixed_dictionaries({"runtime": mapping(RUNTIME_FIELDS)}, optional={"nodes": values}).map(yaml.safe_dump),
-    st.text(alphabet=string.printable, max_size=80),
-    st.binary(max_size=40),
-))
+@given(
+    document=st.one_of(
+        mapping(REPLAY_FIELDS).map(yaml.safe_dump),
+        st.fixed_dictionaries({"runtime": mapping(RUNTIME_FIELDS)}, optional={"nodes": values}).map(yaml.safe_dump),
+        st.text(alphabet=string.printable, max_size=80),
+        st.binary(max_size=40),
+    )
+)
 def test_scenario_files_give_settings_or_a_config_error(document, tmp_path_factory):
     tried["scenario_file"] += 1
     path = tmp_path_factory.mktemp("scenario") / "scenario.yaml"

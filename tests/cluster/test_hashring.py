@@ -29,7 +29,10 @@ def test_removing_a_node_moves_only_its_keys():
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.integers(0, 2**128 - 1), min_size=1, max_size=50), st.sets(st.text("xyz", min_size=1, max_size=3), min_size=1, max_size=5))
+@given(
+    st.lists(st.integers(0, 2**128 - 1), min_size=1, max_size=50),
+    st.sets(st.text("xyz", min_size=1, max_size=3), min_size=1, max_size=5),
+)
 def test_owner_is_deterministic_and_a_member(keys, nodes):
     a, b = HashRing(sorted(nodes)), HashRing(sorted(nodes, reverse=True))
     assert a.owners(keys) == b.owners(keys)

@@ -49,8 +49,13 @@ def wait_for_job_server(ray_bin: Path, port: int, env: dict, timeout_s: float = 
     """The dashboard answers before its job module does; wait until ``ray job list`` works."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        probe = subprocess.run([str(ray_bin), "job", "list", "--address", f"http://127.0.0.1:{port}"],
-                               env=env, capture_output=True, text=True, timeout=60)
+        probe = subprocess.run(
+            [str(ray_bin), "job", "list", "--address", f"http://127.0.0.1:{port}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if probe.returncode == 0:
             return
         time.sleep(1)
@@ -82,26 +87,65 @@ def submit_a_job(tmp_path: Path) -> None:
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     bin_dir = Path(sys.executable).parent  # the job's `python` must be this environment's
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-           "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    }
     env.pop("RAY_ADDRESS", None)
     ray_bin = bin_dir / "ray"
     port, dashboard = free_port(), free_port()
     head = subprocess.Popen(
-        [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
-         f"--dashboard-port={dashboard}", "--object-store-memory=150000000", f"--temp-dir={tmp_path / 'ray'}",
-         # Own agent ports: the defaults may be held by the session cluster's nodes.
-         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-         f"--metrics-export-port={free_port()}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            str(ray_bin),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=true",
+            f"--dashboard-port={dashboard}",
+            "--object-store-memory=150000000",
+            f"--temp-dir={tmp_path / 'ray'}",
+            # Own agent ports: the defaults may be held by the session cluster's nodes.
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         wait_for_dashboard(dashboard)
         wait_for_job_server(ray_bin, dashboard, env)
         job = submit_when_an_agent_is_up(
-            [str(ray_bin), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", ".", "--",
-             "python", "-m", "kvray", "run", "--trace", "data/traces/conversation_trace_first30min.jsonl",
-             "--limit", "12", "--host-pages", "64", "--prefill-us-per-token", "1", "--json"],
+            [
+                str(ray_bin),
+                "job",
+                "submit",
+                "--address",
+                f"http://127.0.0.1:{dashboard}",
+                "--working-dir",
+                ".",
+                "--",
+                "python",
+                "-m",
+                "kvray",
+                "run",
+                "--trace",
+                "data/traces/conversation_trace_first30min.jsonl",
+                "--limit",
+                "12",
+                "--host-pages",
+                "64",
+                "--prefill-us-per-token",
+                "1",
+                "--json",
+            ],
             env,
         )
     finally:

@@ -62,9 +62,7 @@ OTHER_UID = 12345  # a uid nobody on the test machine is; segments are given to 
 
 
 def dead_pid() -> int:
-    process = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
-    )
+    process = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
     return int(process.stdout)
 
 

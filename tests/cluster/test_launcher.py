@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import ray
-
 from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
 
 from kvray.cluster.launcher import TIER_RESOURCES, fake_autoscaler_config, validate_cluster
@@ -93,17 +92,35 @@ def test_fake_autoscaler_launches_a_tier_node_for_a_store_and_retires_it(tmp_pat
     ray_bin = Path(sys.executable).parent / "ray"
     # Token auth off, explicitly: this head listens on loopback only for this test, and with
     # RAY_AUTH_MODE unset `ray start` and `ray.init` disagree once ~/.ray/auth_token exists.
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "PYTHONPATH": str(ROOT),
-           "RAY_AUTH_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "RAY_FAKE_CLUSTER": "1",
+        "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+        "PYTHONPATH": str(ROOT),
+        "RAY_AUTH_MODE": "disabled",
+    }
     head = subprocess.Popen(
-        [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-         "--object-store-memory=100000000", f"--autoscaling-config={config_path}"],
-        env={**env, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            str(ray_bin),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=1",
+            "--include-dashboard=false",
+            "--object-store-memory=100000000",
+            f"--autoscaling-config={config_path}",
+        ],
+        env={**env, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     lines: list[dict] = []
     try:
-        driver = subprocess.run([sys.executable, "-c", DRIVER, f"{ip}:{port}"], env=env, capture_output=True,
-                                text=True, timeout=420, cwd=ROOT)
+        driver = subprocess.run(
+            [sys.executable, "-c", DRIVER, f"{ip}:{port}"], env=env, capture_output=True, text=True, timeout=420, cwd=ROOT
+        )
         lines = [json.loads(line) for line in driver.stdout.splitlines() if line.startswith("{")]
         assert driver.returncode == 0, driver.stderr[-3000:]
     finally:

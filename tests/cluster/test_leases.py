@@ -21,9 +21,9 @@ import time
 import pytest
 import ray
 
+from kvray.apps.replay_engine import PagePattern
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.cluster.controller import new_lease
-from kvray.apps.replay_engine import PagePattern
 from kvray.core.config import PageLayout, TierSizes
 from tests.cluster.test_reliability_runtime import report
 
@@ -91,8 +91,14 @@ def test_a_leaked_lease_blocks_a_dropped_prefix_only_until_it_expires(ray_cluste
     finally:
         client.close()
         runtime.close()
-    report("leaked lease (client died after lookup_pin) + eviction", requests=5 + 3, wrong_pages=0,
-           hits_while_leaked=blocked[0], hits_after_expiry=[h for h, _ in hits], lease_ttl_s=ttl)
+    report(
+        "leaked lease (client died after lookup_pin) + eviction",
+        requests=5 + 3,
+        wrong_pages=0,
+        hits_while_leaked=blocked[0],
+        hits_after_expiry=[h for h, _ in hits],
+        lease_ttl_s=ttl,
+    )
     assert hits[0] == (1, 0)  # the lease expired: the dropped pages are gone and stored again
     assert hits[1:] == [(3, 0), (3, 0)]
     assert snap["expired_leases"] >= 1 and snap["doomed_pages"] == 0 and snap["open_leases"] == 0
@@ -118,8 +124,13 @@ def test_a_lookup_that_timed_out_after_its_pin_releases_the_lease_by_id(ray_clus
     finally:
         client.close()
         runtime.close()
-    report(f"lookup timed out after the pin (controller stalled {STALL_S:g} s, client timeout {TIMEOUT_S:g} s) + eviction",
-           requests=5, wrong_pages=0, open_leases_after_timeout=after_timeout["open_leases"], hits=[h for h, _ in served])
+    report(
+        f"lookup timed out after the pin (controller stalled {STALL_S:g} s, client timeout {TIMEOUT_S:g} s) + eviction",
+        requests=5,
+        wrong_pages=0,
+        open_leases_after_timeout=after_timeout["open_leases"],
+        hits=[h for h, _ in served],
+    )
     assert after_timeout["open_leases"] == 0  # released by id right after the pin
     assert served == [(1, 0), (3, 0)] and snap["doomed_pages"] == 0
 
@@ -180,8 +191,13 @@ def test_a_store_call_finishing_after_the_clients_timeout_causes_no_wrong_kv(ray
     finally:
         client.close()
         runtime.close()
-    report(f"store {late} delayed {STALL_S:g} s past the client's {TIMEOUT_S:g} s timeout", requests=5, wrong_pages=wrong,
-           late_copy_pages=len(held), renewed_buffers=client.renewed_buffers)
+    report(
+        f"store {late} delayed {STALL_S:g} s past the client's {TIMEOUT_S:g} s timeout",
+        requests=5,
+        wrong_pages=wrong,
+        late_copy_pages=len(held),
+        renewed_buffers=client.renewed_buffers,
+    )
     assert wrong == 0
     assert stats["landing_buffers"] == 1  # the abandoned buffer was unmapped once its late copy returned
 

@@ -24,8 +24,9 @@ _names = itertools.count()
 
 def _runtime(ray_cluster):
     """A runtime whose host tier holds 8 pages per node, and a client on the head node."""
-    config = RuntimeConfig(name=f"m{next(_names)}", layout=LAYOUT, tiers=TierSizes(host=8), collective=False,
-                           checksum_memory=True)
+    config = RuntimeConfig(
+        name=f"m{next(_names)}", layout=LAYOUT, tiers=TierSizes(host=8), collective=False, checksum_memory=True
+    )
     runtime = Runtime.start(config)
     client = KvrayClient.connect(config.name, buffer_pages=16)
     yield runtime, client
@@ -162,8 +163,9 @@ def test_a_restarted_store_is_remapped_and_never_yields_wrong_kv(own_runtime):
 
 
 def test_a_run_half_on_host_half_on_disk_is_copied_then_read_through_the_store(ray_cluster, tmp_path):
-    config = RuntimeConfig(name=f"m{next(_names)}", layout=LAYOUT, tiers=TierSizes(host=4, disk=16),
-                           disk_root=tmp_path, collective=False)
+    config = RuntimeConfig(
+        name=f"m{next(_names)}", layout=LAYOUT, tiers=TierSizes(host=4, disk=16), disk_root=tmp_path, collective=False
+    )
     runtime = Runtime.start(config)
     client = KvrayClient.connect(config.name, buffer_pages=16)
     try:

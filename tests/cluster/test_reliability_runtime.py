@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import ray
 
+from kvray.apps.replay_engine import PagePattern
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.cluster.controller import REBUILD_WAIT_S
-from kvray.apps.replay_engine import PagePattern
 from kvray.core.config import PageLayout, TierSizes
 from kvray.traces import read_trace
 from tests.cluster.test_faults import replay_with_fault
@@ -95,9 +95,16 @@ def test_a_killed_controller_is_restarted_and_rebuilds_its_index_from_the_stores
     result, after = replay_with_fault(runtime, trace, kill_at_half)
     acknowledged = seen["indexed"] & seen["held"]
     lost = acknowledged - seen["rebuilt"]
-    report("controller killed mid-replay", requests=result.requests + 1, wrong_pages=result.wrong_pages,
-           acknowledged_pages=len(acknowledged), lost_pages=len(lost), recovery_s=round(seen["recovery_s"], 2),
-           rebuild_s=round(seen["rebuild_s"], 3), bound_s=CONTROLLER_RECOVERY_BOUND_S)
+    report(
+        "controller killed mid-replay",
+        requests=result.requests + 1,
+        wrong_pages=result.wrong_pages,
+        acknowledged_pages=len(acknowledged),
+        lost_pages=len(lost),
+        recovery_s=round(seen["recovery_s"], 2),
+        rebuild_s=round(seen["rebuild_s"], 3),
+        bound_s=CONTROLLER_RECOVERY_BOUND_S,
+    )
     assert result.requests == len(trace) and result.wrong_pages == 0
     assert seen["recovery_s"] < CONTROLLER_RECOVERY_BOUND_S
     assert sorted(seen["nodes"]) == nodes  # every store re-joined
@@ -127,14 +134,25 @@ def test_a_store_actor_killed_mid_replay_costs_misses_never_wrong_kv(ray_cluster
             assert time.monotonic() < deadline, "the store actor did not come back"
             time.sleep(0.1)
         recovery_s = time.monotonic() - seen["t0"]
-        on_victim = set(ray.get(runtime.controller.__ray_call__.remote(
-            lambda self: [self.index.key_of(h) for h in self._on_node(victim).tolist()])))
+        on_victim = set(
+            ray.get(
+                runtime.controller.__ray_call__.remote(
+                    lambda self: [self.index.key_of(h) for h in self._on_node(victim).tolist()]
+                )
+            )
+        )
         victim_holds = {key for key, _ in ray.get(runtime.stores[victim].holdings.remote())["pages"]}
         return recovery_s, ray.get(runtime.controller.snapshot.remote()), on_victim, victim_holds
 
     result, (recovery_s, after, on_victim, victim_holds) = replay_with_fault(runtime, trace, kill_at_half, inspect)
-    report("store actor killed mid-replay", requests=result.requests, wrong_pages=result.wrong_pages,
-           pages_on_killed_store=seen["before"], pages_forgotten=after["lost_pages"], recovery_s=round(recovery_s, 2))
+    report(
+        "store actor killed mid-replay",
+        requests=result.requests,
+        wrong_pages=result.wrong_pages,
+        pages_on_killed_store=seen["before"],
+        pages_forgotten=after["lost_pages"],
+        recovery_s=round(recovery_s, 2),
+    )
     assert result.requests == len(trace) and result.wrong_pages == 0
     assert seen["before"] > 0
     assert on_victim <= victim_holds  # the pages it lost were forgotten; only new ones are indexed
@@ -148,8 +166,15 @@ def client_process(runtime_name: str, worker: int, requests: int) -> dict:
     client = KvrayClient.connect(runtime_name, buffer_pages=8, timeout_s=60.0)
     pattern = PagePattern(client.page_nbytes)
     rng = random.Random(worker)
-    seen = {"requests": 0, "lookup_pages": 0, "hit_pages": 0, "wrong_pages": 0, "remote_pages": 0,
-            "bytes_between_nodes": 0, "stored_pages": 0}
+    seen = {
+        "requests": 0,
+        "lookup_pages": 0,
+        "hit_pages": 0,
+        "wrong_pages": 0,
+        "remote_pages": 0,
+        "bytes_between_nodes": 0,
+        "stored_pages": 0,
+    }
     try:
         for _ in range(requests):
             conversation, depth = rng.randrange(6), rng.randint(1, 8)
@@ -194,8 +219,14 @@ def test_eight_client_processes_on_overlapping_prefixes(ray_cluster):
     finally:
         runtime.close()
     total = {k: sum(s[k] for s in seen) for k in seen[0]}
-    report("8 concurrent client processes", requests=total["requests"], wrong_pages=total["wrong_pages"],
-           hit_pages=total["hit_pages"], lookup_pages=total["lookup_pages"], seconds=round(elapsed, 1))
+    report(
+        "8 concurrent client processes",
+        requests=total["requests"],
+        wrong_pages=total["wrong_pages"],
+        hit_pages=total["hit_pages"],
+        lookup_pages=total["lookup_pages"],
+        seconds=round(elapsed, 1),
+    )
     assert total["requests"] == clients * requests and total["wrong_pages"] == 0
     assert total["hit_pages"] > 0 and total["remote_pages"] > 0  # real sharing, across nodes too
     assert snap["lookups"] + snap["local_lookups"] == total["requests"]

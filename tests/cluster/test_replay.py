@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from kvray.cluster import RuntimeConfig
 from kvray.apps.replay import ReplaySettings, replay_on_runtime
+from kvray.cluster import RuntimeConfig
 from kvray.core.config import PageLayout, TierSizes
 from kvray.traces import read_trace
 
@@ -21,8 +21,18 @@ pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "data" / "traces" / "conversation_trace_first30min.jsonl"
 LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=16, page_tokens=512, dtype="float16")
-SIM_KEYS = {"requests", "tokens", "hit_tokens", "token_hit_rate", "hit_tokens_by_tier", "mean_ttft_ms",
-            "p99_ttft_ms", "bytes_moved", "policy", "scenario"}
+SIM_KEYS = {
+    "requests",
+    "tokens",
+    "hit_tokens",
+    "token_hit_rate",
+    "hit_tokens_by_tier",
+    "mean_ttft_ms",
+    "p99_ttft_ms",
+    "bytes_moved",
+    "policy",
+    "scenario",
+}
 _names = itertools.count()
 
 
@@ -68,9 +78,27 @@ def test_kvray_run_joins_a_running_cluster_and_prints_json(ray_cluster, tmp_path
         "runtime:\n  name: cli-run\n  layout: {layers: 2, kv_heads: 2, head_dim: 16, page_tokens: 512}\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "kvray", "run", "--trace", str(trace), "--policy", "lru", "--scenario", str(scenario),
-         "--address", ray_cluster.address, "--host-pages", "300", "--json"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "kvray",
+            "run",
+            "--trace",
+            str(trace),
+            "--policy",
+            "lru",
+            "--scenario",
+            str(scenario),
+            "--address",
+            ray_cluster.address,
+            "--host-pages",
+            "300",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -25,8 +25,11 @@ def kvray(*args: str) -> subprocess.CompletedProcess:
 
 
 def runtime_actors() -> list[str]:
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and a["name"].startswith(f"{NAME}-")]
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE and a["name"].startswith(f"{NAME}-")
+    ]
 
 
 @pytest.fixture
@@ -48,8 +51,17 @@ def test_up_status_run_down(address):
 
     replays = []
     for _ in range(2):
-        run = kvray("run", *where, "--trace", "data/traces/conversation_trace_first30min.jsonl", "--limit", "8",
-                    "--prefill-us-per-token", "1", "--json")
+        run = kvray(
+            "run",
+            *where,
+            "--trace",
+            "data/traces/conversation_trace_first30min.jsonl",
+            "--limit",
+            "8",
+            "--prefill-us-per-token",
+            "1",
+            "--json",
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         replays.append(json.loads(run.stdout.strip().splitlines()[-1]))
     assert replays[0]["requests"] == 8 and replays[0]["wrong_pages"] == 0

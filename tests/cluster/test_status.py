@@ -42,7 +42,10 @@ def busy_runtime(ray_cluster):
 def test_kvray_status_prints_the_metrics_of_a_running_cluster(busy_runtime, ray_cluster):
     proc = subprocess.run(
         [sys.executable, "-m", "kvray", "status", "--address", ray_cluster.address, "--name", "status", "--json"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     status = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -59,7 +62,10 @@ def test_kvray_status_prints_the_metrics_of_a_running_cluster(busy_runtime, ray_
 def test_status_of_an_unknown_runtime_is_a_clear_error(ray_cluster):
     proc = subprocess.run(
         [sys.executable, "-m", "kvray", "status", "--address", ray_cluster.address, "--name", "nobody"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert proc.returncode == 2 and "no kvray runtime named 'nobody'" in " ".join(proc.stderr.split())
 
@@ -68,14 +74,23 @@ def test_metrics_reach_prometheus_through_ray(busy_runtime):
     """The actors' gauges appear in the Prometheus text Ray's metrics agents serve."""
     ray.get(busy_runtime.controller.status.remote())  # every store and the controller export
     ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
-    wanted = {"kvray_hit_rate", "kvray_hit_pages", "kvray_occupancy", "kvray_fragmentation",
-              "kvray_swap_latency_seconds", "kvray_bytes_moved"}
+    wanted = {
+        "kvray_hit_rate",
+        "kvray_hit_pages",
+        "kvray_occupancy",
+        "kvray_fragmentation",
+        "kvray_swap_latency_seconds",
+        "kvray_bytes_moved",
+    }
     seen: set[str] = set()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not wanted <= seen:
         for port in ports:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-            seen |= {line.split("{")[0].split(" ")[0].removeprefix("ray_") for line in text.splitlines()
-                     if "kvray_" in line and not line.startswith("#")}
+            seen |= {
+                line.split("{")[0].split(" ")[0].removeprefix("ray_")
+                for line in text.splitlines()
+                if "kvray_" in line and not line.startswith("#")
+            }
         time.sleep(1)
     assert wanted <= seen, f"missing {wanted - seen}"

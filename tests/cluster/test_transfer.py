@@ -221,8 +221,7 @@ class Relay:
     connection's server -> client (``to_client``) or client -> server (``to_server``) stream:
     a network that corrupts, or a man in the middle who rewrites counts."""
 
-    def __init__(self, upstream, to_client: dict[int, bytes] | None = None,
-                 to_server: dict[int, bytes] | None = None) -> None:
+    def __init__(self, upstream, to_client: dict[int, bytes] | None = None, to_server: dict[int, bytes] | None = None) -> None:
         self._upstream = upstream
         self._patches = (to_server or {}, to_client or {})
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -288,10 +287,13 @@ def test_a_page_corrupted_on_its_way_to_the_server_is_not_stored(served, monkeyp
         relay.close()
 
 
-@pytest.mark.parametrize(("verb", "offset", "message"), [
-    ("load", HANDSHAKE_REPLY, "pages for a request of 2"),  # got
-    ("store", HANDSHAKE_REPLY + 4, "dropped keys"),  # d, after stored
-])
+@pytest.mark.parametrize(
+    ("verb", "offset", "message"),
+    [
+        ("load", HANDSHAKE_REPLY, "pages for a request of 2"),  # got
+        ("store", HANDSHAKE_REPLY + 4, "dropped keys"),  # d, after stored
+    ],
+)
 def test_a_huge_count_off_the_wire_is_refused_without_a_big_allocation(served, caplog, verb, offset, message):
     server, _, _, token = served
     relay = Relay(server.address, to_client={offset: b"\xff\xff\xff\xff"})
@@ -325,8 +327,12 @@ def test_a_server_without_the_token_gets_neither_the_token_nor_a_key_and_its_pag
             conn, _ = listener.accept()
             conn.settimeout(10)
             with conn:
-                conn.sendall(secrets.token_bytes(HANDSHAKE_REPLY) + struct.pack("<I", 2) + fake.tobytes()
-                             + b"".join(struct.pack("<Q", xxhash.xxh3_64_intdigest(row)) for row in fake))
+                conn.sendall(
+                    secrets.token_bytes(HANDSHAKE_REPLY)
+                    + struct.pack("<I", 2)
+                    + fake.tobytes()
+                    + b"".join(struct.pack("<Q", xxhash.xxh3_64_intdigest(row)) for row in fake)
+                )
                 with contextlib.suppress(OSError):
                     while chunk := conn.recv(1 << 16):
                         heard.extend(chunk)
@@ -416,8 +422,13 @@ def test_a_server_out_of_file_descriptors_keeps_serving_token_holders():
     """The issue's reproduction: 80 idle unauthenticated connections against a server with
     few descriptors left used to end its accept loop for good."""
     token = secrets.token_bytes(TOKEN_BYTES)
-    proc = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FEW_DESCRIPTORS, token.hex()], cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_WITH_FEW_DESCRIPTORS, token.hex()],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     idle = []
     links = PeerLinks(token, PAGE, timeout_s=20)
     try:
@@ -466,8 +477,10 @@ def test_request_buffers_are_not_kept_per_connection():
     clients = [PeerLinks(token, PAGE, timeout_s=10) for _ in range(4)]
     try:
         rows = np.stack([page_of(k) for k in range(100, 100 + MAX_PAGES)])
-        pending = [links.store(server.address, list(range(100 + 1000 * i, 100 + 1000 * i + MAX_PAGES)), rows, parent=None)
-                   for i, links in enumerate(clients)]
+        pending = [
+            links.store(server.address, list(range(100 + 1000 * i, 100 + 1000 * i + MAX_PAGES)), rows, parent=None)
+            for i, links in enumerate(clients)
+        ]
         assert all(run.receive()[0] == MAX_PAGES for run in pending)
         assert server.kept_rows <= MAX_PAGES  # one largest request's worth in all, not one per connection
         out = np.zeros((MAX_PAGES, PAGE), dtype=np.uint8)

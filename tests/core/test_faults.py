@@ -4,10 +4,10 @@ process killed in the middle of a move, concurrent clients, and hostile input.""
 from __future__ import annotations
 
 import subprocess
-from contextlib import suppress
 import sys
 import textwrap
 import threading
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
@@ -158,9 +158,7 @@ JSONISH = st.recursive(
 )
 LAYOUT_FIELDS = st.fixed_dictionaries(
     {},
-    optional={
-        k: JSONISH | st.integers(-5, 100) for k in ("layers", "kv_heads", "head_dim", "page_tokens", "dtype", "extra")
-    },
+    optional={k: JSONISH | st.integers(-5, 100) for k in ("layers", "kv_heads", "head_dim", "page_tokens", "dtype", "extra")},
 )
 
 
@@ -200,4 +198,3 @@ def test_fuzzed_page_api_never_changes_stored_pages(tokens, pages, width, finger
 FUZZ_TOKENS = list(range(16))
 FUZZ_STORE = PageStore(StoreConfig(layout=TINY, tiers=TierSizes(host=64)))
 FUZZ_STORE.store(FUZZ_TOKENS, prefix_kv(TINY, FUZZ_TOKENS))
-

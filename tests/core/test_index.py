@@ -101,7 +101,9 @@ def test_add_needs_an_indexed_parent_and_a_new_key():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 30), st.one_of(st.none(), st.integers(1, 30))), max_size=40, unique_by=lambda link: link[0]))
+@given(
+    st.lists(st.tuples(st.integers(1, 30), st.one_of(st.none(), st.integers(1, 30))), max_size=40, unique_by=lambda link: link[0])
+)
 def test_parents_first_orders_every_rooted_chain_and_sets_orphans_apart(links):
     ordered, orphans = parents_first((key, parent, key) for key, parent in links)
     position = {key: i for i, (key, _, _) in enumerate(ordered)}

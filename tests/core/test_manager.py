@@ -171,7 +171,9 @@ def test_any_sequence_of_verbs_keeps_slots_and_the_prefix_closed_index_consisten
                     handle = manager.complete_store(key=key, tier=Tier.HOST, slot=slot, checksum=i, parent=parent)
                 parent = handle
         elif op == "touch":
-            handles = [h for h in (manager.index.handle_of(k) for k in list(manager.index.keys())[arg : arg + 1]) if h is not None]
+            handles = [
+                h for h in (manager.index.handle_of(k) for k in list(manager.index.keys())[arg : arg + 1]) if h is not None
+            ]
             manager.touch(np.array(handles, dtype=np.int64))
         else:
             keys = list(manager.index.keys())

@@ -38,6 +38,8 @@ def test_copy_page_round_trips_bit_exact(layers, page_tokens, pages, dtype, tens
     out_page = request_page(layout, request_bytes(out), index)
     copy_page(out_page, slot)
     start = index * page_tokens
-    assert torch.equal(out[:, :, start : start + page_tokens].view(torch.uint8), kv[:, :, start : start + page_tokens].view(torch.uint8))
+    assert torch.equal(
+        out[:, :, start : start + page_tokens].view(torch.uint8), kv[:, :, start : start + page_tokens].view(torch.uint8)
+    )
     assert not out[:, :, :start].view(torch.uint8).any() and not out[:, :, start + page_tokens :].view(torch.uint8).any()
     assert hash_page(out_page) == hash_page(page)

@@ -162,8 +162,15 @@ def page_of(key: int) -> np.ndarray:
 def _writer(name: str, disk_dir: str, checksum_memory: bool, ready, stop) -> None:
     """The store side: keeps storing and reading pages so host slots are rewritten,
     demoted to disk, promoted back and evicted while the reader copies."""
-    store = PageStore(StoreConfig(layout=LAYOUT, tiers=TierSizes(host=4, disk=6), disk_dir=disk_dir,
-                                  host_shared_memory=name, checksum_memory=checksum_memory))
+    store = PageStore(
+        StoreConfig(
+            layout=LAYOUT,
+            tiers=TierSizes(host=4, disk=6),
+            disk_dir=disk_dir,
+            host_shared_memory=name,
+            checksum_memory=checksum_memory,
+        )
+    )
     pages = {key: page_of(key) for key in range(1, POOL + 1)}
     ready.set()
     rng = np.random.default_rng(0)
@@ -212,8 +219,9 @@ def test_off_x86_64_the_host_tier_is_not_shared_and_pages_go_through_the_store(m
     its new checksum, so neither mapped reads nor checksums make it sound there."""
     monkeypatch.setattr("platform.machine", lambda: machine)
     name = _name()
-    store = PageStore(StoreConfig(layout=LAYOUT, tiers=TierSizes(host=4), host_shared_memory=name,
-                                  checksum_memory=checksum_memory))
+    store = PageStore(
+        StoreConfig(layout=LAYOUT, tiers=TierSizes(host=4), host_shared_memory=name, checksum_memory=checksum_memory)
+    )
     try:
         assert store.directory is None and store.pools[1].shared_name is None
         assert not (SHM_DIR / name).exists() and not (SHM_DIR / directory_name(name)).exists()

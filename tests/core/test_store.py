@@ -117,10 +117,22 @@ BAD_INPUTS = {
     "wrong layers": (lambda s, t: s.store(t, prefix_kv(TINY.model_copy(update={"layers": 3}), t)), LayoutError, "shape"),
     "not a tensor": (lambda s, t: s.store(t, np.zeros(3)), LayoutError, "torch.Tensor"),
     "empty request": (lambda s, t: s.store([], prefix_kv(TINY, t)[:, :, :0]), RequestError, "empty"),
-    "over-long request": (lambda s, t: s.store(list(range(70)), prefix_kv(TINY, list(range(70)))), RequestError, "max_request_tokens"),
+    "over-long request": (
+        lambda s, t: s.store(list(range(70)), prefix_kv(TINY, list(range(70)))),
+        RequestError,
+        "max_request_tokens",
+    ),
     "bad out tensor": (lambda s, t: s.load(t, out=torch.empty(2, 2, 1, 2, 4)), LayoutError, "cannot hold"),
-    "other fingerprint": (lambda s, t: s.put_pages([1], np.zeros((1, TINY.page_nbytes), np.uint8), b"x" * 16), FingerprintMismatch, "fingerprint"),
-    "page bytes of wrong size": (lambda s, t: s.put_pages([1], np.zeros((1, 8), np.uint8), s.fingerprint.digest), LayoutError, "uint8"),
+    "other fingerprint": (
+        lambda s, t: s.put_pages([1], np.zeros((1, TINY.page_nbytes), np.uint8), b"x" * 16),
+        FingerprintMismatch,
+        "fingerprint",
+    ),
+    "page bytes of wrong size": (
+        lambda s, t: s.put_pages([1], np.zeros((1, 8), np.uint8), s.fingerprint.digest),
+        LayoutError,
+        "uint8",
+    ),
 }
 
 

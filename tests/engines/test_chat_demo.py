@@ -13,8 +13,9 @@ from kvray.cli import app
 
 def test_later_turns_reuse_history_and_agree_with_recompute():
     out = io.StringIO()
-    rows = conversation_demo(turns=3, system_tokens=200, user_tokens=40, reply_tokens=8, page_tokens=16,
-                             console=Console(file=out, width=150))
+    rows = conversation_demo(
+        turns=3, system_tokens=200, user_tokens=40, reply_tokens=8, page_tokens=16, console=Console(file=out, width=150)
+    )
     assert [r["turn"] for r in rows] == [1, 2, 3]
     assert rows[0]["cached_tokens"] == 0
     for previous, row in zip(rows, rows[1:]):  # the whole previous prompt + reply, in full pages

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kvray import PageStore, StoreConfig, TierSizes
-from kvray.engines.hf import CachedCausalLM, model_layout
-from kvray.engines.vllm_runs import break_store
 from kvray.core.errors import LayoutError, RequestError
 from kvray.core.tiers import Tier
+from kvray.engines.hf import CachedCausalLM, model_layout
+from kvray.engines.vllm_runs import break_store
 
 PAGE = 16
 FP32_TOL = 1e-4

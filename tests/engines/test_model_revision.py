@@ -9,16 +9,15 @@ import xxhash
 from transformers import LlamaConfig
 
 from kvray.core.config import StoreConfig, TierSizes
-from kvray.engines.revision import checkpoint_revision
-from kvray.engines.vllm_settings import connector_settings, store_config
 from kvray.core.keys import ModelFingerprint
 from kvray.core.store import PageStore
+from kvray.engines.revision import checkpoint_revision
+from kvray.engines.vllm_settings import connector_settings, store_config
 from tests.conftest import TINY, prefix_kv
 
 
 def llama(**changes) -> LlamaConfig:
-    settings = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
-                "vocab_size": 100}
+    settings = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}
     return LlamaConfig(**{**settings, **changes})
 
 
@@ -41,8 +40,9 @@ def test_the_checkpoint_revision_follows_the_model_not_its_path_or_library():
 
 def test_a_checkpoint_swapped_under_its_name_gets_no_hits_from_a_persistent_disk_tier(tmp_path):
     def store(revision: str) -> PageStore:
-        config = StoreConfig(layout=TINY, model_name="llama", model_revision=revision, tiers=TierSizes(disk=8),
-                             disk_dir=tmp_path / "disk")
+        config = StoreConfig(
+            layout=TINY, model_name="llama", model_revision=revision, tiers=TierSizes(disk=8), disk_dir=tmp_path / "disk"
+        )
         return PageStore(config)
 
     tokens = list(range(12))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvray import PageLayout
-from kvray.engines.vllm_blocks import BlockCodec
 from kvray.core.errors import ConfigError
+from kvray.engines.vllm_blocks import BlockCodec
 
 LAYOUT = PageLayout(layers=3, kv_heads=2, head_dim=8, page_tokens=32, dtype="float32")
 BLOCKS = 10
@@ -30,7 +30,10 @@ def flash_attn_kv(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def caches(backend: str) -> list[torch.Tensor]:
     shape = (BLOCKS, LAYOUT.kv_heads, LAYOUT.page_tokens, 2 * LAYOUT.head_dim)
     if backend == "FLASH_ATTN":  # physically [block, token, head, 2*dim], viewed [B, H, N, C]
-        return [torch.randn(BLOCKS, LAYOUT.page_tokens, LAYOUT.kv_heads, 2 * LAYOUT.head_dim).transpose(1, 2) for _ in range(LAYOUT.layers)]
+        return [
+            torch.randn(BLOCKS, LAYOUT.page_tokens, LAYOUT.kv_heads, 2 * LAYOUT.head_dim).transpose(1, 2)
+            for _ in range(LAYOUT.layers)
+        ]
     return [torch.randn(shape) for _ in range(LAYOUT.layers)]
 
 

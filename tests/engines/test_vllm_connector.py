@@ -64,8 +64,10 @@ def first_process(model, prompts, disk_dir) -> dict:
     alone, with_kvray = serve(
         model,
         {"kvray": None, "prompts": [prompts["a"], prompts["b"], prompts["other"]]},
-        {"kvray": {"host_pages": 0, "disk_pages": 256, "disk_dir": str(disk_dir)},
-         "prompts": [prompts["a"], prompts["b"], salted_b]},
+        {
+            "kvray": {"host_pages": 0, "disk_pages": 256, "disk_dir": str(disk_dir)},
+            "prompts": [prompts["a"], prompts["b"], salted_b],
+        },
     )
     return {"baseline": dict(zip(["a", "b", "other"], [r["tokens"] for r in alone["results"]])), "writer": with_kvray}
 
@@ -85,8 +87,11 @@ def second_process(model, prompts, disk_dir, first_process) -> tuple[dict, dict]
     """A new process on the same directory: prompt b three times, the backing file wiped
     before the second time and failing with I/O errors before the third; then an engine
     whose connector settings are misspelt."""
-    reader = {"kvray": {"host_pages": 0, "disk_pages": 256, "disk_dir": str(disk_dir)}, "prompts": [prompts["b"]] * 3,
-              "faults": {"1": "wipe", "2": "io-error"}}
+    reader = {
+        "kvray": {"host_pages": 0, "disk_pages": 256, "disk_dir": str(disk_dir)},
+        "prompts": [prompts["b"]] * 3,
+        "faults": {"1": "wipe", "2": "io-error"},
+    }
     misspelt = {"kvray": {"host_pagez": 8}, "prompts": [prompts["a"]]}
     return tuple(serve(model, reader, misspelt))
 

@@ -31,7 +31,9 @@ def run(*args: str | Path, cwd: Path, env: dict | None = None) -> str:
 def test_wheel_installed_outside_the_checkout_runs_the_shipped_policy(tmp_path):
     # build from a copy: setuptools' build/ folder keeps modules removed since the last build
     source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "results", "__pycache__"))
+    shutil.copytree(
+        ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "results", "__pycache__")
+    )
     wheels = tmp_path / "wheels"
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheels, source, cwd=tmp_path)
     (wheel,) = wheels.glob("kvray-*.whl")
@@ -51,7 +53,20 @@ def test_wheel_installed_outside_the_checkout_runs_the_shipped_policy(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     where = run(python, "-c", "import kvray; print(kvray.__file__)", cwd=tmp_path, env=env)
     assert where.startswith(str(site)), f"kvray imported from {where}, not the fresh environment"
-    out = run(venv / "bin" / "kvray", "sim", "--policy", "rl", "--trace", "synthetic_trace.jsonl", "--limit", "300",
-              "--capacity-fraction", "0.1", "--json", cwd=tmp_path, env=env)
+    out = run(
+        venv / "bin" / "kvray",
+        "sim",
+        "--policy",
+        "rl",
+        "--trace",
+        "synthetic_trace.jsonl",
+        "--limit",
+        "300",
+        "--capacity-fraction",
+        "0.1",
+        "--json",
+        cwd=tmp_path,
+        env=env,
+    )
     result = json.loads(out)
     assert result["policy"] == "rl" and result["requests"] == 300 and result["hit_tokens"] > 0

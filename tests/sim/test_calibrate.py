@@ -5,13 +5,15 @@ import json
 from typer.testing import CliRunner
 
 from kvray.cli import app
-from kvray.sim.cost import CostModel, load_scenario
 from kvray.core.tiers import Tier
+from kvray.sim.cost import CostModel, load_scenario
 
 
 def test_calibrate_writes_a_valid_measured_scenario(tmp_path):
     out = tmp_path / "here.yaml"
-    result = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--disk-dir", str(tmp_path), "--repeats", "1", "--size-mib", "8"])
+    result = CliRunner().invoke(
+        app, ["calibrate", "--out", str(out), "--disk-dir", str(tmp_path), "--repeats", "1", "--size-mib", "8"]
+    )
     assert result.exit_code == 0, result.output
     scenario = load_scenario(out)
     printed = json.loads(result.stdout)

@@ -78,9 +78,24 @@ def test_train_json_leaves_stdout_to_the_card(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(TRACE.read_text().splitlines(keepends=True)[:120]))
     proc = subprocess.run(
-        [sys.executable, "-m", "kvray", "train", "--trace", str(trace), "--timesteps", "64", "--out",
-         str(tmp_path / "tiny"), "--no-evaluate", "--json"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "kvray",
+            "train",
+            "--trace",
+            str(trace),
+            "--timesteps",
+            "64",
+            "--out",
+            str(tmp_path / "tiny"),
+            "--no-evaluate",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     card = json.loads(proc.stdout)
@@ -94,8 +109,9 @@ def test_one_capacity_is_drawn_as_bars_and_several_as_lines():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [{"policy": p, "capacity_fraction": f, "token_hit_rate": h}
-            for p, h in (("lru", 0.2), ("arc", 0.3)) for f in (0.05, 0.1)]
+    rows = [
+        {"policy": p, "capacity_fraction": f, "token_hit_rate": h} for p, h in (("lru", 0.2), ("arc", 0.3)) for f in (0.05, 0.1)
+    ]
     fig, (single, several) = plt.subplots(1, 2)
     _draw(single, [r for r in rows if r["capacity_fraction"] == 0.05], "token_hit_rate")
     _draw(several, rows, "token_hit_rate")

@@ -5,9 +5,9 @@ import pytest
 import yaml
 
 from kvray.core.errors import ConfigError
-from kvray.sim.cost import DEFAULT_SCENARIO, CostModel, PrefillQueue, Scenario, load_scenario
-from kvray.resources import shipped_or_given
 from kvray.core.tiers import Tier
+from kvray.resources import shipped_or_given
+from kvray.sim.cost import DEFAULT_SCENARIO, CostModel, PrefillQueue, Scenario, load_scenario
 
 
 def write(tmp_path, data) -> str:

@@ -7,8 +7,8 @@ from gymnasium.utils.env_checker import check_env
 
 import kvray.rl.env  # noqa: F401  (registers the id)
 from kvray.policy.features import CANDIDATES, FEATURES
-from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.rl.env import PlacementEnv
+from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.traces import TraceRequest, read_trace
 
 SCENARIO = load_scenario(DEFAULT_SCENARIO)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
+from kvray.core.tiers import Tier
 from kvray.policy import POLICIES, make_policy
 from kvray.policy.arc import ARCPolicy
 from kvray.policy.base import PageContext, RequestInfo
@@ -18,7 +19,6 @@ from kvray.policy.threshold import ThresholdPolicy
 from kvray.policy.wfq import WFQPolicy
 from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator
-from kvray.core.tiers import Tier
 from kvray.traces import read_trace
 
 NO_MOVE = lambda *move: None  # noqa: E731  (a control-plane test: no bytes to move)
@@ -155,5 +155,8 @@ def test_belady_hits_at_least_as_often_as_every_online_heuristic(trace):
     requests = read_trace(f"data/traces/{trace}.jsonl", limit=600)
     scenario = load_scenario(DEFAULT_SCENARIO)
     capacities = scenario.scaled(fast_pages=150)
-    rates = {p: Simulator(scenario, make_policy(p), capacities).replay(requests).token_hit_rate for p in ("lru", "lfu", "arc", "belady")}
+    rates = {
+        p: Simulator(scenario, make_policy(p), capacities).replay(requests).token_hit_rate
+        for p in ("lru", "lfu", "arc", "belady")
+    }
     assert rates["belady"] >= max(rates.values()) and rates["belady"] > rates["lru"]

@@ -44,8 +44,12 @@ def both(policy: str, resources: dict, prefill_us: float | None = None) -> tuple
     """(simulated, measured) results of the slice under ``policy``."""
     trace = read_trace(TRACE, limit=REQUESTS)
     simulated = simulate(trace, policy, load_scenario(SCENARIO)).as_dict()
-    settings = settings_from(SCENARIO, {"policy": policy, "name": f"simrun-{policy}", "store_resources": resources},
-                             {}, {"prefill_us_per_token": prefill_us})
+    settings = settings_from(
+        SCENARIO,
+        {"policy": policy, "name": f"simrun-{policy}", "store_resources": resources},
+        {},
+        {"prefill_us_per_token": prefill_us},
+    )
     measured = replay_on_runtime(trace, settings, progress=False).as_dict()
     assert measured["wrong_pages"] == 0
     return simulated, measured
@@ -64,8 +68,9 @@ def test_lru_hits_agree_exactly_and_mean_ttft_is_predicted(one_node):
     assert measured["hit_tokens_by_tier"] == simulated["hit_tokens_by_tier"]
     assert measured["tokens"] == simulated["tokens"]
     ratio = measured["mean_ttft_ms"] / simulated["mean_ttft_ms"]
-    print(f"mean TTFT: sim {simulated['mean_ttft_ms']:.1f} ms, runtime {measured['mean_ttft_ms']:.1f} ms, "
-          f"runtime/sim {ratio:.2f}")
+    print(
+        f"mean TTFT: sim {simulated['mean_ttft_ms']:.1f} ms, runtime {measured['mean_ttft_ms']:.1f} ms, runtime/sim {ratio:.2f}"
+    )
     assert 0.8 <= ratio <= 2.0
 
 
@@ -83,7 +88,10 @@ def test_kvray_run_reads_a_sim_scenario_as_one_node(tmp_path):
     assert settings.runtime.tiers.host == 300 and settings.runtime.tiers.disk == 0  # options still override
     assert settings.prefill_us_per_token == scenario.compute.prefill_us_per_token
     with_disk = tmp_path / "disk.yaml"
-    with_disk.write_text(SCENARIO.read_text().replace(
-        "latency_us: 0}", "latency_us: 0}\n  disk: {capacity_pages: 100, read_gbps: 1, write_gbps: 1}"))
+    with_disk.write_text(
+        SCENARIO.read_text().replace(
+            "latency_us: 0}", "latency_us: 0}\n  disk: {capacity_pages: 100, read_gbps: 1, write_gbps: 1}"
+        )
+    )
     with pytest.raises(ConfigError, match=f"{with_disk}.*disk_root"):
         settings_from(with_disk, {}, {}, {})

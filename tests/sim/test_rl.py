@@ -4,19 +4,20 @@ a policy at all) are refused with PolicyError."""
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvray.apps.evaluate import compare, goals, plot, write_report
 from kvray.core.errors import PolicyError
 from kvray.policy import make_policy
 from kvray.policy.features import CANDIDATES, FEATURES
 from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, WEIGHTS_FILE, RLPolicy, load_scorer
 from kvray.resources import shipped_or_given
-from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
-from kvray.apps.evaluate import compare, goals, plot, write_report
-from kvray.sim.simulator import simulate
 from kvray.rl.train import split_by_time, train
+from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+from kvray.sim.simulator import simulate
 from kvray.traces import read_trace
 
 SCENARIO = load_scenario(DEFAULT_SCENARIO)
@@ -25,7 +26,7 @@ SCENARIO = load_scenario(DEFAULT_SCENARIO)
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory):
     trace = tmp_path_factory.mktemp("trace") / "t.jsonl"
-    lines = open("data/traces/conversation_trace_first30min.jsonl").readlines()[:200]
+    lines = Path("data/traces/conversation_trace_first30min.jsonl").read_text().splitlines(keepends=True)[:200]
     trace.write_text("".join(lines))
     out = tmp_path_factory.mktemp("policy") / "tiny"
     card = train(SCENARIO, [trace], timesteps=512, out=out, capacity_fractions=(0.1,), episode_requests=40, progress=False)
@@ -92,7 +93,7 @@ def test_eval_compares_policies_and_saves_plots(tiny_policy, tmp_path):
     rows = compare({"conv@0.5": held}, ["lru", "belady", f"rl:{out}"], [0.05, 0.1], SCENARIO)
     summary = goals(rows, learned=f"rl:{out}")
     assert set(summary) == {"conv@0.5@0.05", "conv@0.5@0.1"}
-    assert all(0 < v["rl_hit_rate_vs_belady"] and v["best_heuristic"] == "lru" for v in summary.values())
+    assert all(v["rl_hit_rate_vs_belady"] > 0 and v["best_heuristic"] == "lru" for v in summary.values())
     write_report(tmp_path, rows, summary)
     files = plot(rows, tmp_path, card)
     assert {f.name for f in files} == {"conv_at_0.5.png", "training_curve.png"}
@@ -126,7 +127,7 @@ def test_kvray_train_writes_tensorboard_events(tmp_path):
     from kvray.cli import app
 
     trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(open("data/traces/conversation_trace_first30min.jsonl").readlines()[:120]))
+    trace.write_text("".join(Path("data/traces/conversation_trace_first30min.jsonl").read_text().splitlines(keepends=True)[:120]))
     out = tmp_path / "tiny"
     result = CliRunner().invoke(app, ["train", "--trace", str(trace), "--timesteps", "64", "--out", str(out), "--no-evaluate"])
     assert result.exit_code == 0, result.output

@@ -11,15 +11,25 @@ from kvray.cli import app
 from kvray.core.errors import ConfigError
 from kvray.core.manager import CacheManager
 from kvray.policy import make_policy
-from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
-from kvray.resources import shipped_or_given
 from kvray.report import ReplayTally
+from kvray.resources import shipped_or_given
+from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator, fast_capacity, next_uses
 from kvray.traces import TraceRequest, read_trace
 
 TRACE = "data/traces/conversation_trace_first30min.jsonl"
-KEYS = {"requests", "tokens", "hit_tokens", "token_hit_rate", "hit_tokens_by_tier", "mean_ttft_ms",
-        "p99_ttft_ms", "bytes_moved", "policy", "scenario"}
+KEYS = {
+    "requests",
+    "tokens",
+    "hit_tokens",
+    "token_hit_rate",
+    "hit_tokens_by_tier",
+    "mean_ttft_ms",
+    "p99_ttft_ms",
+    "bytes_moved",
+    "policy",
+    "scenario",
+}
 runner = CliRunner()
 
 
@@ -31,7 +41,7 @@ def sim_json(*args: str) -> dict:
 
 def test_sim_prints_the_agreed_keys_and_consistent_totals():
     out = sim_json("--policy", "lru", "--capacity-fraction", "0.05", "--warmup-requests", "50")
-    assert KEYS <= set(out)
+    assert set(out) >= KEYS
     assert out["requests"] == 250 and out["policy"] == "lru" and out["scenario"] == "h100-llama8b"
     assert out["hit_tokens"] == sum(out["hit_tokens_by_tier"].values()) > 0
     assert out["token_hit_rate"] == pytest.approx(out["hit_tokens"] / out["tokens"])
@@ -98,7 +108,9 @@ def test_bad_input_fails_with_a_message_naming_it(tmp_path):
     result = runner.invoke(app, ["sim", "--trace", TRACE, "--limit", "5", "--policy", "mru", "--json"])
     assert result.exit_code == 2 and "unknown policy 'mru'" in result.output
     scenario = tmp_path / "s.yaml"
-    scenario.write_text(shipped_or_given(DEFAULT_SCENARIO, "simulations", ".yaml").read_text().replace("read_gbps: 7.0", "read_gbps: -7.0"))
+    scenario.write_text(
+        shipped_or_given(DEFAULT_SCENARIO, "simulations", ".yaml").read_text().replace("read_gbps: 7.0", "read_gbps: -7.0")
+    )
     result = runner.invoke(app, ["sim", "--trace", TRACE, "--limit", "5", "--scenario", str(scenario), "--json"])
     assert result.exit_code == 2 and "tiers.disk.read_gbps" in result.output
     result = runner.invoke(app, ["sim", "--trace", TRACE, "--limit", "5", "--warmup-requests", "5", "--json"])

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvray.core.errors import ConfigError
 from kvray.core.config import validate
+from kvray.core.errors import ConfigError
 from kvray.sim.workloads import WorkloadSpec, generate
 from kvray.traces import read_trace, write_parquet
 

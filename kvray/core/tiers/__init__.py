@@ -59,9 +59,10 @@ class Pool(Protocol):
 
     def close(self) -> None: ...
 
-from kvray.core.tiers.slots import SlotAllocator  # noqa: E402
-from kvray.core.tiers.memory import DevicePool, HostPool  # noqa: E402
+
 from kvray.core.tiers.disk import DiskPool, StoredPage  # noqa: E402
+from kvray.core.tiers.memory import DevicePool, HostPool  # noqa: E402
+from kvray.core.tiers.slots import SlotAllocator  # noqa: E402
 
 __all__ = [
     "LOCAL_TIERS", "TIER_BY_LABEL", "TIER_LABELS", "DevicePool", "DiskPool", "HostPool", "Pool",

@@ -72,9 +72,7 @@ def _check_private(path: Path, info: os.stat_result, what: str, private_mode: in
         raise StorageError(f"disk tier: {what} {path} is owned by uid {info.st_uid}, not by this user (uid {uid})")
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o077:
-        raise StorageError(
-            f"disk tier: {what} {path} has mode {mode:04o}, open to group or others (chmod {private_mode:o} it)"
-        )
+        raise StorageError(f"disk tier: {what} {path} has mode {mode:04o}, open to group or others (chmod {private_mode:o} it)")
 
 
 def _open_private_directory(directory: Path) -> int:
@@ -150,9 +148,7 @@ class DiskPool:
     kind = "disk"
     stand_in = False
 
-    def __init__(
-        self, directory: str | Path, capacity: int, page_nbytes: int, fingerprint: bytes, fsync: bool = False
-    ) -> None:
+    def __init__(self, directory: str | Path, capacity: int, page_nbytes: int, fingerprint: bytes, fsync: bool = False) -> None:
         self.directory = Path(directory)
         self.capacity = capacity
         self.page_nbytes = page_nbytes
