@@ -14,6 +14,19 @@ from kvray.core.config import PageLayout
 from kvray.core.pages import TORCH_DTYPES
 
 TINY = PageLayout(layers=2, kv_heads=2, head_dim=4, page_tokens=4, dtype="float32")
+# What `kvray sim --json` and `kvray run --json` print at least (the interface other tools rely on)
+RESULT_KEYS = {
+    "requests",
+    "tokens",
+    "hit_tokens",
+    "token_hit_rate",
+    "hit_tokens_by_tier",
+    "mean_ttft_ms",
+    "p99_ttft_ms",
+    "bytes_moved",
+    "policy",
+    "scenario",
+}
 
 
 def prefix_kv(layout: PageLayout, tokens) -> torch.Tensor:

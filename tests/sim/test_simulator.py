@@ -16,20 +16,9 @@ from kvray.resources import shipped_or_given
 from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator, fast_capacity, next_uses
 from kvray.traces import TraceRequest, read_trace
+from tests.conftest import RESULT_KEYS
 
 TRACE = "data/traces/conversation_trace_first30min.jsonl"
-KEYS = {
-    "requests",
-    "tokens",
-    "hit_tokens",
-    "token_hit_rate",
-    "hit_tokens_by_tier",
-    "mean_ttft_ms",
-    "p99_ttft_ms",
-    "bytes_moved",
-    "policy",
-    "scenario",
-}
 runner = CliRunner()
 
 
@@ -41,7 +30,7 @@ def sim_json(*args: str) -> dict:
 
 def test_sim_prints_the_agreed_keys_and_consistent_totals():
     out = sim_json("--policy", "lru", "--capacity-fraction", "0.05", "--warmup-requests", "50")
-    assert set(out) >= KEYS
+    assert set(out) >= RESULT_KEYS
     assert out["requests"] == 250 and out["policy"] == "lru" and out["scenario"] == "h100-llama8b"
     assert out["hit_tokens"] == sum(out["hit_tokens_by_tier"].values()) > 0
     assert out["token_hit_rate"] == pytest.approx(out["hit_tokens"] / out["tokens"])
