@@ -88,8 +88,9 @@ def trained(workload: list[list[int]]) -> dict[int, tuple]:
     env = PlacementEnv(trace_of(workload), SCENARIO, CAPACITIES, episode_requests=len(workload))
     env.warmup_requests = 0
     env.reset(seed=0)
-    while not env.step(0)[2]:
-        pass
+    terminated = False
+    while not terminated:
+        terminated = env.step(0)[2]
     return index_state(env.sim.manager)
 
 
