@@ -20,7 +20,7 @@ def test_read_many_returns_what_read_into_returns(tmp_path):
     pool = DiskPool(tmp_path, PAGES, 4096, fingerprint=b"f" * 16)
     rng = np.random.default_rng(0)
     pages = rng.integers(0, 256, (PAGES, 4096), dtype=np.uint8)
-    digests = [pool.write(slot, slot + 1, None, [pages[slot, :1000], pages[slot, 1000:]]) for slot in range(PAGES)]
+    digests = [pool.write_runs(slot, slot + 1, None, [pages[slot, :1000], pages[slot, 1000:]]) for slot in range(PAGES)]
     concurrent = np.zeros_like(pages)
     one_by_one = np.zeros_like(pages)
     order = list(rng.permutation(PAGES))
