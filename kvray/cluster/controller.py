@@ -50,7 +50,7 @@ import numpy as np
 import ray
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, store_name
-from kvray.cluster.hashring import HashRing
+from kvray.core.hashring import HashRing
 from kvray.cluster.metrics import export_cluster_stats
 from kvray.core.index import ROOT, PrefixIndex, parents_first
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvray.cluster.hashring import HashRing
+from kvray.core.hashring import HashRing
 
 KEYS = [(k * 0x9E3779B97F4A7C15 + 12345) % 2**128 for k in range(20_000)]
 

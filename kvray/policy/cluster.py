@@ -1,0 +1,155 @@
+"""Cluster placement: the decisions above one node's tiers, asked by the simulator and the
+controller alike.
+
+:class:`~kvray.policy.base.PlacementPolicy` decides inside a node (which tier a page enters,
+which page leaves a full tier). A :class:`ClusterPolicy` decides across nodes, at the points
+where a request meets the cluster:
+
+- ``route``: which node serves a request (the simulator's router; a serving front end);
+- ``place``: which node keeps each page the request adds (today's controller rule, local
+  first then a hash ring, is :class:`LocalFirstRing`);
+- ``load_pages``: of the cached prefix, how many pages to load (the rest is recomputed):
+  when links are congested, recomputing the tail may be faster;
+- ``prefetch``: start loading the cached prefix while the request still waits in its
+  node's queue;
+- ``replicate``: copy the request's hit chain to other nodes (hot shared prefixes).
+
+Every verb sees the same observation in both worlds: a :class:`RequestView` (the request's
+keys, where its cached prefix lives, who asks) and a :class:`ClusterView` (per node: engine
+backlog, link utilisation, free share of each tier). The simulator builds them from its
+modeled queues and links, the runtime from its stores' and engines' reports; a test
+asserts the two agree for the same request (docs/design.md, "One policy, two worlds").
+
+Example::
+
+    policy = LocalFirstRing(local_limit=64)
+    view = ClusterView(nodes=(NodeView("a"), NodeView("b")))
+    request = RequestView(keys=(1, 2, 3), requester="a", hit_nodes=("a",))
+    policy.place(request, missing=2, cluster=view)     # ['a', 'a']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from kvray.core.errors import PolicyError
+from kvray.core.hashring import HashRing
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node as a policy sees it. Utilisations are shares of the link's capacity over the
+    recent window (0 idle, 1 saturated); ``free_share`` maps a tier label to its free share."""
+
+    name: str
+    backlog_ms: float = 0.0
+    free_share: Mapping[str, float] = field(default_factory=dict)
+    nic_in_util: float = 0.0
+    nic_out_util: float = 0.0
+    pcie_util: float = 0.0
+    disk_read_util: float = 0.0
+    disk_write_util: float = 0.0
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """Every node, in a fixed order (the scenario's, or the controller's membership order)."""
+
+    nodes: tuple[NodeView, ...]
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+    def node(self, name: str) -> NodeView:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node {name!r} in the cluster view; nodes: {', '.join(self.names)}")
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """A request at the cluster: its page keys root first, the engine's node (None when it is
+    not on any store's node), the node of each page of its cached prefix, and its session (the
+    flow a sticky router keeps together; empty when unknown)."""
+
+    keys: tuple[int, ...]
+    requester: str | None = None
+    hit_nodes: tuple[str, ...] = ()
+    session: str = ""
+
+
+class ClusterPolicy:
+    """Base class of cluster policies; every verb has a sensible default, so a heuristic
+    overrides only what it decides.
+
+    Example::
+
+        class LeastLoaded(ClusterPolicy):
+            name = "least-loaded"
+
+            def route(self, request, cluster):
+                return min(cluster.nodes, key=lambda n: n.backlog_ms).name
+    """
+
+    name: ClassVar[str] = "base"
+
+    def route(self, request: RequestView, cluster: ClusterView) -> str:
+        """The node that serves ``request``: its requester when it has one, else the least loaded."""
+        if request.requester is not None:
+            return request.requester
+        return min(cluster.nodes, key=lambda n: n.backlog_ms).name
+
+    def place(self, request: RequestView, missing: int, cluster: ClusterView) -> list[str]:
+        """A node for each of the ``missing`` pages after the cached prefix, root first."""
+        node = request.requester if request.requester in cluster.names else cluster.nodes[0].name
+        return [node] * missing
+
+    def load_pages(self, request: RequestView, cluster: ClusterView) -> int:
+        """How many pages of the cached prefix to load; the rest is recomputed."""
+        return len(request.hit_nodes)
+
+    def prefetch(self, request: RequestView, cluster: ClusterView) -> bool:
+        """Whether to load the cached prefix while the request waits in its node's queue."""
+        return False
+
+    def replicate(self, request: RequestView, cluster: ClusterView) -> list[str]:
+        """Nodes that should receive a copy of the request's hit chain (none by default)."""
+        return []
+
+
+class LocalFirstRing(ClusterPolicy):
+    """Today's rule: a request that fits (``local_limit`` pages) stays on the requester's node;
+    a larger one, or one from outside the cluster, is spread over all nodes by a hash ring,
+    so that no node's memory is the ceiling of one long prefix."""
+
+    name = "local-first"
+
+    def __init__(self, local_limit: int = 1024) -> None:
+        self.local_limit = local_limit
+        self._ring = HashRing()
+        self._ring_nodes: tuple[str, ...] = ()
+
+    def place(self, request: RequestView, missing: int, cluster: ClusterView) -> list[str]:
+        if missing == 0:
+            return []
+        names = cluster.names
+        if request.requester in names and len(request.keys) <= self.local_limit:
+            return [request.requester] * missing
+        if tuple(names) != self._ring_nodes:
+            self._ring = HashRing(names)
+            self._ring_nodes = tuple(names)
+        return self._ring.owners(request.keys[len(request.keys) - missing :])
+
+
+CLUSTER_POLICIES: dict[str, type[ClusterPolicy]] = {"local-first": LocalFirstRing}
+
+
+def make_cluster_policy(name: str) -> ClusterPolicy:
+    """A cluster policy by registered name (:data:`CLUSTER_POLICIES`)."""
+    if name not in CLUSTER_POLICIES:
+        raise PolicyError(f"unknown cluster policy {name!r}; known: {', '.join(sorted(CLUSTER_POLICIES))}")
+    return CLUSTER_POLICIES[name]()
