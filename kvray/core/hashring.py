@@ -7,9 +7,12 @@ the pages that node owns (about 1/N of them), so the rest of the index stays val
 
 Example::
 
+    from kvray.core.hashring import HashRing
+
     ring = HashRing(["node-a", "node-b", "node-c"])
-    ring.owners(np.array([key1, key2], dtype=np.uint64))   # -> array(["node-b", "node-a"])
-    ring.remove("node-b")                                    # its pages now map elsewhere
+    before = ring.owners([11, 22, 33])                       # e.g. ["node-b", "node-a", "node-b"]
+    ring.remove("node-b")                                    # only node-b's keys move
+    assert all(b == a for b, a in zip(before, ring.owners([11, 22, 33])) if b != "node-b")
 """
 
 from __future__ import annotations
