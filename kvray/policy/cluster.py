@@ -55,9 +55,11 @@ class NodeView:
 
 @dataclass(frozen=True)
 class ClusterView:
-    """Every node, in a fixed order (the scenario's, or the controller's membership order)."""
+    """Every node, in a fixed order (the scenario's, or the controller's membership order),
+    and what recomputing a page costs, against which a policy weighs loads and queues."""
 
     nodes: tuple[NodeView, ...]
+    page_prefill_ms: float = 0.0  # time to recompute one page on these engines (0: unknown)
 
     @property
     def names(self) -> list[str]:
