@@ -173,7 +173,14 @@ def down(
 @app.command()
 def sim(
     trace: Path = typer.Option(..., "--trace", help="Mooncake JSONL or Parquet trace"),
-    policy: str = typer.Option("lru", "--policy", help="lru, lfu, arc, wfq, threshold, belady, rl or rl:PATH"),
+    policy: str = typer.Option(
+        "lru", "--policy", help="per node: lru, lfu, arc, wfq, threshold, lecar, selective-write, belady, rl or rl:PATH"
+    ),
+    cluster_policy: str = typer.Option(
+        None,
+        "--cluster-policy",
+        help="across nodes: local-first, cost-router, always-prefetch, replicate-hot, or oracle (Belady + searched prefetch/replication)",
+    ),
     scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
     warmup_requests: int = typer.Option(0, "--warmup-requests", help="requests that fill the cache unmeasured"),
     capacity_fraction: float = typer.Option(None, "--capacity-fraction", help="device+host = F x unique pages"),
@@ -190,19 +197,22 @@ def sim(
         requests = read_trace(trace, limit=limit)
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
         with progress_bar(len(requests), f"sim {policy}", enabled=not json_out) as tick:
-            result = simulate(requests, policy, spec, warmup_requests, capacity_fraction, capacity, tick)
+            result = simulate(requests, policy, spec, warmup_requests, capacity_fraction, capacity, tick, cluster_policy)
     if json_out:
         print(result.as_json())
     else:
         from kvray.apps.results import print_results
 
         out = Console()
-        print_results({policy: result}, out, title=f"kvray sim: modeled replay on scenario {result.scenario}")
+        label = result.policy if cluster_policy is None else f"{result.policy} / {cluster_policy}"
+        print_results({label: result}, out, title=f"kvray sim: modeled replay on scenario {result.scenario}")
         capacity = ", ".join(f"{tier} {pages}" for tier, pages in result.extra["capacity_pages"].items())
         out.print(
             f"capacity (pages): {capacity}; warm-up requests {warmup_requests}; "
             f"moves between tiers {result.extra['background_move_ms']:.1f} ms (off the TTFT path)"
         )
+        busiest = sorted(result.extra["link_utilisation"].items(), key=lambda item: -item[1])[:6]
+        out.print("busiest links (busy share over the replay): " + ", ".join(f"{n} {u:.3f}" for n, u in busiest))
 
 
 @app.command()

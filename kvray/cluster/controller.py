@@ -50,8 +50,8 @@ import numpy as np
 import ray
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, store_name
-from kvray.core.hashring import HashRing
 from kvray.cluster.metrics import export_cluster_stats
+from kvray.core.hashring import HashRing
 from kvray.core.index import ROOT, PrefixIndex, parents_first
 
 NO_NODE = -1

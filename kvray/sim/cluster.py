@@ -56,7 +56,7 @@ from kvray.policy.base import PlacementPolicy, RequestInfo
 from kvray.policy.cluster import ClusterPolicy, ClusterView, NodeView, RequestView
 from kvray.report import ReplayResult, ReplayTally, hit_tokens
 from kvray.sim.cost import CostModel, PrefillQueue, RouterSpec, Scenario
-from kvray.sim.links import Link, transfer
+from kvray.sim.links import Link, transfer, transfer_ms
 from kvray.traces import TraceRequest, full_blocks, unique_blocks
 
 TIERS = tuple(Tier)
@@ -151,7 +151,7 @@ class SimNode:
         self.policy = policy
         self.tier_cost = self.cost.tier_cost(self.manager.slots)
         self.clock = 0.0  # modeled time of the moves the manager asks for now
-        self.background_ms = 0.0  # time from asking for each move between tiers to its end
+        self.background_ms = 0.0  # modeled time of the moves between tiers (their links' busy time)
         tiers = {TIER_BY_NAME[name]: spec for name, spec in scenario.tiers.items()}
         self.access_ms = [tiers[t].latency_us / 1e3 if t in tiers else 0.0 for t in TIERS]
         engines = scenario.compute.servers
@@ -198,8 +198,9 @@ class SimNode:
         """The manager's data plane here: the move occupies the links between the two tiers."""
         kind = "demote" if dst > src else "promote"
         latency = self.access_ms[src] + self.access_ms[dst]
-        end = transfer(self.move_path[src, dst], self.clock, self.page_nbytes, kind, latency)
-        self.background_ms += end - self.clock
+        path = self.move_path[src, dst]
+        transfer(path, self.clock, self.page_nbytes, kind, latency)
+        self.background_ms += transfer_ms(path, self.page_nbytes, latency)
 
     def _write_local(self, depth: int, key: int, tier: Tier, slot: int, parent: int) -> int:
         """A page computed by this node's engine goes into ``tier`` here (checksum 0: no bytes)."""

@@ -129,15 +129,18 @@ def transfer(path: Sequence[Link], ready_ms: float, nbytes: int, kind: str, late
     if not path:
         return ready_ms
     start = ready_ms
-    bandwidth = float("inf")
     for link in path:
         free = link.free_at()
         if free > start:
             start = free
-        if link.bytes_per_ms < bandwidth:
-            bandwidth = link.bytes_per_ms
-        latency_ms += link.latency_ms
-    end = start + ops * latency_ms + nbytes / bandwidth
+    end = start + transfer_ms(path, nbytes, latency_ms, ops)
     for link in path:
         link.occupy(start, end, nbytes, kind)
     return end
+
+
+def transfer_ms(path: Sequence[Link], nbytes: int, latency_ms: float = 0.0, ops: int = 1) -> float:
+    """How long :func:`transfer` holds ``path`` once it starts (its queueing aside)."""
+    if not path:
+        return 0.0
+    return ops * (latency_ms + sum(link.latency_ms for link in path)) + nbytes / min(link.bytes_per_ms for link in path)
