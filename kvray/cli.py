@@ -173,13 +173,11 @@ def down(
 @app.command()
 def sim(
     trace: Path = typer.Option(..., "--trace", help="Mooncake JSONL or Parquet trace"),
-    policy: str = typer.Option(
-        "lru", "--policy", help="per node: lru, lfu, arc, wfq, threshold, lecar, selective-write, belady, rl or rl:PATH"
-    ),
+    policy: str = typer.Option("lru", "--policy", help="each node's policy (kvray.policy.POLICIES), rl:PATH"),
     cluster_policy: str = typer.Option(
         None,
         "--cluster-policy",
-        help="across nodes: local-first, cost-router, always-prefetch, replicate-hot, or oracle (Belady + searched prefetch/replication)",
+        help="local-first, cost-router, always-prefetch, replicate-hot, or oracle (Belady, searched prefetch/replication)",
     ),
     scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
     warmup_requests: int = typer.Option(0, "--warmup-requests", help="requests that fill the cache unmeasured"),

@@ -26,11 +26,12 @@ modeled queues and links, the runtime from its stores' and engines' reports; a t
 asserts the two agree for the same request (docs/design.md, "One policy, two worlds").
 
 Example::
+    from kvray.policy.cluster import ClusterView, LocalFirstRing, NodeView, RequestView
 
     policy = LocalFirstRing(local_limit=64)
     view = ClusterView(nodes=(NodeView("a"), NodeView("b")))
     request = RequestView(keys=(1, 2, 3), requester="a", hit_nodes=("a",))
-    policy.place(request, missing=2, cluster=view)     # ['a', 'a']
+    assert policy.place(request, missing=2, cluster=view) == ["a", "a"]
 """
 
 from __future__ import annotations

@@ -192,15 +192,17 @@ class SimNode:
         # a new page leaves the engine's GPU: nothing moves when it stays in the device tier
         self.store_path = {t: (self.d2h,) + from_host[t] for t in from_host if t != Tier.DEVICE}
         self.store_path[Tier.DEVICE] = ()
+        self._moves = {}  # (src, dst) -> path, access latency, duration: the mover's per-page constants
+        for (src, dst), path in self.move_path.items():
+            latency = self.access_ms[src] + self.access_ms[dst]
+            self._moves[src, dst] = (path, latency, transfer_ms(path, self.page_nbytes, latency))
         self.write: Callable[[int, int, Tier, int, int], int] = self._write_local
 
     def mover(self, handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:
         """The manager's data plane here: the move occupies the links between the two tiers."""
-        kind = "demote" if dst > src else "promote"
-        latency = self.access_ms[src] + self.access_ms[dst]
-        path = self.move_path[src, dst]
-        transfer(path, self.clock, self.page_nbytes, kind, latency)
-        self.background_ms += transfer_ms(path, self.page_nbytes, latency)
+        path, latency, duration = self._moves[src, dst]
+        transfer(path, self.clock, self.page_nbytes, "demote" if dst > src else "promote", latency)
+        self.background_ms += duration
 
     def _write_local(self, depth: int, key: int, tier: Tier, slot: int, parent: int) -> int:
         """A page computed by this node's engine goes into ``tier`` here (checksum 0: no bytes)."""

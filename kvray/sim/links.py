@@ -121,6 +121,17 @@ class Link:
         return self.busy_ms / (span_ms * self.lanes) if span_ms > 0 else 0.0
 
 
+_PATHS: dict[tuple[Link, ...], tuple[float, float]] = {}  # path -> (its links' latency, bottleneck bytes/ms)
+
+
+def _shape(path: Sequence[Link]) -> tuple[float, float]:
+    key = tuple(path)
+    shape = _PATHS.get(key)
+    if shape is None:
+        shape = _PATHS[key] = (sum(link.latency_ms for link in key), min(link.bytes_per_ms for link in key))
+    return shape
+
+
 def transfer(path: Sequence[Link], ready_ms: float, nbytes: int, kind: str, latency_ms: float = 0.0, ops: int = 1) -> float:
     """Move ``nbytes`` along ``path`` as ``ops`` back-to-back operations, each paying
     ``latency_ms`` (the source's access latency) plus the links' latencies; returns when the
@@ -130,10 +141,12 @@ def transfer(path: Sequence[Link], ready_ms: float, nbytes: int, kind: str, late
         return ready_ms
     start = ready_ms
     for link in path:
-        free = link.free_at()
-        if free > start:
-            start = free
-    end = start + transfer_ms(path, nbytes, latency_ms, ops)
+        if link.queued:
+            free = min(link._free_at)
+            if free > start:
+                start = free
+    links_latency, bytes_per_ms = _shape(path)
+    end = start + ops * (latency_ms + links_latency) + nbytes / bytes_per_ms
     for link in path:
         link.occupy(start, end, nbytes, kind)
     return end
@@ -143,4 +156,5 @@ def transfer_ms(path: Sequence[Link], nbytes: int, latency_ms: float = 0.0, ops:
     """How long :func:`transfer` holds ``path`` once it starts (its queueing aside)."""
     if not path:
         return 0.0
-    return ops * (latency_ms + sum(link.latency_ms for link in path)) + nbytes / min(link.bytes_per_ms for link in path)
+    links_latency, bytes_per_ms = _shape(path)
+    return ops * (latency_ms + links_latency) + nbytes / bytes_per_ms
