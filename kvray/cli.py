@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kvray.core.errors import KvrayError
+from kvray.core.errors import ConfigError, KvrayError
 from kvray.progress import progress_bar
 
 app = typer.Typer(
@@ -211,6 +211,40 @@ def sim(
         )
         busiest = sorted(result.extra["link_utilisation"].items(), key=lambda item: -item[1])[:6]
         out.print("busiest links (busy share over the replay): " + ", ".join(f"{n} {u:.3f}" for n, u in busiest))
+
+
+@app.command(name="cluster-eval")
+def cluster_eval(
+    scenario: list[Path] = typer.Option(..., "--scenario", help="cluster scenario YAML (repeat for several)"),
+    trace: list[Path] = typer.Option([], "--trace", help="trace file (repeat for several)"),
+    generated: int = typer.Option(0, "--generated", help="also a generated chat workload of about N requests"),
+    limit: int = typer.Option(None, "--limit", help="replay only the first N requests of each trace"),
+    capacity_fraction: float = typer.Option(0.05, "--capacity-fraction", help="cluster device+host = F x unique pages"),
+    out: Path = typer.Option(Path("docs/sim-eval"), "--out", help="folder for cluster.md, cluster.json, cluster.png"),
+) -> None:
+    """Every heuristic and the oracle on cluster scenarios: one table per scenario and trace."""
+    import shlex
+    import sys
+
+    from kvray.apps.cluster_eval import evaluate, write_results
+    from kvray.sim.cost import load_scenario
+    from kvray.sim.workloads import WorkloadSpec, generate
+    from kvray.traces import read_trace
+
+    with reported_errors():
+        scenarios = {load_scenario(s).name: load_scenario(s) for s in scenario}
+        traces = {t.stem: read_trace(t, limit=limit) for t in trace}
+        if generated:
+            spec = WorkloadSpec(sessions=max(1, generated // 4), system_prompt_pages=1, document_probability=0.5)
+            traces[f"generated-{generated}"] = generate(spec, seed=0)
+        if not traces:
+            raise ConfigError("give at least one --trace or --generated N")
+        total = len(scenarios) * len(traces)
+        with console.status("replaying") as status:
+            rows = evaluate(scenarios, traces, capacity_fraction, progress=lambda what: status.update(what))
+        command = "kvray " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        paths = write_results(rows, out, command)
+    console.print(f"{total} tables; wrote {', '.join(str(p) for p in paths)}")
 
 
 @app.command()

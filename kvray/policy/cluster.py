@@ -232,8 +232,9 @@ class ReplicateHot(LocalFirstRing):
 
 
 class PrefetchReplicate(ReplicateHot):
-    """Prefetch on or off and hot-prefix replication at a given threshold (None: never): the
-    points the oracle searches over (kvray/sim/oracle.py), beside Belady on every node.
+    """Routing by the front end or by :class:`CostRouter`, prefetch on or off, and hot-prefix
+    replication at a given threshold (None: never): the points the oracle searches over
+    (kvray/sim/oracle.py), beside Belady on every node.
 
     Example::
 
@@ -242,10 +243,16 @@ class PrefetchReplicate(ReplicateHot):
 
     name = "prefetch-replicate"
 
-    def __init__(self, prefetch: bool = True, threshold: int | None = None, local_limit: int = 1024) -> None:
+    def __init__(
+        self, prefetch: bool = True, threshold: int | None = None, cost_route: bool = False, local_limit: int = 1024
+    ) -> None:
         super().__init__(threshold or 0, local_limit)
         self.always_prefetch = prefetch
         self.replicates = threshold is not None
+        self._router = CostRouter(local_limit=local_limit) if cost_route else None
+
+    def route(self, request: RequestView, cluster: ClusterView) -> str:
+        return self._router.route(request, cluster) if self._router else super().route(request, cluster)
 
     def prefetch(self, request: RequestView, cluster: ClusterView) -> bool:
         return self.always_prefetch

@@ -150,6 +150,7 @@ class SimNode:
         self.manager = CacheManager(capacities or scenario.capacities(), policy, page_nbytes=self.page_nbytes)
         self.policy = policy
         self.tier_cost = self.cost.tier_cost(self.manager.slots)
+        self._allocators = [(t.label, a) for t, a in sorted(self.manager.slots.items())]
         self.clock = 0.0  # modeled time of the moves the manager asks for now
         self.background_ms = 0.0  # modeled time of the moves between tiers (their links' busy time)
         tiers = {TIER_BY_NAME[name]: spec for name, spec in scenario.tiers.items()}
@@ -210,11 +211,10 @@ class SimNode:
         return 0
 
     def view(self, now_ms: float) -> NodeView:
-        slots = self.manager.slots
         return NodeView(
             name=self.name,
             backlog_ms=self.queue.backlog_ms(now_ms),
-            free_share={t.label: 1.0 - a.used / a.capacity for t, a in sorted(slots.items())},
+            free_share={label: 1.0 - a.used / a.capacity for label, a in self._allocators},
             nic_in_util=self.nic_in.utilisation(now_ms),
             nic_out_util=self.nic_out.utilisation(now_ms),
             pcie_util=max(self.h2d.utilisation(now_ms), self.d2h.utilisation(now_ms)),

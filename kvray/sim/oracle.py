@@ -1,10 +1,11 @@
 """The oracle: the headroom a cluster policy could still win, reported beside the heuristics.
 
-It knows the future: Belady's furthest-next-use eviction on every node, every cached prefix
+It knows the future: Belady's furthest-next-use eviction on every node, and the best mean
+TTFT over a small search, each setting of :class:`~kvray.policy.cluster.PrefetchReplicate`
+replayed: requests routed by the front end or by the cost router, every cached prefix
 prefetched while its request waits (or not, when the loads would only crowd the links), and
-hot-prefix replication at the threshold (or none) that gives the best mean TTFT, found by
-replaying each setting of :class:`~kvray.policy.cluster.PrefetchReplicate`. Belady with
-today's placement is one of the settings searched, so the oracle is never worse than it.
+hot-prefix replication after 2 or 8 requests (or none). Belady with today's placement is one
+of the settings searched, so the oracle is never worse than it.
 
 Example::
     from kvray.sim.cluster import node_capacities
@@ -32,10 +33,12 @@ from kvray.traces import TraceRequest
 REPLICATION_THRESHOLDS = (None, 2, 8)  # never, or after that many requests for a prefix
 
 
-def oracle_settings(nodes: int) -> list[tuple[bool, int | None]]:
-    """The (prefetch, replication threshold) points searched; one node has nothing to replicate to."""
+def oracle_settings(nodes: int) -> list[tuple[bool, bool, int | None]]:
+    """The (cost routing, prefetch, replication threshold) points searched; one node has
+    nothing to route or replicate to."""
     thresholds = REPLICATION_THRESHOLDS if nodes > 1 else (None,)
-    return [(prefetch, threshold) for prefetch in (False, True) for threshold in thresholds]
+    routes = (False, True) if nodes > 1 else (False,)
+    return [(cost, prefetch, threshold) for cost in routes for prefetch in (False, True) for threshold in thresholds]
 
 
 def oracle_replay(
@@ -50,10 +53,10 @@ def oracle_replay(
     settings = oracle_settings(len(scenario.node_scenarios()))
     best: ReplayResult | None = None
     search: dict[str, float] = {}
-    for n, (prefetch, threshold) in enumerate(settings):
-        label = f"prefetch={'on' if prefetch else 'off'},replicate={threshold or 'never'}"
+    for n, (cost, prefetch, threshold) in enumerate(settings):
+        label = f"route={'cost' if cost else 'front'},prefetch={'on' if prefetch else 'off'},replicate={threshold or 'never'}"
         tick = None if progress is None else (lambda i, n=n: progress((n * len(trace) + i) // len(settings)))
-        sim = ClusterSimulator(scenario, "belady", PrefetchReplicate(prefetch, threshold), capacities)
+        sim = ClusterSimulator(scenario, "belady", PrefetchReplicate(prefetch, threshold, cost), capacities)
         result = sim.replay(trace, warmup_requests, tick)
         search[label] = result.mean_ttft_ms
         if best is None or result.mean_ttft_ms < best.mean_ttft_ms:

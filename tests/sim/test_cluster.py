@@ -220,8 +220,8 @@ def test_oracle_is_never_worse_than_belady():
     belady = ClusterSimulator(scenario, "belady", LocalFirstRing(), caps).replay(trace)
     oracle = oracle_replay(trace, scenario, caps)
     assert oracle.mean_ttft_ms <= belady.mean_ttft_ms
-    assert oracle.extra["oracle_search"]["prefetch=off,replicate=never"] == pytest.approx(belady.mean_ttft_ms)
-    assert len(oracle.extra["oracle_search"]) == 6 and oracle.policy == "oracle"
+    assert oracle.extra["oracle_search"]["route=front,prefetch=off,replicate=never"] == pytest.approx(belady.mean_ttft_ms)
+    assert len(oracle.extra["oracle_search"]) == 12 and oracle.policy == "oracle"
 
 
 def test_selective_write_spares_the_nvme():
