@@ -70,7 +70,7 @@ def reference_replay(scenario, policy, capacities, trace):
 @pytest.mark.parametrize("policy", ["lru", "arc", "belady", "threshold"])
 def test_one_node_replays_as_the_first_simulator(scenario_name, policy):
     scenario = load_scenario(scenario_name)
-    trace = read_trace(SYNTHETIC, limit=300)
+    trace = read_trace(SYNTHETIC, limit=200)
     capacities = fast_capacity(scenario, trace, fraction=0.05)
     tally, manager = reference_replay(scenario, make_policy(policy), capacities, trace)
     sim = Simulator(scenario, make_policy(policy), capacities)
