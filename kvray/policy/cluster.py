@@ -47,7 +47,10 @@ from kvray.core.hashring import HashRing
 @dataclass(frozen=True)
 class NodeView:
     """One node as a policy sees it. Utilisations are shares of the link's capacity over the
-    recent window (0 idle, 1 saturated); ``free_share`` maps a tier label to its free share."""
+    recent window (0 idle, 1 saturated): bytes that finished crossing it in the window over
+    what it could carry then (kvray.sim.links.Link.utilisation); ``pcie_util`` is the busier
+    PCIe direction. ``free_share`` maps a tier label to its free share; ``backlog_ms`` is the
+    work queued ahead of a request arriving now on the node's earliest free engine."""
 
     name: str
     backlog_ms: float = 0.0

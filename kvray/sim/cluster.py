@@ -367,9 +367,7 @@ class ClusterSimulator:
         told = {at}
         prefix = self._prefix(view, at)  # per node holding prefix pages: its handles, root first
         for h in prefix:
-            if h not in told:
-                self.nodes[h].policy.on_request(RequestInfo(keys, self.nodes[h].queue.backlog_ms(now), None, future))
-                told.add(h)
+            self._tell(h, told, info, now)
         hits = len(view.hit_nodes)
         load = min(max(policy.load_pages(view, cluster), 0), hits) if hits else 0
         prefetch = load > 0 and policy.prefetch(view, cluster)
@@ -384,9 +382,9 @@ class ClusterSimulator:
             holder.clock = start
             holder.manager.touch(handles)
             holder.manager.promote(handles, holder.mover)
-        self._store(view, at, end, cluster, session_of(request), told, info)
+        self._store(view, at, end, cluster, session_of(request), told, info, now)
         if hits:
-            self._replicate(view, end, cluster, session_of(request), told, info)
+            self._replicate(view, end, cluster, session_of(request), told, info, now)
         return labels, end - now
 
     def _prefix(self, view: RequestView, at: int) -> dict[int, np.ndarray]:
@@ -441,15 +439,24 @@ class ClusterSimulator:
             self._paths[key] = path
         return path
 
-    def _tell(self, h: int, told: set[int], info: RequestInfo) -> SimNode:
+    def _tell(self, h: int, told: set[int], info: RequestInfo, now: float) -> SimNode:
+        """Node ``h``'s policy hears of the request (once) before the request touches its pages."""
         node = self.nodes[h]
         if h not in told:
-            node.policy.on_request(RequestInfo(info.keys, info.backlog_ms, None, info.future))
+            node.policy.on_request(RequestInfo(info.keys, node.queue.backlog_ms(now), node.tier_cost, info.future))
             told.add(h)
         return node
 
     def _store(
-        self, view: RequestView, at: int, end: float, cluster: ClusterView, tenant: str, told: set, info: RequestInfo
+        self,
+        view: RequestView,
+        at: int,
+        end: float,
+        cluster: ClusterView,
+        tenant: str,
+        told: set,
+        info: RequestInfo,
+        now: float,
     ) -> None:
         keys, hits = view.keys, len(view.hit_nodes)
         if hits == len(keys):
@@ -469,7 +476,7 @@ class ClusterSimulator:
             while j < len(keys) and targets[j - hits] == target:
                 j += 1
             p = self._node(target)
-            node = self._tell(p, told, info)
+            node = self._tell(p, told, info, now)
             index = node.manager.index
             parent = index.handle_of(keys[i - 1]) if i else ROOT
             node.clock = end
@@ -495,11 +502,13 @@ class ClusterSimulator:
 
         return write
 
-    def _replicate(self, view: RequestView, end: float, cluster: ClusterView, tenant: str, told: set, info: RequestInfo) -> None:
+    def _replicate(
+        self, view: RequestView, end: float, cluster: ClusterView, tenant: str, told: set, info: RequestInfo, now: float
+    ) -> None:
         hits = len(view.hit_nodes)
         for name in self.cluster_policy.replicate(view, cluster):
             t = self._node(name)
-            node = self._tell(t, told, info)
+            node = self._tell(t, told, info, now)
             sources = [(self._by_name[n], TIERS[tier]) for n, tier in zip(view.hit_nodes, self._tiers.tolist())]
 
             def copy(depth: int, key: int, tier: Tier, slot: int, parent: int, t=t, node=node, sources=sources) -> int:
