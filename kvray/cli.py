@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kvray.core.errors import KvrayError
+from kvray.core.errors import ConfigError, KvrayError
 from kvray.progress import progress_bar
 
 app = typer.Typer(
@@ -173,7 +173,12 @@ def down(
 @app.command()
 def sim(
     trace: Path = typer.Option(..., "--trace", help="Mooncake JSONL or Parquet trace"),
-    policy: str = typer.Option("lru", "--policy", help="lru, lfu, arc, wfq, threshold, belady, rl or rl:PATH"),
+    policy: str = typer.Option("lru", "--policy", help="each node's policy (kvray.policy.POLICIES), rl:PATH"),
+    cluster_policy: str = typer.Option(
+        None,
+        "--cluster-policy",
+        help="local-first, cost-router, always-prefetch, replicate-hot, or oracle (Belady, searched prefetch/replication)",
+    ),
     scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
     warmup_requests: int = typer.Option(0, "--warmup-requests", help="requests that fill the cache unmeasured"),
     capacity_fraction: float = typer.Option(None, "--capacity-fraction", help="device+host = F x unique pages"),
@@ -190,19 +195,56 @@ def sim(
         requests = read_trace(trace, limit=limit)
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
         with progress_bar(len(requests), f"sim {policy}", enabled=not json_out) as tick:
-            result = simulate(requests, policy, spec, warmup_requests, capacity_fraction, capacity, tick)
+            result = simulate(requests, policy, spec, warmup_requests, capacity_fraction, capacity, tick, cluster_policy)
     if json_out:
         print(result.as_json())
     else:
         from kvray.apps.results import print_results
 
         out = Console()
-        print_results({policy: result}, out, title=f"kvray sim: modeled replay on scenario {result.scenario}")
+        label = result.policy if cluster_policy is None else f"{result.policy} / {cluster_policy}"
+        print_results({label: result}, out, title=f"kvray sim: modeled replay on scenario {result.scenario}")
         capacity = ", ".join(f"{tier} {pages}" for tier, pages in result.extra["capacity_pages"].items())
         out.print(
             f"capacity (pages): {capacity}; warm-up requests {warmup_requests}; "
             f"moves between tiers {result.extra['background_move_ms']:.1f} ms (off the TTFT path)"
         )
+        busiest = sorted(result.extra["link_utilisation"].items(), key=lambda item: -item[1])[:6]
+        out.print("busiest links (busy share over the replay): " + ", ".join(f"{n} {u:.3f}" for n, u in busiest))
+
+
+@app.command(name="cluster-eval")
+def cluster_eval(
+    scenario: list[Path] = typer.Option(..., "--scenario", help="cluster scenario YAML (repeat for several)"),
+    trace: list[Path] = typer.Option([], "--trace", help="trace file (repeat for several)"),
+    generated: int = typer.Option(0, "--generated", help="also a generated chat workload of about N requests"),
+    limit: int = typer.Option(None, "--limit", help="replay only the first N requests of each trace"),
+    capacity_fraction: float = typer.Option(0.05, "--capacity-fraction", help="cluster device+host = F x unique pages"),
+    out: Path = typer.Option(Path("docs/sim-eval"), "--out", help="folder for cluster.md, cluster.json, cluster.png"),
+) -> None:
+    """Every heuristic and the oracle on cluster scenarios: one table per scenario and trace."""
+    import shlex
+    import sys
+
+    from kvray.apps.cluster_eval import evaluate, write_results
+    from kvray.sim.cost import load_scenario
+    from kvray.sim.workloads import WorkloadSpec, generate
+    from kvray.traces import read_trace
+
+    with reported_errors():
+        scenarios = {load_scenario(s).name: load_scenario(s) for s in scenario}
+        traces = {t.stem: read_trace(t, limit=limit) for t in trace}
+        if generated:
+            spec = WorkloadSpec(sessions=max(1, generated // 4), system_prompt_pages=1, document_probability=0.5)
+            traces[f"generated-{generated}"] = generate(spec, seed=0)
+        if not traces:
+            raise ConfigError("give at least one --trace or --generated N")
+        total = len(scenarios) * len(traces)
+        with console.status("replaying") as status:
+            rows = evaluate(scenarios, traces, capacity_fraction, progress=lambda what: status.update(what))
+        command = "kvray " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        paths = write_results(rows, out, command)
+    console.print(f"{total} tables; wrote {', '.join(str(p) for p in paths)}")
 
 
 @app.command()

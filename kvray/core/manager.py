@@ -217,9 +217,13 @@ class CacheManager:
         parent: int = ROOT,
         priority: int = 0,
         tenant: str = "",
+        start: int = 0,
+        stop: int | None = None,
     ) -> int:
         """Store the pages of one chain of ``keys`` (below ``parent``) that are not cached
-        yet, in order; returns how many were stored.
+        yet, in order; returns how many were stored. With ``start``/``stop`` only
+        ``keys[start:stop]`` are this cache's (a cluster spreads one chain over nodes): the
+        first of them goes below ``parent`` and each keeps its depth in the whole chain.
 
         Each page is admitted by the policy, given a slot (evicting by the policy while the
         page it joins is kept, so making room never drops its own chain), written by
@@ -229,7 +233,8 @@ class CacheManager:
         """
         index = self.index
         stored = 0
-        for depth, key in enumerate(keys):
+        for depth in range(start, len(keys) if stop is None else stop):
+            key = keys[depth]
             handle = index.handle_of(key)
             if handle is None:
                 ctx = PageContext(depth=depth, request_pages=len(keys), priority=priority, tenant=tenant)

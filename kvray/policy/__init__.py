@@ -1,7 +1,7 @@
 """Placement policies and their registry.
 
 ``make_policy("lru")`` builds a policy by name; :data:`POLICIES` lists what is registered
-(``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``belady`` (evaluation only: the
+(``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``lecar``, ``selective-write``, ``belady`` (evaluation only: the
 simulator feeds it the future), ``rl`` (the shipped trained policy); ``rl:PATH`` loads a
 trained policy file).
 Unknown names raise :class:`kvray.core.errors.PolicyError` listing the known ones.
@@ -15,8 +15,10 @@ from kvray.core.errors import PolicyError
 from kvray.policy.arc import ARCPolicy
 from kvray.policy.base import PageContext, PlacementPolicy
 from kvray.policy.belady import BeladyPolicy
+from kvray.policy.lecar import LeCaRPolicy
 from kvray.policy.lfu import LFUPolicy
 from kvray.policy.lru import LRUPolicy
+from kvray.policy.selective import SelectiveWritePolicy
 from kvray.policy.threshold import ThresholdPolicy
 from kvray.policy.wfq import WFQPolicy
 
@@ -34,6 +36,8 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "wfq": WFQPolicy,
     "threshold": ThresholdPolicy,
     "belady": BeladyPolicy,
+    "lecar": LeCaRPolicy,
+    "selective-write": SelectiveWritePolicy,
     "rl": _rl,
 }
 
@@ -56,9 +60,11 @@ __all__ = [
     "BeladyPolicy",
     "LFUPolicy",
     "LRUPolicy",
+    "LeCaRPolicy",
     "POLICIES",
     "PageContext",
     "PlacementPolicy",
+    "SelectiveWritePolicy",
     "ThresholdPolicy",
     "WFQPolicy",
     "make_policy",

@@ -14,6 +14,11 @@ where a request meets the cluster:
   node's queue;
 - ``replicate``: copy the request's hit chain to other nodes (hot shared prefixes).
 
+Heuristics (:data:`CLUSTER_POLICIES`): ``local-first`` (today's controller rule),
+``cost-router`` (prefix overlap against node load, as Dynamo's KV router), ``always-prefetch``
+and ``replicate-hot`` (threshold replication of hot prefixes); the simulator's oracle
+searches :class:`PrefetchReplicate`'s settings.
+
 Every verb sees the same observation in both worlds: a :class:`RequestView` (the request's
 keys, where its cached prefix lives, who asks) and a :class:`ClusterView` (per node: engine
 backlog, link utilisation, free share of each tier). The simulator builds them from its
@@ -21,11 +26,12 @@ modeled queues and links, the runtime from its stores' and engines' reports; a t
 asserts the two agree for the same request (docs/design.md, "One policy, two worlds").
 
 Example::
+    from kvray.policy.cluster import ClusterView, LocalFirstRing, NodeView, RequestView
 
     policy = LocalFirstRing(local_limit=64)
     view = ClusterView(nodes=(NodeView("a"), NodeView("b")))
     request = RequestView(keys=(1, 2, 3), requester="a", hit_nodes=("a",))
-    policy.place(request, missing=2, cluster=view)     # ['a', 'a']
+    assert policy.place(request, missing=2, cluster=view) == ["a", "a"]
 """
 
 from __future__ import annotations
@@ -41,7 +47,10 @@ from kvray.core.hashring import HashRing
 @dataclass(frozen=True)
 class NodeView:
     """One node as a policy sees it. Utilisations are shares of the link's capacity over the
-    recent window (0 idle, 1 saturated); ``free_share`` maps a tier label to its free share."""
+    recent window (0 idle, 1 saturated): bytes that finished crossing it in the window over
+    what it could carry then (kvray.sim.links.Link.utilisation); ``pcie_util`` is the busier
+    PCIe direction. ``free_share`` maps a tier label to its free share; ``backlog_ms`` is the
+    work queued ahead of a request arriving now on the node's earliest free engine."""
 
     name: str
     backlog_ms: float = 0.0
@@ -55,9 +64,11 @@ class NodeView:
 
 @dataclass(frozen=True)
 class ClusterView:
-    """Every node, in a fixed order (the scenario's, or the controller's membership order)."""
+    """Every node, in a fixed order (the scenario's, or the controller's membership order),
+    and what recomputing a page costs, against which a policy weighs loads and queues."""
 
     nodes: tuple[NodeView, ...]
+    page_prefill_ms: float = 0.0  # time to recompute one page on these engines (0: unknown)
 
     @property
     def names(self) -> list[str]:
@@ -145,7 +156,120 @@ class LocalFirstRing(ClusterPolicy):
         return self._ring.owners(request.keys[len(request.keys) - missing :])
 
 
-CLUSTER_POLICIES: dict[str, type[ClusterPolicy]] = {"local-first": LocalFirstRing}
+class CostRouter(LocalFirstRing):
+    """A router weighing prefix overlap against load, as NVIDIA Dynamo's KV router does:
+    serve on the node with the least ``backlog_ms + page_prefill_ms x (pages it must
+    prefill + remote_weight x pages it must fetch from another node)``; ties go to the
+    requester (the front end's choice), then to the scenario's order. Pages are placed as
+    :class:`LocalFirstRing` places them, relative to the node chosen.
+
+    Example::
+
+        view = ClusterView((NodeView("a", backlog_ms=10.0), NodeView("b")), page_prefill_ms=20.0)
+        request = RequestView(keys=(1, 2, 3), requester="b", hit_nodes=("a", "a"))
+        CostRouter().route(request, view)   # 'a': 10 ms queue + 1 page (30) beats 1 page + fetching 2 (40)
+    """
+
+    name = "cost-router"
+
+    def __init__(self, remote_weight: float = 0.5, local_limit: int = 1024) -> None:
+        super().__init__(local_limit)
+        self.remote_weight = remote_weight
+
+    def route(self, request: RequestView, cluster: ClusterView) -> str:
+        hits = request.hit_nodes
+        page_ms = cluster.page_prefill_ms or 1.0
+        missing = len(request.keys) - len(hits)
+        best, best_cost = None, float("inf")
+        for node in cluster.nodes:
+            local = sum(1 for h in hits if h == node.name)
+            cost = node.backlog_ms + page_ms * (missing + self.remote_weight * (len(hits) - local))
+            if cost < best_cost or (cost == best_cost and node.name == request.requester):
+                best, best_cost = node.name, cost
+        return best
+
+
+class AlwaysPrefetch(LocalFirstRing):
+    """:class:`LocalFirstRing`, and every cached prefix is loaded while its request still
+    waits for an engine, so the loads overlap the queue wait.
+
+    Example::
+
+        AlwaysPrefetch().prefetch(RequestView(keys=(1,), hit_nodes=("a",)), ClusterView((NodeView("a"),)))  # True
+    """
+
+    name = "always-prefetch"
+
+    def prefetch(self, request: RequestView, cluster: ClusterView) -> bool:
+        return True
+
+
+class ReplicateHot(LocalFirstRing):
+    """:class:`LocalFirstRing`, and a hit chain whose root page has been asked for
+    ``threshold`` times or more is copied to the serving node when that node lacks part of
+    it: hot shared prefixes (system prompts, documents) end up local everywhere they are read.
+
+    Example::
+
+        policy = ReplicateHot(threshold=2)
+        view = ClusterView((NodeView("a"), NodeView("b")))
+        request = RequestView(keys=(1, 2), requester="b", hit_nodes=("a", "a"))
+        policy.replicate(request, view), policy.replicate(request, view)   # ([], ['b'])
+    """
+
+    name = "replicate-hot"
+
+    def __init__(self, threshold: int = 4, local_limit: int = 1024) -> None:
+        super().__init__(local_limit)
+        self.threshold = threshold
+        self._asked: dict[int, int] = {}
+
+    def replicate(self, request: RequestView, cluster: ClusterView) -> list[str]:
+        if not request.hit_nodes:
+            return []
+        root = request.keys[0]
+        asked = self._asked[root] = self._asked.get(root, 0) + 1
+        if asked < self.threshold or request.requester is None:
+            return []
+        return [request.requester] if any(h != request.requester for h in request.hit_nodes) else []
+
+
+class PrefetchReplicate(ReplicateHot):
+    """Routing by the front end or by :class:`CostRouter`, prefetch on or off, and hot-prefix
+    replication at a given threshold (None: never): the points the oracle searches over
+    (kvray/sim/oracle.py), beside Belady on every node.
+
+    Example::
+
+        PrefetchReplicate(prefetch=True, threshold=None).prefetch(RequestView(keys=(1,)), ClusterView(()))   # True
+    """
+
+    name = "prefetch-replicate"
+
+    def __init__(
+        self, prefetch: bool = True, threshold: int | None = None, cost_route: bool = False, local_limit: int = 1024
+    ) -> None:
+        super().__init__(threshold or 0, local_limit)
+        self.always_prefetch = prefetch
+        self.replicates = threshold is not None
+        self._router = CostRouter(local_limit=local_limit) if cost_route else None
+
+    def route(self, request: RequestView, cluster: ClusterView) -> str:
+        return self._router.route(request, cluster) if self._router else super().route(request, cluster)
+
+    def prefetch(self, request: RequestView, cluster: ClusterView) -> bool:
+        return self.always_prefetch
+
+    def replicate(self, request: RequestView, cluster: ClusterView) -> list[str]:
+        return super().replicate(request, cluster) if self.replicates else []
+
+
+CLUSTER_POLICIES: dict[str, type[ClusterPolicy]] = {
+    "local-first": LocalFirstRing,
+    "cost-router": CostRouter,
+    "always-prefetch": AlwaysPrefetch,
+    "replicate-hot": ReplicateHot,
+}
 
 
 def make_cluster_policy(name: str) -> ClusterPolicy:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -46,11 +47,70 @@ class ComputeSpec(FrozenModel):
     servers: int = Field(default=1, gt=0, le=4096)
 
 
+def _check_tiers(tiers: dict[str, TierSpec]) -> None:
+    unknown = sorted(set(tiers) - set(TIER_BY_LABEL))
+    if unknown:
+        raise ValueError(f"unknown tier(s) {', '.join(unknown)}; expected {', '.join(TIER_BY_LABEL)}")
+    if not tiers:
+        raise ValueError("a scenario needs at least one tier")
+
+
+class NodeSpec(FrozenModel):
+    """A kind of node of a cluster scenario, ``count`` of them; what it leaves out is the
+    scenario's (``tiers``, ``compute``, ``network_gbps``, ``network_latency_us``).
+    ``compute.servers`` is its number of prefill engines (one GPU each: one PCIe lane each)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    count: int = Field(default=1, gt=0, le=4096)
+    tiers: dict[str, TierSpec] | None = None
+    compute: ComputeSpec | None = None
+    network_gbps: float | None = Field(default=None, gt=0)
+    network_latency_us: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _known_tiers(self) -> NodeSpec:
+        if self.tiers is not None:
+            _check_tiers(self.tiers)
+            if "remote" in self.tiers:
+                raise ValueError("a cluster node has no remote tier: other nodes are the remote memory")
+        return self
+
+
+class SwitchSpec(FrozenModel):
+    """A switch every cross-node byte crosses (aggregate bandwidth), when it is the bottleneck."""
+
+    gbps: float = Field(gt=0)
+    latency_us: float = Field(default=1.0, ge=0)
+
+
+class LinkSpec(FrozenModel):
+    """How links behave: ``queued`` (transfers wait for each other; the default of scenarios
+    with ``nodes``) or not (single-node scenarios, as the first simulator modeled them), and
+    the window (ms) over which a policy sees their utilisation."""
+
+    queued: bool
+    window_ms: float = Field(default=1000.0, gt=0)
+
+
+class RouterSpec(FrozenModel):
+    """The front end that lands each request on a node before the cluster policy's ``route``:
+    ``sticky`` (a session stays on one node; node i draws sessions in proportion to
+    ``1 / (i + 1) ** skew``), ``round-robin``, or ``none`` (the cluster policy alone decides)."""
+
+    kind: Literal["sticky", "round-robin", "none"] = "sticky"
+    skew: float = Field(default=0.0, ge=0)
+    seed: int = 0
+
+
 class Scenario(FrozenModel):
-    """A node (or one engine's share of it): page layout, tiers, network and compute.
+    """A node (or one engine's share of it), or a cluster of them: page layout, tiers,
+    network and compute.
 
     Tiers are named ``device``, ``host``, ``disk``, ``remote``; an absent tier does not
     exist. ``remote`` pages cross the network: ``network_gbps`` caps their read rate.
+    With ``nodes`` the scenario is a cluster (kvray.sim.cluster): each entry a kind of node,
+    the top-level ``tiers``, ``compute`` and network settings their defaults; without it,
+    one node of the top-level settings.
     """
 
     name: str = Field(min_length=1)
@@ -60,15 +120,50 @@ class Scenario(FrozenModel):
     network_gbps: float = Field(default=25.0, gt=0)
     network_latency_us: float = Field(default=5.0, ge=0)
     compute: ComputeSpec
+    nodes: list[NodeSpec] | None = Field(default=None, min_length=1)
+    switch: SwitchSpec | None = None
+    links: LinkSpec | None = None
+    router: RouterSpec = RouterSpec()
+    view_refresh_ms: float = Field(default=0.0, ge=0)  # policies' views recomputed at most this often
 
     @model_validator(mode="after")
     def _known_tiers(self) -> Scenario:
-        unknown = sorted(set(self.tiers) - set(TIER_BY_LABEL))
-        if unknown:
-            raise ValueError(f"unknown tier(s) {', '.join(unknown)}; expected {', '.join(TIER_BY_LABEL)}")
-        if not self.tiers:
-            raise ValueError("a scenario needs at least one tier")
+        _check_tiers(self.tiers)
+        if self.nodes is not None:
+            names = [n.name for n in self.nodes]
+            if len(set(names)) != len(names):
+                raise ValueError(f"node names must be unique, got {', '.join(names)}")
         return self
+
+    @property
+    def links_queued(self) -> bool:
+        return self.links.queued if self.links is not None else self.nodes is not None
+
+    @property
+    def window_ms(self) -> float:
+        return self.links.window_ms if self.links is not None else 1000.0
+
+    def node_scenarios(self) -> list[Scenario]:
+        """One single-node scenario per node (named ``kind`` or ``kind-i`` when counted),
+        in the scenario's order; a scenario without ``nodes`` is its own one node."""
+        if self.nodes is None:
+            return [self]
+        out = []
+        for spec in self.nodes:
+            node = self.model_copy(
+                update={
+                    "tiers": spec.tiers if spec.tiers is not None else self.tiers,
+                    "compute": spec.compute or self.compute,
+                    "network_gbps": spec.network_gbps or self.network_gbps,
+                    "network_latency_us": (
+                        spec.network_latency_us if spec.network_latency_us is not None else self.network_latency_us
+                    ),
+                    "nodes": None,
+                }
+            )
+            for i in range(spec.count):
+                out.append(node.model_copy(update={"name": spec.name if spec.count == 1 else f"{spec.name}-{i}"}))
+        return out
 
     def capacities(self) -> dict[Tier, int]:
         return {TIER_BY_LABEL[name]: spec.capacity_pages for name, spec in self.tiers.items()}
@@ -163,6 +258,15 @@ class PrefillQueue:
         start = max(arrival_ms, self._free_at[i])
         self._free_at[i] = start + service_ms
         return start - arrival_ms
+
+    def start(self, arrival_ms: float) -> tuple[int, float]:
+        """The earliest free engine and when it starts a request arriving at ``arrival_ms``;
+        :meth:`finish` says when it is free again (when loads decide the service time)."""
+        i = min(range(len(self._free_at)), key=self._free_at.__getitem__)
+        return i, max(arrival_ms, self._free_at[i])
+
+    def finish(self, engine: int, end_ms: float) -> None:
+        self._free_at[engine] = end_ms
 
     def backlog_ms(self, now_ms: float) -> float:
         """Work still queued ahead of a request arriving at ``now_ms`` (the load signal)."""

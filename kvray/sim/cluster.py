@@ -1,0 +1,583 @@
+"""Cluster simulator: N nodes, each the runtime's own cache, with links as queued resources.
+
+Every node is a real :class:`~kvray.core.manager.CacheManager` with its own
+:class:`~kvray.policy.base.PlacementPolicy`, prefill engines (a
+:class:`~kvray.sim.cost.PrefillQueue`) and links (:mod:`kvray.sim.links`): the GPU's memory,
+PCIe host-to-device and device-to-host (one lane per engine), NVMe read and write, NIC in
+and out, and optionally one switch all cross-node bytes share. A
+:class:`~kvray.policy.cluster.ClusterPolicy` makes the decisions above the nodes.
+
+Requests are served in arrival order; each resource (engine, link lane) is a first-come
+first-served calendar, so a request's loads queue behind the moves and loads booked before
+it. For one request arriving at ``t``:
+
+1. the scenario's router lands it on a node, and ``ClusterPolicy.route`` keeps or moves it;
+2. its cached prefix is found across the cluster (a page may sit on any node), and
+   ``load_pages`` says how many of those pages to load (the rest is recomputed);
+3. its engine starts at ``s >= t``; the loads go out at ``s``, or at ``t`` when ``prefetch``
+   says so (overlapping the queue wait), each over the links of its path (a page on another
+   node: that node's NIC out, the switch, this node's NIC in and PCIe); prefill starts when
+   the engine is free and the loads are in, and the TTFT ends with it;
+4. hit pages are touched and may be promoted on the node that holds them (promotions,
+   and the demotions room-making causes, occupy that node's links);
+5. its new pages go where ``place`` says, stored by the chosen node's chain writer
+   (``CacheManager.store_chain``) and policy; ``replicate`` copies its hit chain to other
+   nodes. These writes start when the TTFT ends, off its path but on the links.
+
+The single-node :class:`~kvray.sim.simulator.Simulator` is this with one node. Deterministic
+for a seed (the router's).
+
+Example::
+    from kvray.policy.cluster import make_cluster_policy
+    from kvray.sim.cluster import ClusterSimulator, node_capacities
+    from kvray.sim.cost import load_scenario
+    from kvray.sim.workloads import WorkloadSpec, generate
+
+    scenario = load_scenario("h100-4node-skewed")          # shipped in simulations/
+    trace = generate(WorkloadSpec(sessions=40), seed=1)
+    sim = ClusterSimulator(scenario, "lru", make_cluster_policy("cost-router"), node_capacities(scenario, trace, 0.05))
+    result = sim.replay(trace)
+    print(result.mean_ttft_ms, result.extra["link_bytes"])
+"""
+
+from __future__ import annotations
+
+import bisect
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from kvray.core.errors import ConfigError, PolicyError
+from kvray.core.index import ROOT
+from kvray.core.manager import CacheManager
+from kvray.core.tiers import TIER_LABELS, Tier
+from kvray.policy.base import PlacementPolicy, RequestInfo
+from kvray.policy.cluster import ClusterPolicy, ClusterView, NodeView, RequestView
+from kvray.report import ReplayResult, ReplayTally, hit_tokens
+from kvray.sim.cost import CostModel, PrefillQueue, RouterSpec, Scenario
+from kvray.sim.links import Link, transfer, transfer_ms
+from kvray.traces import TraceRequest, full_blocks, unique_blocks
+
+TIERS = tuple(Tier)
+PolicySource = str | Callable[[], PlacementPolicy] | Sequence[PlacementPolicy]
+
+
+def session_of(request: TraceRequest) -> str:
+    """The flow a request belongs to for fair sharing and sticky routing: its first two
+    prefix ids (the shared system prompt and the conversation or document that follows it)."""
+    return "/".join(map(str, request.hash_ids[:2]))
+
+
+def node_capacities(
+    scenario: Scenario, trace: Sequence[TraceRequest], fraction: float | None = None, pages: int | None = None
+) -> list[dict[Tier, int]]:
+    """Tier sizes of every node: the scenario's own, or device + host over the whole cluster
+    = ``pages`` or ``fraction`` of the trace's unique pages, shared among nodes in
+    proportion to their own device + host, every tier of a node keeping its ratio to them."""
+    nodes = scenario.node_scenarios()
+    if fraction is not None and pages is not None:
+        raise ConfigError("give --capacity-fraction or --capacity, not both")
+    if fraction is not None:
+        if not 0 < fraction <= 100:
+            raise ConfigError(f"capacity fraction must be in (0, 100], got {fraction}")
+        pages = max(1, round(fraction * unique_blocks(list(trace))))
+    if pages is None:
+        return [n.capacities() for n in nodes]
+    if pages <= 0:
+        raise ConfigError(f"capacity must be a positive number of pages, got {pages}")
+    fast = [sum(c for t, c in n.capacities().items() if t in (Tier.DEVICE, Tier.HOST)) for n in nodes]
+    if not all(fast):
+        bare = next(n.name for n, f in zip(nodes, fast) if not f)
+        raise ConfigError(f"node {bare!r} of scenario {scenario.name!r} has neither a device nor a host tier to size")
+    total = sum(fast)
+    return [n.scaled(max(1, round(pages * f / total))) for n, f in zip(nodes, fast)]
+
+
+class Router:
+    """The scenario's front end (:class:`~kvray.sim.cost.RouterSpec`): a node index per
+    request, or None when the cluster policy alone routes.
+
+    Example::
+
+        router = Router(RouterSpec(kind="sticky", skew=1.0), nodes=4)
+        router.land("7/12") == router.land("7/12")     # True: a session stays put
+    """
+
+    def __init__(self, spec: RouterSpec, nodes: int) -> None:
+        self.spec = spec
+        self.nodes = nodes
+        weights = [(i + 1) ** -spec.skew for i in range(nodes)]
+        total = sum(weights)
+        self._cumulative = list(np.cumsum(weights) / total)
+        self._next = 0
+
+    def land(self, session: str) -> int | None:
+        if self.spec.kind == "none":
+            return None
+        if self.spec.kind == "round-robin":
+            node = self._next
+            self._next = (node + 1) % self.nodes
+            return node
+        draw = zlib.crc32(f"{self.spec.seed}:{session}".encode()) / 2**32  # stable across processes
+        return min(bisect.bisect_right(self._cumulative, draw), self.nodes - 1)
+
+
+class SimNode:
+    """One node: its cache manager and policy, prefill engines, links and the paths pages
+    take between its tiers.
+
+    Example::
+
+        node = SimNode(0, load_scenario("h100-llama8b"), make_policy("lru"), queued=True)
+        node.move_path[Tier.HOST, Tier.DISK]     # (nvme_write,)
+    """
+
+    def __init__(
+        self,
+        index: int,
+        scenario: Scenario,
+        policy: PlacementPolicy,
+        capacities: Mapping[Tier, int] | None = None,
+        queued: bool = True,
+        window_ms: float = 1000.0,
+    ) -> None:
+        self.index = index
+        self.name = scenario.name
+        self.cost = CostModel(scenario)
+        self.page_nbytes = self.cost.page_nbytes
+        self.queue = PrefillQueue(scenario.compute.servers)
+        self.manager = CacheManager(capacities or scenario.capacities(), policy, page_nbytes=self.page_nbytes)
+        self.policy = policy
+        self.tier_cost = self.cost.tier_cost(self.manager.slots)
+        self._allocators = [(t.label, a) for t, a in sorted(self.manager.slots.items())]
+        self.clock = 0.0  # modeled time of the moves the manager asks for now
+        self.background_ms = 0.0  # modeled time of the moves between tiers (their links' busy time)
+        tiers = {TIER_BY_NAME[name]: spec for name, spec in scenario.tiers.items()}
+        self.access_ms = [tiers[t].latency_us / 1e3 if t in tiers else 0.0 for t in TIERS]
+        engines = scenario.compute.servers
+
+        def link(name: str, gbps: float, latency_us: float = 0.0, lanes: int = 1) -> Link:
+            return Link(f"{self.name}/{name}", gbps, latency_us, lanes, queued, window_ms)
+
+        host = tiers.get(Tier.HOST)
+        self.h2d = link("pcie_h2d", host.read_gbps if host else PCIE_GBPS, lanes=engines)
+        self.d2h = link("pcie_d2h", host.write_gbps if host else PCIE_GBPS, lanes=engines)
+        self.nic_in = link("nic_in", scenario.network_gbps, scenario.network_latency_us)
+        self.nic_out = link("nic_out", scenario.network_gbps)
+        self.links = [self.h2d, self.d2h, self.nic_in, self.nic_out]
+        to_host: dict[Tier, tuple[Link, ...]] = {Tier.HOST: ()}
+        from_host: dict[Tier, tuple[Link, ...]] = {Tier.HOST: ()}
+        self.load_path: dict[Tier, tuple[Link, ...]] = {Tier.HOST: (self.h2d,)}
+        if Tier.DEVICE in tiers:
+            hbm = link("hbm", tiers[Tier.DEVICE].read_gbps, lanes=engines)
+            self.links.append(hbm)
+            to_host[Tier.DEVICE], from_host[Tier.DEVICE] = (self.d2h,), (self.h2d,)
+            self.load_path[Tier.DEVICE] = (hbm,)
+        if Tier.DISK in tiers:
+            disk = tiers[Tier.DISK]
+            self.nvme_read, self.nvme_write = link("nvme_read", disk.read_gbps), link("nvme_write", disk.write_gbps)
+            self.links += [self.nvme_read, self.nvme_write]
+            to_host[Tier.DISK], from_host[Tier.DISK] = (self.nvme_read,), (self.nvme_write,)
+            self.load_path[Tier.DISK] = (self.nvme_read, self.h2d)
+        if Tier.REMOTE in tiers:  # single-node scenarios: peers' memory as a tier, over the network
+            remote = tiers[Tier.REMOTE]
+            read = link("remote_read", min(remote.read_gbps, scenario.network_gbps), scenario.network_latency_us)
+            write = link("remote_write", remote.write_gbps)
+            self.links += [read, write]
+            to_host[Tier.REMOTE], from_host[Tier.REMOTE] = (read,), (write,)
+            self.load_path[Tier.REMOTE] = (read, self.h2d)
+        self.to_host, self.from_host = to_host, from_host
+        self.move_path = {(s, d): to_host[s] + from_host[d] for s in to_host for d in from_host if s != d}
+        self.move_path.update({(Tier.DEVICE, d): (self.d2h,) + from_host[d] for d in from_host if d != Tier.DEVICE})
+        # a new page leaves the engine's GPU: nothing moves when it stays in the device tier
+        self.store_path = {t: (self.d2h,) + from_host[t] for t in from_host if t != Tier.DEVICE}
+        self.store_path[Tier.DEVICE] = ()
+        self._moves = {}  # (src, dst) -> path, access latency, duration: the mover's per-page constants
+        for (src, dst), path in self.move_path.items():
+            latency = self.access_ms[src] + self.access_ms[dst]
+            self._moves[src, dst] = (path, latency, transfer_ms(path, self.page_nbytes, latency))
+        self.write: Callable[[int, int, Tier, int, int], int] = self._write_local
+
+    def mover(self, handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:
+        """The manager's data plane here: the move occupies the links between the two tiers."""
+        path, latency, duration = self._moves[src, dst]
+        transfer(path, self.clock, self.page_nbytes, "demote" if dst > src else "promote", latency)
+        self.background_ms += duration
+
+    def _write_local(self, depth: int, key: int, tier: Tier, slot: int, parent: int) -> int:
+        """A page computed by this node's engine goes into ``tier`` here (checksum 0: no bytes)."""
+        transfer(self.store_path[tier], self.clock, self.page_nbytes, "store", self.access_ms[tier])
+        return 0
+
+    def view(self, now_ms: float) -> NodeView:
+        return NodeView(
+            name=self.name,
+            backlog_ms=self.queue.backlog_ms(now_ms),
+            free_share={label: 1.0 - a.used / a.capacity for label, a in self._allocators},
+            nic_in_util=self.nic_in.utilisation(now_ms),
+            nic_out_util=self.nic_out.utilisation(now_ms),
+            pcie_util=max(self.h2d.utilisation(now_ms), self.d2h.utilisation(now_ms)),
+            disk_read_util=self.nvme_read.utilisation(now_ms) if Tier.DISK in self.to_host else 0.0,
+            disk_write_util=self.nvme_write.utilisation(now_ms) if Tier.DISK in self.to_host else 0.0,
+        )
+
+
+TIER_BY_NAME = {t.label: t for t in Tier}
+PCIE_GBPS = 50.0  # a node without a host tier still has PCIe (Gen5 x16, ~50 GB/s copies)
+
+
+class ClusterSimulator:
+    """One replay over a cluster scenario: a :class:`SimNode` per node, the scenario's
+    router and a cluster policy.
+
+    ``policy`` is a policy name (one instance per node), a factory, or one instance per node.
+
+    Example::
+
+        sim = ClusterSimulator(scenario, "lru", make_cluster_policy("local-first"))
+        result = sim.replay(trace)
+        result.extra["link_utilisation"]      # per node/link: busy share over the replay
+    """
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        policy: PolicySource,
+        cluster_policy: ClusterPolicy | None = None,
+        capacities: Sequence[Mapping[Tier, int] | None] | None = None,
+    ) -> None:
+        specs = scenario.node_scenarios()
+        if isinstance(policy, str):
+            from kvray.policy import make_policy
+
+            name = policy
+            policies = [make_policy(name) for _ in specs]
+        elif callable(policy):
+            policies = [policy() for _ in specs]
+        else:
+            policies = list(policy)
+        if len(policies) != len(specs) or (capacities is not None and len(capacities) != len(specs)):
+            raise ConfigError(f"scenario {scenario.name!r} has {len(specs)} node(s): give a policy and sizes for each")
+        self.scenario = scenario
+        self.cluster_policy = cluster_policy or ClusterPolicy()
+        queued, window = scenario.links_queued, scenario.window_ms
+        self.nodes = [
+            SimNode(i, spec, p, capacities[i] if capacities else None, queued, window)
+            for i, (spec, p) in enumerate(zip(specs, policies))
+        ]
+        self.names = [n.name for n in self.nodes]
+        self._by_name = {n: i for i, n in enumerate(self.names)}
+        self.block_tokens = scenario.layout.page_tokens
+        self.page_nbytes = scenario.layout.page_nbytes
+        self.page_prefill_ms = self.nodes[0].cost.page_prefill_ms()
+        self.router = Router(scenario.router, len(self.nodes))
+        self.switch = (
+            Link("switch", scenario.switch.gbps, scenario.switch.latency_us, 1, queued, window) if scenario.switch else None
+        )
+        self.single = len(self.nodes) == 1
+        self._holders: dict[int, list[int]] = {}  # key -> nodes holding it (clusters only)
+        if not self.single:
+            for node in self.nodes:
+                self._listen(node)
+        self._view: ClusterView | None = None
+        self._view_at = -np.inf
+        self._paths: dict[tuple[int, int, Tier, Tier | None], tuple[Link, ...]] = {}
+
+    @property
+    def links(self) -> list[Link]:
+        return [link for node in self.nodes for link in node.links] + ([self.switch] if self.switch else [])
+
+    def _listen(self, node: SimNode) -> None:
+        holders, i = self._holders, node.index
+
+        def placed(key: int, tier: Tier, slot: int, checksum: int) -> None:
+            at = holders.setdefault(key, [])
+            if i not in at:
+                at.append(i)
+
+        def dropped(key: int) -> None:
+            at = holders[key]
+            at.remove(i)
+            if not at:
+                del holders[key]
+
+        node.manager.page_placed, node.manager.page_dropped = placed, dropped
+
+    # -- observations --------------------------------------------------------------------
+    def cluster_view(self, now_ms: float) -> ClusterView:
+        """Every node's view at ``now_ms`` (refreshed at most every ``view_refresh_ms``)."""
+        if self._view is None or now_ms - self._view_at >= self.scenario.view_refresh_ms:
+            self._view = ClusterView(tuple(n.view(now_ms) for n in self.nodes), page_prefill_ms=self.page_prefill_ms)
+            self._view_at = now_ms
+        return self._view
+
+    def hit_nodes(self, keys: Sequence[int], prefer: int | None) -> list[int]:
+        """The node of each page of the cluster's cached prefix of ``keys``: ``prefer`` when
+        it holds the page, else the node of the page before, else the first holder."""
+        if self.single:
+            return [0] * self.nodes[0].manager.index.match(keys)
+        holders, out, prev = self._holders, [], prefer
+        for key in keys:
+            at = holders.get(key)
+            if not at:
+                break
+            node = prefer if prefer in at else prev if prev in at else at[0]
+            out.append(node)
+            prev = node
+        return out
+
+    def request_view(self, request: TraceRequest, node: int | None) -> RequestView:
+        keys = full_blocks(request.hash_ids, request.input_length, self.block_tokens)
+        hits = self.hit_nodes(keys, node)
+        names = self.names
+        return RequestView(tuple(keys), None if node is None else names[node], tuple(names[h] for h in hits), session_of(request))
+
+    def views(self, request: TraceRequest, node: str | None = None) -> tuple[RequestView, ClusterView]:
+        """What the cluster policy sees for ``request`` served by ``node`` (the runtime's
+        engine node), from the modeled queues and links at the request's arrival."""
+        at = None if node is None else self._node(node)
+        return self.request_view(request, at), self.cluster_view(request.timestamp_ms)
+
+    def _node(self, name: str) -> int:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise PolicyError(
+                f"cluster policy {self.cluster_policy.name!r} named node {name!r}; nodes: {', '.join(self.names)}"
+            ) from None
+
+    # -- serving -------------------------------------------------------------------------
+    def serve(self, request: TraceRequest, future: np.ndarray | None = None) -> tuple[list[str], float]:
+        """Serve one request; returns the tier label of each loaded hit page ("remote": from
+        another node) and its modeled TTFT (ms)."""
+        now = request.timestamp_ms
+        policy = self.cluster_policy
+        front = self.router.land(session_of(request))
+        view = self.request_view(request, front)
+        cluster = self.cluster_view(now)
+        at = self._node(policy.route(view, cluster))
+        if at != front:
+            view = RequestView(
+                view.keys, self.names[at], tuple(self.names[h] for h in self.hit_nodes(view.keys, at)), view.session
+            )
+        keys, node = view.keys, self.nodes[at]
+        info = RequestInfo(keys, node.queue.backlog_ms(now), node.tier_cost, future)
+        node.policy.on_request(info)
+        told = {at}
+        prefix = self._prefix(view, at)  # per node holding prefix pages: its handles, root first
+        for h in prefix:
+            self._tell(h, told, info, now)
+        hits = len(view.hit_nodes)
+        load = min(max(policy.load_pages(view, cluster), 0), hits) if hits else 0
+        prefetch = load > 0 and policy.prefetch(view, cluster)
+        engine, start = node.queue.start(now)
+        ready = now if prefetch else start
+        labels, loaded = self._load(view, at, load, ready, "prefetch" if prefetch else "load")
+        ready = max(start, loaded)
+        end = ready + node.cost.prefill_ms(request.input_length - hit_tokens(request, load, self.block_tokens))
+        node.queue.finish(engine, end)
+        for h, handles in prefix.items():
+            holder = self.nodes[h]
+            holder.clock = start
+            holder.manager.touch(handles)
+            holder.manager.promote(handles, holder.mover)
+        self._store(view, at, end, cluster, session_of(request), told, info, now)
+        if hits:
+            self._replicate(view, end, cluster, session_of(request), told, info, now)
+        return labels, end - now
+
+    def _prefix(self, view: RequestView, at: int) -> dict[int, np.ndarray]:
+        if self.single:
+            match = self.nodes[0].manager.lookup(view.keys)
+            self._tiers = match.tiers
+            return {0: match.handles} if len(match) else {}
+        by_node: dict[int, list[int]] = {}
+        tiers = []
+        for key, name in zip(view.keys, view.hit_nodes):
+            index = self.nodes[self._by_name[name]].manager.index
+            handle = index.handle_of(key)
+            by_node.setdefault(self._by_name[name], []).append(handle)
+            tiers.append(int(index.tier[handle]))
+        self._tiers = np.array(tiers, dtype=np.int64)
+        return {h: np.array(hs, dtype=np.int64) for h, hs in by_node.items()}
+
+    def _load(self, view: RequestView, at: int, pages: int, ready: float, kind: str) -> tuple[list[str], float]:
+        """Load the first ``pages`` of the cached prefix, run by run (same node, same tier),
+        one after the other; returns their tier labels and when the last one arrived."""
+        if not pages:
+            return [], ready
+        tiers = self._tiers[:pages].tolist()
+        hit_nodes = view.hit_nodes
+        labels: list = []
+        i = 0
+        while i < pages:
+            tier, name = tiers[i], hit_nodes[i]
+            j = i + 1
+            while j < pages and tiers[j] == tier and hit_nodes[j] == name:
+                j += 1
+            h = self._by_name[name]
+            path = self._path(h, at, TIERS[tier], None)
+            ready = transfer(path, ready, (j - i) * self.page_nbytes, kind, self.nodes[h].access_ms[tier], j - i)
+            labels.extend([TIER_LABELS[tier] if h == at else "remote"] * (j - i))
+            i = j
+        return labels, ready
+
+    def _path(self, src: int, dst: int, tier: Tier, into: Tier | None) -> tuple[Link, ...]:
+        """Links a page crosses from ``tier`` of node ``src`` to node ``dst``: to its engine
+        (``into`` None) or into its tier ``into``."""
+        key = (src, dst, tier, into)
+        path = self._paths.get(key)
+        if path is None:
+            a, b = self.nodes[src], self.nodes[dst]
+            if src == dst:
+                path = a.load_path[tier] if into is None else a.move_path[tier, into]
+            else:
+                middle = (a.nic_out,) + ((self.switch,) if self.switch else ()) + (b.nic_in,)
+                arrive = (b.h2d,) if into is None else b.from_host[into]
+                path = a.to_host[tier] + middle + arrive
+            self._paths[key] = path
+        return path
+
+    def _tell(self, h: int, told: set[int], info: RequestInfo, now: float) -> SimNode:
+        """Node ``h``'s policy hears of the request (once) before the request touches its pages."""
+        node = self.nodes[h]
+        if h not in told:
+            node.policy.on_request(RequestInfo(info.keys, node.queue.backlog_ms(now), node.tier_cost, info.future))
+            told.add(h)
+        return node
+
+    def _store(
+        self,
+        view: RequestView,
+        at: int,
+        end: float,
+        cluster: ClusterView,
+        tenant: str,
+        told: set,
+        info: RequestInfo,
+        now: float,
+    ) -> None:
+        keys, hits = view.keys, len(view.hit_nodes)
+        if hits == len(keys):
+            return
+        if self.single:
+            node = self.nodes[0]
+            node.clock = end
+            node.manager.store_chain(keys, node.mover, node.write, tenant=tenant)
+            return
+        targets = self.cluster_policy.place(view, len(keys) - hits, cluster)
+        if len(targets) != len(keys) - hits:
+            raise PolicyError(f"cluster policy {self.cluster_policy.name!r} placed {len(targets)} of {len(keys) - hits} pages")
+        i = hits
+        while i < len(keys):
+            target = targets[i - hits]
+            j = i + 1
+            while j < len(keys) and targets[j - hits] == target:
+                j += 1
+            p = self._node(target)
+            node = self._tell(p, told, info, now)
+            index = node.manager.index
+            parent = index.handle_of(keys[i - 1]) if i else ROOT
+            node.clock = end
+            node.write = self._writer(at, p)
+            node.manager.store_chain(
+                keys, node.mover, node.write, parent=parent if parent is not None else ROOT, tenant=tenant, start=i, stop=j
+            )
+            if index.handle_of(keys[j - 1]) is None:
+                return  # the chain broke here: pages after it could never be matched
+            i = j
+
+    def _writer(self, src: int, dst: int) -> Callable[[int, int, Tier, int, int], int]:
+        """Writes of pages computed on node ``src`` into node ``dst``'s tiers."""
+        node = self.nodes[dst]
+        if src == dst:
+            return node._write_local
+        nbytes = self.page_nbytes
+
+        def write(depth: int, key: int, tier: Tier, slot: int, parent: int) -> int:
+            path = (self.nodes[src].d2h,) + self._path(src, dst, Tier.HOST, tier)
+            transfer(path, node.clock, nbytes, "store", node.access_ms[tier])
+            return 0
+
+        return write
+
+    def _replicate(
+        self, view: RequestView, end: float, cluster: ClusterView, tenant: str, told: set, info: RequestInfo, now: float
+    ) -> None:
+        hits = len(view.hit_nodes)
+        for name in self.cluster_policy.replicate(view, cluster):
+            t = self._node(name)
+            node = self._tell(t, told, info, now)
+            sources = [(self._by_name[n], TIERS[tier]) for n, tier in zip(view.hit_nodes, self._tiers.tolist())]
+
+            def copy(depth: int, key: int, tier: Tier, slot: int, parent: int, t=t, node=node, sources=sources) -> int:
+                h, src_tier = sources[depth]
+                path = self._path(h, t, src_tier, tier) if h != t else node.move_path.get((src_tier, tier), ())
+                latency = self.nodes[h].access_ms[src_tier] + node.access_ms[tier]
+                transfer(path, end, self.page_nbytes, "replicate", latency)
+                return 0
+
+            node.clock = end
+            node.manager.store_chain(view.keys, node.mover, copy, tenant=tenant, stop=hits)
+
+    # -- replay --------------------------------------------------------------------------
+    def replay(
+        self,
+        trace: Sequence[TraceRequest],
+        warmup_requests: int = 0,
+        progress: Callable[[int], None] | None = None,
+    ) -> ReplayResult:
+        """Serve every request in order; the first ``warmup_requests`` fill the cache unmeasured."""
+        from kvray.sim.simulator import next_uses
+
+        needs_future = any(n.policy.needs_future for n in self.nodes)
+        futures = next_uses(trace) if needs_future else None
+        tally = ReplayTally(self.block_tokens)
+        links = self.links
+        base = self._counters(links)
+        began = trace[warmup_requests].timestamp_ms if len(trace) > warmup_requests else 0.0
+        last_end = began
+        for i, request in enumerate(trace):
+            if i == warmup_requests:
+                base = self._counters(links)
+            hit_tiers, ttft = self.serve(request, None if futures is None else futures[i])
+            if i >= warmup_requests:
+                tally.record(request, hit_tiers, ttft)
+                last_end = max(last_end, request.timestamp_ms + ttft)
+            if progress is not None:
+                progress(i)
+        moved, busy, background, link_bytes = base
+        span = max([last_end] + [link.last_end_ms for link in links]) - began
+        now_moved, now_busy, now_background, now_bytes = self._counters(links)
+        names = [link.name for link in links]
+        return tally.result(
+            policy=self.nodes[0].policy.name,
+            scenario=self.scenario.name,
+            bytes_moved=now_moved - moved,
+            capacity_pages=self._capacity_pages(),
+            background_move_ms=now_background - background,
+            cluster_policy=self.cluster_policy.name,
+            nodes=len(self.nodes),
+            link_bytes={n: now_bytes[n] - link_bytes[n] for n in names if now_bytes[n] - link_bytes[n]},
+            link_utilisation={
+                n: round((now_busy[n] - busy[n]) / (span * link.lanes), 6) if span > 0 else 0.0
+                for n, link in zip(names, links)
+                if now_busy[n] - busy[n] > 0
+            },
+        )
+
+    def _counters(self, links: list[Link]) -> tuple[int, dict, float, dict]:
+        return (
+            sum(n.manager.metrics.bytes_moved for n in self.nodes),
+            {link.name: link.busy_ms for link in links},
+            sum(n.background_ms for n in self.nodes),
+            {link.name: link.bytes for link in links},
+        )
+
+    def _capacity_pages(self) -> dict[str, int]:
+        total: dict[Tier, int] = {}
+        for node in self.nodes:
+            for tier, pages in node.manager.capacities.items():
+                total[tier] = total.get(tier, 0) + pages
+        return {t.label: c for t, c in sorted(total.items())}

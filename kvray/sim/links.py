@@ -1,0 +1,160 @@
+"""Links as queued resources: every byte the simulator moves occupies the links it crosses.
+
+A :class:`Link` is a first-come first-served resource of ``lanes`` parallel channels
+(PCIe: one per GPU of the node; an NVMe drive, a NIC direction or a switch: one) with a
+bandwidth and a per-transfer latency. :func:`transfer` sends bytes along a path of links:
+the transfer starts when every link on the path has a free lane, then holds one lane of
+each for ``latency + bytes / bottleneck bandwidth``, so two transfers over a shared link
+queue behind each other and a slow hop (NVMe) sets the pace of a path that also crosses a
+fast one (PCIe). Per-transfer latency holds the link too: a page loaded as its own transfer
+costs its latency each time, as a DMA or NVMe command does.
+
+An unqueued link (``queued=False``) never delays a transfer but still counts its bytes and
+busy time: the single-node scenarios of the simulator's first version run that way, so their
+results are unchanged, and their utilisation above 1 shows what they leave uncharged.
+
+Example::
+    from kvray.sim.links import Link, transfer
+
+    pcie = Link("pcie_h2d", gbps=50.0, latency_us=10.0)
+    first = transfer((pcie,), ready_ms=0.0, nbytes=50_000_000, kind="load")   # 1 ms + 10 us
+    second = transfer((pcie,), ready_ms=0.0, nbytes=50_000_000, kind="load")  # waits for the first
+    assert abs(first - 1.01) < 1e-9 and abs(second - 2.02) < 1e-9
+    assert pcie.bytes_by_kind["load"] == 100_000_000 and pcie.utilisation(now_ms=1000.0) == 100_000_000 / 50e9
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+
+
+class Link:
+    """One direction of a physical link: ``lanes`` FCFS channels of ``gbps`` (1e9 bytes/s) each.
+
+    Its utilisation is what a runtime reads off byte counters: the bytes whose transfers
+    ended in the last ``window_ms`` over what the link could carry in that time.
+
+    Example::
+
+        nvme_read = Link("nvme_read", gbps=7.0, latency_us=100.0)
+        transfer((nvme_read,), ready_ms=0.0, nbytes=64 << 20, kind="load")   # ~9.7 ms
+    """
+
+    __slots__ = (
+        "name",
+        "bytes_per_ms",
+        "latency_ms",
+        "lanes",
+        "queued",
+        "window_ms",
+        "bytes_by_kind",
+        "busy_ms",
+        "last_end_ms",
+        "_free_at",
+        "_pending",
+        "_window",
+        "_window_bytes",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        gbps: float,
+        latency_us: float = 0.0,
+        lanes: int = 1,
+        queued: bool = True,
+        window_ms: float = 1000.0,
+    ) -> None:
+        if gbps <= 0 or lanes <= 0 or latency_us < 0 or window_ms <= 0:
+            raise ValueError(f"link {name!r}: bandwidth, lanes and window must be positive, latency not negative")
+        self.name = name
+        self.bytes_per_ms = gbps * 1e6
+        self.latency_ms = latency_us / 1e3
+        self.lanes = lanes
+        self.queued = queued
+        self.window_ms = window_ms
+        self.bytes_by_kind: dict[str, int] = {}
+        self.busy_ms = 0.0
+        self.last_end_ms = 0.0
+        self._free_at = [0.0] * lanes
+        self._pending: list[tuple[float, int]] = []  # heap of (end, bytes) not yet arrived
+        self._window: deque[tuple[float, int]] = deque()  # arrived within the window, by end
+        self._window_bytes = 0
+
+    def free_at(self) -> float:
+        """When the earliest lane is free (0 for an unqueued link: it never delays)."""
+        return min(self._free_at) if self.queued else 0.0
+
+    def occupy(self, start: float, end: float, nbytes: int, kind: str) -> None:
+        """Hold the earliest free lane from ``start`` to ``end`` and count the bytes."""
+        if self.queued:
+            lanes = self._free_at
+            lanes[lanes.index(min(lanes))] = end
+        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + nbytes
+        self.busy_ms += end - start
+        if end > self.last_end_ms:
+            self.last_end_ms = end
+        heapq.heappush(self._pending, (end, nbytes))
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.bytes_by_kind.values())
+
+    def utilisation(self, now_ms: float) -> float:
+        """Bytes that arrived over the link in ``(now_ms - window_ms, now_ms]`` over its
+        capacity in that time; ``now_ms`` must not go backwards between calls. Above 1 only
+        for an unqueued link."""
+        pending, window = self._pending, self._window
+        while pending and pending[0][0] <= now_ms:
+            item = heapq.heappop(pending)
+            window.append(item)
+            self._window_bytes += item[1]
+        cutoff = now_ms - self.window_ms
+        while window and window[0][0] <= cutoff:
+            self._window_bytes -= window.popleft()[1]
+        return self._window_bytes / (self.bytes_per_ms * self.window_ms * self.lanes)
+
+    def utilisation_over(self, span_ms: float) -> float:
+        """Busy share of the lanes over a whole replay of ``span_ms`` (the table's figure)."""
+        return self.busy_ms / (span_ms * self.lanes) if span_ms > 0 else 0.0
+
+
+_PATHS: dict[tuple[Link, ...], tuple[float, float]] = {}  # path -> (its links' latency, bottleneck bytes/ms)
+
+
+def _shape(path: Sequence[Link]) -> tuple[float, float]:
+    key = tuple(path)
+    shape = _PATHS.get(key)
+    if shape is None:
+        shape = _PATHS[key] = (sum(link.latency_ms for link in key), min(link.bytes_per_ms for link in key))
+    return shape
+
+
+def transfer(path: Sequence[Link], ready_ms: float, nbytes: int, kind: str, latency_ms: float = 0.0, ops: int = 1) -> float:
+    """Move ``nbytes`` along ``path`` as ``ops`` back-to-back operations, each paying
+    ``latency_ms`` (the source's access latency) plus the links' latencies; returns when the
+    last byte arrives. The transfer starts once ``ready_ms`` has passed and every link has a
+    free lane, and holds one lane of each link until it ends."""
+    if not path:
+        return ready_ms
+    start = ready_ms
+    for link in path:
+        if link.queued:
+            free = min(link._free_at)
+            if free > start:
+                start = free
+    links_latency, bytes_per_ms = _shape(path)
+    end = start + ops * (latency_ms + links_latency) + nbytes / bytes_per_ms
+    for link in path:
+        link.occupy(start, end, nbytes, kind)
+    return end
+
+
+def transfer_ms(path: Sequence[Link], nbytes: int, latency_ms: float = 0.0, ops: int = 1) -> float:
+    """How long :func:`transfer` holds ``path`` once it starts (its queueing aside)."""
+    if not path:
+        return 0.0
+    links_latency, bytes_per_ms = _shape(path)
+    return ops * (latency_ms + links_latency) + nbytes / bytes_per_ms
