@@ -167,7 +167,7 @@ class DiskPool:
         self.fsync = fsync
         self.stride = -(-(HEADER_BYTES + page_nbytes) // ALIGN) * ALIGN
         self._readers: ThreadPoolExecutor | None = None
-        self._nowait = True  # until the file system refuses RWF_NOWAIT
+        self._nowait = hasattr(os, "RWF_NOWAIT")  # until the file system refuses it (Linux 4.14+)
         self.path = self.directory / f"{fingerprint.hex()}.kvpages"
         directory_fd = _open_private_directory(self.directory)
         try:
