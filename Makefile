@@ -20,7 +20,7 @@ export KVRAY_LMCACHE_PYTHON ?= $(abspath $(LMCACHE_VENV))/bin/python
 
 .PHONY: install vllm-env lmcache-env demo lint test bench soak clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py kvray/core/_tokens.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,hf]'

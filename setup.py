@@ -1,4 +1,9 @@
-"""Build step that puts kvray's shipped defaults into the wheel (see kvray/resources.py).
+"""Build steps: kvray's one C extension, and kvray's shipped defaults in the wheel (see kvray/resources.py).
+
+``kvray.core._tokens`` packs a Python list of token ids in C (kvray/core/_tokens.c; why:
+kvray/core/keys.py). ``pip install -e .`` (``make install``) builds it in place; a
+checkout used through ``PYTHONPATH`` builds it with ``python setup.py build_ext --inplace``,
+and without it kvray converts lists in Python, only slower.
 
 ``policies/``, ``simulations/`` and the demo data stay at the top of the repository, where
 people edit them; a wheel gets copies under ``kvray/_bundled/`` so an installed kvray finds
@@ -9,7 +14,7 @@ installs read the checkout directly and copy nothing.
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 BUNDLED = ("policies", "simulations", "data/traces", "data/models")
@@ -29,4 +34,7 @@ class BuildWithDefaults(build_py):
             )
 
 
-setup(cmdclass={"build_py": BuildWithDefaults})
+setup(
+    cmdclass={"build_py": BuildWithDefaults},
+    ext_modules=[Extension("kvray.core._tokens", ["kvray/core/_tokens.c"], extra_compile_args=["-O2"])],
+)

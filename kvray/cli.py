@@ -38,11 +38,16 @@ def bench(
     json_out: bool = typer.Option(False, "--json", help="print a JSON list instead of a table"),
     only: list[str] = typer.Option([], "--only", help="run only benchmarks whose name contains this"),
     quick: bool = typer.Option(False, "--quick", help="fewer repetitions and smaller sizes"),
+    out: Path | None = typer.Option(None, "--out", help="also save the results as this JSON file, and a plot beside it (.png)"),
 ) -> None:
     """Run the side-by-side benchmarks: kvray's figure, a baseline's, and their ratio."""
     from kvray.bench import run_benchmarks
 
     results = run_benchmarks(only=only, quick=quick, progress=not json_out)
+    if out is not None:
+        from kvray.bench.report import save
+
+        console.print(f"saved {out} and {save(results, out)}", soft_wrap=True)
     if json_out:
         print(json.dumps([r.as_dict() for r in results], indent=2))
     else:

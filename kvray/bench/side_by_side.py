@@ -43,7 +43,13 @@ def unique_chunks(prompts: int) -> int:
 
 
 class Side(Protocol):
-    """One cache under test. ``tokens`` is an int32 array; ``as_list`` asks for a Python list."""
+    """One cache under test. ``tokens`` is an int32 array (a Python list too for ``lookup``).
+
+    A side's output buffer is written once before any row is timed, like an engine's KV
+    buffers, which are resident long before a load: left untouched, the first retrieve
+    pays its page faults (~200 ms for 64 MiB here, more under load), and that one request
+    was the p99 of both sides.
+    """
 
     def open_host(self, chunks: int) -> None: ...
     def open_disk(self, directory: str, chunks: int) -> None: ...

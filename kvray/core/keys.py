@@ -31,6 +31,11 @@ import xxhash
 from kvray.core.config import PageLayout
 from kvray.core.errors import RequestError
 
+try:
+    from kvray.core import _tokens
+except ImportError:  # a checkout whose extension was not built (setup.py says how)
+    _tokens = None
+
 TOKEN_DTYPE = np.dtype("<i4")
 TOKEN_MAX = np.iinfo(TOKEN_DTYPE).max
 
@@ -79,9 +84,19 @@ def _from_list(tokens: list[int] | tuple[int, ...]) -> np.ndarray | None:
     """A non-empty list of valid token ids as int32, or None for :func:`_checked_array` to explain.
 
     Engines pass Python lists; ``np.asarray`` infers a type element by element (~45 µs
-    for 2,048 tokens, most of a lookup). ``array("I")`` converts in C and itself refuses
-    anything but integers in [0, 2**32); only the top bit is left to check.
+    for 2,048 tokens, most of a lookup), ``array("I")`` takes 12-20 µs, the C loop of
+    :mod:`kvray.core._tokens` a few (built with kvray: see setup.py; without it,
+    :func:`_from_list_array` is the way).
     """
+    if _tokens is None:
+        return _from_list_array(tokens)
+    packed = _tokens.pack(tokens)
+    return None if packed is None else np.frombuffer(packed, dtype=TOKEN_DTYPE)
+
+
+def _from_list_array(tokens: list[int] | tuple[int, ...]) -> np.ndarray | None:
+    """:func:`_from_list` without the C extension: ``array("I")`` converts in C and itself
+    refuses anything but integers in [0, 2**32); only the top bit is left to check."""
     try:
         packed = array.array("I", tokens)
     except (TypeError, OverflowError):

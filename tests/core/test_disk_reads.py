@@ -1,6 +1,8 @@
-"""A request's disk pages are read concurrently: same bytes as one by one, and a corrupt
-page still ends the prefix, is dropped, and is never delivered."""
+"""A request's disk pages are read from the page cache on the caller's thread and from the
+device concurrently: the same bytes as one by one either way, and a corrupt page still ends
+the prefix, is dropped, and is never delivered."""
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,16 @@ from tests.conftest import TINY, prefix_kv
 PAGES = 3 * READERS  # more pages than readers, so reads queue behind each other
 
 
-def test_read_many_returns_what_read_into_returns(tmp_path):
+def _evict(pool: DiskPool) -> None:
+    """Drop the pool file's pages from the page cache, as the LMCache benchmark's cold rows do."""
+    os.fdatasync(pool._fd)
+    os.posix_fadvise(pool._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+@pytest.mark.parametrize("where", ["page cache", "evicted", "readers only"])
+def test_read_many_returns_what_read_into_returns(tmp_path, monkeypatch, where):
+    """``readers only``: every page reported absent from the page cache, so all of them
+    take the concurrent path whatever the file system keeps cached."""
     pool = DiskPool(tmp_path, PAGES, 4096, fingerprint=b"f" * 16)
     rng = np.random.default_rng(0)
     pages = rng.integers(0, 256, (PAGES, 4096), dtype=np.uint8)
@@ -24,16 +35,40 @@ def test_read_many_returns_what_read_into_returns(tmp_path):
     concurrent = np.zeros_like(pages)
     one_by_one = np.zeros_like(pages)
     order = list(rng.permutation(PAGES))
+    if where == "evicted":
+        _evict(pool)
+    elif where == "readers only":
+        monkeypatch.setattr(pool, "_read_cached", lambda slot, chunks: None)
     got = list(pool.read_many([(int(slot), [concurrent[slot, :3000], concurrent[slot, 3000:]]) for slot in order]))
     for (stored, digest), slot in zip(got, order):
         assert stored is not None and stored.slot == slot and digest == digests[slot]
         assert pool.read_runs(int(slot), [one_by_one[slot]]) == (stored, digest)
     assert np.array_equal(concurrent, pages) and np.array_equal(one_by_one, pages)
+    if where != "evicted":  # whether an eviction took is the kernel's call: either path is right then
+        assert (pool._readers is not None) == (where == "readers only")  # page-cache hits stay on this thread
     pool.close()
 
 
+def test_read_many_reads_a_torn_slot_as_torn_on_either_path(tmp_path, monkeypatch):
+    pool = DiskPool(tmp_path, 4, 4096, fingerprint=b"f" * 16)
+    page = np.arange(4096, dtype=np.uint32).astype(np.uint8)
+    for slot in range(3):
+        pool.write_runs(slot, slot + 1, None, [page])
+    pool.free(1)  # its magic cleared: no valid header
+    want = [(0, True), (1, False), (2, True), (3, False)]  # slot 3 lies past the end of the file
+    for cached in (True, False):
+        if not cached:
+            monkeypatch.setattr(pool, "_read_cached", lambda slot, chunks: None)
+        out = np.zeros((4, 4096), dtype=np.uint8)
+        got = list(pool.read_many([(slot, [out[slot]]) for slot, _ in want]))
+        assert [stored is not None for stored, _ in got] == [ok for _, ok in want]
+        assert np.array_equal(out[0], page) and np.array_equal(out[2], page)
+    pool.close()
+
+
+@pytest.mark.parametrize("cold", [False, True])
 @pytest.mark.parametrize("bad", [0, 1, READERS, PAGES - 1])
-def test_a_corrupt_page_ends_the_prefix_among_concurrent_reads(tmp_path, bad):
+def test_a_corrupt_page_ends_the_prefix_among_concurrent_reads(tmp_path, monkeypatch, bad, cold):
     store = PageStore(StoreConfig(layout=TINY, tiers=TierSizes(disk=PAGES), disk_dir=tmp_path / "disk"))
     tokens = list(range(PAGES * TINY.page_tokens))
     store.store(tokens, prefix_kv(TINY, tokens))
@@ -46,6 +81,8 @@ def test_a_corrupt_page_ends_the_prefix_among_concurrent_reads(tmp_path, bad):
         byte = fh.read(1)
         fh.seek(offset + 7)
         fh.write(bytes([byte[0] ^ 0x01]))
+    if cold:
+        monkeypatch.setattr(disk, "_read_cached", lambda slot, chunks: None)
     hit = store.load(tokens)
     good = bad * TINY.page_tokens
     assert hit.tokens == good and torch.equal(hit.kv, prefix_kv(TINY, tokens)[:, :, :good])

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvray.core.config import PageLayout
 from kvray.core.errors import RequestError
-from kvray.core.keys import ModelFingerprint, pack_keys, page_keys, unpack_keys
+from kvray.core.keys import ModelFingerprint, _from_list_array, _tokens, pack_keys, page_keys, unpack_keys
 
 LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=4, page_tokens=4, dtype="float32")
 FP = ModelFingerprint.of(LAYOUT, "tiny")
@@ -79,3 +79,32 @@ def test_keys_of_a_list_equal_those_of_an_array(a, page, kind):
     if given_as is None:
         given_as = np.asarray(a, dtype=kind)
     assert page_keys(given_as, fp, salt="s") == page_keys(np.asarray(a, dtype=np.int32), fp, salt="s")
+
+
+def test_the_token_extension_is_built():
+    """kvray converts lists in C (kvray/core/_tokens.c); a checkout run through PYTHONPATH
+    must build it, or lookups from lists run at half speed: fail, saying how."""
+    assert _tokens is not None, "kvray.core._tokens is not built: make install, or python setup.py build_ext --inplace"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    a=st.lists(
+        st.one_of(
+            st.integers(0, 2**31 - 1),
+            st.sampled_from([-1, 2**31, 2**32, 2**63, -(2**70), True, 1.0, "7", None]),
+        ),
+        max_size=40,
+    ),
+    kind=st.sampled_from([list, tuple]),
+)
+def test_the_c_and_python_list_conversions_agree(a, kind):
+    """Same int32 bits for every valid list, and None (the general path explains) for the
+    rest: empty, not an int, or outside [0, 2**31)."""
+    valid = bool(a) and all(isinstance(t, int) and 0 <= t < 2**31 for t in a)
+    fast, fallback = _tokens.pack(kind(a)), _from_list_array(kind(a))
+    if not valid:
+        assert fast is None and fallback is None
+        return
+    want = np.asarray([int(t) for t in a], dtype="<i4")
+    assert np.array_equal(np.frombuffer(fast, "<i4"), want) and np.array_equal(fallback, want)

@@ -32,7 +32,7 @@ def test_wheel_installed_outside_the_checkout_runs_the_shipped_policy(tmp_path):
     # build from a copy: setuptools' build/ folder keeps modules removed since the last build
     source = tmp_path / "source"
     shutil.copytree(
-        ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "results", "__pycache__")
+        ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "results", "__pycache__", "*.so")
     )
     wheels = tmp_path / "wheels"
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheels, source, cwd=tmp_path)
@@ -42,6 +42,7 @@ def test_wheel_installed_outside_the_checkout_runs_the_shipped_policy(tmp_path):
     assert "kvray/_bundled/simulations/h100-llama8b.yaml" in names
     assert "kvray/_bundled/data/traces/synthetic_trace.jsonl" in names
     assert not any(n.startswith(("benchmarks/", "tests/")) for n in names), "only the kvray package is installed"
+    assert any(n.startswith("kvray/core/_tokens.") and n.endswith(".so") for n in names), "the token extension is compiled"
 
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
@@ -53,6 +54,7 @@ def test_wheel_installed_outside_the_checkout_runs_the_shipped_policy(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     where = run(python, "-c", "import kvray; print(kvray.__file__)", cwd=tmp_path, env=env)
     assert where.startswith(str(site)), f"kvray imported from {where}, not the fresh environment"
+    run(python, "-c", "from kvray.core.keys import _tokens; assert _tokens is not None", cwd=tmp_path, env=env)
     out = run(
         venv / "bin" / "kvray",
         "sim",

@@ -36,8 +36,10 @@ HEADER_BYTES = 128
 VERSION = 2
 FLAG_HAS_PARENT = 1
 ALIGN = 4096
-WRITE_BATCH_BYTES = 4 << 20  # large enough to amortise the syscall, small enough to stay in cache
-READERS = 4  # pages of one request read at once: queue depth for the device, see read_many
+# A write or a page-cache read moves a page in batches of this many bytes, each hashed
+# while it sits in the core's 2 MiB L2 (see DiskPool.write_runs and _read_cached).
+CACHED_BATCH_BYTES = 1 << 20
+READERS = 4  # pages of one request read from the device at once: its queue depth, see read_many
 
 
 def _batches(chunks: list[np.ndarray], limit: int) -> list[list[np.ndarray]]:
@@ -51,6 +53,15 @@ def _batches(chunks: list[np.ndarray], limit: int) -> list[list[np.ndarray]]:
         groups[-1].append(chunk)
         size += chunk.size
     return groups
+
+
+def _advance(views: list[memoryview], done: int) -> None:
+    """Drop the first ``done`` bytes from ``views`` (what a short ``preadv``/``pwritev`` did)."""
+    while views and done >= len(views[0]):
+        done -= len(views[0])
+        views.pop(0)
+    if views and done:
+        views[0] = views[0][done:]
 
 
 def _refusal(path: Path, exc: OSError) -> str:
@@ -156,6 +167,7 @@ class DiskPool:
         self.fsync = fsync
         self.stride = -(-(HEADER_BYTES + page_nbytes) // ALIGN) * ALIGN
         self._readers: ThreadPoolExecutor | None = None
+        self._nowait = hasattr(os, "RWF_NOWAIT")  # until the file system refuses it (Linux 4.14+)
         self.path = self.directory / f"{fingerprint.hex()}.kvpages"
         directory_fd = _open_private_directory(self.directory)
         try:
@@ -186,18 +198,19 @@ class DiskPool:
     def write_runs(self, slot: int, key: int, parent_key: int | None, chunks: list[np.ndarray]) -> int:
         """Write one page, given as byte chunks that add up to ``page_nbytes``; return its checksum.
 
-        Chunks go out in ``pwritev`` batches of a few MiB, each batch hashed right after it
-        is written, while it is still in cache; the header (with the checksum) goes last,
-        so a write cut short leaves a slot without a valid header, which a restart ignores
-        and a read rejects.
+        Chunks go out in ``pwritev`` batches of :data:`CACHED_BATCH_BYTES`, each hashed
+        just before it is written: the hash pulls the batch into cache and the kernel's
+        copy then reads it from there, so the engine's memory is read once, not twice.
+        The header (with the checksum) goes last, so a write cut short leaves a slot
+        without a valid header, which a restart ignores and a read rejects.
         """
         offset = slot * self.stride + HEADER_BYTES
         hasher = xxhash.xxh3_64()
         try:
-            for batch in _batches(chunks, WRITE_BATCH_BYTES):
-                offset = self._pwritev_all(batch, offset)
+            for batch in _batches(chunks, CACHED_BATCH_BYTES):
                 for chunk in batch:
                     hasher.update(chunk)
+                offset = self._pwritev_all(batch, offset)
             digest = hasher.intdigest()
             self._pwritev_all([np.frombuffer(self._header(key, parent_key, digest), np.uint8)], slot * self.stride)
             if self.fsync:
@@ -215,49 +228,97 @@ class DiskPool:
         while views:
             written = os.pwritev(self._fd, views, offset)
             offset += written
-            while views and written >= len(views[0]):
-                written -= len(views[0])
-                views.pop(0)
-            if views and written:
-                views[0] = views[0][written:]
+            _advance(views, written)
         return offset
+
+    def _preadv_all(self, chunks: list[np.ndarray | bytearray], offset: int, flags: int = 0) -> bool:
+        """Fill ``chunks`` from ``offset``; False if the file ends first. With ``RWF_NOWAIT``
+        also False (``BlockingIOError``) as soon as a byte is not in the page cache."""
+        views = [memoryview(c).cast("B") for c in chunks]
+        while views:
+            got = os.preadv(self._fd, views, offset, flags)
+            if got == 0:
+                return False
+            offset += got
+            _advance(views, got)
+        return True
 
     def read_runs(self, slot: int, chunks: list[np.ndarray]) -> tuple[StoredPage | None, int]:
         """Read ``slot`` into ``chunks``: (its header, or None if missing or torn; the
-        checksum of the bytes read). Each chunk is hashed right after its ``pread``."""
-        base = slot * self.stride
+        checksum of the bytes read).
+
+        Header and page are one ``preadv``, so a page not in the page cache reaches the
+        device as one request of the whole page (split only by the device's own limit),
+        not a header read followed by a ramp of read-ahead; the bytes are hashed after.
+        """
+        header = bytearray(HEADER_BYTES)
         try:
-            header = os.pread(self._fd, HEADER_BYTES, base)
-            page = self._parse(slot, header) if len(header) == HEADER_BYTES else None
-            if page is None:
+            if not self._preadv_all([header, *chunks], slot * self.stride):
                 return None, 0
-            hasher = xxhash.xxh3_64()
-            offset = base + HEADER_BYTES
-            for chunk in chunks:
-                if os.preadv(self._fd, [chunk], offset) < chunk.size:
-                    return None, 0
-                hasher.update(chunk)
-                offset += chunk.size
         except OSError as exc:  # the device failed, not the page: the store keeps it and reports
             raise StorageError(f"disk tier {self.directory}: read of slot {slot} failed: {exc.strerror}") from None
+        page = self._parse(slot, bytes(header))
+        if page is None:
+            return None, 0
+        hasher = xxhash.xxh3_64()
+        for chunk in chunks:
+            hasher.update(chunk)
         return page, hasher.intdigest()
 
-    def read_many(self, pages: list[tuple[int, list[np.ndarray]]]) -> Iterator[tuple[StoredPage | None, int]]:
-        """:meth:`read_runs` for each ``(slot, chunks)``, up to :data:`READERS` at once, yielded in order.
+    def _read_cached(self, slot: int, chunks: list[np.ndarray]) -> tuple[StoredPage | None, int] | None:
+        """:meth:`read_runs` if every byte of the slot is in the page cache, else None
+        (nothing waits on the device: ``RWF_NOWAIT``). Batches of :data:`CACHED_BATCH_BYTES`,
+        each hashed right after its ``preadv`` while it is still in cache."""
+        if not self._nowait:
+            return None
+        header = bytearray(HEADER_BYTES)
+        batches = _batches(chunks, CACHED_BATCH_BYTES)
+        hasher = xxhash.xxh3_64()
+        offset = slot * self.stride
+        try:
+            for i, batch in enumerate(batches):
+                reads = [header, *batch] if i == 0 else batch
+                if not self._preadv_all(reads, offset, os.RWF_NOWAIT):
+                    return None  # the file ends inside the slot: read_runs says torn
+                offset += sum(chunk.nbytes for chunk in batch) + (HEADER_BYTES if i == 0 else 0)
+                for chunk in batch:
+                    hasher.update(chunk)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise StorageError(f"disk tier {self.directory}: read of slot {slot} failed: {exc.strerror}") from None
+            self._nowait = False  # a file system without RWF_NOWAIT: every read goes to the readers
+            return None
+        page = self._parse(slot, bytes(header))
+        return (page, hasher.intdigest()) if page is not None else (None, 0)
 
-        One reader at a time leaves a device idle between a page's last ``pread`` and the
-        next page's first and hashes with the device waiting; ``preadv`` and xxh3 release
-        the GIL, so a few threads keep several reads in flight and hash page i while
-        page i+1 is read. Closing the iterator early (a page failed verification) cancels
-        the reads not started and waits for those running, so no chunk is written after.
+    def read_many(self, pages: list[tuple[int, list[np.ndarray]]]) -> Iterator[tuple[StoredPage | None, int]]:
+        """:meth:`read_runs` for each ``(slot, chunks)``, in order.
+
+        Pages in the page cache are copied and hashed here, on the caller's thread
+        (:meth:`_read_cached`): handing them to threads costs more than it saves. From the
+        first page that is not, the rest go to :data:`READERS` threads at once (``preadv``
+        and xxh3 release the GIL), so the device has several pages in flight and page i is
+        hashed while page i+1 is read. Closing the iterator early (a page failed
+        verification) cancels the reads not started and waits for those running, so no
+        chunk is written after.
         """
-        if len(pages) < 2:
-            yield from (self.read_runs(slot, chunks) for slot, chunks in pages)
+        first_cold = len(pages)
+        for i, (slot, chunks) in enumerate(pages):
+            cached = self._read_cached(slot, chunks)
+            if cached is None:
+                first_cold = i
+                break
+            yield cached
+        cold = pages[first_cold:]
+        if len(cold) < 2:
+            yield from (self.read_runs(slot, chunks) for slot, chunks in cold)
             return
         if self._readers is None:
             self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvray-disk-read")
         futures: list[Future[tuple[StoredPage | None, int]]] = [
-            self._readers.submit(self.read_runs, slot, chunks) for slot, chunks in pages
+            self._readers.submit(self.read_runs, slot, chunks) for slot, chunks in cold
         ]
         try:
             for future in futures:
