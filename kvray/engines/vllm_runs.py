@@ -278,17 +278,20 @@ class EngineHost:
         return {"node": ray.get_runtime_context().get_node_id(), "engines": [serve_prompts(spec, e) for e in engines]}
 
 
-def model_page_layout(model: str, block_size: int):
-    """kvray's page layout of a model directory or data/models/ name at float32 (what the
-    runs use), without starting vLLM: for the runtime the engines will share."""
-    import torch
+def model_page_layout(model: str, block_size: int, dtype: str = "float32"):
+    """kvray's page layout of a model directory or data/models/ name served in ``dtype``
+    (``float32``, ``float16``, ``bfloat16``), without starting vLLM: for the runtime the
+    engines will share."""
     from transformers import AutoConfig
 
+    from kvray.core.pages import TORCH_DTYPES
     from kvray.engines.hf import model_layout
     from kvray.engines.tiny import model_dir
 
+    if dtype not in TORCH_DTYPES:
+        raise ConfigError(f"dtype {dtype!r} has no kvray page layout; use one of {sorted(TORCH_DTYPES)}")
     path = Path(model) if Path(model).is_dir() else model_dir(model)
-    return model_layout(AutoConfig.from_pretrained(path), torch.float32, block_size)
+    return model_layout(AutoConfig.from_pretrained(path), TORCH_DTYPES[dtype], block_size)
 
 
 def run_serve_on_ray(spec: dict) -> dict:
@@ -310,7 +313,7 @@ def run_serve_on_ray(spec: dict) -> dict:
     ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False)
     runtime = None
     try:
-        runtime = start_runtime_for(spec["model"], spec["block_size"], spec["runtime"], host_pages=64, detached=False)
+        runtime = start_runtime_for(spec["model"], spec["block_size"], name=spec["runtime"], host_pages=64, detached=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = engine_args(spec["model"], False, spec["block_size"])
         app = vllm_app(

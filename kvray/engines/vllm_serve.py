@@ -20,8 +20,8 @@ Example::
     from kvray.engines.vllm_serve import start_runtime_for, vllm_app
 
     ray.init()                                            # or ray.init("auto") on a cluster
-    start_runtime_for("/models/my-llama", block_size=16)  # once per cluster (or `kvray up`)
-    serve.run(vllm_app("/models/my-llama", block_size=16, num_replicas=2))
+    start_runtime_for("/models/my-llama", block_size=16, dtype="bfloat16")  # once per cluster
+    serve.run(vllm_app("/models/my-llama", block_size=16, dtype="bfloat16", num_replicas=2))
     # POST {"prompt_token_ids": [...]} to http://127.0.0.1:8000/
 """
 
@@ -35,15 +35,23 @@ from starlette.requests import Request
 DEFAULT_RUNTIME = "kvray"
 
 
-def start_runtime_for(model: str, block_size: int, name: str = DEFAULT_RUNTIME, host_pages: int = 4096, detached: bool = True):
-    """Start a kvray runtime whose pages fit ``model`` at float32 and ``block_size``
-    tokens per page (vLLM's block size), a store on every node; ``detached`` keeps it up
-    after this driver exits (stop it with ``kvray down --name``)."""
+def start_runtime_for(
+    model: str,
+    block_size: int,
+    dtype: str = "float32",
+    name: str = DEFAULT_RUNTIME,
+    host_pages: int = 4096,
+    detached: bool = True,
+):
+    """Start a kvray runtime whose pages fit ``model`` served in ``dtype`` with
+    ``block_size`` tokens per block (one page per vLLM block), a store of ``host_pages``
+    on every node; ``detached`` keeps it up after this driver exits (stop it with
+    ``kvray down --name``)."""
     from kvray.cluster import Runtime, RuntimeConfig
     from kvray.core.config import TierSizes
     from kvray.engines.vllm_runs import model_page_layout
 
-    config = RuntimeConfig(name=name, layout=model_page_layout(model, block_size), tiers=TierSizes(host=host_pages))
+    config = RuntimeConfig(name=name, layout=model_page_layout(model, block_size, dtype), tiers=TierSizes(host=host_pages))
     return Runtime.start(config, detached=detached)
 
 
@@ -94,13 +102,16 @@ class KvrayVllmServer:
 def vllm_app(
     model: str,
     block_size: int = 16,
+    dtype: str = "float32",
     runtime: str = DEFAULT_RUNTIME,
     num_replicas: int = 1,
     kvray: dict[str, Any] | None = None,
     engine: dict[str, Any] | None = None,
 ):
     """The Serve application: ``num_replicas`` vLLM engines on the kvray runtime ``runtime``
-    (``kvray``: more connector settings; ``engine``: more ``vllm.LLM`` arguments; vLLM's
+    (the same ``block_size`` and ``dtype`` as :func:`start_runtime_for` was given;
+    ``kvray``: more connector settings; ``engine``: more ``vllm.LLM`` arguments; vLLM's
     own prefix cache stays on unless ``engine`` turns it off)."""
     settings = {"kvray_runtime": runtime, **(kvray or {})}
-    return KvrayVllmServer.options(num_replicas=num_replicas).bind(model, settings, {"block_size": block_size, **(engine or {})})
+    engine = {"block_size": block_size, "dtype": dtype, **(engine or {})}
+    return KvrayVllmServer.options(num_replicas=num_replicas).bind(model, settings, engine)
