@@ -316,8 +316,15 @@ def run_serve_on_ray(spec: dict) -> dict:
         runtime = start_runtime_for(spec["model"], spec["block_size"], name=spec["runtime"], host_pages=64, detached=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = engine_args(spec["model"], False, spec["block_size"])
+        model, block_size, dtype = args.pop("model"), args.pop("block_size"), args.pop("dtype")
         app = vllm_app(
-            args.pop("model"), args.pop("block_size"), spec["runtime"], spec.get("replicas", 1), {"host_pages": 0}, args
+            model,
+            block_size,
+            dtype,
+            runtime=spec["runtime"],
+            num_replicas=spec.get("replicas", 1),
+            kvray={"host_pages": 0},
+            engine=args,
         )
         serve.run(app, name="kvray-vllm")
         answers = []
