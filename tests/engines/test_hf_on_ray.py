@@ -101,3 +101,39 @@ def test_settings_win_over_environment(monkeypatch):
     monkeypatch.setenv(RUNTIME_ENV, "from-env")
     assert runtime_target(name="from-setting") == RuntimeTarget("10.0.0.1:6379", "from-setting")
     assert runtime_target(address="auto") == RuntimeTarget("auto", "from-env")
+
+
+READER = """
+import json, sys
+from kvray.engines.hf import CachedCausalLM
+from kvray.engines.tiny import tiny_llama
+
+lm = CachedCausalLM.open(tiny_llama(), "tiny-llama", page_tokens=int(sys.argv[1]))  # the runtime comes from the environment
+result = lm.prefill(json.loads(sys.argv[2]))
+print(json.dumps({"on_runtime": type(lm.store).__name__, "cached_tokens": result.cached_tokens, "logits": result.logits.tolist()}))
+"""
+
+
+def test_process_outside_ray_finds_the_runtime_by_environment(runtime, ray_cluster):
+    """A plain process (no Ray connection of its own) named to the runtime by
+    $KVRAY_RAY_ADDRESS and $KVRAY_RUNTIME loads the pages this test's engine stored."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tokens = np.random.default_rng(1).integers(3, 1000, 5 * PAGE + 3).tolist()
+    writer = CachedCausalLM.open(tiny_llama(), "tiny-llama", page_tokens=PAGE, kvray_runtime=RUNTIME)
+    assert isinstance(writer.store, RuntimePages) and writer.prefill(tokens).stored_pages == 5
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, ADDRESS_ENV: ray_cluster.address, RUNTIME_ENV: RUNTIME, "PYTHONPATH": str(root)}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", READER, str(PAGE), json.dumps(tokens)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    read = json.loads(done.stdout.strip().splitlines()[-1])
+    assert read["on_runtime"] == "RuntimePages" and read["cached_tokens"] == 5 * PAGE
+    assert np.abs(np.asarray(read["logits"]) - recompute(tiny_llama(), tokens).numpy()).max() <= FP32_TOL
+    writer.store.close()
