@@ -61,20 +61,35 @@ def run_in_vllm_env(spec: dict, timeout: float = 300) -> dict:
     return json.loads(lines[-1])
 
 
-def make_llm(model: str, kvray: dict | None, prefix_caching: bool, block_size: int, dtype: str = "float32"):
-    """A vLLM engine with ``KVRayConnector`` when ``kvray`` is given.
+def engine_args(model: str, prefix_caching: bool, block_size: int, dtype: str = "float32") -> dict:
+    """``vllm.LLM`` arguments of every run (see the module docstring), but the connector.
 
     ``model`` is a data/models/ name (dummy weights) or a directory holding a checkpoint,
     such as :func:`kvray.engines.tiny.seeded_checkpoint` writes (its weights are loaded).
     """
+    from kvray.engines.tiny import model_dir
+
+    path = Path(model) if Path(model).is_dir() else model_dir(model)
+    return {
+        "model": str(path),
+        "load_format": "safetensors" if any(path.glob("*.safetensors")) else "dummy",
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "dtype": dtype,
+        "max_model_len": 4096,
+        "block_size": block_size,
+        "enable_prefix_caching": prefix_caching,
+        "kv_cache_memory_bytes": 256 << 20,
+        "seed": 0,
+    }
+
+
+def make_llm(model: str, kvray: dict | None, prefix_caching: bool, block_size: int, dtype: str = "float32"):
+    """A vLLM engine of :func:`engine_args` with ``KVRayConnector`` when ``kvray`` is given."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvray.engines.tiny import model_dir
-
-    path = Path(model) if Path(model).is_dir() else model_dir(model)
-    weights = "safetensors" if any(path.glob("*.safetensors")) else "dummy"
     transfer = None
     if kvray is not None:
         transfer = KVTransferConfig(
@@ -83,19 +98,7 @@ def make_llm(model: str, kvray: dict | None, prefix_caching: bool, block_size: i
             kv_role="kv_both",
             kv_connector_extra_config=kvray,
         )
-    return LLM(
-        model=str(path),
-        load_format=weights,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype=dtype,
-        max_model_len=4096,
-        block_size=block_size,
-        enable_prefix_caching=prefix_caching,
-        kv_cache_memory_bytes=256 << 20,
-        kv_transfer_config=transfer,
-        seed=0,
-    )
+    return LLM(**engine_args(model, prefix_caching, block_size, dtype), kv_transfer_config=transfer)
 
 
 def connector_of(llm):
@@ -140,6 +143,17 @@ def break_store(store, how: str) -> None:
         raise ConfigError(f"unknown fault {how!r}: use wipe or io-error")
 
 
+def counters_of(llm) -> dict[str, int]:
+    """The connector's counters, both halves summed (in-process engine): the scheduler
+    counts lookups and hits, the worker what it loaded and stored on a kvray runtime, once
+    its loads and stores in flight have ended."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler, worker = connector_of(llm), get_kv_transfer_group()
+    worker.flush()
+    return {k: v + worker.counters[k] for k, v in scheduler.counters.items()}
+
+
 def serve_prompts(spec: dict, engine: dict) -> dict:
     """Serve ``engine["prompts"]`` in order on one engine, with optional faults before some
     of them; report each prompt's output tokens and the connector's counters for it."""
@@ -148,14 +162,14 @@ def serve_prompts(spec: dict, engine: dict) -> dict:
     except Exception as exc:  # reported to the caller, who asserts on bad settings
         return {"error": f"{type(exc).__name__}: {exc}"}
     connector = connector_of(llm) if engine.get("kvray") is not None else None
-    recovered = len(connector.store) if connector else 0
+    recovered = len(connector.store) if connector and connector.store else 0
     results = []
     for i, prompt in enumerate(engine["prompts"]):
         if fault := engine.get("faults", {}).get(str(i)):
             break_store(connector.store, fault)
-        before = dict(connector.counters) if connector else {}
+        before = counters_of(llm) if connector else {}
         tokens, seconds = generate(llm, prompt, spec["max_tokens"])
-        counters = {k: v - before[k] for k, v in connector.counters.items()} if connector else {}
+        counters = {k: v - before[k] for k, v in counters_of(llm).items()} if connector else {}
         results.append({"tokens": tokens, "seconds": seconds, "counters": counters})
     close_llm(llm)
     return {"results": results, "recovered_pages": recovered}
@@ -206,7 +220,128 @@ def run_ttft(spec: dict) -> dict:
     return {"times_s": times, "counters": counters}
 
 
-RUNS = {"serve": run_serve, "ttft": run_ttft}
+def run_on_ray_nodes(spec: dict) -> dict:
+    """Engines on two Ray nodes sharing one kvray runtime.
+
+    Starts two local Ray nodes (``ray.cluster_utils.Cluster``: separate raylets and object
+    stores) from this vLLM environment, so that their workers run its interpreter, and a
+    kvray runtime whose layout is the model's. Then each of ``spec["steps"]`` runs its
+    ``engines`` (as ``run_serve`` takes them) in a new Ray actor pinned to node ``node``
+    (0: the head), one step after the other; ``close_store_of`` first closes that node's
+    store (its page server stops answering; the controller is not told, so its index still
+    promises those pages). An engine's ``kvray`` settings name the runtime with
+    ``kvray_runtime``; the actor is connected to Ray already. Reports each step's node and
+    engine results.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from kvray.cluster import Runtime, RuntimeConfig
+    from kvray.cluster.runtime import on_node
+    from kvray.core.config import TierSizes
+    from kvray.engines import vllm_runs  # by name, not __main__, so Ray workers import it
+
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False})
+    cluster.add_node(**NODE_ARGS)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    runtime = None
+    try:
+        layout = model_page_layout(spec["model"], spec["block_size"])
+        runtime = Runtime.start(RuntimeConfig(name=spec["runtime"], layout=layout, tiers=TierSizes(host=spec["host_pages"])))
+        nodes = sorted(runtime.stores, key=lambda n: n != ray.get_runtime_context().get_node_id())  # head first
+        engine_host = ray.remote(num_cpus=0)(vllm_runs.EngineHost)
+        steps = []
+        for step in spec["steps"]:
+            if "close_store_of" in step:
+                ray.get(runtime.stores[nodes[step["close_store_of"]]].close.remote(), timeout=60)
+            host = engine_host.options(scheduling_strategy=on_node(nodes[step["node"]])).remote()
+            steps.append(ray.get(host.serve.remote(spec, step["engines"]), timeout=spec.get("timeout_s", 600)))
+            ray.kill(host)
+        return {"nodes": nodes, "steps": steps}
+    finally:
+        if runtime is not None:
+            runtime.close()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+NODE_ARGS = {"num_cpus": 1, "object_store_memory": 100 << 20}
+
+
+class EngineHost:
+    """A Ray actor's body: vLLM engines served one after another on its node."""
+
+    def serve(self, spec: dict, engines: list[dict]) -> dict:
+        import ray
+
+        return {"node": ray.get_runtime_context().get_node_id(), "engines": [serve_prompts(spec, e) for e in engines]}
+
+
+def model_page_layout(model: str, block_size: int, dtype: str = "float32"):
+    """kvray's page layout of a model directory or data/models/ name served in ``dtype``
+    (``float32``, ``float16``, ``bfloat16``), without starting vLLM: for the runtime the
+    engines will share."""
+    from transformers import AutoConfig
+
+    from kvray.core.pages import TORCH_DTYPES
+    from kvray.engines.hf import model_layout
+    from kvray.engines.tiny import model_dir
+
+    if dtype not in TORCH_DTYPES:
+        raise ConfigError(f"dtype {dtype!r} has no kvray page layout; use one of {sorted(TORCH_DTYPES)}")
+    path = Path(model) if Path(model).is_dir() else model_dir(model)
+    return model_layout(AutoConfig.from_pretrained(path), TORCH_DTYPES[dtype], block_size)
+
+
+def run_serve_on_ray(spec: dict) -> dict:
+    """The Ray Serve deployment of :mod:`kvray.engines.vllm_serve` on a local Ray with a
+    kvray runtime: ``spec["prompts"]`` POSTed one after another to its HTTP endpoint
+    (``spec["replicas"]`` replicas; vLLM's prefix cache off, so every reused token is
+    kvray's). Reports each answer."""
+    import socket
+    import urllib.request
+
+    import ray
+    from ray import serve
+
+    from kvray.engines.vllm_serve import start_runtime_for, vllm_app
+
+    with socket.socket() as probe:  # a free port: other Serve instances may hold 8000
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False)
+    runtime = None
+    try:
+        runtime = start_runtime_for(spec["model"], spec["block_size"], name=spec["runtime"], host_pages=64, detached=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = engine_args(spec["model"], False, spec["block_size"])
+        model, block_size, dtype = args.pop("model"), args.pop("block_size"), args.pop("dtype")
+        app = vllm_app(
+            model,
+            block_size,
+            dtype,
+            runtime=spec["runtime"],
+            num_replicas=spec.get("replicas", 1),
+            kvray={"host_pages": 0},
+            engine=args,
+        )
+        serve.run(app, name="kvray-vllm")
+        answers = []
+        for prompt in spec["prompts"]:
+            body = json.dumps({"prompt_token_ids": prompt, "max_tokens": spec["max_tokens"]}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=300) as response:
+                answers.append(json.loads(response.read()))
+        return {"answers": answers}
+    finally:
+        serve.shutdown()
+        if runtime is not None:
+            runtime.close()
+        ray.shutdown()
+
+
+RUNS = {"serve": run_serve, "ttft": run_ttft, "ray_nodes": run_on_ray_nodes, "serve_on_ray": run_serve_on_ray}
 
 
 def main(argv: list[str]) -> None:
