@@ -61,11 +61,20 @@ def run_in_vllm_env(spec: dict, timeout: float = 300) -> dict:
     return json.loads(lines[-1])
 
 
-def make_llm(model: str, kvray: dict | None, prefix_caching: bool, block_size: int, dtype: str = "float32"):
+def make_llm(
+    model: str,
+    kvray: dict | None,
+    prefix_caching: bool,
+    block_size: int,
+    dtype: str = "float32",
+    kv_cache_bytes: int = 256 << 20,
+    max_model_len: int = 4096,
+):
     """A vLLM engine with ``KVRayConnector`` when ``kvray`` is given.
 
     ``model`` is a data/models/ name (dummy weights) or a directory holding a checkpoint,
     such as :func:`kvray.engines.tiny.seeded_checkpoint` writes (its weights are loaded).
+    ``kv_cache_bytes`` is vLLM's own KV space (its running requests and prefix cache).
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
@@ -89,10 +98,10 @@ def make_llm(model: str, kvray: dict | None, prefix_caching: bool, block_size: i
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype=dtype,
-        max_model_len=4096,
+        max_model_len=max_model_len,
         block_size=block_size,
         enable_prefix_caching=prefix_caching,
-        kv_cache_memory_bytes=256 << 20,
+        kv_cache_memory_bytes=kv_cache_bytes,
         kv_transfer_config=transfer,
         seed=0,
     )

