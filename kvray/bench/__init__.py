@@ -35,6 +35,7 @@ MODULES = (
     "kvray.bench.engines",
     "kvray.bench.runtime",
     "kvray.bench.serve",
+    "kvray.bench.gpu",
 )
 
 

@@ -199,7 +199,7 @@ def run_ttft(spec: dict) -> dict:
     """
     if "omp_threads_bind" in spec:  # read by vLLM's CPU worker when the engine starts
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec["omp_threads_bind"]
-    llm = make_llm(spec["model"], spec["kvray"], True, spec["block_size"])
+    llm = make_llm(spec["model"], spec["kvray"], True, spec["block_size"], spec.get("dtype", "float32"))
     connector = connector_of(llm)
     prefix, suffixes = spec["prefix"], spec["suffixes"]
     generate(llm, prefix + suffixes[0], 1)
