@@ -18,6 +18,21 @@ How the two halves split the work (and why):
   Page bytes thus travel inside vLLM's own scheduler -> worker metadata and worker ->
   scheduler output, which works whether the worker shares the scheduler's process or not.
 
+On a **kvray runtime** (``kvray_runtime`` / ``kvray_ray_address`` in the extra config, or
+``$KVRAY_RUNTIME`` / ``$KVRAY_RAY_ADDRESS``; :mod:`kvray.engines.runtime`) every engine
+instance on every node shares one cache, and no page byte passes between the halves:
+
+- the scheduler looks the prompt up (one controller round trip, pins the cached prefix)
+  and reports the hit as an *asynchronous* load (vLLM's ``load_async``): the request waits
+  in ``WAITING_FOR_REMOTE_KVS`` while other requests run;
+- the worker reads those pages itself on a background thread, from its node's mapped host
+  tier or by TCP from a peer node's page server, writes them straight into the request's
+  KV blocks and reports the request in ``get_finished``. A page that does not arrive is
+  reported with its block in ``get_block_ids_with_load_errors``, and vLLM (with
+  ``kv_load_failure_policy="recompute"``, which the connector sets) recomputes from
+  there: a shorter hit, never a failed request or wrong KV;
+- the worker stores newly computed full blocks on its node's store, on the same thread.
+
 Pages hold K and V as ``[layers, 2, block_size, kv_heads, head_dim]`` (kvray's canonical
 page layout, the same as the transformers adapter's), whatever the attention backend's
 physical block layout; :class:`BlockCodec` converts. The page size is vLLM's block size.
@@ -30,6 +45,7 @@ is refused at start-up with a :class:`~kvray.core.errors.ConfigError` naming it.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,8 +64,11 @@ from kvray.core.pages import torch_dtype
 from kvray.core.store import PageStore
 from kvray.engines.hf import DTYPE_NAMES
 from kvray.engines.revision import checkpoint_revision
+from kvray.engines.runtime import RuntimePages, runtime_target
 from kvray.engines.vllm_blocks import BlockCodec
 from kvray.engines.vllm_settings import ConnectorSettings, connector_settings, store_config
+
+LOAD_PATHS = ("mapped", "local", "tcp", "object_store", "collective")  # see kvray.cluster.client
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,12 +104,26 @@ def page_layout(vllm_config: VllmConfig) -> PageLayout:
     return validate(PageLayout, fields, source="vLLM model config")
 
 
-def open_store(vllm_config: VllmConfig, settings: ConnectorSettings) -> PageStore:
-    """The connector's store, its pages bound to this checkpoint: the hub revision vLLM
-    loaded (or the user's ``model_revision``) and a hash of the model config."""
+def model_revision(vllm_config: VllmConfig, settings: ConnectorSettings) -> str:
+    """The checkpoint the pages are bound to: the hub revision vLLM loaded (or the user's
+    ``model_revision``) and a hash of the model config."""
     model = vllm_config.model_config
-    revision = checkpoint_revision(model.hf_config, settings.model_revision or model.revision)
-    return PageStore(store_config(settings, page_layout(vllm_config), model.served_model_name, revision))
+    return checkpoint_revision(model.hf_config, settings.model_revision or model.revision)
+
+
+def open_store(vllm_config: VllmConfig, settings: ConnectorSettings) -> PageStore:
+    """The connector's in-process store."""
+    name = vllm_config.model_config.served_model_name
+    return PageStore(store_config(settings, page_layout(vllm_config), name, model_revision(vllm_config, settings)))
+
+
+def open_runtime(vllm_config: VllmConfig, settings: ConnectorSettings) -> RuntimePages | None:
+    """The kvray runtime the settings or the environment name, if one is named and reachable."""
+    target = runtime_target(settings.kvray_ray_address, settings.kvray_runtime)
+    if target is None:
+        return None
+    name = settings.model_name or vllm_config.model_config.served_model_name
+    return RuntimePages.open(target, page_layout(vllm_config), name, model_revision(vllm_config, settings))
 
 
 # -- what travels between the two halves ------------------------------------------------
@@ -113,11 +146,25 @@ class PageSave:
 
 
 @dataclass
+class RuntimeLoad:
+    """Pages the worker reads from the kvray runtime into ``block_ids``, by itself: the
+    pages' keys and the scheduler's plan (the pinned lease and the node of each page)."""
+
+    req_id: str
+    keys: list[int]
+    block_ids: list[int]
+    plan: Any  # kvray.cluster.controller.Plan
+
+
+@dataclass
 class KVRayMetadata(KVConnectorMetadata):
-    """What the scheduler side asks of the worker for one step: pages to load, blocks to save."""
+    """What the scheduler side asks of the worker for one step: pages to load, blocks to
+    save; ``on_runtime``: the worker loads and stores them on the kvray runtime itself."""
 
     loads: list[PageLoad] = field(default_factory=list)
     saves: list[PageSave] = field(default_factory=list)
+    runtime_loads: list[RuntimeLoad] = field(default_factory=list)
+    on_runtime: bool = False
 
 
 @dataclass
@@ -138,6 +185,7 @@ class _Tracked:
     keys: list[int]  # keys of the prompt's full pages
     block_ids: list[int] = field(default_factory=list)
     saved_pages: int = 0  # leading prompt pages already in kvray or handed to the worker
+    cached_pages: int = 0  # leading prompt pages the runtime held at lookup
 
 
 class KVRayConnector(KVConnectorBase_V1):
@@ -162,16 +210,29 @@ class KVRayConnector(KVConnectorBase_V1):
                 f"KVRayConnector supports one KV cache group, this model has {len(kv_cache_config.kv_cache_groups)}"
             )
         self.layout = page_layout(vllm_config)
-        self.counters = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "saved_pages": 0, "failures": 0}
+        self.counters = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "saved_pages": 0, "failures": 0, "lost_pages": 0}
+        self.counters.update({f"{path}_pages": 0 for path in LOAD_PATHS})  # runtime loads by transfer path
+        self.runtime = open_runtime(vllm_config, self.settings)
         # scheduler side
         self.store: PageStore | None = None
         self._requests: dict[str, _Tracked] = {}
         self._staged: dict[str, tuple[int, int, np.ndarray]] = {}  # req -> (first page, computed, pages)
         self._loads: dict[str, tuple[int, np.ndarray]] = {}
+        self._plans: dict[str, tuple[int, int, Any]] = {}  # runtime: req -> (first page, computed, plan)
+        self._runtime_loads: list[RuntimeLoad] = []
         # worker side
         self._codec: BlockCodec | None = None
         self._saved: list[tuple[PageSave, np.ndarray]] = []
-        if role == KVConnectorRole.SCHEDULER:
+        self._io: ThreadPoolExecutor | None = None  # runtime: the one thread that loads and stores
+        self._loading: dict[str, tuple[list[int], Future]] = {}
+        self._storing: list[Future] = []
+        self._failed_blocks: set[int] = set()
+        if self.runtime is not None:
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="kvray-io") if role == KVConnectorRole.WORKER else None
+            # a page that fails to arrive must mean recompute, never a failed request
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            log.info("kvray runtime %s (node %s) for %s", self.settings.kvray_runtime, self.runtime.node_id, self.layout)
+        elif role == KVConnectorRole.SCHEDULER:
             self.store = open_store(vllm_config, self.settings)
             log.info("kvray store for %s: %s, %d pages recovered", self.store.config.model_name, self.layout, len(self.store))
 
@@ -183,6 +244,9 @@ class KVRayConnector(KVConnectorBase_V1):
         staged = self._staged.get(request.request_id)
         if staged is not None and staged[1] == num_computed_tokens:
             return len(staged[2]) * self.layout.page_tokens, False
+        planned = self._plans.get(request.request_id)
+        if planned is not None and planned[1] == num_computed_tokens:
+            return (planned[2].hit_pages - planned[0]) * self.layout.page_tokens, True
         tracked = self._track(request)
         if tracked is None:
             return 0, False
@@ -192,6 +256,8 @@ class KVRayConnector(KVConnectorBase_V1):
         if first >= loadable:
             return 0, False
         self.counters["lookups"] += 1
+        if self.runtime is not None:
+            return self._match_on_runtime(request.request_id, tracked, first, loadable, num_computed_tokens)
         try:
             found, pages = self.store.get_pages(tracked.keys[first:loadable])
         except Exception as exc:  # a cache must never fail a request: any store failure is a miss
@@ -204,14 +270,42 @@ class KVRayConnector(KVConnectorBase_V1):
         self._staged[request.request_id] = (first, num_computed_tokens, pages)
         return len(found) * page, False
 
+    def _match_on_runtime(self, req_id: str, tracked: _Tracked, first: int, loadable: int, computed: int) -> tuple[int, bool]:
+        """Pin the runtime's cached prefix; its pages beyond ``first`` load asynchronously."""
+        if (stale := self._plans.pop(req_id, None)) is not None:
+            self.runtime.release(stale[2])
+        plan = self.runtime.lookup(tracked.keys[:loadable])
+        tracked.cached_pages = max(tracked.cached_pages, plan.hit_pages)
+        if plan.hit_pages <= first:
+            self.runtime.release(plan)
+            return 0, False
+        self.counters["hit_pages"] += plan.hit_pages - first
+        self._plans[req_id] = (first, computed, plan)
+        return (plan.hit_pages - first) * self.layout.page_tokens, True
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         staged = self._staged.pop(request.request_id, None)
         if staged is not None and num_external_tokens > 0:
             first, _, pages = staged
             self._loads[request.request_id] = (first, pages[: num_external_tokens // self.layout.page_tokens])
+        planned = self._plans.pop(request.request_id, None)
+        if planned is None:
+            return
+        first, _, plan = planned
+        n = num_external_tokens // self.layout.page_tokens
+        if n == 0:
+            self.runtime.release(plan)
+            return
+        from kvray.cluster.controller import Plan
+
+        tracked = self._requests[request.request_id]
+        block_ids = blocks.get_block_ids()[0][first : first + n]
+        sub = Plan(plan.lease, plan.hit_nodes[first : first + n], [])  # the worker ends the whole lease
+        self._runtime_loads.append(RuntimeLoad(request.request_id, tracked.keys[first : first + n], block_ids, sub))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVRayMetadata()
+        meta = KVRayMetadata(runtime_loads=self._runtime_loads, on_runtime=self.runtime is not None)
+        self._runtime_loads = []
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
             if tracked is None:  # not cacheable (see _track)
@@ -247,7 +341,8 @@ class KVRayConnector(KVConnectorBase_V1):
         """Ask the worker for the prompt pages that become complete in this step and that
         kvray does not hold yet (pages it just loaded, for instance, are skipped)."""
         done = min((computed + out.num_scheduled_tokens.get(req_id, 0)) // self.layout.page_tokens, len(tracked.keys))
-        first = max(tracked.saved_pages, self.store.match(tracked.keys[:done]))
+        cached = tracked.cached_pages if self.runtime is not None else self.store.match(tracked.keys[:done])
+        first = max(tracked.saved_pages, cached)
         tracked.saved_pages = max(tracked.saved_pages, done)
         if first < done:
             parent = tracked.keys[first - 1] if first else None
@@ -281,7 +376,8 @@ class KVRayConnector(KVConnectorBase_V1):
             if request.prompt_embeds is not None:
                 return None
             salt = self.settings.salt if request.cache_salt is None else f"{self.settings.salt}|{request.cache_salt}"
-            keys = self.store.keys(np.asarray(request.prompt_token_ids, dtype=np.int32), salt=salt)
+            pages = self.runtime if self.runtime is not None else self.store
+            keys = pages.keys(np.asarray(request.prompt_token_ids, dtype=np.int32), salt=salt)
             tracked = self._requests[request.request_id] = _Tracked(keys)
         return tracked
 
@@ -289,11 +385,19 @@ class KVRayConnector(KVConnectorBase_V1):
         self._requests.pop(req_id, None)
         self._staged.pop(req_id, None)
         self._loads.pop(req_id, None)
+        if (planned := self._plans.pop(req_id, None)) is not None:
+            self.runtime.release(planned[2])
 
     def shutdown(self) -> None:
         if self.store is not None:
             self.store.close()
             self.store = None
+        if self._io is not None:
+            self._io.shutdown(wait=True)  # pending loads and stores finish first
+            self._io = None
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
 
     # ==================================================================================
     # Worker side
@@ -309,11 +413,54 @@ class KVRayConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVRayMetadata)
         for load in meta.loads:
-            pages = torch.from_numpy(load.pages).view(torch_dtype(self.layout))
-            self._codec.write(load.block_ids, pages.view(len(load.block_ids), *self.layout.page_shape))
+            self._write_blocks(load.block_ids, load.pages)
+        for load in meta.runtime_loads:
+            if self._io is None:  # this worker could not reach the runtime: every page is a miss
+                self._loading[load.req_id] = (load.block_ids, _done(0))
+            else:
+                self._loading[load.req_id] = (load.block_ids, self._io.submit(self._load_from_runtime, load))
+
+    def _write_blocks(self, block_ids: list[int], pages: np.ndarray) -> None:
+        """Copy verified pages (``[n, page_nbytes]`` uint8) into vLLM's blocks ``block_ids``."""
+        tensor = torch.from_numpy(pages).view(torch_dtype(self.layout))
+        self._codec.write(block_ids, tensor.view(len(block_ids), *self.layout.page_shape))
+
+    def _load_from_runtime(self, load: RuntimeLoad) -> int:
+        """On the I/O thread: read the plan's pages (mapped host tier, or TCP from a peer)
+        straight into the request's blocks; returns how many leading blocks hold their page."""
+        loaded, pages = self.runtime.read(load.keys, load.plan)
+        if loaded.pages:
+            self._write_blocks(load.block_ids[: loaded.pages], pages)
+        self.counters["loaded_pages"] += loaded.pages
+        self.counters["lost_pages"] += len(load.keys) - loaded.pages
+        for path, n in loaded.paths.items():
+            self.counters[f"{path}_pages"] += n
+        return loaded.pages
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose runtime load ended; the blocks of pages that did not arrive are
+        reported by ``get_block_ids_with_load_errors`` in the same step."""
+        done = set()
+        for req_id, (block_ids, future) in list(self._loading.items()):
+            if not future.done():
+                continue
+            try:
+                loaded = future.result()
+            except Exception as exc:  # a cache must never fail a request: the blocks are recomputed
+                self.counters["failures"] += 1
+                log.warning("kvray load for request %s failed, it recomputes: %r", req_id, exc)
+                loaded = 0
+            self._failed_blocks.update(block_ids[loaded:])
+            del self._loading[req_id]
+            done.add(req_id)
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv, before the forward pass
+        return  # synchronous loads finish in start_load_kv, before the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole blocks are copied out once all layers are written, in wait_for_save
@@ -323,10 +470,37 @@ class KVRayConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVRayMetadata)
         for save in meta.saves:
             pages = self._codec.read(save.block_ids).contiguous()
-            self._saved.append((save, pages.view(torch.uint8).reshape(len(save.keys), -1).numpy()))
+            raw = pages.view(torch.uint8).reshape(len(save.keys), -1).numpy()
+            if not meta.on_runtime:
+                self._saved.append((save, raw))
+            elif self._io is not None:  # the copy above is the worker's own: blocks may be reused now
+                self._storing = [f for f in self._storing if not f.done()]
+                self._storing.append(self._io.submit(self._store_on_runtime, save, raw))
+
+    def _store_on_runtime(self, save: PageSave, raw: np.ndarray) -> None:
+        """On the I/O thread: keep computed pages on this node's store (best effort)."""
+        try:
+            self.counters["saved_pages"] += self.runtime.put_pages(
+                save.keys, raw, self.runtime.fingerprint.digest, save.parent_key
+            )
+        except Exception as exc:  # storing is best effort: the pages are simply not cached
+            self.counters["failures"] += 1
+            log.warning("kvray could not store %d pages on the runtime: %r", len(save.keys), exc)
+
+    def flush(self) -> None:
+        """Wait for this worker's loads and stores in flight (tests, benchmarks, shutdown)."""
+        for future in [*self._storing, *(f for _, f in self._loading.values())]:
+            future.exception()
+        self._storing = []
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._saved:
             return None
         meta, self._saved = KVRayWorkerMetadata(self._saved), []
         return meta
+
+
+def _done(result: int) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future

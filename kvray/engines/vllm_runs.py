@@ -149,6 +149,17 @@ def break_store(store, how: str) -> None:
         raise ConfigError(f"unknown fault {how!r}: use wipe or io-error")
 
 
+def counters_of(llm) -> dict[str, int]:
+    """The connector's counters, both halves summed (in-process engine): the scheduler
+    counts lookups and hits, the worker what it loaded and stored on a kvray runtime, once
+    its loads and stores in flight have ended."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler, worker = connector_of(llm), get_kv_transfer_group()
+    worker.flush()
+    return {k: v + worker.counters[k] for k, v in scheduler.counters.items()}
+
+
 def serve_prompts(spec: dict, engine: dict) -> dict:
     """Serve ``engine["prompts"]`` in order on one engine, with optional faults before some
     of them; report each prompt's output tokens and the connector's counters for it."""
@@ -157,14 +168,14 @@ def serve_prompts(spec: dict, engine: dict) -> dict:
     except Exception as exc:  # reported to the caller, who asserts on bad settings
         return {"error": f"{type(exc).__name__}: {exc}"}
     connector = connector_of(llm) if engine.get("kvray") is not None else None
-    recovered = len(connector.store) if connector else 0
+    recovered = len(connector.store) if connector and connector.store else 0
     results = []
     for i, prompt in enumerate(engine["prompts"]):
         if fault := engine.get("faults", {}).get(str(i)):
             break_store(connector.store, fault)
-        before = dict(connector.counters) if connector else {}
+        before = counters_of(llm) if connector else {}
         tokens, seconds = generate(llm, prompt, spec["max_tokens"])
-        counters = {k: v - before[k] for k, v in connector.counters.items()} if connector else {}
+        counters = {k: v - before[k] for k, v in counters_of(llm).items()} if connector else {}
         results.append({"tokens": tokens, "seconds": seconds, "counters": counters})
     close_llm(llm)
     return {"results": results, "recovered_pages": recovered}
@@ -215,7 +226,74 @@ def run_ttft(spec: dict) -> dict:
     return {"times_s": times, "counters": counters}
 
 
-RUNS = {"serve": run_serve, "ttft": run_ttft}
+def run_on_ray_nodes(spec: dict) -> dict:
+    """Engines on two Ray nodes sharing one kvray runtime.
+
+    Starts two local Ray nodes (``ray.cluster_utils.Cluster``: separate raylets and object
+    stores) from this vLLM environment, so that their workers run its interpreter, and a
+    kvray runtime whose layout is the model's. Then ``spec["nodes"]`` (one list of engines
+    per node, as ``run_serve`` takes) run one node after the other, each in a Ray actor
+    pinned to its node; an engine's ``kvray`` settings name the runtime with
+    ``kvray_runtime`` (the actor is connected to Ray already). Reports each node's engine
+    results, node ids and the stores' statistics.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from kvray.cluster import Runtime, RuntimeConfig
+    from kvray.cluster.runtime import on_node
+    from kvray.core.config import TierSizes
+    from kvray.engines import vllm_runs  # by name, not __main__, so Ray workers import it
+
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False})
+    cluster.add_node(**NODE_ARGS)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    runtime = None
+    try:
+        layout = model_page_layout(spec["model"], spec["block_size"])
+        runtime = Runtime.start(RuntimeConfig(name=spec["runtime"], layout=layout, tiers=TierSizes(host=spec["host_pages"])))
+        nodes = sorted(runtime.stores, key=lambda n: n != ray.get_runtime_context().get_node_id())  # head first
+        engine = ray.remote(num_cpus=0)(vllm_runs.EngineHost)
+        results = []
+        for node, engines in zip(nodes, spec["nodes"]):
+            host = engine.options(scheduling_strategy=on_node(node)).remote()
+            results.append(ray.get(host.serve.remote(spec, engines), timeout=spec.get("timeout_s", 600)))
+            ray.kill(host)
+        return {"nodes": nodes, "results": results, "stores": runtime.store_stats()}
+    finally:
+        if runtime is not None:
+            runtime.close()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+NODE_ARGS = {"num_cpus": 1, "object_store_memory": 100 << 20}
+
+
+class EngineHost:
+    """A Ray actor's body: vLLM engines served one after another on its node."""
+
+    def serve(self, spec: dict, engines: list[dict]) -> dict:
+        import ray
+
+        return {"node": ray.get_runtime_context().get_node_id(), "engines": [serve_prompts(spec, e) for e in engines]}
+
+
+def model_page_layout(model: str, block_size: int):
+    """kvray's page layout of a model directory or data/models/ name at float32 (what the
+    runs use), without starting vLLM: for the runtime the engines will share."""
+    import torch
+    from transformers import AutoConfig
+
+    from kvray.engines.hf import model_layout
+    from kvray.engines.tiny import model_dir
+
+    path = Path(model) if Path(model).is_dir() else model_dir(model)
+    return model_layout(AutoConfig.from_pretrained(path), torch.float32, block_size)
+
+
+RUNS = {"serve": run_serve, "ttft": run_ttft, "ray_nodes": run_on_ray_nodes}
 
 
 def main(argv: list[str]) -> None:

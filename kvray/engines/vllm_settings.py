@@ -36,6 +36,11 @@ class ConnectorSettings(BaseModel):
     (or ``model_revision``, which overrides it: name your local fine-tunes with it) and a
     hash of the model's config (:mod:`kvray.engines.revision`).
 
+    ``kvray_runtime`` and ``kvray_ray_address`` (else ``$KVRAY_RUNTIME`` and
+    ``$KVRAY_RAY_ADDRESS``) put the pages on a shared kvray runtime instead
+    (:mod:`kvray.engines.runtime`); the tier sizes above then apply only when it cannot be
+    reached.
+
     Example::
 
         ConnectorSettings(host_pages=4096, disk_pages=65536, disk_dir="/var/cache/kvray", salt="tenant-a")
@@ -51,6 +56,8 @@ class ConnectorSettings(BaseModel):
     disk_pages: int = Field(default=0, ge=0)
     disk_dir: Path | None = None
     policy: str = "lru"
+    kvray_runtime: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,40}$")
+    kvray_ray_address: str | None = Field(default=None, min_length=1)
 
 
 def connector_settings(extra: Any) -> ConnectorSettings:
