@@ -225,17 +225,26 @@ def summarize(answers: list[dict], requests: list[ServeRequest], slo_s: float) -
 
 
 # -- the benchmark ----------------------------------------------------------------------
-BASE, HOST, CLUSTER = "vllm", "vllm+kvray-host", "vllm+kvray-cluster"
+BASE, HOST, CLUSTER, BASE_AGAIN = "vllm", "vllm+kvray-host", "vllm+kvray-cluster", "vllm (again)"
 
 
 def contender_settings(gcs_address: str) -> dict[str, dict | None]:
-    """Each contender's connector settings (None: no connector). (c) differs from (b) in the
-    runtime it names, nothing else."""
+    """Each contender's connector settings (None: no connector), in the order they run. (c)
+    differs from (b) in the runtime it names, nothing else. vLLM alone runs first and
+    last: on a machine whose other load drifts, the two runs bound what the drift did."""
     return {
         BASE: None,
         HOST: {"host_pages": HOST_PAGES},
         CLUSTER: {"kvray_ray_address": gcs_address, "kvray_runtime": RUNTIME_NAME},
+        BASE_AGAIN: None,
     }
+
+
+def baseline(runs: dict) -> str | None:
+    """The vLLM-alone run the ratios use: the faster of its two (mean TTFT), so drift in the
+    machine's other load never flatters kvray."""
+    alone = [label for label in (BASE, BASE_AGAIN) if label in runs]
+    return min(alone, key=lambda label: runs[label]["mean_ttft_ms"]) if alone else None
 
 
 def run_serve(size: Size, out_dir: Path) -> dict:
@@ -317,6 +326,7 @@ def run_serve(size: Size, out_dir: Path) -> dict:
     finally:
         if connection is not None:
             connection.__exit__(None, None, None)
+    out["baseline"] = baseline(out["contenders"])
     out["goals"] = judge(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "serve.json").write_text(json.dumps(out, indent=2))
@@ -325,9 +335,9 @@ def run_serve(size: Size, out_dir: Path) -> dict:
 
 
 GOALS = (
-    # (name, metric, contender, baseline, goal)
-    ("serve_mean_ttft", "mean_ttft_ms", CLUSTER, BASE, "<= 0.4"),
-    ("serve_throughput_at_slo", "throughput_at_slo_rps", CLUSTER, BASE, ">= 3"),
+    # (name, metric, contender, baseline (None: vLLM alone's run, see baseline()), goal)
+    ("serve_mean_ttft", "mean_ttft_ms", CLUSTER, None, "<= 0.4"),
+    ("serve_throughput_at_slo", "throughput_at_slo_rps", CLUSTER, None, ">= 3"),
     ("serve_hit_tokens", "hit_tokens", CLUSTER, HOST, ">= 1.5"),
 )
 
@@ -337,6 +347,7 @@ def judge(out: dict) -> list[dict]:
     runs = out["contenders"]
     verdicts = []
     for name, metric, ours, theirs, goal in GOALS:
+        theirs = theirs or out["baseline"] or BASE
         if ours not in runs or theirs not in runs:
             missing = ours if ours not in runs else theirs
             why = f"{missing} did not run: {out['errors'].get(missing, 'no result')}"
@@ -386,7 +397,8 @@ def plot(out: dict, path: Path) -> None:
     slo.set_title("throughput at the TTFT SLO")
     slo.legend(fontsize=8)
     tiers = sorted(
-        {t for k in labels for t in runs[k]["hit_tokens_by_tier"]}, key=["vllm", "device", "host", "disk", "remote"].index
+        {t for k in labels for t in runs[k]["hit_tokens_by_tier"]},
+        key=["vllm", "device", "host", "local store", "disk", "remote"].index,
     )
     bottom = np.zeros(len(labels))
     for tier in tiers:
@@ -407,21 +419,29 @@ def plot(out: dict, path: Path) -> None:
 def serve(quick: bool) -> list[BenchResult]:
     out = run_serve(QUICK if quick else FULL, Path(os.environ.get("KVRAY_BENCH_OUT", "results")))
     runs = out["contenders"]
-    params = {"workload": out["workload"], "engines": out["engines"], "rate": out.get("rate"), "slo": out.get("slo")}
+    base = out["baseline"] or BASE
+    params = {
+        "workload": out["workload"],
+        "engines": out["engines"],
+        "rate": out.get("rate"),
+        "slo": out.get("slo"),
+        "baseline_run": base,
+        "errors": out["errors"],
+    }
     nan = float("nan")
 
     def figure(label: str, metric: str) -> float:
         return runs[label][metric] if label in runs else nan
 
     rows = [
-        (f"serve_mean_ttft[{CLUSTER} vs {BASE}]", "mean_ttft_ms", CLUSTER, BASE, "ms", "<= 0.4"),
-        (f"serve_mean_ttft[{HOST} vs {BASE}]", "mean_ttft_ms", HOST, BASE, "ms", None),
-        (f"serve_p99_ttft[{CLUSTER} vs {BASE}]", "p99_ttft_ms", CLUSTER, BASE, "ms", None),
-        (f"serve_p99_ttft[{HOST} vs {BASE}]", "p99_ttft_ms", HOST, BASE, "ms", None),
-        (f"serve_throughput_at_slo[{CLUSTER} vs {BASE}]", "throughput_at_slo_rps", CLUSTER, BASE, "req/s", ">= 3"),
-        (f"serve_throughput_at_slo[{HOST} vs {BASE}]", "throughput_at_slo_rps", HOST, BASE, "req/s", None),
+        (f"serve_mean_ttft[{CLUSTER} vs {BASE}]", "mean_ttft_ms", CLUSTER, base, "ms", "<= 0.4"),
+        (f"serve_mean_ttft[{HOST} vs {BASE}]", "mean_ttft_ms", HOST, base, "ms", None),
+        (f"serve_p99_ttft[{CLUSTER} vs {BASE}]", "p99_ttft_ms", CLUSTER, base, "ms", None),
+        (f"serve_p99_ttft[{HOST} vs {BASE}]", "p99_ttft_ms", HOST, base, "ms", None),
+        (f"serve_throughput_at_slo[{CLUSTER} vs {BASE}]", "throughput_at_slo_rps", CLUSTER, base, "req/s", ">= 3"),
+        (f"serve_throughput_at_slo[{HOST} vs {BASE}]", "throughput_at_slo_rps", HOST, base, "req/s", None),
         (f"serve_hit_tokens[{CLUSTER} vs {HOST}]", "hit_tokens", CLUSTER, HOST, "tokens", ">= 1.5"),
-        (f"serve_hit_tokens[{HOST} vs {BASE}]", "hit_tokens", HOST, BASE, "tokens", None),
+        (f"serve_hit_tokens[{HOST} vs {BASE}]", "hit_tokens", HOST, base, "tokens", None),
     ]
     reasons = {g["name"]: g["reason"] for g in out["goals"]}
     results = []

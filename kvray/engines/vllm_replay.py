@@ -20,15 +20,25 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 
-from kvray.engines.vllm_runs import close_llm, connector_of, make_llm
+from kvray.engines.vllm_runs import close_llm, connector_of, counters_of, make_llm
+
+# where a runtime connector's pages came from (its load paths, kvray.cluster.client) -> tier label
+PATH_TIERS = {"mapped": "host", "local": "local store", "tcp": "remote", "collective": "remote", "object_store": "remote"}
 
 
-def kvray_hits_by_tier(connector) -> Counter:
-    """Pages the connector's kvray store has served so far, by tier (empty without kvray)."""
-    store = getattr(connector, "store", None) if connector is not None else None
-    if store is None:
-        return Counter()
-    return Counter(store.stats().get("hit_pages_by_tier", {}))
+def kvray_hits(llm, connector) -> tuple[dict[str, int], Counter]:
+    """The connector's counters (both halves) and the pages kvray served so far by tier:
+    an in-process store's own tier counts, or a runtime client's load paths (pages from
+    this node's mapped host tier, from its store actor, from another node)."""
+    if connector is None:
+        return {}, Counter()
+    counters = counters_of(llm)
+    if connector.store is not None:
+        return counters, Counter(connector.store.stats().get("hit_pages_by_tier", {}))
+    tiers: Counter = Counter()
+    for path, tier in PATH_TIERS.items():
+        tiers[tier] += counters.get(f"{path}_pages", 0)
+    return counters, tiers
 
 
 def replay(llm, connector, job: dict) -> dict:
@@ -40,8 +50,7 @@ def replay(llm, connector, job: dict) -> dict:
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, detokenize=False, ignore_eos=True)
     pending = deque(sorted(job["requests"], key=lambda r: r["arrival_s"]))
     arrival = {r["id"]: r["arrival_s"] for r in pending}
-    counters_before = dict(connector.counters) if connector is not None else {}
-    tiers_before = kvray_hits_by_tier(connector)
+    counters_before, tiers_before = kvray_hits(llm, connector)
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     cached: dict[str, int] = {}
@@ -63,8 +72,8 @@ def replay(llm, connector, job: dict) -> dict:
                 cached[out.request_id] = int(out.num_cached_tokens or 0)
             if out.finished:
                 done[out.request_id] = t
-    counters = {k: v - counters_before.get(k, 0) for k, v in connector.counters.items()} if connector is not None else {}
-    tiers = kvray_hits_by_tier(connector)
+    counters, tiers = kvray_hits(llm, connector)
+    counters = {k: v - counters_before.get(k, 0) for k, v in counters.items()}
     tiers.subtract(tiers_before)
     return {
         "requests": [
