@@ -30,7 +30,7 @@ import numpy as np
 from kvray.sim.workloads import WorkloadSpec, generate
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, full_blocks
 
-SHARED_SHARE = 0.01  # a block id in at least this share of requests is a shared (system) prefix
+SHARED_SHARE = 0.01  # a block id in at least this share of requests (and 3 of them) is a shared (system) prefix
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class TraceShape:
 def trace_shape(trace: list[TraceRequest]) -> TraceShape:
     """Measure the sharing structure of ``trace`` (see the module docstring)."""
     counts = Counter(h for r in trace for h in r.hash_ids)
-    popular = {h for h, n in counts.items() if n >= SHARED_SHARE * len(trace)}
+    popular = {h for h, n in counts.items() if n >= max(3, SHARED_SHARE * len(trace))}
 
     def system_len(r: TraceRequest) -> int:
         n = 0
