@@ -3,7 +3,6 @@ real token ids that share exactly what their block ids share, and the figures th
 
 from __future__ import annotations
 
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
