@@ -17,6 +17,8 @@ runtime uses that process's Ray connection and node. It serves one engine
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections import Counter, deque
 
@@ -97,6 +99,11 @@ class ReplayEngine:
     """
 
     def __init__(self, spec: dict) -> None:
+        # Ray starts workers at niceness 15 (RAY_worker_niceness): an engine serving requests
+        # would then yield its cores to any other process on the node. Back to normal where
+        # this process may raise its priority; as it is elsewhere.
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
         self.llm = make_llm(
             spec["model"],
             spec.get("kvray"),
