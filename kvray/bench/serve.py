@@ -316,8 +316,13 @@ def run_serve(size: Size, out_dir: Path) -> dict:
                         "ttft_ms": slo_s * 1e3,
                     }
                     engines.reset()
+                load_before = os.getloadavg()[0]
                 answers = engines.replay(replay_jobs(requests, arrivals))
-                out["contenders"][label] = {**summarize(answers, requests, slo_s), "warmup_ttft_ms": [w * 1e3 for w in warm]}
+                out["contenders"][label] = {
+                    **summarize(answers, requests, slo_s),
+                    "warmup_ttft_ms": [w * 1e3 for w in warm],
+                    "load_average_1min": [load_before, os.getloadavg()[0]],  # the machine's other work, before and after
+                }
             finally:
                 if not engines.error:
                     engines.close()
