@@ -73,13 +73,18 @@ RUNTIME_NAME = "serve-bench"
 
 @dataclass(frozen=True)
 class Size:
+    """How much to replay. ``active_sessions`` conversations are under way at once: more
+    context than vLLM's KV space holds (the regime a host tier is for), so a session's next
+    turn often finds its prefix evicted from the engine."""
+
     requests: int
     max_pages: int  # longest prompt, in pages
     mean_turns: float
+    active_sessions: int
 
 
-QUICK = Size(requests=40, max_pages=16, mean_turns=6.0)
-FULL = Size(requests=160, max_pages=24, mean_turns=6.0)
+QUICK = Size(requests=100, max_pages=16, mean_turns=6.0, active_sessions=24)
+FULL = Size(requests=240, max_pages=24, mean_turns=6.0, active_sessions=32)
 
 
 def vllm_kv_pages(size: Size) -> int:
@@ -199,7 +204,7 @@ def summarize(answers: list[dict], requests: list[ServeRequest], slo_s: float) -
     """Mean / p99 TTFT, throughput and throughput at the SLO, hit tokens by tier."""
     rows = [r for a in answers for r in a["requests"]]
     ttft = np.array([r["ttft_s"] for r in rows])
-    span = max(r["done_s"] for r in rows) - min(r["arrival_s"] for r in rows)
+    span = float(max(r["done_s"] for r in rows) - min(r["arrival_s"] for r in rows))
     cached = sum(r["cached_tokens"] for r in rows)
     loaded = sum(a["counters"].get("loaded_pages", 0) for a in answers) * PAGE
     by_tier: dict[str, int] = {"vllm": cached - loaded}
@@ -250,7 +255,7 @@ def baseline(runs: dict) -> str | None:
 def run_serve(size: Size, out_dir: Path) -> dict:
     shape = trace_shape(read_trace(TRACE))
     vocab = json.loads((model_dir(MODEL) / "config.json").read_text())["vocab_size"]
-    requests = serve_workload(shape, size.requests, PAGE, size.max_pages, vocab, size.mean_turns)
+    requests = serve_workload(shape, size.requests, PAGE, size.max_pages, vocab, size.mean_turns, size.active_sessions)
     median_len = int(statistics.median(len(r.tokens) for r in requests))
     starts = np.array([r.session_start for r in requests]) - requests[0].session_start
     disk_root = Path(tempfile.mkdtemp(prefix="kvray-serve-disk-"))
@@ -265,6 +270,7 @@ def run_serve(size: Size, out_dir: Path) -> dict:
                 "shape": shape.__dict__,
                 "requests": len(requests),
                 "mean_turns": size.mean_turns,
+                "active_sessions": size.active_sessions,
                 "max_prompt_tokens": size.max_pages * PAGE,
                 "median_prompt_tokens": median_len,
                 "reuse_ceiling": reuse_share(requests, PAGE),
@@ -307,7 +313,7 @@ def run_serve(size: Size, out_dir: Path) -> dict:
                     burst = engines.replay(replay_jobs(requests, [0.0] * len(requests)))
                     saturation = len(requests) / max(r["done_s"] for a in burst for r in a["requests"])
                     rate = LOAD * saturation
-                    arrivals = list(starts * (len(requests) / rate) / max(starts[-1], 1e-9))
+                    arrivals = [float(t) for t in starts * (len(requests) / rate) / max(starts[-1], 1e-9)]
                     slo_s = SLO_SCALE * statistics.median(warm)
                     out["rate"] = {"saturation_rps": saturation, "load": LOAD, "arrival_rps": rate}
                     out["slo"] = {

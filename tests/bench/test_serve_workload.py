@@ -3,6 +3,7 @@ real token ids that share exactly what their block ids share, and the figures th
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,7 +70,7 @@ def test_more_turns_mean_more_reuse():
 def answer(ttfts: list[float], cached: list[int], loaded_pages: int = 0, tiers: dict | None = None) -> dict:
     return {
         "requests": [
-            {"id": str(i), "ttft_s": t, "arrival_s": float(i), "done_s": float(i) + t + 0.5, "cached_tokens": c}
+            {"id": str(i), "ttft_s": t, "arrival_s": np.float64(i), "done_s": i + t + 0.5, "cached_tokens": c}
             for i, (t, c) in enumerate(zip(ttfts, cached))
         ],
         "counters": {"loaded_pages": loaded_pages},
@@ -85,6 +86,7 @@ def test_summary_counts_slo_throughput_and_splits_hits_by_tier():
     span = (1 + 3.0 + 0.5) - 0.0  # first arrival 0, last answer: request 1 of the first engine
     assert abs(summary["replay_s"] - span) < 1e-9
     assert abs(summary["throughput_at_slo_rps"] - 3 / span) < 1e-9 and summary["slo_attainment"] == 0.75
+    assert all(type(summary[k]) is float for k in ("mean_ttft_ms", "p99_ttft_ms", "throughput_rps", "throughput_at_slo_rps"))
     assert summary["hit_tokens"] == 256 and summary["hit_tokens_by_tier"] == {"vllm": 256 - PAGE, "host": PAGE}
 
 
