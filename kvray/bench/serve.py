@@ -54,10 +54,10 @@ from kvray.bench import BenchResult, benchmark
 from kvray.bench.serve_workload import ServeRequest, reuse_share, serve_workload, trace_shape
 from kvray.cluster import RayConnection, Runtime, RuntimeConfig
 from kvray.cluster.runtime import alive_nodes, on_node
-from kvray.core.config import PageLayout, TierSizes
+from kvray.core.config import TierSizes
 from kvray.engines.tiny import model_dir
 from kvray.engines.vllm_replay import ReplayEngine
-from kvray.engines.vllm_runs import vllm_python
+from kvray.engines.vllm_runs import model_page_layout, vllm_python
 from kvray.traces import read_trace
 
 MODEL = "bench-llama"
@@ -94,19 +94,6 @@ def vllm_kv_pages(size: Size) -> int:
 
 HOST_PAGES = 512  # per engine (b) or node (c): 256 MiB of 512 KiB pages
 DISK_PAGES = 4096  # per node (c)
-
-
-def bench_layout() -> PageLayout:
-    """kvray's page for ``MODEL`` as vLLM runs it (float32, 64-token blocks)."""
-    config = json.loads((model_dir(MODEL) / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    return PageLayout(
-        layers=config["num_hidden_layers"],
-        kv_heads=config.get("num_key_value_heads", heads),
-        head_dim=config.get("head_dim", config["hidden_size"] // heads),
-        page_tokens=PAGE,
-        dtype="float32",
-    )
 
 
 # -- engines on Ray nodes ----------------------------------------------------------------
@@ -148,7 +135,7 @@ def start_engines(nodes: list[str], size: Size, kvray_settings: dict | None) -> 
     spec = {
         "model": MODEL,
         "block_size": PAGE,
-        "kv_cache_bytes": vllm_kv_pages(size) * bench_layout().page_nbytes,
+        "kv_cache_bytes": vllm_kv_pages(size) * model_page_layout(MODEL, PAGE).page_nbytes,
         "max_model_len": (size.max_pages + 1) * PAGE,
         "prefix_caching": True,
         "kvray": kvray_settings,
@@ -296,7 +283,7 @@ def run_serve(size: Size, out_dir: Path) -> dict:
                 runtime = Runtime.start(
                     RuntimeConfig(
                         name=RUNTIME_NAME,
-                        layout=bench_layout(),
+                        layout=model_page_layout(MODEL, PAGE),
                         model_name=str(model_dir(MODEL)),
                         tiers=TierSizes(host=HOST_PAGES, disk=DISK_PAGES),
                         disk_root=disk_root,

@@ -14,6 +14,11 @@ read or written: every request is then a miss whose reason is logged and returne
 
 Only full-attention Llama-family decoders are supported (grouped-query attention
 included); sliding-window or hybrid caches are refused with :class:`LayoutError`.
+
+:meth:`CachedCausalLM.open` puts the pages on a shared kvray runtime when one is named
+(``kvray_runtime`` / ``kvray_ray_address``, or ``$KVRAY_RUNTIME`` / ``$KVRAY_RAY_ADDRESS``)
+and reachable, so adapters on every node of a Ray cluster share one cache
+(:mod:`kvray.engines.runtime`); otherwise in an in-process store.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvray.core.config import PageLayout, validate
+from kvray.core.config import PageLayout, StoreConfig, TierSizes, validate
 from kvray.core.errors import KvrayError, LayoutError
 from kvray.core.keys import as_token_array
 from kvray.core.pages import TORCH_DTYPES
 from kvray.core.store import PageStore
+from kvray.engines.runtime import RuntimePages, runtime_target
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +100,7 @@ class CachedCausalLM:
         again.cached_tokens, again.logits.argmax()
     """
 
-    def __init__(self, model: torch.nn.Module, store: PageStore, salt: str = "") -> None:
+    def __init__(self, model: torch.nn.Module, store: PageStore | RuntimePages, salt: str = "") -> None:
         self.model = model
         self.store = store
         self.salt = salt
@@ -102,6 +108,33 @@ class CachedCausalLM:
         self.unusable = layout_mismatch(self.layout, store.layout)
         if self.unusable:
             log.warning("kvray store not used for %s: %s", type(model).__name__, self.unusable)
+
+    @classmethod
+    def open(
+        cls,
+        model: torch.nn.Module,
+        model_name: str,
+        page_tokens: int,
+        tiers: TierSizes = TierSizes(host=1024),
+        kvray_runtime: str | None = None,
+        kvray_ray_address: str | None = None,
+        model_revision: str | None = None,
+        salt: str = "",
+    ) -> CachedCausalLM:
+        """An adapter on the kvray runtime named here or by the environment when it is
+        reachable, otherwise on an in-process store of ``tiers``.
+
+        Example::
+
+            lm = CachedCausalLM.open(model, "tiny-llama", page_tokens=64, kvray_runtime="kvray")
+            isinstance(lm.store, RuntimePages)   # True when the runtime answered
+        """
+        layout = model_layout(model.config, model.dtype, page_tokens)
+        target = runtime_target(kvray_ray_address, kvray_runtime)
+        pages = RuntimePages.open(target, layout, model_name, model_revision) if target else None
+        if pages is None:
+            pages = PageStore(StoreConfig(layout=layout, model_name=model_name, model_revision=model_revision, tiers=tiers))
+        return cls(model, pages, salt)
 
     @torch.inference_mode()
     def prefill(self, tokens: Sequence[int] | np.ndarray) -> Prefill:

@@ -165,6 +165,8 @@ class RuntimePages:
         plan = self.lookup(keys)
         loaded, raw = self.read(keys, plan)
         n, layout = loaded.pages, self.layout
+        if n == 0:
+            return LoadResult(0, torch.empty(layout.request_shape(0), dtype=torch_dtype(layout)), {})
         pages = torch.from_numpy(raw.copy()).view(torch_dtype(layout)).view(n, *layout.page_shape)
         kv = pages.permute(1, 2, 0, 3, 4, 5).reshape(layout.request_shape(n * layout.page_tokens))
         return LoadResult(n * layout.page_tokens, kv, dict(loaded.by_tier))

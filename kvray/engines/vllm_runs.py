@@ -61,6 +61,37 @@ def run_in_vllm_env(spec: dict, timeout: float = 300) -> dict:
     return json.loads(lines[-1])
 
 
+def engine_args(
+    model: str,
+    prefix_caching: bool,
+    block_size: int,
+    dtype: str = "float32",
+    kv_cache_bytes: int = 256 << 20,
+    max_model_len: int = 4096,
+) -> dict:
+    """``vllm.LLM`` arguments of every run (see the module docstring), but the connector.
+
+    ``model`` is a data/models/ name (dummy weights) or a directory holding a checkpoint,
+    such as :func:`kvray.engines.tiny.seeded_checkpoint` writes (its weights are loaded).
+    ``kv_cache_bytes`` is vLLM's own KV space (its running requests and prefix cache).
+    """
+    from kvray.engines.tiny import model_dir
+
+    path = Path(model) if Path(model).is_dir() else model_dir(model)
+    return {
+        "model": str(path),
+        "load_format": "safetensors" if any(path.glob("*.safetensors")) else "dummy",
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "block_size": block_size,
+        "enable_prefix_caching": prefix_caching,
+        "kv_cache_memory_bytes": kv_cache_bytes,
+        "seed": 0,
+    }
+
+
 def make_llm(
     model: str,
     kvray: dict | None,
@@ -70,20 +101,11 @@ def make_llm(
     kv_cache_bytes: int = 256 << 20,
     max_model_len: int = 4096,
 ):
-    """A vLLM engine with ``KVRayConnector`` when ``kvray`` is given.
-
-    ``model`` is a data/models/ name (dummy weights) or a directory holding a checkpoint,
-    such as :func:`kvray.engines.tiny.seeded_checkpoint` writes (its weights are loaded).
-    ``kv_cache_bytes`` is vLLM's own KV space (its running requests and prefix cache).
-    """
+    """A vLLM engine of :func:`engine_args` with ``KVRayConnector`` when ``kvray`` is given."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvray.engines.tiny import model_dir
-
-    path = Path(model) if Path(model).is_dir() else model_dir(model)
-    weights = "safetensors" if any(path.glob("*.safetensors")) else "dummy"
     transfer = None
     if kvray is not None:
         transfer = KVTransferConfig(
@@ -92,19 +114,8 @@ def make_llm(
             kv_role="kv_both",
             kv_connector_extra_config=kvray,
         )
-    return LLM(
-        model=str(path),
-        load_format=weights,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        block_size=block_size,
-        enable_prefix_caching=prefix_caching,
-        kv_cache_memory_bytes=kv_cache_bytes,
-        kv_transfer_config=transfer,
-        seed=0,
-    )
+    args = engine_args(model, prefix_caching, block_size, dtype, kv_cache_bytes, max_model_len)
+    return LLM(**args, kv_transfer_config=transfer)
 
 
 def connector_of(llm):
@@ -231,11 +242,13 @@ def run_on_ray_nodes(spec: dict) -> dict:
 
     Starts two local Ray nodes (``ray.cluster_utils.Cluster``: separate raylets and object
     stores) from this vLLM environment, so that their workers run its interpreter, and a
-    kvray runtime whose layout is the model's. Then ``spec["nodes"]`` (one list of engines
-    per node, as ``run_serve`` takes) run one node after the other, each in a Ray actor
-    pinned to its node; an engine's ``kvray`` settings name the runtime with
-    ``kvray_runtime`` (the actor is connected to Ray already). Reports each node's engine
-    results, node ids and the stores' statistics.
+    kvray runtime whose layout is the model's. Then each of ``spec["steps"]`` runs its
+    ``engines`` (as ``run_serve`` takes them) in a new Ray actor pinned to node ``node``
+    (0: the head), one step after the other; ``close_store_of`` first closes that node's
+    store (its page server stops answering; the controller is not told, so its index still
+    promises those pages). An engine's ``kvray`` settings name the runtime with
+    ``kvray_runtime``; the actor is connected to Ray already. Reports each step's node and
+    engine results.
     """
     import ray
     from ray.cluster_utils import Cluster
@@ -254,13 +267,15 @@ def run_on_ray_nodes(spec: dict) -> dict:
         layout = model_page_layout(spec["model"], spec["block_size"])
         runtime = Runtime.start(RuntimeConfig(name=spec["runtime"], layout=layout, tiers=TierSizes(host=spec["host_pages"])))
         nodes = sorted(runtime.stores, key=lambda n: n != ray.get_runtime_context().get_node_id())  # head first
-        engine = ray.remote(num_cpus=0)(vllm_runs.EngineHost)
-        results = []
-        for node, engines in zip(nodes, spec["nodes"]):
-            host = engine.options(scheduling_strategy=on_node(node)).remote()
-            results.append(ray.get(host.serve.remote(spec, engines), timeout=spec.get("timeout_s", 600)))
+        engine_host = ray.remote(num_cpus=0)(vllm_runs.EngineHost)
+        steps = []
+        for step in spec["steps"]:
+            if "close_store_of" in step:
+                ray.get(runtime.stores[nodes[step["close_store_of"]]].close.remote(), timeout=60)
+            host = engine_host.options(scheduling_strategy=on_node(nodes[step["node"]])).remote()
+            steps.append(ray.get(host.serve.remote(spec, step["engines"]), timeout=spec.get("timeout_s", 600)))
             ray.kill(host)
-        return {"nodes": nodes, "results": results, "stores": runtime.store_stats()}
+        return {"nodes": nodes, "steps": steps}
     finally:
         if runtime is not None:
             runtime.close()
@@ -280,20 +295,70 @@ class EngineHost:
         return {"node": ray.get_runtime_context().get_node_id(), "engines": [serve_prompts(spec, e) for e in engines]}
 
 
-def model_page_layout(model: str, block_size: int):
-    """kvray's page layout of a model directory or data/models/ name at float32 (what the
-    runs use), without starting vLLM: for the runtime the engines will share."""
-    import torch
+def model_page_layout(model: str, block_size: int, dtype: str = "float32"):
+    """kvray's page layout of a model directory or data/models/ name served in ``dtype``
+    (``float32``, ``float16``, ``bfloat16``), without starting vLLM: for the runtime the
+    engines will share."""
     from transformers import AutoConfig
 
+    from kvray.core.pages import TORCH_DTYPES
     from kvray.engines.hf import model_layout
     from kvray.engines.tiny import model_dir
 
+    if dtype not in TORCH_DTYPES:
+        raise ConfigError(f"dtype {dtype!r} has no kvray page layout; use one of {sorted(TORCH_DTYPES)}")
     path = Path(model) if Path(model).is_dir() else model_dir(model)
-    return model_layout(AutoConfig.from_pretrained(path), torch.float32, block_size)
+    return model_layout(AutoConfig.from_pretrained(path), TORCH_DTYPES[dtype], block_size)
 
 
-RUNS = {"serve": run_serve, "ttft": run_ttft, "ray_nodes": run_on_ray_nodes}
+def run_serve_on_ray(spec: dict) -> dict:
+    """The Ray Serve deployment of :mod:`kvray.engines.vllm_serve` on a local Ray with a
+    kvray runtime: ``spec["prompts"]`` POSTed one after another to its HTTP endpoint
+    (``spec["replicas"]`` replicas; vLLM's prefix cache off, so every reused token is
+    kvray's). Reports each answer."""
+    import socket
+    import urllib.request
+
+    import ray
+    from ray import serve
+
+    from kvray.engines.vllm_serve import start_runtime_for, vllm_app
+
+    with socket.socket() as probe:  # a free port: other Serve instances may hold 8000
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False)
+    runtime = None
+    try:
+        runtime = start_runtime_for(spec["model"], spec["block_size"], name=spec["runtime"], host_pages=64, detached=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = engine_args(spec["model"], False, spec["block_size"])
+        model, block_size, dtype = args.pop("model"), args.pop("block_size"), args.pop("dtype")
+        app = vllm_app(
+            model,
+            block_size,
+            dtype,
+            runtime=spec["runtime"],
+            num_replicas=spec.get("replicas", 1),
+            kvray={"host_pages": 0},
+            engine=args,
+        )
+        serve.run(app, name="kvray-vllm")
+        answers = []
+        for prompt in spec["prompts"]:
+            body = json.dumps({"prompt_token_ids": prompt, "max_tokens": spec["max_tokens"]}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=300) as response:
+                answers.append(json.loads(response.read()))
+        return {"answers": answers}
+    finally:
+        serve.shutdown()
+        if runtime is not None:
+            runtime.close()
+        ray.shutdown()
+
+
+RUNS = {"serve": run_serve, "ttft": run_ttft, "ray_nodes": run_on_ray_nodes, "serve_on_ray": run_serve_on_ray}
 
 
 def main(argv: list[str]) -> None:

