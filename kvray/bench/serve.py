@@ -75,7 +75,12 @@ RUNTIME_NAME = "serve-bench"
 class Size:
     """How much to replay. ``active_sessions`` conversations are under way at once: more
     context than vLLM's KV space holds (the regime a host tier is for), so a session's next
-    turn often finds its prefix evicted from the engine."""
+    turn often finds its prefix evicted from the engine.
+
+    Example::
+
+        run_serve(Size(requests=60, max_pages=12, mean_turns=6.0, active_sessions=16), Path("results"))
+    """
 
     requests: int
     max_pages: int  # longest prompt, in pages
@@ -111,7 +116,14 @@ def engine_env(instance: int) -> dict[str, str]:
 @dataclass
 class Engines:
     """One contender's engines (:class:`~kvray.engines.vllm_replay.ReplayEngine` actors), one
-    per node; ``error`` when they did not start."""
+    per node; ``error`` when they did not start.
+
+    Example::
+
+        engines = start_engines(alive_nodes()[:2], QUICK, {"host_pages": 512})
+        answers = engines.replay(replay_jobs(requests, arrivals))
+        engines.close()
+    """
 
     actors: list = field(default_factory=list)
     error: str | None = None
