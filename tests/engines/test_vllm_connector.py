@@ -86,14 +86,16 @@ def disk_writer(first_process) -> dict:
 def second_process(model, prompts, disk_dir, first_process) -> tuple[dict, dict]:
     """A new process on the same directory: prompt b three times, the backing file wiped
     before the second time and failing with I/O errors before the third; then an engine
-    whose connector settings are misspelt."""
+    whose connector settings are misspelt, and one whose kvray runtime cannot be reached."""
     reader = {
         "kvray": {"host_pages": 0, "disk_pages": 256, "disk_dir": str(disk_dir)},
         "prompts": [prompts["b"]] * 3,
         "faults": {"1": "wipe", "2": "io-error"},
     }
     misspelt = {"kvray": {"host_pagez": 8}, "prompts": [prompts["a"]]}
-    return tuple(serve(model, reader, misspelt))
+    # a runtime named at an address nobody answers at: the engine keeps its pages in process
+    unreachable = {"kvray": {"kvray_runtime": "nowhere", "kvray_ray_address": "127.0.0.1:9"}, "prompts": [prompts["a"]] * 2}
+    return tuple(serve(model, reader, misspelt, unreachable))
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +149,10 @@ def test_failing_backing_store_makes_vllm_recompute_not_fail(disk_reader, baseli
 
 def test_unknown_connector_setting_is_refused_naming_it(second_process):
     assert "host_pagez" in second_process[1]["error"]
+
+
+def test_unreachable_runtime_leaves_the_engine_on_its_in_process_store(second_process, prompts, baseline):
+    first, again = second_process[2]["results"]
+    assert first["counters"]["saved_pages"] == len(prompts["a"]) // BLOCK
+    assert again["counters"]["loaded_pages"] == len(prompts["a"]) // BLOCK and again["counters"]["tcp_pages"] == 0
+    assert again["tokens"] == baseline["a"]
