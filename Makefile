@@ -21,7 +21,11 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.kvray-installed
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 export KVRAY_LMCACHE_PYTHON ?= $(abspath $(LMCACHE_VENV))/bin/python
 
-.PHONY: install vllm-env lmcache-env demo lint test bench soak clean
+# CUDA builds (vLLM's, which brings torch's) for `make gpu-check`, only on a machine with a GPU.
+GPU_VENV ?= .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.kvray-installed
+
+.PHONY: install vllm-env lmcache-env gpu-env gpu-check demo lint test bench soak clean
 
 $(STAMP): pyproject.toml setup.py kvray/core/_tokens.c
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +55,23 @@ $(LMCACHE_STAMP):
 
 lmcache-env: $(LMCACHE_STAMP)
 
+$(GPU_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install -q vllm==0.32.0
+	$(GPU_VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+gpu-env: $(GPU_STAMP)
+
+# Device-tier tests and `kvray bench --only gpu` on CUDA (kvray/apps/gpu_check.py); without a
+# GPU it says so and succeeds, installing nothing.
+gpu-check:
+	@if ! nvidia-smi -L >/dev/null 2>&1; then \
+		echo "gpu-check: no CUDA device on this machine (nvidia-smi lists none): nothing to check"; exit 0; fi; \
+	$(MAKE) --no-print-directory gpu-env && \
+	KVRAY_VLLM_PYTHON=$(abspath $(GPU_VENV))/bin/python $(GPU_VENV)/bin/python -m kvray.apps.gpu_check
+
 demo: install
 	$(VENV)/bin/kvray demo
 	@echo "kvray lives in $(VENV)/bin: 'source $(VENV)/bin/activate' puts the kvray command on your PATH"
@@ -72,4 +93,4 @@ soak: install
 	$(PY) -m kvray.apps.soak --minutes $(SOAK_MINUTES) --clients 8 --nodes 3
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) .pytest_cache .hypothesis .ruff_cache results build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) $(GPU_VENV) .pytest_cache .hypothesis .ruff_cache results build *.egg-info

@@ -34,6 +34,8 @@ MODULES = (
     "kvray.bench.policy",
     "kvray.bench.engines",
     "kvray.bench.runtime",
+    "kvray.bench.serve",
+    "kvray.bench.gpu",
 )
 
 

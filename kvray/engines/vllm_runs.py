@@ -61,11 +61,19 @@ def run_in_vllm_env(spec: dict, timeout: float = 300) -> dict:
     return json.loads(lines[-1])
 
 
-def engine_args(model: str, prefix_caching: bool, block_size: int, dtype: str = "float32") -> dict:
+def engine_args(
+    model: str,
+    prefix_caching: bool,
+    block_size: int,
+    dtype: str = "float32",
+    kv_cache_bytes: int = 256 << 20,
+    max_model_len: int = 4096,
+) -> dict:
     """``vllm.LLM`` arguments of every run (see the module docstring), but the connector.
 
     ``model`` is a data/models/ name (dummy weights) or a directory holding a checkpoint,
     such as :func:`kvray.engines.tiny.seeded_checkpoint` writes (its weights are loaded).
+    ``kv_cache_bytes`` is vLLM's own KV space (its running requests and prefix cache).
     """
     from kvray.engines.tiny import model_dir
 
@@ -76,15 +84,23 @@ def engine_args(model: str, prefix_caching: bool, block_size: int, dtype: str = 
         "skip_tokenizer_init": True,
         "enforce_eager": True,
         "dtype": dtype,
-        "max_model_len": 4096,
+        "max_model_len": max_model_len,
         "block_size": block_size,
         "enable_prefix_caching": prefix_caching,
-        "kv_cache_memory_bytes": 256 << 20,
+        "kv_cache_memory_bytes": kv_cache_bytes,
         "seed": 0,
     }
 
 
-def make_llm(model: str, kvray: dict | None, prefix_caching: bool, block_size: int, dtype: str = "float32"):
+def make_llm(
+    model: str,
+    kvray: dict | None,
+    prefix_caching: bool,
+    block_size: int,
+    dtype: str = "float32",
+    kv_cache_bytes: int = 256 << 20,
+    max_model_len: int = 4096,
+):
     """A vLLM engine of :func:`engine_args` with ``KVRayConnector`` when ``kvray`` is given."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
@@ -98,7 +114,8 @@ def make_llm(model: str, kvray: dict | None, prefix_caching: bool, block_size: i
             kv_role="kv_both",
             kv_connector_extra_config=kvray,
         )
-    return LLM(**engine_args(model, prefix_caching, block_size, dtype), kv_transfer_config=transfer)
+    args = engine_args(model, prefix_caching, block_size, dtype, kv_cache_bytes, max_model_len)
+    return LLM(**args, kv_transfer_config=transfer)
 
 
 def connector_of(llm):
@@ -204,7 +221,7 @@ def run_ttft(spec: dict) -> dict:
     """
     if "omp_threads_bind" in spec:  # read by vLLM's CPU worker when the engine starts
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec["omp_threads_bind"]
-    llm = make_llm(spec["model"], spec["kvray"], True, spec["block_size"])
+    llm = make_llm(spec["model"], spec["kvray"], True, spec["block_size"], spec.get("dtype", "float32"))
     connector = connector_of(llm)
     prefix, suffixes = spec["prefix"], spec["suffixes"]
     generate(llm, prefix + suffixes[0], 1)
