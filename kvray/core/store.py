@@ -6,7 +6,8 @@ plane (the tier pools holding bytes). Its verbs work on whole requests:
 
 - ``store(tokens, kv)``: keep the KV of every full page not cached yet.
 - ``lookup(tokens)``: how many leading tokens are cached (no bytes move).
-- ``load(tokens)``: the KV of the longest cached prefix, checksum-verified.
+- ``load(tokens)``: the KV of the longest cached prefix, checksum-verified; ``load_chunks``
+  streams it a chunk at a time, read ahead, for prefixes larger than the engine has room for.
 - ``put_pages`` / ``get_pages``: the same by keys and raw page bytes, for the runtime's
   transfers between nodes (pages travel with their model fingerprint).
 - ``read_pages(keys, targets)``: the primitive under ``load`` and ``get_pages``, for
@@ -31,13 +32,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvray.core.config import StoreConfig
-from kvray.core.errors import FingerprintMismatch, LayoutError, StorageError
+from kvray.core.errors import FingerprintMismatch, LayoutError, RequestError, StorageError
 from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.manager import CacheManager
@@ -55,6 +57,17 @@ class LoadResult:
     """KV of a request's longest cached prefix."""
 
     tokens: int  # leading tokens whose KV is in ``kv``
+    kv: torch.Tensor  # [layers, 2, tokens, kv_heads, head_dim]
+    pages_by_tier: dict[str, int]
+
+
+@dataclass(frozen=True)
+class LoadChunk:
+    """One batch of a streamed load (:meth:`PageStore.load_chunks`): the KV of tokens
+    ``start .. start + tokens`` of the request, valid until the next batch is asked for."""
+
+    start: int
+    tokens: int
     kv: torch.Tensor  # [layers, 2, tokens, kv_heads, head_dim]
     pages_by_tier: dict[str, int]
 
@@ -186,6 +199,45 @@ class PageStore:
         out_bytes = request_bytes(out)
         got, by_tier = self.read_pages(keys, lambda i: request_page(self.layout, out_bytes, i))
         return LoadResult(got * self.layout.page_tokens, out[:, :, : got * self.layout.page_tokens], by_tier)
+
+    def load_chunks(self, tokens: Sequence[int] | np.ndarray, chunk_tokens: int, salt: str = "") -> Iterator[LoadChunk]:
+        """The longest cached prefix of ``tokens``, ``chunk_tokens`` at a time, read ahead.
+
+        For a prefix larger than the engine has room for (a million tokens is 4 GB of KV in
+        a small model): the engine holds two chunks, consumes one while the next is read
+        into the other (a background thread; disk reads and copies release the GIL), and
+        each chunk's pages are pinned only while it is read. A chunk's ``kv`` is valid
+        until the next one is asked for. Keys chain, so a cached page names its whole
+        prefix: a chunk read after an earlier one is still exactly its tokens' KV, and the
+        stream ends at the first chunk that comes back short (a page evicted meanwhile, or
+        one that failed verification): a shorter prefix, never wrong KV.
+        """
+        page = self.layout.page_tokens
+        if chunk_tokens <= 0 or chunk_tokens % page:
+            raise RequestError(f"chunk_tokens={chunk_tokens} must be a positive multiple of page_tokens={page}")
+        keys = self.keys(tokens, salt)
+        step = chunk_tokens // page
+        buffers = [torch.empty(self.layout.request_shape(chunk_tokens), dtype=torch_dtype(self.layout)) for _ in range(2)]
+        as_bytes = [request_bytes(b) for b in buffers]
+
+        def read(i: int) -> tuple[int, dict[str, int]]:
+            rows = as_bytes[(i // step) % 2]
+            return self.read_pages(keys[i : i + step], lambda j: request_page(self.layout, rows, j))
+
+        if not keys:
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="kvray-load-ahead") as ahead:
+            pending = ahead.submit(read, 0)
+            for start in range(0, len(keys), step):
+                got, by_tier = pending.result()
+                full = got == len(keys[start : start + step])
+                if full and start + step < len(keys):
+                    pending = ahead.submit(read, start + step)  # into the other buffer
+                if got:
+                    kv = buffers[(start // step) % 2][:, :, : got * page]
+                    yield LoadChunk(start * page, got * page, kv, by_tier)
+                if not full:
+                    return
 
     # -- page verbs (runtime transfers) --------------------------------------------------
     def put_pages(self, keys: Sequence[int], pages: np.ndarray, fingerprint: bytes, parent_key: int | None = None) -> int:
