@@ -200,7 +200,13 @@ class PageStore:
         got, by_tier = self.read_pages(keys, lambda i: request_page(self.layout, out_bytes, i))
         return LoadResult(got * self.layout.page_tokens, out[:, :, : got * self.layout.page_tokens], by_tier)
 
-    def load_chunks(self, tokens: Sequence[int] | np.ndarray, chunk_tokens: int, salt: str = "") -> Iterator[LoadChunk]:
+    def load_chunks(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        chunk_tokens: int,
+        salt: str = "",
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Iterator[LoadChunk]:
         """The longest cached prefix of ``tokens``, ``chunk_tokens`` at a time, read ahead.
 
         For a prefix larger than the engine has room for (a million tokens is 4 GB of KV in
@@ -210,14 +216,26 @@ class PageStore:
         until the next one is asked for. Keys chain, so a cached page names its whole
         prefix: a chunk read after an earlier one is still exactly its tokens' KV, and the
         stream ends at the first chunk that comes back short (a page evicted meanwhile, or
-        one that failed verification): a shorter prefix, never wrong KV.
+        one that failed verification): a shorter prefix, never wrong KV. ``out``: the engine's
+        two chunk buffers (contiguous ``[layers, 2, chunk_tokens, kv_heads, head_dim]`` in host
+        memory, reused across loads; fresh memory costs a page fault per 4 KiB on first use),
+        else two are allocated.
         """
         page = self.layout.page_tokens
         if chunk_tokens <= 0 or chunk_tokens % page:
             raise RequestError(f"chunk_tokens={chunk_tokens} must be a positive multiple of page_tokens={page}")
         keys = self.keys(tokens, salt)
         step = chunk_tokens // page
-        buffers = [torch.empty(self.layout.request_shape(chunk_tokens), dtype=torch_dtype(self.layout)) for _ in range(2)]
+        shape = self.layout.request_shape(chunk_tokens)
+        if out is None:
+            buffers = [torch.empty(shape, dtype=torch_dtype(self.layout)) for _ in range(2)]
+        elif len(out) != 2 or any(
+            b.shape != shape or b.dtype != torch_dtype(self.layout) or not b.is_contiguous() or b.device.type != "cpu"
+            for b in out
+        ):
+            raise LayoutError(f"out must be two contiguous host tensors {shape} {self.layout.dtype}, one per chunk in flight")
+        else:
+            buffers = list(out)
         as_bytes = [request_bytes(b) for b in buffers]
 
         def read(i: int) -> tuple[int, dict[str, int]]:
