@@ -64,7 +64,13 @@ class LoadResult:
 @dataclass(frozen=True)
 class LoadChunk:
     """One batch of a streamed load (:meth:`PageStore.load_chunks`): the KV of tokens
-    ``start .. start + tokens`` of the request, valid until the next batch is asked for."""
+    ``start .. start + tokens`` of the request, valid until the next batch is asked for.
+
+    Example::
+
+        for chunk in store.load_chunks(prompt_tokens, chunk_tokens=8192):
+            engine_cache[:, :, chunk.start : chunk.start + chunk.tokens] = chunk.kv  # copy before the next
+    """
 
     start: int
     tokens: int
