@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvray.core.config import StoreConfig
+from kvray.core.config import PageLayout, StoreConfig
 from kvray.core.errors import FingerprintMismatch, LayoutError, RequestError, StorageError
 from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
@@ -47,6 +47,7 @@ from kvray.core.pages import check_request_kv, hash_page, request_bytes, request
 from kvray.core.tiers import DevicePool, DiskPool, HostPool, Pool, StoredPage, Tier
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 from kvray.core.tiers.disk import verified
+from kvray.core.tiers.memory import resident_empty
 from kvray.policy import PlacementPolicy, make_policy
 
 PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
@@ -76,6 +77,14 @@ class LoadChunk:
     tokens: int
     kv: torch.Tensor  # [layers, 2, tokens, kv_heads, head_dim]
     pages_by_tier: dict[str, int]
+
+
+def chunk_buffer(layout: PageLayout, tokens: int) -> torch.Tensor:
+    """A host buffer for the KV of ``tokens`` tokens (``[layers, 2, tokens, kv_heads, head_dim]``)
+    that pages copy into at memory speed: page-aligned and resident from the start
+    (:func:`~kvray.core.tiers.memory.resident_empty`)."""
+    raw = resident_empty(1, tokens * layout.page_nbytes // layout.page_tokens)
+    return torch.from_numpy(raw).view(torch_dtype(layout)).reshape(layout.request_shape(tokens))
 
 
 class PageStore:
@@ -224,8 +233,9 @@ class PageStore:
         stream ends at the first chunk that comes back short (a page evicted meanwhile, or
         one that failed verification): a shorter prefix, never wrong KV. ``out``: the engine's
         two chunk buffers (contiguous ``[layers, 2, chunk_tokens, kv_heads, head_dim]`` in host
-        memory, reused across loads; fresh memory costs a page fault per 4 KiB on first use),
-        else two are allocated.
+        memory, reused across loads; fresh memory costs a page fault per 4 KiB on first use,
+        and a buffer that starts on a 4 KiB boundary copies fastest, see
+        :func:`~kvray.core.tiers.memory.aligned_empty`), else two such buffers are allocated.
         """
         page = self.layout.page_tokens
         if chunk_tokens <= 0 or chunk_tokens % page:
@@ -234,7 +244,7 @@ class PageStore:
         step = chunk_tokens // page
         shape = self.layout.request_shape(chunk_tokens)
         if out is None:
-            buffers = [torch.empty(shape, dtype=torch_dtype(self.layout)) for _ in range(2)]
+            buffers = [chunk_buffer(self.layout, chunk_tokens) for _ in range(2)]
         elif len(out) != 2 or any(
             b.shape != shape or b.dtype != torch_dtype(self.layout) or not b.is_contiguous() or b.device.type != "cpu"
             for b in out
