@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import os
 from abc import ABC, abstractmethod
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -189,6 +190,8 @@ class TcpPath(StoreCallPath):
 PATHS: tuple[type[StoreCallPath], ...] = (LocalPath, TcpPath, NixlPath, CollectivePath, ObjectStorePath)
 NIXL_IMPORTABLE = importlib.util.find_spec("nixl") is not None  # the optional extra ``kvray[nixl]``
 RDMA_NICS = bool(glob.glob("/sys/class/infiniband/*"))  # verbs devices (InfiniBand, RoCE, EFA) on this node
+# NIXL logs at INFO to stdout from its first agent on, which would corrupt a command's JSON output
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 MEASURED_BYTES = 1 << 20  # transfers at least this large say how fast a path is
 REMEASURE_EVERY = 32  # one large transfer in this many goes by the runner-up, to notice a change
 
