@@ -42,7 +42,7 @@ from kvray.core.config import PageLayout, StoreConfig
 from kvray.core.errors import FingerprintMismatch, LayoutError, RequestError, StorageError
 from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
-from kvray.core.manager import CacheManager
+from kvray.core.manager import TIERS, CacheManager
 from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, runs, torch_dtype
 from kvray.core.tiers import DevicePool, DiskPool, HostPool, Pool, StoredPage, Tier
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
@@ -314,9 +314,10 @@ class PageStore:
         delivered = 0
         t0 = time.perf_counter()
         disk_reads = self._disk_reads(match.tiers, match.slots, lambda i: views[i])
+        tiers, slots, checksums = match.tiers.tolist(), match.slots.tolist(), match.checksums.tolist()
         try:
             for i in range(len(match)):
-                tier, slot, expected = Tier(int(match.tiers[i])), int(match.slots[i]), int(match.checksums[i])
+                tier, slot, expected = TIERS[tiers[i]], slots[i], checksums[i]
                 if tier == Tier.DISK:
                     stored, digest = next(disk_reads)
                     if not verified(stored, digest, expected):
