@@ -36,6 +36,7 @@ MODULES = (
     "kvray.bench.runtime",
     "kvray.bench.serve",
     "kvray.bench.gpu",
+    "kvray.bench.long_context",
 )
 
 

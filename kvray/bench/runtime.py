@@ -10,8 +10,9 @@
   into this engine's buffer (the load alone, under one lookup's pins; the lookup is
   ``controller_lookup_vs_empty_call``), by each path (direct TCP to the peer's page server,
   Ray's object store, the collective path over gloo), against a raw TCP socket on loopback
-  moving the same bytes in this run. The goal applies to the path kvray picks by default
-  (``RuntimeConfig``: TCP when on, else collective from ``collective_min_bytes`` up, else
+  moving the same bytes in this run; NIXL (Ray's tensor transport) beside them where the
+  ``nixl`` package is installed. The goal applies to the path kvray picks (the faster of
+  TCP and NIXL as measured here, else collective from ``collective_min_bytes`` up, else
   object store).
 - ``controller_lookup_vs_empty_call``: lookup + pin of a cached 64-page request against an
   empty call to an actor on the same node.
@@ -33,6 +34,7 @@ import ray
 from kvray.bench import BenchResult, alternating_medians, benchmark, paired_medians
 from kvray.cluster import KvrayClient, RayConnection, Runtime, RuntimeConfig
 from kvray.cluster.controller import Controller, Plan
+from kvray.cluster.paths import NIXL_IMPORTABLE
 from kvray.cluster.runtime import on_node
 from kvray.core.config import PageLayout, TierSizes
 from kvray.core.errors import ClusterError
@@ -41,6 +43,8 @@ from kvray.core.errors import ClusterError
 LAYOUT = PageLayout(layers=4, kv_heads=8, head_dim=128, page_tokens=128, dtype="bfloat16")
 REQUEST_PAGES = 32  # 64 MiB
 SIZES = {"2MiB": 1, "64MiB": 32}
+# NIXL (Ray's tensor transport over UCX; TCP here) where the nixl package is installed
+CROSS_NODE_PATHS = ("tcp", *(("nixl",) if NIXL_IMPORTABLE else ()), "object_store", "collective")
 
 
 class _Bench:
@@ -58,6 +62,7 @@ class _Bench:
         )
         self.runtime = Runtime.start(self.config)
         self.client = KvrayClient.connect("bench", buffer_pages=REQUEST_PAGES)
+        self.nixl_config = self.config.model_copy(update={"nixl": True})  # what kvray would pick with NIXL on
         self.here = self.client.node_id
         self.there = next(n for n in self.runtime.stores if n != self.here)
         self.requests = {node: self._cached_request(node, seed) for seed, node in enumerate((self.here, self.there))}
@@ -83,9 +88,13 @@ class _Bench:
         return keys
 
     def use_path(self, path: str) -> None:
-        """Force cross-node pages onto ``path`` (tcp, collective or object_store)."""
+        """Force cross-node pages onto ``path`` (tcp, nixl, collective or object_store)."""
         self.client.config = self.config.model_copy(
-            update={"tcp": path == "tcp", "collective_min_bytes": 0 if path == "collective" else 1 << 40}
+            update={
+                "tcp": path == "tcp",
+                "nixl": path == "nixl",
+                "collective_min_bytes": 0 if path == "collective" else 1 << 40,
+            }
         )
 
     def load(self, keys: list[int], mapped_reads: bool = True) -> None:
@@ -168,10 +177,12 @@ def cross_node(quick: bool) -> list[BenchResult]:
         nbytes = pages * LAYOUT.page_nbytes
         tcp = _LoopbackTCP(nbytes)
         plan = bench.client.lookup(keys)  # pinned for the whole measurement: every load is a full hit
-        for path in ("tcp", "object_store", "collective"):
+        for path in CROSS_NODE_PATHS:
             bench.use_path(path)
             kvray, base = paired_medians(lambda: bench.transfer(keys, plan), tcp.move, 5 if quick else 15)
-            picked = path == bench.client.path_for(bench.there, nbytes, bench.config)
+            # TCP and NIXL are both measured above: kvray's choice between them is the faster
+            direct = bench.client.speeds.best(bench.there, bench.client.direct_paths(bench.there, bench.nixl_config))
+            picked = path == (direct or bench.client.path_for(bench.there, nbytes, bench.config))
             results.append(
                 BenchResult(
                     f"cross_node_transfer_vs_loopback_tcp[{path},{label}]",

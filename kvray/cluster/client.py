@@ -67,7 +67,7 @@ import contextlib
 import itertools
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import ray
@@ -75,7 +75,7 @@ import xxhash
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan, new_lease
-from kvray.cluster.paths import ACTOR_ERRORS, PATHS, StoreCallPath
+from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathSpeeds, StoreCallPath, nixl_wanted
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks
 from kvray.core.errors import ClusterError, RequestError, StorageError
@@ -99,6 +99,18 @@ class Loaded:
     bytes_between_nodes: int = 0
     paths: dict[str, int] = field(default_factory=dict)  # transfer path -> pages
     mapped: list[int] = field(default_factory=list)  # keys copied from the mapped host tier
+
+    def merge(self, other: Loaded) -> None:
+        """Count ``other`` (a later chunk of the same request) in this one."""
+        for path, n in other.paths.items():
+            self.paths[path] = self.paths.get(path, 0) + n
+        for tier, n in other.by_tier.items():
+            self.by_tier[tier] = self.by_tier.get(tier, 0) + n
+        for node, keys in other.lost.items():
+            self.lost.setdefault(node, []).extend(keys)
+        self.pages += other.pages
+        self.bytes_between_nodes += other.bytes_between_nodes
+        self.mapped.extend(other.mapped)
 
     def add(self, path: str, pages: int, by_tier: dict[str, int], between_nodes: int) -> None:
         if not pages:
@@ -164,6 +176,7 @@ class KvrayClient:
         self._members = None  # ref: the controller's ``members`` answer, while awaited
         self._next_members = time.monotonic() + MEMBERS_CHECK_S
         self.paths: dict[str, StoreCallPath] = {path.name: path(self) for path in PATHS}
+        self.speeds = PathSpeeds()
         self.refresh()
 
     @classmethod
@@ -247,15 +260,20 @@ class KvrayClient:
         seed = self.fingerprint.seed_key(salt)
         return [xxhash.xxh3_128_intdigest(seed + h.to_bytes(8, "little")) for h in hash_ids]
 
-    def _check(self, keys: Sequence[int]) -> None:
+    def _check(self, keys: Sequence[int], limit: int | None = None) -> None:
+        """Keys of one request that fit ``limit`` pages (default: the landing buffer's rows)."""
         if not keys:
             raise RequestError("empty request: no page keys")
-        if len(keys) > self.buffer.capacity:
-            raise RequestError(f"request of {len(keys)} pages exceeds max_request_pages={self.buffer.capacity}")
+        limit = self.buffer.capacity if limit is None else limit
+        if len(keys) > limit:
+            raise RequestError(f"request of {len(keys)} pages exceeds max_request_pages={limit}")
 
     # -- lookup + pin ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int]) -> Plan:
-        self._check(keys)
+        """Where the cached prefix of ``keys`` is (pinned) and where the rest goes; a request
+        larger than the landing buffer (up to ``max_request_pages``) is loaded with
+        :meth:`load_chunks`."""
+        self._check(keys, max(self.buffer.capacity, self.config.max_request_pages))
         self._poll_members()
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):
@@ -286,9 +304,29 @@ class KvrayClient:
         If a store call was given up on, ``buffer`` is a fresh one afterwards, holding the
         rows loaded (see the module docstring).
         """
+        self._check(keys)
         loaded = self._load(keys, plan)
         self._renew_if_stale(keep=loaded.pages)
         return loaded
+
+    def load_chunks(self, keys: Sequence[int], plan: Plan, chunk_pages: int | None = None) -> Iterator[tuple[int, Loaded]]:
+        """The plan's cached pages ``chunk_pages`` at a time (default: the buffer's rows), for
+        a prefix larger than the landing buffer: yields ``(first page, Loaded)`` with the
+        chunk in buffer rows ``0..loaded.pages``, valid until the next chunk is asked for.
+        The whole prefix stays pinned under the plan's lease; the stream ends at the first
+        chunk that comes back short (a page lost meanwhile). ``release`` the plan with the
+        chunks' ``Loaded`` merged (:meth:`Loaded.merge`) or any one of them.
+        """
+        step = chunk_pages or self.buffer.capacity
+        if not 0 < step <= self.buffer.capacity:
+            raise RequestError(f"chunk_pages={chunk_pages} must lie in [1, {self.buffer.capacity}] (the landing buffer's rows)")
+        for start in range(0, plan.hit_pages, step):
+            chunk = Plan(plan.lease, plan.hit_nodes[start : start + step], [])
+            loaded = self.load(keys[start : start + chunk.hit_pages], chunk)
+            if loaded.pages:
+                yield start, loaded
+            if loaded.pages < chunk.hit_pages:
+                return
 
     def _load(self, keys: Sequence[int], plan: Plan) -> Loaded:
         runs = _runs(plan.hit_nodes, 0)
@@ -298,8 +336,8 @@ class KvrayClient:
         loaded = Loaded(0)
         for run in runs:
             if run in started:
-                path, pending = started[run]
-                parts = [(path.name, *self._finish_run(run, path, pending))]
+                path, pending, t0 = started[run]
+                parts = [(path.name, *self._finish_run(run, path, pending, t0))]
             else:
                 parts = self._read_mapped(host, keys, run)
             got = 0
@@ -322,31 +360,49 @@ class KvrayClient:
         parts = [("mapped", got, {HOST: got} if got else {})]
         if got < len(sub):
             rest = _Run(run.node, run.start + got, run.stop)
-            path, pending = self._start_run(keys, rest)
-            parts.append((path.name, *self._finish_run(rest, path, pending)))
+            path, pending, t0 = self._start_run(keys, rest)
+            parts.append((path.name, *self._finish_run(rest, path, pending, t0)))
         return parts
 
     def path_for(self, node: str, nbytes: int, config: RuntimeConfig | None = None) -> str:
         """The one rule that picks a transfer path (:mod:`kvray.cluster.paths`) for
-        ``nbytes`` of pages held by ``node`` under ``config`` (default: this client's)."""
+        ``nbytes`` of pages held by ``node`` under ``config`` (default: this client's):
+        the node's own store for its pages; for a peer, of the direct paths on (its page
+        server by TCP, NIXL where :func:`~kvray.cluster.paths.nixl_wanted`) the one that has moved pages fastest from it
+        (:class:`~kvray.cluster.paths.PathSpeeds`); else the collective path for large
+        runs and the object store for small ones."""
         config = config or self.config
         if node == self.node_id:
             return "local"
-        if config.tcp and self.links is not None and node in self.servers:
-            return "tcp"
+        direct = self.direct_paths(node, config)
+        if direct:
+            return self.speeds.pick(node, direct, nbytes)
         collective_ok = config.collective and node in self.ranks and self.node_id in self.ranks
         return "collective" if collective_ok and nbytes >= config.collective_min_bytes else "object_store"
 
-    def _start_run(self, keys: Sequence[int], run: _Run) -> tuple[StoreCallPath, object]:
-        """Launch one run's load on its path; returns (path, pending transfer or None)."""
+    def direct_paths(self, node: str, config: RuntimeConfig | None = None) -> list[str]:
+        """The direct paths (no store actor in between on this side) on for ``node``, in order of preference."""
+        config = config or self.config
+        direct = ["tcp"] if config.tcp and self.links is not None and node in self.servers else []
+        return direct + (["nixl"] if nixl_wanted(config.nixl) else [])
+
+    def _start_run(self, keys: Sequence[int], run: _Run) -> tuple[StoreCallPath, object, float]:
+        """Launch one run's load on its path; returns (path, pending transfer or None, start time)."""
         path = self.paths[self.path_for(run.node, (run.stop - run.start) * self.page_nbytes)]
         store = self.stores.get(run.node)
-        return path, None if store is None else path.start_load(store, list(keys[run.start : run.stop]), run)
+        t0 = time.perf_counter()
+        return path, None if store is None else path.start_load(store, list(keys[run.start : run.stop]), run), t0
 
-    def _finish_run(self, run: _Run, path: StoreCallPath, pending) -> tuple[int, dict[str, int]]:
+    def _finish_run(self, run: _Run, path: StoreCallPath, pending, t0: float) -> tuple[int, dict[str, int]]:
         """A run's pages in the buffer (count, by tier); 0 on any failure (the peer died
-        mid-transfer, its store raised or is gone, or it took too long): misses."""
-        return (0, {}) if pending is None else path.finish_load(run, pending)
+        mid-transfer, its store raised or is gone, or it took too long): misses. How fast
+        it came is what :class:`~kvray.cluster.paths.PathSpeeds` chooses by."""
+        if pending is None:
+            return 0, {}
+        got, by_tier = path.finish_load(run, pending)
+        if path.between_nodes:
+            self.speeds.record(run.node, path.name, got * self.page_nbytes, time.perf_counter() - t0)
+        return got, by_tier
 
     def buffer_may_be_in_use(self) -> None:
         """A store call given up on may still copy into or out of ``buffer``: the request
@@ -400,8 +456,11 @@ class KvrayClient:
         self.controller.release.remote(*report)
 
     # -- store --------------------------------------------------------------------------------------
-    def store(self, keys: Sequence[int], start: int, plan: Plan) -> int:
+    def store(self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None = None) -> int:
         """Keep buffer rows ``start..len(keys)`` where the plan says; returns pages stored.
+
+        ``parent_key``: the key of the page before ``keys[0]`` when ``keys`` continue a
+        chain stored earlier (a prefix larger than the buffer, stored a buffer at a time).
 
         Each maximal run of pages bound for one node goes as one chain (same-node by shared
         memory, others by direct TCP to their page server, or the object store with ``tcp``
@@ -410,11 +469,11 @@ class KvrayClient:
         afterwards (see the module docstring).
         """
         self._check(keys)
-        stored = self._store(keys, start, plan)
+        stored = self._store(keys, start, plan, parent_key)
         self._renew_if_stale(keep=0)
         return stored
 
-    def _store(self, keys: Sequence[int], start: int, plan: Plan) -> int:
+    def _store(self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None) -> int:
         # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
         targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
         runs = _runs(targets, start)
@@ -423,7 +482,7 @@ class KvrayClient:
             store = self.stores.get(run.node)
             path = self.paths[self.path_for(run.node, (run.stop - run.start) * self.page_nbytes)]
             sub = list(keys[run.start : run.stop])
-            parent = keys[run.start - 1] if run.start else None
+            parent = keys[run.start - 1] if run.start else parent_key
             pending.append((path, None if store is None else path.start_store(store, sub, run, parent)))
         stored, landed, dropped = 0, start, defaultdict(list)
         for run, (path, transfer) in zip(runs, pending):
@@ -433,7 +492,7 @@ class KvrayClient:
                 dropped[run.node].extend(result[1])
                 if landed == run.start:
                     landed = run.stop
-        parent = keys[start - 1] if start else None
+        parent = keys[start - 1] if start else parent_key
         self.controller.commit.remote(parent, list(keys[start:landed]), targets[: landed - start], start, dict(dropped))
         return stored
 

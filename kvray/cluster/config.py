@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -45,7 +46,9 @@ class RuntimeConfig(FrozenModel):
     ``tiers`` are per node. Pages of a request go to the requesting engine's node when the
     request fits in ``local_pages_limit`` pages (default: the node's host tier), otherwise
     they spread over all nodes by consistent hashing. Cross-node loads go by direct TCP
-    to the peer's page server when ``tcp`` is on (no Ray call on the way); otherwise runs
+    to the peer's page server when ``tcp`` is on (no Ray call on the way), or by NIXL for the
+    peers it has moved pages from faster (``nixl``: True tries it wherever the ``nixl``
+    package is installed, ``"auto"`` only on nodes with an RDMA NIC, False never); otherwise runs
     of at least ``collective_min_bytes`` use the collective path (gloo on CPU), smaller
     ones Ray's object store. A lease (the controller's pins of one request's cached
     prefix) ends at ``release`` or after ``lease_ttl_s``, whichever comes first; it should
@@ -63,6 +66,7 @@ class RuntimeConfig(FrozenModel):
     tcp: bool = True
     collective: bool = True
     collective_min_bytes: int = Field(default=1 << 20, ge=0)  # measured: gloo beats the object store from 2 MiB up
+    nixl: bool | Literal["auto"] = "auto"  # see kvray.cluster.paths.nixl_wanted; chosen per peer only where it moved pages faster
     local_pages_limit: int | None = Field(default=None, ge=0)
     max_request_pages: int = Field(default=256, gt=0)
     lease_ttl_s: float = Field(default=120.0, gt=0)

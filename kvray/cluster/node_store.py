@@ -14,7 +14,8 @@ store's slots and the engine's :class:`~kvray.cluster.shm.LandingBuffer`, so pag
 never pass through Ray. Other nodes reach its pages through its page server (direct
 TCP, :mod:`kvray.cluster.transfer`), the object store (``get_pages`` returns one
 ``[n, page_nbytes]`` array, which Ray keeps in the object store and hands over
-zero-copy) or the collective path (a peer's ``pull`` asks this store to ``send_pages``
+zero-copy), NIXL (``get_pages_nixl``: the same pages as a tensor for Ray's tensor
+transport) or the collective path (a peer's ``pull`` asks this store to ``send_pages``
 and receives them straight into its engine's landing buffer).
 
 Every page that leaves this store (evicted past the last tier, corrupt) is remembered and
@@ -280,6 +281,14 @@ class NodeStore:
         starts a root here."""
         local = parent if parent is not None and parent in self.store else None
         return self._stored(keys, self.store.put_pages(keys, pages, self.store.fingerprint.digest, local), parent)
+
+    # -- cross-node data plane: NIXL (Ray's tensor transport) ------------------------------
+    @ray.method(tensor_transport="nixl")
+    def get_pages_nixl(self, keys: Sequence[int]) -> torch.Tensor:
+        """:meth:`get_pages` as a tensor Ray's tensor transport hands over by NIXL: the
+        caller pulls the bytes out of this process's memory (RDMA where the NICs have it,
+        UCX's TCP otherwise); only metadata goes through Ray."""
+        return torch.from_numpy(self.get_pages(keys))
 
     # -- cross-node data plane: collective -------------------------------------------------
     def init_collective(self, world_size: int, rank: int, backend: str = "gloo") -> int:

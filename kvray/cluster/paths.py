@@ -6,12 +6,15 @@ buffer rows to a store. Starting returns a pending transfer without waiting, so 
 different nodes move concurrently; finishing waits for it and turns every failure (the
 store raised, died, or did not answer in time) into a miss. The client picks a path for a
 run with one rule (:meth:`KvrayClient.path_for`) and calls the handler registered under
-that name; adding a transport (NIXL, say) is a handler and a line in that rule.
+that name; adding a transport is a handler and a line in that rule.
 
 - ``local``: the node's own store actor copies between its tiers and the buffer (shared
   memory it maps); used for what the mapped host tier cannot serve (disk pages) and for
   same-node stores.
 - ``tcp``: the peer's page server, no Ray call on the way (:mod:`kvray.cluster.transfer`).
+- ``nixl``: Ray's tensor transport with NIXL (RDMA where the NICs have it); loads only,
+  stores go by the object store. Between ``tcp`` and ``nixl`` the client takes, per
+  peer, whichever has moved pages fastest (:class:`PathSpeeds`).
 - ``collective``: the peer store sends into this node's store, which writes the buffer
   (gloo on CPU, NCCL on GPU); loads only, stores go by the object store.
 - ``object_store``: pages as Ray objects, returned or passed to the peer store's method.
@@ -22,7 +25,11 @@ tier itself (path ``mapped`` in :class:`~kvray.cluster.client.Loaded`).
 
 from __future__ import annotations
 
+import glob
+import importlib.util
+import os
 from abc import ABC, abstractmethod
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -132,6 +139,31 @@ class CollectivePath(StoreCallPath):
         return answer, {REMOTE: answer}
 
 
+class NixlPath(StoreCallPath):
+    """Ray's tensor transport with NIXL: the peer store returns the pages as a tensor
+    (``get_pages_nixl``) that this process pulls by NIXL over UCX, which takes RDMA where
+    the NICs offer it and TCP elsewhere; stores go by the object store. Any failure of
+    the transport (NIXL missing on the peer, an agent that cannot start) is a miss, and
+    the client stops choosing this path for that peer (:class:`PathSpeeds`)."""
+
+    name = "nixl"
+
+    def start_load(self, store, keys, run):
+        return store.get_pages_nixl.remote(keys)
+
+    def loaded(self, run, answer):
+        self.client.buffer.pages[run.start : run.start + len(answer)] = answer.numpy()
+        return len(answer), {REMOTE: len(answer)}
+
+    def finish_load(self, run, pending):
+        try:
+            return super().finish_load(run, pending)
+        except Exception as exc:  # noqa: BLE001 - the transport's own errors (NIXL, UCX) are not Ray's
+            self.client.count_fault(exc)
+            self.client.speeds.failed(run.node, self.name)
+            return 0, {}
+
+
 class TcpPath(StoreCallPath):
     """The peer's page server: the client's own socket, no actor call and no ray.get."""
 
@@ -155,4 +187,70 @@ class TcpPath(StoreCallPath):
         return pending.receive()
 
 
-PATHS: tuple[type[StoreCallPath], ...] = (LocalPath, TcpPath, CollectivePath, ObjectStorePath)
+PATHS: tuple[type[StoreCallPath], ...] = (LocalPath, TcpPath, NixlPath, CollectivePath, ObjectStorePath)
+NIXL_IMPORTABLE = importlib.util.find_spec("nixl") is not None  # the optional extra ``kvray[nixl]``
+RDMA_NICS = bool(glob.glob("/sys/class/infiniband/*"))  # verbs devices (InfiniBand, RoCE, EFA) on this node
+# NIXL logs at INFO to stdout from its first agent on, which would corrupt a command's JSON output
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+MEASURED_BYTES = 1 << 20  # transfers at least this large say how fast a path is
+REMEASURE_EVERY = 32  # one large transfer in this many goes by the runner-up, to notice a change
+
+
+def nixl_wanted(setting: bool | str) -> bool:
+    """Whether NIXL is a candidate path here under ``RuntimeConfig.nixl``: never without the
+    ``nixl`` package; with it, always for True, and for ``"auto"`` only on a node with an
+    RDMA NIC (where UCX over TCP, all NIXL has without one, rarely beats the page server)."""
+    return NIXL_IMPORTABLE and (setting is True or (setting == "auto" and RDMA_NICS))
+
+
+class PathSpeeds:
+    """How fast each direct path (TCP, NIXL) moved pages from each peer, so that the client
+    sends a peer's runs by the fastest path that works there, whatever the network is.
+
+    No path is assumed faster: each untried one is tried on a large transfer first, then
+    the fastest by a moving average of recent large transfers is chosen, and every
+    ``REMEASURE_EVERY``-th large transfer goes by the runner-up so that a change (a
+    congested link, a peer restarted) is noticed. A path that failed to a peer is not
+    chosen for it again while another works. On this machine UCX runs over TCP and the
+    page server wins; a cluster whose NICs do RDMA gets NIXL without a setting.
+
+    Example::
+
+        speeds = PathSpeeds()
+        speeds.pick("node-b", ["tcp", "nixl"], 64 << 20)      # "tcp": untried first, in order
+        speeds.record("node-b", "tcp", 64 << 20, 0.05)
+        speeds.pick("node-b", ["tcp", "nixl"], 64 << 20)      # "nixl": untried
+    """
+
+    def __init__(self) -> None:
+        self._speed: dict[tuple[str, str], float] = {}  # (peer, path) -> bytes/s, 0 once failed
+        self._large: Counter[str] = Counter()
+
+    def pick(self, node: str, candidates: list[str], nbytes: int) -> str:
+        """The path for ``nbytes`` from ``node`` among ``candidates`` (in order of preference)."""
+        working = [c for c in candidates if self._speed.get((node, c), 1.0) > 0] or candidates
+        if len(working) == 1:
+            return working[0]
+        if nbytes < MEASURED_BYTES:  # too small to measure or to matter: the best known
+            return max(working, key=lambda c: self._speed.get((node, c), 0.0))
+        untried = [c for c in working if (node, c) not in self._speed]
+        if untried:
+            return untried[0]
+        ranked = sorted(working, key=lambda c: -self._speed[(node, c)])
+        self._large[node] += 1
+        return ranked[1] if self._large[node] % REMEASURE_EVERY == 0 else ranked[0]
+
+    def record(self, node: str, path: str, nbytes: int, seconds: float) -> None:
+        """``nbytes`` arrived from ``node`` by ``path`` in ``seconds``."""
+        if nbytes < MEASURED_BYTES or seconds <= 0:
+            return
+        speed, old = nbytes / seconds, self._speed.get((node, path))
+        self._speed[(node, path)] = speed if not old else 0.7 * old + 0.3 * speed
+
+    def failed(self, node: str, path: str) -> None:
+        self._speed[(node, path)] = 0.0
+
+    def best(self, node: str, candidates: list[str]) -> str | None:
+        """The fastest measured working path among ``candidates``, or None before any measure."""
+        known = [c for c in candidates if self._speed.get((node, c), 0.0) > 0]
+        return max(known, key=lambda c: self._speed[(node, c)]) if known else None

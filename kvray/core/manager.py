@@ -43,6 +43,7 @@ Mover = Callable[[int, Tier, int, Tier, int], int | None]  # returns a checksum 
 # (depth, key, tier, slot, parent handle) -> the checksum of the page it wrote into the slot
 Writer = Callable[[int, int, Tier, int, int], int]
 TIERS = tuple(Tier)  # tier number -> Tier, without the enum's slow constructor
+REFUSALS_PER_RESERVE = 32  # victims that may refuse to leave before a reserve gives up (see reserve)
 
 
 @dataclass(frozen=True)
@@ -142,14 +143,21 @@ class CacheManager:
         return tier if tier in self.slots else None
 
     def reserve(self, tier: Tier, mover: Mover) -> int | None:
-        """A free slot of ``tier``; evicts by the policy until one frees. None if none can leave."""
+        """A free slot of ``tier``; evicts by the policy until one frees. None if none can leave.
+
+        At most :data:`REFUSALS_PER_RESERVE` victims may refuse to leave (a descendant kept or
+        pinned) before it gives up: a chain longer than the cache refuses every victim
+        (each is one of its own ancestors), and trying them all, each demotion trying every
+        victim of the tier below, made one store of a 2,000-page chain take 26 s (16,000
+        pages: over 10 minutes). Giving up early costs at most a page not cached.
+        """
         allocator = self.slots[tier]
         slot = allocator.alloc()
         refused: list[int] = []  # victims that could not leave; pinned so the policy skips them
         try:
             while slot is None:
                 victim = self.policy.victim(tier)
-                if victim is None:
+                if victim is None or len(refused) >= REFUSALS_PER_RESERVE:
                     return None
                 if self.evict(victim, mover):
                     slot = allocator.alloc()

@@ -6,7 +6,8 @@ plane (the tier pools holding bytes). Its verbs work on whole requests:
 
 - ``store(tokens, kv)``: keep the KV of every full page not cached yet.
 - ``lookup(tokens)``: how many leading tokens are cached (no bytes move).
-- ``load(tokens)``: the KV of the longest cached prefix, checksum-verified.
+- ``load(tokens)``: the KV of the longest cached prefix, checksum-verified; ``load_chunks``
+  streams it a chunk at a time, read ahead, for prefixes larger than the engine has room for.
 - ``put_pages`` / ``get_pages``: the same by keys and raw page bytes, for the runtime's
   transfers between nodes (pages travel with their model fingerprint).
 - ``read_pages(keys, targets)``: the primitive under ``load`` and ``get_pages``, for
@@ -31,20 +32,22 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvray.core.config import StoreConfig
-from kvray.core.errors import FingerprintMismatch, LayoutError, StorageError
+from kvray.core.config import PageLayout, StoreConfig
+from kvray.core.errors import FingerprintMismatch, LayoutError, RequestError, StorageError
 from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
-from kvray.core.manager import CacheManager
+from kvray.core.manager import TIERS, CacheManager
 from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, runs, torch_dtype
 from kvray.core.tiers import DevicePool, DiskPool, HostPool, Pool, StoredPage, Tier
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 from kvray.core.tiers.disk import verified
+from kvray.core.tiers.memory import resident_empty
 from kvray.policy import PlacementPolicy, make_policy
 
 PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
@@ -57,6 +60,31 @@ class LoadResult:
     tokens: int  # leading tokens whose KV is in ``kv``
     kv: torch.Tensor  # [layers, 2, tokens, kv_heads, head_dim]
     pages_by_tier: dict[str, int]
+
+
+@dataclass(frozen=True)
+class LoadChunk:
+    """One batch of a streamed load (:meth:`PageStore.load_chunks`): the KV of tokens
+    ``start .. start + tokens`` of the request, valid until the next batch is asked for.
+
+    Example::
+
+        for chunk in store.load_chunks(prompt_tokens, chunk_tokens=8192):
+            engine_cache[:, :, chunk.start : chunk.start + chunk.tokens] = chunk.kv  # copy before the next
+    """
+
+    start: int
+    tokens: int
+    kv: torch.Tensor  # [layers, 2, tokens, kv_heads, head_dim]
+    pages_by_tier: dict[str, int]
+
+
+def chunk_buffer(layout: PageLayout, tokens: int) -> torch.Tensor:
+    """A host buffer for the KV of ``tokens`` tokens (``[layers, 2, tokens, kv_heads, head_dim]``)
+    that pages copy into at memory speed: page-aligned and resident from the start
+    (:func:`~kvray.core.tiers.memory.resident_empty`)."""
+    raw = resident_empty(1, tokens * layout.page_nbytes // layout.page_tokens)
+    return torch.from_numpy(raw).view(torch_dtype(layout)).reshape(layout.request_shape(tokens))
 
 
 class PageStore:
@@ -187,6 +215,64 @@ class PageStore:
         got, by_tier = self.read_pages(keys, lambda i: request_page(self.layout, out_bytes, i))
         return LoadResult(got * self.layout.page_tokens, out[:, :, : got * self.layout.page_tokens], by_tier)
 
+    def load_chunks(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        chunk_tokens: int,
+        salt: str = "",
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Iterator[LoadChunk]:
+        """The longest cached prefix of ``tokens``, ``chunk_tokens`` at a time, read ahead.
+
+        For a prefix larger than the engine has room for (a million tokens is 4 GB of KV in
+        a small model): the engine holds two chunks, consumes one while the next is read
+        into the other (a background thread; disk reads and copies release the GIL), and
+        each chunk's pages are pinned only while it is read. A chunk's ``kv`` is valid
+        until the next one is asked for. Keys chain, so a cached page names its whole
+        prefix: a chunk read after an earlier one is still exactly its tokens' KV, and the
+        stream ends at the first chunk that comes back short (a page evicted meanwhile, or
+        one that failed verification): a shorter prefix, never wrong KV. ``out``: the engine's
+        two chunk buffers (contiguous ``[layers, 2, chunk_tokens, kv_heads, head_dim]`` in host
+        memory, reused across loads; fresh memory costs a page fault per 4 KiB on first use,
+        and a buffer that starts on a 4 KiB boundary copies fastest, see
+        :func:`~kvray.core.tiers.memory.aligned_empty`), else two such buffers are allocated.
+        """
+        page = self.layout.page_tokens
+        if chunk_tokens <= 0 or chunk_tokens % page:
+            raise RequestError(f"chunk_tokens={chunk_tokens} must be a positive multiple of page_tokens={page}")
+        keys = self.keys(tokens, salt)
+        step = chunk_tokens // page
+        shape = self.layout.request_shape(chunk_tokens)
+        if out is None:
+            buffers = [chunk_buffer(self.layout, chunk_tokens) for _ in range(2)]
+        elif len(out) != 2 or any(
+            b.shape != shape or b.dtype != torch_dtype(self.layout) or not b.is_contiguous() or b.device.type != "cpu"
+            for b in out
+        ):
+            raise LayoutError(f"out must be two contiguous host tensors {shape} {self.layout.dtype}, one per chunk in flight")
+        else:
+            buffers = list(out)
+        as_bytes = [request_bytes(b) for b in buffers]
+
+        def read(i: int) -> tuple[int, dict[str, int]]:
+            rows = as_bytes[(i // step) % 2]
+            return self.read_pages(keys[i : i + step], lambda j: request_page(self.layout, rows, j))
+
+        if not keys:
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="kvray-load-ahead") as ahead:
+            pending = ahead.submit(read, 0)
+            for start in range(0, len(keys), step):
+                got, by_tier = pending.result()
+                full = got == len(keys[start : start + step])
+                if full and start + step < len(keys):
+                    pending = ahead.submit(read, start + step)  # into the other buffer
+                if got:
+                    kv = buffers[(start // step) % 2][:, :, : got * page]
+                    yield LoadChunk(start * page, got * page, kv, by_tier)
+                if not full:
+                    return
+
     # -- page verbs (runtime transfers) --------------------------------------------------
     def put_pages(self, keys: Sequence[int], pages: np.ndarray, fingerprint: bytes, parent_key: int | None = None) -> int:
         """Store raw pages (``[n, page_nbytes]`` uint8) of one chain of ``keys``; returns pages stored.
@@ -228,9 +314,10 @@ class PageStore:
         delivered = 0
         t0 = time.perf_counter()
         disk_reads = self._disk_reads(match.tiers, match.slots, lambda i: views[i])
+        tiers, slots, checksums = match.tiers.tolist(), match.slots.tolist(), match.checksums.tolist()
         try:
             for i in range(len(match)):
-                tier, slot, expected = Tier(int(match.tiers[i])), int(match.slots[i]), int(match.checksums[i])
+                tier, slot, expected = TIERS[tiers[i]], slots[i], checksums[i]
                 if tier == Tier.DISK:
                     stored, digest = next(disk_reads)
                     if not verified(stored, digest, expected):
