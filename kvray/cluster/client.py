@@ -83,7 +83,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import ray
-import xxhash
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan, new_lease
@@ -91,7 +90,7 @@ from kvray.cluster.paths import ACTOR_ERRORS, PATHS, StoreCallPath
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks
 from kvray.core.errors import ClusterError, RequestError, StorageError
-from kvray.core.keys import pack_keys
+from kvray.core.keys import pack_keys, trace_page_keys
 from kvray.core.tiers import Tier
 from kvray.core.tiers.directory import SharedHostTier
 
@@ -259,8 +258,7 @@ class KvrayClient:
 
     def keys_for_trace(self, hash_ids: Sequence[int], salt: str = "") -> list[int]:
         """Page keys of a trace request: its prefix-chained block ids bound to this model."""
-        seed = self.fingerprint.seed_key(salt)
-        return [xxhash.xxh3_128_intdigest(seed + h.to_bytes(8, "little")) for h in hash_ids]
+        return trace_page_keys(self.fingerprint, hash_ids, salt)
 
     def _check(self, keys: Sequence[int]) -> None:
         if not keys:

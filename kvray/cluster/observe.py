@@ -100,12 +100,19 @@ class ClusterObservations:
         self._backlog.pop(node, None)
 
     def utilisation(self, node: str, now: float) -> tuple[float, ...]:
-        """Share of each link's capacity used over the last ``window_s`` (0 before two reports)."""
+        """Share of each link's capacity used over the last ``window_s``: the bytes counted
+        since the last report at or before the window's start (0 when no report came since),
+        over the time since that report."""
         samples = self._samples.get(node)
         if not samples:
             return (0.0,) * len(LINKS)
+        start = now - self.window_s
         t0, first = samples[0]
-        _, last = samples[-1]
+        for t, counted in samples:
+            if t > start:
+                break
+            t0, first = t, counted
+        last = samples[-1][1]
         span = max(now - t0, self.window_s)
         return tuple(min((b - a) / span / cap, 1.0) for a, b, cap in zip(first, last, self.capacity))
 

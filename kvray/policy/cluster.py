@@ -150,11 +150,17 @@ CLUSTER_POLICIES: dict[str, type[ClusterPolicy]] = {"local-first": LocalFirstRin
 
 
 def make_cluster_policy(name: str, local_limit: int | None = None) -> ClusterPolicy:
-    """A cluster policy by registered name (:data:`CLUSTER_POLICIES`); ``local_limit``, when
-    given, is the largest request a node keeps (the runtime's ``RuntimeConfig.local_limit``)."""
-    if name not in CLUSTER_POLICIES:
+    """A cluster policy by registered name (:data:`CLUSTER_POLICIES`) or import path
+    (``package.module:Class``, :mod:`kvray.policy.plugin`); ``local_limit``, when given, is
+    the largest request a node keeps (the runtime's ``RuntimeConfig.local_limit``)."""
+    from kvray.policy.plugin import is_import_path, policy_class
+
+    if is_import_path(name):
+        policy = policy_class(name, ClusterPolicy)()
+    elif name not in CLUSTER_POLICIES:
         raise PolicyError(f"unknown cluster policy {name!r}; known: {', '.join(sorted(CLUSTER_POLICIES))}")
-    policy = CLUSTER_POLICIES[name]()
+    else:
+        policy = CLUSTER_POLICIES[name]()
     if local_limit is not None:
         policy.local_limit = local_limit
     return policy
