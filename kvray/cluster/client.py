@@ -457,16 +457,25 @@ class KvrayClient:
         if self._touched is not None and any(run.node == self.node_id for run in runs):
             ray.wait([self._touched], timeout=self.timeout_s)  # the policy sees the hits before the new pages
         self._touched = None
-        pending = []
-        for run in runs:
+        # Runs to one node land in request order (the store's policy sees the chain in order):
+        # a path that may run two calls at once waits for the node's previous run first.
+        pending: list = []
+        results: dict[int, tuple | None] = {}
+        unordered: dict[str, int] = {}  # node -> its latest run on such a path
+        for j, run in enumerate(runs):
             store = self.stores.get(run.node)
             path = self.paths[self.path_for(run.node, (run.stop - run.start) * self.page_nbytes)]
+            if not path.in_order and run.node in unordered:
+                k = unordered[run.node]
+                results[k] = _finished(*pending[k])
             sub = list(keys[run.start : run.stop])
             parent = keys[run.start - 1] if run.start else None
             pending.append((path, None if store is None else path.start_store(store, sub, run, parent)))
+            if not path.in_order:
+                unordered[run.node] = j
         stored, landed, dropped, reports = 0, start, defaultdict(list), {}
-        for run, (path, transfer) in zip(runs, pending):
-            result = None if transfer is None else path.finish_store(transfer)
+        for j, run in enumerate(runs):
+            result = results[j] if j in results else _finished(*pending[j])
             if result is not None:
                 stored += result[0]
                 dropped[run.node].extend(result[1])
@@ -489,6 +498,11 @@ class KvrayClient:
             store.release_buffer.remote(self.buffer.name)
         for buf in (*self._retired, self.buffer):
             buf.close()
+
+
+def _finished(path: StoreCallPath, transfer) -> tuple | None:
+    """A store transfer's answer (None: never started, or failed)."""
+    return None if transfer is None else path.finish_store(transfer)
 
 
 def _answer(ref, timeout_s: float, what: str):

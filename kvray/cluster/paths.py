@@ -50,9 +50,12 @@ class StoreCallPath(ABC):
     ``load_maps_buffer`` / ``store_maps_buffer``: a store actor writes or reads the client's
     landing buffer itself in a load / a store, so a call given up on may still do so later:
     the client then moves to a fresh buffer (see :mod:`kvray.cluster.client`).
+    ``in_order``: two transfers to one store run in the order sent (not so for calls of a
+    store actor, which runs several at once).
     """
 
     name = ""
+    in_order = False
     between_nodes = True
     load_maps_buffer = False
     store_maps_buffer = False
@@ -137,6 +140,7 @@ class TcpPath(StoreCallPath):
     """The peer's page server: the client's own socket, no actor call and no ray.get."""
 
     name = "tcp"
+    in_order = True  # one connection per peer, answered in order
 
     def loaded(self, run, answer):
         return answer  # finish_load receives straight into the buffer
