@@ -98,6 +98,7 @@ HOST = Tier.HOST.label
 HOST_CHECK_S = 1.0  # how often a client asks its node's store which host segment it serves
 DEFAULT_TIMEOUT_S = 60.0  # how long a client waits for any one Ray call
 MEMBERS_CHECK_S = 5.0  # how often a client re-reads the stores and their page servers
+UNSETTLED_KEPT = 64  # calls sent without waiting kept for ``settle`` before the finished ones are let go
 
 
 @dataclass
@@ -301,7 +302,11 @@ class KvrayClient:
             self._unsettled = []
 
     def _sent(self, ref):
+        """Keep a call sent without waiting until ``settle``; a client that never settles
+        keeps only the ones still running (checked without waiting every ``UNSETTLED_KEPT``)."""
         self._unsettled.append(ref)
+        if len(self._unsettled) >= UNSETTLED_KEPT:
+            _, self._unsettled = ray.wait(self._unsettled, num_returns=len(self._unsettled), timeout=0)
         return ref
 
     def count_fault(self, exc: Exception) -> None:
