@@ -176,7 +176,7 @@ class KvrayClient:
         self._members = None  # ref: the controller's ``members`` answer, while awaited
         self._next_members = time.monotonic() + MEMBERS_CHECK_S
         self._arrival: tuple[bytes, float] | None = None  # the request's, until this node's store has it
-        self._touched = None  # ref: this request's ``touch``, which its writes here wait for
+        self._touched = None  # ref: the latest ``touch``, which the next write here waits for
         self._unsettled: list = []  # refs of the calls sent without waiting, since the last ``settle``
         self.paths: dict[str, StoreCallPath] = {path.name: path(self) for path in PATHS}
         self.refresh()
@@ -274,7 +274,6 @@ class KvrayClient:
         self._check(keys)
         self._poll_members()
         self._arrival = (pack_keys(keys), float(backlog_ms))
-        self._touched = None
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):
             return Plan(LOCAL_LEASE, [self.node_id] * len(keys), [])
@@ -461,7 +460,7 @@ class KvrayClient:
         runs = _runs(targets, start)
         if self._touched is not None and any(run.node == self.node_id for run in runs):
             ray.wait([self._touched], timeout=self.timeout_s)  # the policy sees the hits before the new pages
-        self._touched = None
+            self._touched = None
         # Runs to one node land in request order (the store's policy sees the chain in order):
         # a path that may run two calls at once waits for the node's previous run first.
         pending: list = []
