@@ -79,6 +79,9 @@ def demo(
 def run(
     trace: str = typer.Option(..., "--trace", help="Mooncake JSONL or Parquet trace"),
     policy: str | None = typer.Option(None, "--policy", help="placement policy of every node's tiers (default lru)"),
+    cluster_policy: str | None = typer.Option(
+        None, "--cluster-policy", help="which node keeps each new page (default local-first)"
+    ),
     nodes: int | None = typer.Option(None, "--nodes", help="local Ray nodes to start (ignored with --address)"),
     scenario: str | None = typer.Option(
         None, "--scenario", help="YAML file of replay settings, or a kvray sim scenario (one node)"
@@ -92,6 +95,10 @@ def run(
     disk_pages: int | None = typer.Option(None, "--disk-pages", help="disk-tier pages per node (needs --disk-root)"),
     disk_root: str | None = typer.Option(None, "--disk-root", help="directory for the nodes' disk tiers"),
     prefill_us: float | None = typer.Option(None, "--prefill-us-per-token", help="calibrated prefill cost"),
+    capacity_fraction: float | None = typer.Option(
+        None, "--capacity-fraction", help="per node, device+host = F x unique pages (as kvray sim)"
+    ),
+    capacity: int | None = typer.Option(None, "--capacity", help="per node, device+host pages (other tiers keep their ratio)"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Replay a trace on the Ray runtime with real page bytes; report measured TTFT and hits."""
@@ -100,9 +107,15 @@ def run(
     with reported_errors():
         settings = settings_from(
             scenario,
-            runtime={"policy": policy, "disk_root": disk_root},
+            runtime={"policy": policy, "cluster_policy": cluster_policy, "disk_root": disk_root},
             tiers={"host": host_pages, "disk": disk_pages},
-            replay={"nodes": nodes, "limit": limit, "prefill_us_per_token": prefill_us},
+            replay={
+                "nodes": nodes,
+                "limit": limit,
+                "prefill_us_per_token": prefill_us,
+                "capacity_fraction": capacity_fraction,
+                "capacity": capacity,
+            },
         )
         result = run_replay(trace, settings, address=address, progress=not json_out, runtime_name=name)
     if result.wrong_pages:

@@ -31,10 +31,12 @@ from kvray.apps.replay_engine import ReplayEngineActor
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.runtime import RayConnection, Runtime, alive_nodes, on_node
 from kvray.core.config import FrozenModel, read_yaml, validate
-from kvray.core.errors import ClusterError
+from kvray.core.errors import ClusterError, ConfigError
+from kvray.core.tiers import TIER_BY_LABEL
 from kvray.progress import progress_bar
 from kvray.report import ReplayResult, ReplayTally
-from kvray.sim.cost import Scenario
+from kvray.sim.cost import CostModel, Scenario, TierSpec
+from kvray.sim.simulator import fast_capacity
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
 
 ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -50,6 +52,9 @@ class ReplaySettings(FrozenModel):
     A ``--scenario`` YAML file holds these fields (``runtime`` nested) or is a simulator
     scenario (:func:`settings_of_sim_scenario`); the CLI's options override them.
     ``cache=False`` replays without kvray (every prompt recomputed): the baseline.
+    ``capacity_fraction`` / ``capacity`` size each node's tiers as ``kvray sim`` sizes its
+    node's (:func:`~kvray.sim.simulator.fast_capacity`): device + host = that share of the
+    trace's unique pages / that many pages, every tier keeping its ratio to them.
     """
 
     name: str = "default"
@@ -59,6 +64,14 @@ class ReplaySettings(FrozenModel):
     limit: int | None = Field(default=None, gt=0)
     object_store_mb: int = Field(default=150, ge=80)
     cache: bool = True
+    capacity_fraction: float | None = Field(default=None, gt=0, le=100)
+    capacity: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_capacity(self) -> ReplaySettings:
+        if self.capacity_fraction is not None and self.capacity is not None:
+            raise ValueError("give capacity_fraction or capacity, not both")
+        return self
 
     @model_validator(mode="after")
     def _pages_are_trace_blocks(self) -> ReplaySettings:
@@ -74,10 +87,17 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
     the runtime (docs/sim-eval/README.md); the runtime's stand-in prefill has no fixed cost
     and serves requests back to back, so a comparison scenario sets ``prefill_overhead_ms: 0``
     and enough ``servers`` that no request queues. A ``remote`` tier has no meaning on one node.
+    The nodes' placement policies are told the scenario's tier costs (as the simulator tells
+    its policy), calibrated for this machine by ``kvray calibrate``.
     """
     tiers = {name: spec.capacity_pages for name, spec in scenario.tiers.items() if name != "remote"}
+    costs = CostModel(scenario).tier_cost(TIER_BY_LABEL[name] for name in tiers)
     base = ReplaySettings().model_dump()
-    base["runtime"] |= {"layout": scenario.layout.model_dump(), "tiers": tiers}
+    base["runtime"] |= {
+        "layout": scenario.layout.model_dump(),
+        "tiers": tiers,
+        "tier_cost": {tier.label: cost for tier, cost in costs.items()},
+    }
     return base | {"name": scenario.name, "nodes": 1, "prefill_us_per_token": scenario.compute.prefill_us_per_token}
 
 
@@ -201,6 +221,22 @@ def replay_with(runtime: Runtime, trace: list[TraceRequest], settings: ReplaySet
         replay.close()
 
 
+def sized_for(settings: ReplaySettings, trace: list[TraceRequest]) -> ReplaySettings:
+    """``settings`` with each node's tiers sized by ``capacity_fraction`` or ``capacity``
+    for ``trace``, by the simulator's rule (unchanged when neither is given)."""
+    if settings.capacity_fraction is None and settings.capacity is None:
+        return settings
+    tiers = settings.runtime.tiers.model_dump()
+    # The runtime's tiers as a scenario, for its sizing rule only (no speeds are read).
+    scenario = Scenario.model_construct(
+        name=settings.name, tiers={name: TierSpec.model_construct(capacity_pages=n) for name, n in tiers.items() if n}
+    )
+    sized = fast_capacity(scenario, trace, settings.capacity_fraction, settings.capacity)
+    data = settings.model_dump()
+    data["runtime"]["tiers"] = {tier.label: pages for tier, pages in sized.items()}
+    return validate(ReplaySettings, data, source="--capacity-fraction / --capacity")
+
+
 def run_replay(
     trace_path: str | Path,
     settings: ReplaySettings,
@@ -214,7 +250,10 @@ def run_replay(
     (``kvray up``), with its own settings, and leaves it running and warm.
     """
     trace = read_trace(trace_path, limit=settings.limit)
+    settings = sized_for(settings, trace)
     if runtime_name is not None:  # it runs on an existing cluster: never start one
+        if settings.capacity_fraction is not None or settings.capacity is not None:
+            raise ConfigError(f"--capacity-fraction and --capacity size a new runtime; runtime {runtime_name!r} is sized already")
         address = address or "auto"
     with RayConnection(address=address, nodes=settings.nodes, object_store_mb=settings.object_store_mb):
         if runtime_name is None:

@@ -3,7 +3,9 @@
 It plays the part of an inference engine on its node: for each request it looks up and
 loads the cached prefix (into its landing buffer), computes the rest (a calibrated
 :class:`~kvray.apps.prefill.PrefillWorkload` plus writing the KV pages), which gives
-the time to first token, then stores the new pages. Page bytes are deterministic in the
+the time to first token, then stores the new pages and waits until its reports have
+landed (``KvrayClient.settle``, after the time is taken), so the next request, on any
+node, finds the cache as this one left it, as in the simulator. Page bytes are deterministic in the
 page key (a fixed random pattern XOR the key), so every loaded page is checked against
 what it must contain: a wrong page is counted, never silently used.
 
@@ -87,7 +89,8 @@ class ReplayEngine:
         plan, loaded = None, Loaded(0)
         try:
             if keys and self.cache:
-                plan = self.client.lookup(keys)
+                # The driver sends a request only when the last one is done: nothing queues here.
+                plan = self.client.lookup(keys, backlog_ms=0.0)
                 loaded = self.client.load(keys, plan)
             hit = loaded.pages
             rows = self.client.buffer.pages  # after the load: it may have moved to a fresh buffer
@@ -102,6 +105,7 @@ class ReplayEngine:
                 self.client.release(plan, loaded)
         if plan is not None:
             self.client.store(keys, hit, plan)
+            self.client.settle()
         return {
             "ttft_s": ttft,
             "tokens": input_length,

@@ -3,12 +3,13 @@
 Each verb covers a whole request with one controller round trip at most, and none when
 this node's host tier holds the whole request:
 
-- ``lookup(keys)``: if every page is published in this node's shared host tier (its
+- ``lookup(keys, backlog_ms)``: if every page is published in this node's shared host tier (its
   :class:`~kvray.core.tiers.directory.SlotDirectory`, mapped into this process), the answer is
   a local plan (lease ``LOCAL_LEASE``) made without any Ray call: nothing is pinned, the
   load validates each page itself. Otherwise the controller pins the cached prefix under
   a lease and says where each cached page is and where each missing page should go
-  (:class:`~kvray.cluster.controller.Plan`). The client names the lease, so when the
+  (:class:`~kvray.cluster.controller.Plan`, by the cluster policy, which also hears the
+  engine's ``backlog_ms``). The client names the lease, so when the
   answer does not come in time it still ends the pins the call may have taken; a lease
   never released (the client died) expires.
 - ``load(keys, plan)``: pages arrive in the client's :class:`LandingBuffer` rows ``0..n``.
@@ -30,6 +31,16 @@ this node's host tier holds the whole request:
   hears of the hits on pages copied from its mapped host tier (``touch``), and a local
   plan's report reaches the controller through it, so a fully local request costs one
   Ray call, sent and not waited for.
+
+This node's store hears of every request once, with the first call the request makes to
+it (``read_into``, ``pull``, ``touch`` or ``write_from``, whichever comes first; ``touch``
+is sent for it when no other would be): the request's keys and the engine's backlog, for
+its placement policy's ``on_request``, before that policy sees any of the request's hits
+or pages. A request's writes to this node wait until its ``touch`` is done, so the policy
+sees the hits before the new pages, as the simulator shows them to it. ``settle`` waits
+until everything a request sent without waiting has landed: a replay calls it between
+requests (off the measured time), so the next request, on whichever node, finds the
+cache exactly as the last one left it.
 
 The mapped host tier belongs to one incarnation of the node's store (a fresh segment
 each): the client asks the store every ``HOST_CHECK_S`` which segment it serves, without
@@ -59,6 +70,7 @@ Example::
     ... compute the KV of the rest into client.buffer.pages[loaded.pages:len(keys)] ...
     client.release(plan, loaded)
     client.store(keys, loaded.pages, plan)
+    client.settle()                             # optional: wait until the reports have landed
 """
 
 from __future__ import annotations
@@ -71,7 +83,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import ray
-import xxhash
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan, new_lease
@@ -79,7 +90,7 @@ from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathSpeeds, StoreCallPath, 
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks
 from kvray.core.errors import ClusterError, RequestError, StorageError
-from kvray.core.keys import pack_keys
+from kvray.core.keys import pack_keys, trace_page_keys
 from kvray.core.tiers import Tier
 from kvray.core.tiers.directory import SharedHostTier
 
@@ -87,6 +98,7 @@ HOST = Tier.HOST.label
 HOST_CHECK_S = 1.0  # how often a client asks its node's store which host segment it serves
 DEFAULT_TIMEOUT_S = 60.0  # how long a client waits for any one Ray call
 MEMBERS_CHECK_S = 5.0  # how often a client re-reads the stores and their page servers
+UNSETTLED_KEPT = 64  # calls sent without waiting kept for ``settle`` before the finished ones are let go
 
 
 @dataclass
@@ -175,6 +187,9 @@ class KvrayClient:
         self._next_check = 0.0  # when to ask the store again which segment it serves
         self._members = None  # ref: the controller's ``members`` answer, while awaited
         self._next_members = time.monotonic() + MEMBERS_CHECK_S
+        self._arrival: tuple[bytes, float] | None = None  # the request's, until this node's store has it
+        self._touched = None  # ref: the latest ``touch``, which the next write here waits for
+        self._unsettled: list = []  # refs of the calls sent without waiting, since the last ``settle``
         self.paths: dict[str, StoreCallPath] = {path.name: path(self) for path in PATHS}
         self.speeds = PathSpeeds()
         self.refresh()
@@ -257,8 +272,7 @@ class KvrayClient:
 
     def keys_for_trace(self, hash_ids: Sequence[int], salt: str = "") -> list[int]:
         """Page keys of a trace request: its prefix-chained block ids bound to this model."""
-        seed = self.fingerprint.seed_key(salt)
-        return [xxhash.xxh3_128_intdigest(seed + h.to_bytes(8, "little")) for h in hash_ids]
+        return trace_page_keys(self.fingerprint, hash_ids, salt)
 
     def _check(self, keys: Sequence[int], limit: int | None = None) -> None:
         """Keys of one request that fit ``limit`` pages (default: the landing buffer's rows)."""
@@ -269,24 +283,47 @@ class KvrayClient:
             raise RequestError(f"request of {len(keys)} pages exceeds max_request_pages={limit}")
 
     # -- lookup + pin ---------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[int]) -> Plan:
+    def lookup(self, keys: Sequence[int], backlog_ms: float = 0.0) -> Plan:
         """Where the cached prefix of ``keys`` is (pinned) and where the rest goes; a request
         larger than the landing buffer (up to ``max_request_pages``) is loaded with
-        :meth:`load_chunks`."""
+        :meth:`load_chunks`. ``backlog_ms``: the engine's work queued ahead of it, which the
+        controller's and this node's policies are told."""
         self._check(keys, max(self.buffer.capacity, self.config.max_request_pages))
         self._poll_members()
+        self._arrival = (pack_keys(keys), float(backlog_ms))
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):
             return Plan(LOCAL_LEASE, [self.node_id] * len(keys), [])
         lease = new_lease()
         try:
-            return ray.get(self.controller.lookup_pin.remote(list(keys), self.node_id, lease), timeout=self.timeout_s)
+            ref = self.controller.lookup_pin.remote(list(keys), self.node_id, lease, float(backlog_ms))
+            return ray.get(ref, timeout=self.timeout_s)
         except ACTOR_ERRORS as exc:
             self.count_fault(exc)
             # The pin may still happen (or have happened) after we stopped waiting: end it by
             # its id. The controller runs one caller's calls in order, so this comes after it.
             self.controller.release.remote(lease, {}, {})
             return Plan(NO_LEASE, [], [])  # the controller is restarting or slow: a miss, nothing placed
+
+    def take_arrival(self) -> tuple[bytes, float] | None:
+        """The request's arrival, for the first call to this node's store to carry (once)."""
+        arrival, self._arrival = self._arrival, None
+        return arrival
+
+    def settle(self) -> None:
+        """Wait (at most ``timeout_s``) until the calls sent without waiting have run: the
+        reports to the controller and this node's store, so whatever comes next sees their effects."""
+        if self._unsettled:
+            ray.wait(self._unsettled, num_returns=len(self._unsettled), timeout=self.timeout_s)
+            self._unsettled = []
+
+    def _sent(self, ref):
+        """Keep a call sent without waiting until ``settle``; a client that never settles
+        keeps only the ones still running (checked without waiting every ``UNSETTLED_KEPT``)."""
+        self._unsettled.append(ref)
+        if len(self._unsettled) >= UNSETTLED_KEPT:
+            _, self._unsettled = ray.wait(self._unsettled, num_returns=len(self._unsettled), timeout=0)
+        return ref
 
     def count_fault(self, exc: Exception) -> None:
         """A call that became a miss, by cause (see ``faults``)."""
@@ -448,12 +485,14 @@ class KvrayClient:
         local_pages = plan.hit_pages if plan.lease == LOCAL_LEASE else 0
         report = (plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes, local_pages)
         store = self.local_store
+        # The request's arrival goes with this touch unless a write here will carry it.
+        writes_here = plan.hit_pages > loaded.pages or self.node_id in plan.targets
         if store is not None and plan.lease == LOCAL_LEASE:
-            store.touch.remote(pack_keys(loaded.mapped), report)
+            self._touched = self._sent(store.touch.remote(pack_keys(loaded.mapped), report, self.take_arrival()))
             return
-        if store is not None and loaded.mapped:
-            store.touch.remote(pack_keys(loaded.mapped))
-        self.controller.release.remote(*report)
+        if store is not None and (loaded.mapped or (self._arrival is not None and not writes_here)):
+            self._touched = self._sent(store.touch.remote(pack_keys(loaded.mapped), None, self.take_arrival()))
+        self._sent(self.controller.release.remote(*report))
 
     # -- store --------------------------------------------------------------------------------------
     def store(self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None = None) -> int:
@@ -477,23 +516,40 @@ class KvrayClient:
         # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
         targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
         runs = _runs(targets, start)
-        pending = []
-        for run in runs:
+        if self._touched is not None and any(run.node == self.node_id for run in runs):
+            ray.wait([self._touched], timeout=self.timeout_s)  # the policy sees the hits before the new pages
+            self._touched = None
+        # Runs to one node land in request order (the store's policy sees the chain in order):
+        # a path that may run two calls at once waits for the node's previous run first.
+        pending: list = []
+        results: dict[int, tuple | None] = {}
+        unordered: dict[str, int] = {}  # node -> its latest run on such a path
+        for j, run in enumerate(runs):
             store = self.stores.get(run.node)
             path = self.paths[self.path_for(run.node, (run.stop - run.start) * self.page_nbytes)]
+            if not path.in_order and run.node in unordered:
+                k = unordered[run.node]
+                results[k] = _finished(*pending[k])
             sub = list(keys[run.start : run.stop])
             parent = keys[run.start - 1] if run.start else parent_key
             pending.append((path, None if store is None else path.start_store(store, sub, run, parent)))
-        stored, landed, dropped = 0, start, defaultdict(list)
-        for run, (path, transfer) in zip(runs, pending):
-            result = None if transfer is None else path.finish_store(transfer)
+            if not path.in_order:
+                unordered[run.node] = j
+        stored, landed, dropped, reports = 0, start, defaultdict(list), {}
+        for j, run in enumerate(runs):
+            result = results[j] if j in results else _finished(*pending[j])
             if result is not None:
                 stored += result[0]
                 dropped[run.node].extend(result[1])
+                reports[run.node] = result[2]
                 if landed == run.start:
                     landed = run.stop
         parent = keys[start - 1] if start else parent_key
-        self.controller.commit.remote(parent, list(keys[start:landed]), targets[: landed - start], start, dict(dropped))
+        self._sent(
+            self.controller.commit.remote(
+                parent, list(keys[start:landed]), targets[: landed - start], start, dict(dropped), reports
+            )
+        )
         return stored
 
     def close(self) -> None:
@@ -504,6 +560,11 @@ class KvrayClient:
             store.release_buffer.remote(self.buffer.name)
         for buf in (*self._retired, self.buffer):
             buf.close()
+
+
+def _finished(path: StoreCallPath, transfer) -> tuple | None:
+    """A store transfer's answer (None: never started, or failed)."""
+    return None if transfer is None else path.finish_store(transfer)
 
 
 def _answer(ref, timeout_s: float, what: str):

@@ -14,10 +14,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from kvray.cluster.observe import LinkSpeeds
 from kvray.core.config import FrozenModel, PageLayout, StoreConfig, TierSizes
 from kvray.core.errors import PolicyError
 from kvray.core.keys import ModelFingerprint
+from kvray.core.tiers import TIER_BY_LABEL, Tier
 from kvray.policy import make_policy
+from kvray.policy.cluster import ClusterPolicy, make_cluster_policy
 
 # The default page: 512 tokens (one Mooncake trace block) of a 2-layer slice of a
 # Qwen2.5-0.5B-shaped KV (2 KV heads, head dim 64, fp16): 512 KiB, small enough that a
@@ -43,9 +46,15 @@ def physical_memory_bytes() -> int:
 class RuntimeConfig(FrozenModel):
     """What every store actor and the controller of one kvray runtime share.
 
-    ``tiers`` are per node. Pages of a request go to the requesting engine's node when the
-    request fits in ``local_pages_limit`` pages (default: the node's host tier), otherwise
-    they spread over all nodes by consistent hashing. Cross-node loads go by direct TCP
+    ``tiers`` are per node. The node of each new page is the ``cluster_policy``'s choice
+    (:mod:`kvray.policy.cluster`); the default, ``local-first``, keeps a request's pages on
+    the requesting engine's node when the request fits in ``local_pages_limit`` pages
+    (default: the node's host tier) and otherwise spreads them over all nodes by consistent
+    hashing. The policy sees link utilisations as shares of ``links`` over the last
+    ``observe_window_s``; each node's placement policy is told, as a request arrives, the
+    engine's backlog and ``tier_cost`` (each tier's page load time relative to recomputing
+    the page, as ``kvray calibrate`` measured it; ``kvray run`` takes it from a simulator
+    scenario; None leaves the policy its own constants). Cross-node loads go by direct TCP
     to the peer's page server when ``tcp`` is on (no Ray call on the way), or by NIXL for the
     peers it has moved pages from faster (``nixl``: True tries it wherever the ``nixl``
     package is installed, ``"auto"`` only on nodes with an RDMA NIC, False never); otherwise runs
@@ -61,6 +70,10 @@ class RuntimeConfig(FrozenModel):
     model_revision: str | None = Field(default=None, min_length=1, max_length=256)  # see StoreConfig
     tiers: TierSizes = TierSizes(host=256)
     policy: str = "lru"
+    cluster_policy: str = "local-first"
+    links: LinkSpeeds = LinkSpeeds()
+    observe_window_s: float = Field(default=1.0, gt=0)
+    tier_cost: dict[str, float] | None = None
     disk_root: Path | None = None
     checksum_memory: bool = False
     tcp: bool = True
@@ -81,6 +94,23 @@ class RuntimeConfig(FrozenModel):
         return self
 
     @model_validator(mode="after")
+    def _known_cluster_policy(self) -> RuntimeConfig:
+        try:
+            make_cluster_policy(self.cluster_policy)
+        except PolicyError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    @model_validator(mode="after")
+    def _known_tier_costs(self) -> RuntimeConfig:
+        unknown = sorted(set(self.tier_cost or {}) - set(TIER_BY_LABEL))
+        if unknown:
+            raise ValueError(f"tier_cost: unknown tier(s) {', '.join(unknown)}; expected {', '.join(TIER_BY_LABEL)}")
+        if any(cost < 0 for cost in (self.tier_cost or {}).values()):
+            raise ValueError("tier_cost: a tier's cost relative to recomputing a page must be >= 0")
+        return self
+
+    @model_validator(mode="after")
     def _fits(self) -> RuntimeConfig:
         if self.tiers.disk and self.disk_root is None:
             raise ValueError("tiers.disk > 0 needs disk_root")
@@ -97,6 +127,14 @@ class RuntimeConfig(FrozenModel):
     @property
     def local_limit(self) -> int:
         return self.tiers.host if self.local_pages_limit is None else self.local_pages_limit
+
+    def make_cluster_policy(self) -> ClusterPolicy:
+        """The controller's cluster policy, keeping requests of up to ``local_limit`` pages local."""
+        return make_cluster_policy(self.cluster_policy, local_limit=self.local_limit)
+
+    def tier_costs(self) -> dict[Tier, float] | None:
+        """``tier_cost`` by tier, as :class:`~kvray.policy.base.RequestInfo` carries it."""
+        return None if self.tier_cost is None else {TIER_BY_LABEL[t]: c for t, c in self.tier_cost.items()}
 
     def fingerprint(self) -> ModelFingerprint:
         """What every page key of this runtime binds: the stores' and the clients' alike."""

@@ -1,9 +1,13 @@
 """The controller actor: the cluster's metadata, and no page bytes.
 
 It keeps the global prefix index (:class:`~kvray.core.index.PrefixIndex`, with each page's
-node in the ``node`` column), the heat of every page, pins of pages being read, and the
-placement rule for new pages: the requesting engine's node when the request fits there,
-otherwise spread over all nodes by consistent hashing (:class:`HashRing`). Engines talk to
+node in the ``node`` column), the heat of every page, pins of pages being read, and what
+it observes of every node (:mod:`kvray.cluster.observe`: engine backlogs, free tier
+shares, link utilisations). The node of each new page is the runtime's cluster policy's
+choice (:class:`~kvray.policy.cluster.ClusterPolicy` ``place``, asked with a
+:class:`~kvray.policy.cluster.RequestView` and a :class:`~kvray.policy.cluster.ClusterView`
+built from those observations; by default ``local-first``: the requesting engine's node
+when the request fits there, otherwise spread by a hash ring). Engines talk to
 it at most once per request (``lookup_pin`` answers the cached prefix, where each page lives
 and where each missing page should go) and report back without waiting (``release``,
 ``commit``). A request whose pages all sit in the engine's own node's host tier never
@@ -51,8 +55,10 @@ import ray
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, store_name
 from kvray.cluster.metrics import export_cluster_stats
-from kvray.core.hashring import HashRing
+from kvray.cluster.observe import ClusterObservations, NodeReport
+from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT, PrefixIndex, parents_first
+from kvray.policy.cluster import ClusterView, RequestView
 
 NO_NODE = -1
 NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
@@ -88,7 +94,11 @@ class Controller:
         self.token = token  # the transfer secret, for this runtime's stores and clients only
         self.servers: dict[str, tuple[str, int]] = {}
         self.index = PrefixIndex()
-        self.ring = HashRing()
+        self.policy = config.make_cluster_policy()
+        tiers = config.tiers.model_dump()
+        self.observed = ClusterObservations(
+            config.links, config.observe_window_s, empty={tier: 1.0 for tier, pages in tiers.items() if pages}
+        )
         self.node_ids: list[str] = []
         self._node_ix: dict[str, int] = {}
         self.stores: dict[str, ray.actor.ActorHandle] = {}
@@ -174,7 +184,6 @@ class Controller:
             self.servers.pop(node_id, None)
         else:
             self.servers[node_id] = tuple(server)
-        self.ring.add(node_id)
         if kept_keys is not None:
             kept = set(kept_keys)
             self._drop_where(self._on_node(node_id), lambda h: self.index.key_of(h) not in kept)
@@ -184,7 +193,7 @@ class Controller:
         self.stores.pop(node_id, None)
         self.ranks.pop(node_id, None)
         self.servers.pop(node_id, None)
-        self.ring.remove(node_id)
+        self.observed.forget(node_id)
         if node_id not in self._node_ix:
             return 0
         return self._drop_where(self._on_node(node_id), lambda h: True)
@@ -257,13 +266,16 @@ class Controller:
             self._end(handles)
 
     # -- the per-request verbs ----------------------------------------------------------------
-    def lookup_pin(self, keys: Sequence[int], requester: str | None, lease: int | None = None) -> Plan:
+    def lookup_pin(self, keys: Sequence[int], requester: str | None, lease: int | None = None, backlog_ms: float = 0.0) -> Plan:
         """Cached prefix of ``keys`` (pinned under ``lease``, drawn here if None) and a node
-        for each missing page. A ``lease`` still open is ended first: an id pins one chain."""
+        for each missing page, by the cluster policy. A ``lease`` still open is ended first:
+        an id pins one chain. ``backlog_ms``: the requesting engine's queued work."""
         self._expire()
         if lease is None:
             lease = new_lease()
         self._release_pins(lease)
+        if requester in self.stores:
+            self.observed.backlog(requester, backlog_ms)
         handles = self.index.lookup(keys)
         handles = handles[: self._first_doomed(handles)]
         self.index.pin(handles)
@@ -272,7 +284,25 @@ class Controller:
         self.lookups += 1
         self.lookup_pages += len(keys)
         hit_nodes = [self.node_ids[i] for i in self.index.node[handles].tolist()]
-        return Plan(lease, hit_nodes, self._place(keys[len(handles) :], len(keys), requester))
+        return Plan(lease, hit_nodes, self._place(RequestView(tuple(keys), requester, tuple(hit_nodes))))
+
+    def cluster_view(self) -> ClusterView:
+        """The live nodes, in membership order, as the cluster policy sees them now."""
+        return self.observed.view(list(self.stores), time.monotonic())
+
+    def _place(self, request: RequestView) -> list[str]:
+        """The policy's node for each page after the cached prefix; checked, as a policy's
+        answer naming a node that is not a live store would lose the pages."""
+        missing = len(request.keys) - len(request.hit_nodes)
+        if not missing or not self.stores:
+            return []
+        targets = list(self.policy.place(request, missing, self.cluster_view()))
+        if len(targets) != missing or not set(targets) <= self.stores.keys():
+            raise PolicyError(
+                f"cluster policy {self.policy.name!r} placed {missing} pages on {targets!r}: "
+                f"expected one live node (of {', '.join(self.stores)}) per page"
+            )
+        return targets
 
     def _release_pins(self, lease: int) -> None:
         held = self._leases.pop(lease, None)
@@ -286,13 +316,6 @@ class Controller:
                 if h in self._doomed:
                     return i
         return len(handles)
-
-    def _place(self, missing: Sequence[int], request_pages: int, requester: str | None) -> list[str]:
-        if not missing or not self.stores:
-            return []
-        if requester in self.stores and request_pages <= self.config.local_limit:
-            return [requester] * len(missing)
-        return self.ring.owners(missing)
 
     def release(
         self,
@@ -319,11 +342,22 @@ class Controller:
             self.lost_pages += self._forget(node_id, keys)
 
     def commit(
-        self, parent_key: int | None, keys: Sequence[int], nodes: Sequence[str], depth: int, dropped: Mapping[str, Sequence[int]]
+        self,
+        parent_key: int | None,
+        keys: Sequence[int],
+        nodes: Sequence[str],
+        depth: int,
+        dropped: Mapping[str, Sequence[int]],
+        reports: Mapping[str, NodeReport] | None = None,
     ) -> int:
         """Publish a chain of pages stores now hold (``keys[i]`` on ``nodes[i]``, the first one
-        a child of ``parent_key``); forget the pages stores report evicted. Returns pages added."""
+        a child of ``parent_key``); forget the pages stores report evicted, and keep the
+        ``reports`` the stores answered the writes with. Returns pages added."""
         self._expire()
+        now = time.monotonic()
+        for node_id, report in (reports or {}).items():
+            if node_id in self.stores:
+                self.observed.report(node_id, NodeReport(*report), now)
         for node_id, gone in dropped.items():
             self._forget(node_id, gone)
         parent = ROOT if parent_key is None else self.index.handle_of(parent_key)

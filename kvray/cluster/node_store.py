@@ -19,7 +19,12 @@ transport) or the collective path (a peer's ``pull`` asks this store to ``send_p
 and receives them straight into its engine's landing buffer).
 
 Every page that leaves this store (evicted past the last tier, corrupt) is remembered and
-reported with the next write, so the controller's index never keeps it for long. A store
+reported with the next write, so the controller's index never keeps it for long; every
+write also answers with the node's :class:`~kvray.cluster.observe.NodeReport` (free slots
+per tier, bytes per link), which the controller's cluster policy decides from. The first
+call an engine on this node makes for a request (``read_into``, ``write_from``, ``pull``
+or ``touch``) carries the request's arrival (its keys and the engine's backlog), and the
+store tells its placement policy (``on_request``) before anything else of that request. A store
 that restarts (``max_restarts``) rebuilds its disk tier from the slot file and tells the
 controller which pages survived. A controller that restarts asks every store for its
 ``holdings`` (each page with its parent in the request chain) and rebuilds its index from
@@ -53,11 +58,14 @@ import torch
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig
 from kvray.cluster.metrics import export_store_stats
+from kvray.cluster.observe import NodeReport
 from kvray.cluster.shm import LandingBuffer, reap_orphans
 from kvray.cluster.transfer import PageServer
 from kvray.core.keys import unpack_keys
 from kvray.core.store import PageStore
+from kvray.core.tiers import LOCAL_TIERS, Tier
 from kvray.core.tiers.directory import retire_predecessors
+from kvray.policy.base import RequestInfo
 
 logger = logging.getLogger(__name__)
 COLLECTIVE_GROUP = "kvray-pages"
@@ -78,6 +86,8 @@ class NodeStore:
         retire_predecessors(prefix)  # an earlier incarnation's segments, killed before it could close them
         self.host_name = prefix + secrets.token_hex(4)  # new per incarnation
         self.store = PageStore(config.store_config(node_id, self.host_name if config.tiers.host else None))
+        costs = config.tier_costs()
+        self.tier_cost = None if costs is None else {t: c for t, c in costs.items() if t in self.store.manager.slots}
         self.page_nbytes = config.layout.page_nbytes
         self._dropped: list[int] = []
         self._dropped_lock = threading.Lock()
@@ -131,12 +141,34 @@ class NodeStore:
             self._dropped.append(key)
             self._run_parents.pop(key, None)
 
-    def _stored(self, keys: Sequence[int], stored: int, parent: int | None) -> tuple[int, list[int]]:
+    def _stored(self, keys: Sequence[int], stored: int, parent: int | None) -> tuple[int, list[int], NodeReport]:
         """Remember the chain parent of a run that landed; the reply of a write."""
         if stored:
             with self._dropped_lock:
                 self._run_parents[keys[0]] = parent
-        return stored, self._take_dropped()
+        return stored, self._take_dropped(), self.report()
+
+    def report(self) -> NodeReport:
+        """Free and total slots per tier, and the bytes each link carried so far."""
+        traffic = self.store.traffic()
+        pages = {t: traffic[t][2] + traffic[t][3] for t in LOCAL_TIERS}
+        server = self._server
+        with self._bytes_lock:
+            nic_in = self.received_bytes + (server.received_bytes if server else 0)
+            nic_out = self.sent_bytes + (server.sent_bytes if server else 0)
+        nbytes = self.page_nbytes
+        return NodeReport(
+            tuple(traffic[t][0] for t in LOCAL_TIERS),
+            tuple(traffic[t][1] for t in LOCAL_TIERS),
+            (nic_in, nic_out, pages[Tier.DEVICE] * nbytes, traffic[Tier.DISK][2] * nbytes, traffic[Tier.DISK][3] * nbytes),
+        )
+
+    def _arrived(self, request: tuple[bytes, float] | None) -> None:
+        """A request's first call here: tell the policy it arrived (``request``: its packed
+        keys and the engine's backlog in ms; None: told already, or not this call's to tell)."""
+        if request is not None:
+            keys, backlog_ms = request
+            self.store.on_request(RequestInfo(tuple(unpack_keys(keys)), backlog_ms, self.tier_cost))
 
     def _take_dropped(self) -> list[int]:
         with self._dropped_lock:
@@ -194,16 +226,28 @@ class NodeStore:
         return {"node_id": self.node_id, "rank": self._rank, "server": self.server_address(), "pages": pages}
 
     # -- same-node data plane -----------------------------------------------------------
-    def read_into(self, keys: Sequence[int], buffer: str, capacity: int, row: int) -> tuple[int, dict[str, int]]:
-        """Copy the cached, verified prefix of ``keys`` into buffer rows ``row..``."""
+    def read_into(
+        self, keys: Sequence[int], buffer: str, capacity: int, row: int, request: tuple[bytes, float] | None = None
+    ) -> tuple[int, dict[str, int]]:
+        """Copy the cached, verified prefix of ``keys`` into buffer rows ``row..`` (``request``:
+        see :meth:`_arrived`)."""
+        self._arrived(request)
         with self._mapped(buffer, capacity) as pages:
             return self._read(keys, lambda i: pages[row + i])
 
     def write_from(
-        self, keys: Sequence[int], buffer: str, capacity: int, row: int, parent: int | None = None
-    ) -> tuple[int, list[int]]:
+        self,
+        keys: Sequence[int],
+        buffer: str,
+        capacity: int,
+        row: int,
+        parent: int | None = None,
+        request: tuple[bytes, float] | None = None,
+    ) -> tuple[int, list[int], NodeReport]:
         """Store buffer rows ``row..`` as one chain under ``keys`` (``parent``: the key before
-        ``keys[0]`` in the request, None at its start); returns (stored, keys dropped since the last report)."""
+        ``keys[0]`` in the request, None at its start); returns (stored, keys dropped since
+        the last report, this node's report). ``request``: see :meth:`_arrived`."""
+        self._arrived(request)
         with self._mapped(buffer, capacity) as pages:
             return self._put(keys, pages[row : row + len(keys)], parent)
 
@@ -225,11 +269,13 @@ class NodeStore:
             return None
         return {"name": self.host_name, "capacity": self.config.tiers.host, "page_nbytes": self.page_nbytes}
 
-    def touch(self, keys: bytes, report: tuple | None = None) -> None:
+    def touch(self, keys: bytes, report: tuple | None = None, request: tuple[bytes, float] | None = None) -> None:
         """An engine copied the prefix ``keys`` (:func:`~kvray.core.keys.pack_keys`) out of the shared
         host tier: count the hits (recency, heat, promotions), and pass ``report`` (the
-        arguments of the controller's ``release``) on."""
-        self.store.touch_pages(unpack_keys(keys))
+        arguments of the controller's ``release``) on. ``request``: see :meth:`_arrived`."""
+        self._arrived(request)
+        if keys:
+            self.store.touch_pages(unpack_keys(keys))
         if report is not None:
             self._controller().release.remote(*report)
 
@@ -271,11 +317,11 @@ class NodeStore:
         self._count_bytes(sent=got * self.page_nbytes)
         return pages[:got]
 
-    def put_pages(self, keys: Sequence[int], pages: np.ndarray, parent: int | None = None) -> tuple[int, list[int]]:
+    def put_pages(self, keys: Sequence[int], pages: np.ndarray, parent: int | None = None) -> tuple[int, list[int], NodeReport]:
         self._count_bytes(received=pages.nbytes)
         return self._put(keys, pages, parent)
 
-    def _put(self, keys: Sequence[int], pages: np.ndarray, parent: int | None) -> tuple[int, list[int]]:
+    def _put(self, keys: Sequence[int], pages: np.ndarray, parent: int | None) -> tuple[int, list[int], NodeReport]:
         """Store one run. It joins its parent's chain when that page is here, so evicting the
         parent drops the run too (as in the simulator and a single PageStore); otherwise it
         starts a root here."""
@@ -311,14 +357,25 @@ class NodeStore:
             collective.send(torch.from_numpy(pages), dst_rank, COLLECTIVE_GROUP)
         return len(pages)
 
-    def pull(self, keys: Sequence[int], source, src_rank: int, buffer: str, capacity: int, offset: int) -> int:
-        """Have ``source`` send the cached prefix of ``keys`` and receive it into buffer rows ``offset..``.
+    def pull(
+        self,
+        keys: Sequence[int],
+        source,
+        src_rank: int,
+        buffer: str,
+        capacity: int,
+        offset: int,
+        request: tuple[bytes, float] | None = None,
+    ) -> int:
+        """Have ``source`` send the cached prefix of ``keys`` and receive it into buffer rows
+        ``offset..`` (``request``: see :meth:`_arrived`).
 
         One pull per source at a time (a lock per peer): gloo matches sends and receives
         of a pair in order, so two transfers between the same pair must not overlap.
         """
         from ray.util import collective
 
+        self._arrived(request)
         with self._peer_locks.setdefault(src_rank, threading.Lock()):
             sent = source.send_pages.remote(list(keys), self._rank)
             count = torch.zeros(1, dtype=torch.int64)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from kvray.cluster.observe import NodeReport
 from kvray.cluster.transfer import PendingLoad, PendingStore
 from kvray.core.tiers import Tier
 
@@ -56,9 +57,12 @@ class StoreCallPath(ABC):
     ``load_maps_buffer`` / ``store_maps_buffer``: a store actor writes or reads the client's
     landing buffer itself in a load / a store, so a call given up on may still do so later:
     the client then moves to a fresh buffer (see :mod:`kvray.cluster.client`).
+    ``in_order``: two transfers to one store run in the order sent (not so for calls of a
+    store actor, which runs several at once).
     """
 
     name = ""
+    in_order = False
     between_nodes = True
     load_maps_buffer = False
     store_maps_buffer = False
@@ -81,8 +85,8 @@ class StoreCallPath(ABC):
         answer = self._answer(pending, self.load_maps_buffer)
         return (0, {}) if answer is None else self.loaded(run, answer)
 
-    def finish_store(self, pending: Any) -> tuple[int, list[int]] | None:
-        """(pages stored, keys the store dropped meanwhile), or None if it was not kept."""
+    def finish_store(self, pending: Any) -> tuple[int, list[int], NodeReport] | None:
+        """(pages stored, keys the store dropped meanwhile, its report), or None if it was not kept."""
         return self._answer(pending, self.store_maps_buffer)
 
     def _answer(self, ref, maps_buffer: bool) -> Any:
@@ -102,14 +106,14 @@ class LocalPath(StoreCallPath):
 
     def start_load(self, store, keys, run):
         buffer = self.client.buffer
-        return store.read_into.remote(keys, buffer.name, buffer.capacity, run.start)
+        return store.read_into.remote(keys, buffer.name, buffer.capacity, run.start, self.client.take_arrival())
 
     def loaded(self, run, answer):
         return answer  # the store copied the pages and says how many, by tier
 
     def start_store(self, store, keys, run, parent):
         buffer = self.client.buffer
-        return store.write_from.remote(keys, buffer.name, buffer.capacity, run.start, parent)
+        return store.write_from.remote(keys, buffer.name, buffer.capacity, run.start, parent, self.client.take_arrival())
 
 
 class ObjectStorePath(StoreCallPath):
@@ -132,7 +136,7 @@ class CollectivePath(StoreCallPath):
     def start_load(self, store, keys, run):
         client = self.client
         return client.local_store.pull.remote(
-            keys, store, client.ranks[run.node], client.buffer.name, client.buffer.capacity, run.start
+            keys, store, client.ranks[run.node], client.buffer.name, client.buffer.capacity, run.start, client.take_arrival()
         )
 
     def loaded(self, run, answer):
@@ -168,6 +172,7 @@ class TcpPath(StoreCallPath):
     """The peer's page server: the client's own socket, no actor call and no ray.get."""
 
     name = "tcp"
+    in_order = True  # one connection per peer, answered in order
 
     def loaded(self, run, answer):
         return answer  # finish_load receives straight into the buffer

@@ -8,7 +8,8 @@ address with one thread per connection. A client keeps one connection per peer n
 length of the cached, verified prefix it holds and those pages, which the client receives
 straight into its landing buffer. Stores go the same way: the client sends a run of
 pages with their keys and chain parent, the server keeps them and answers how many it
-stored and which pages it dropped meanwhile. Nothing is pickled and no actor method runs.
+stored, which pages it dropped meanwhile and its state after the write (free slots per
+tier and bytes per link, :class:`~kvray.cluster.observe.NodeReport`). Nothing is pickled and no actor method runs.
 
 Both ends prove they hold the runtime's secret token (32 random bytes made when the
 runtime starts and handed by the controller to its stores and clients only) before a key
@@ -39,7 +40,8 @@ Wire format, little-endian, requests pipelined on a connection, answers in order
                                     STORE: u8 has_parent, 16-byte parent key, n x 16-byte keys,
                                            n x page_nbytes bytes, n x u64 xxh3-64 of them
     answers    server -> client   LOAD:  u32 got (<= n), got x page_nbytes bytes, got x u64 xxh3-64
-                                  STORE: u32 stored (<= n), u32 d (<= MAX_DROPPED), d x 16-byte keys dropped
+                                  STORE: u32 stored (<= n), u32 d (<= MAX_DROPPED), d x 16-byte keys dropped,
+                                         11 x u64 NodeReport (free, capacity per tier; bytes per link)
 
 Example::
 
@@ -47,7 +49,7 @@ Example::
                         token=token, host="127.0.0.1", max_pages=256)
     links = PeerLinks(token, page_nbytes=4096, timeout_s=10)
     got = links.load(server.address, keys).receive(buffer_rows)   # rows [0, got) hold the pages
-    stored, dropped = links.store(server.address, keys, rows, parent=None).receive()
+    stored, dropped, report = links.store(server.address, keys, rows, parent=None).receive()
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from threading import Lock, Thread
 import numpy as np
 import xxhash
 
+from kvray.cluster.observe import NodeReport
 from kvray.core.errors import ClusterError
 from kvray.core.keys import KEY_BYTES, pack_keys, unpack_keys
 
@@ -78,6 +81,7 @@ PROOF_BYTES = 32  # HMAC-SHA256
 SERVER_PROOF, CLIENT_PROOF = b"kvray page server", b"kvray page client"
 REQUEST = struct.Struct("<BI")  # op, pages
 COUNT = struct.Struct("<I")
+REPORT = struct.Struct("<11Q")  # NodeReport.flat()
 PARENT = struct.Struct("<B16s")  # has parent, parent key
 CHECKSUM = np.dtype("<u8")
 LOAD, STORE = 1, 2
@@ -88,7 +92,9 @@ WARN_EVERY_S = 10.0
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 PageReader = Callable[[Sequence[int], np.ndarray], int]  # (keys, out rows) -> pages written
-PageWriter = Callable[[Sequence[int], np.ndarray, "int | None"], tuple[int, list[int]]]  # -> (stored, dropped)
+PageWriter = Callable[
+    [Sequence[int], np.ndarray, "int | None"], tuple[int, list[int], NodeReport]
+]  # -> (stored, dropped, report)
 
 
 class WireError(OSError):
@@ -399,11 +405,10 @@ class PageServer:
         with self._lock:
             self.received_bytes += rows.nbytes
             self.corrupt += int(good < n)
-        stored, dropped = (0, [])
-        if good:
-            stored, dropped = self._write(keys[:good], rows[:good], int.from_bytes(parent, "little") if has_parent else None)
+        # Even with no good page: the answer carries the store's report.
+        stored, dropped, report = self._write(keys[:good], rows[:good], int.from_bytes(parent, "little") if has_parent else None)
         dropped = self._reportable(dropped)
-        conn.sendall(COUNT.pack(stored) + COUNT.pack(len(dropped)) + pack_keys(dropped))
+        conn.sendall(COUNT.pack(stored) + COUNT.pack(len(dropped)) + pack_keys(dropped) + REPORT.pack(*report.flat()))
         return True
 
     def _reportable(self, dropped: list[int]) -> list[int]:
@@ -487,20 +492,24 @@ class PendingLoad(_Pending):
 
 
 class PendingStore(_Pending):
-    def receive(self) -> tuple[int, list[int]] | None:
-        """(pages stored, keys the peer dropped meanwhile), or None if the peer failed."""
+    def receive(self) -> tuple[int, list[int], NodeReport] | None:
+        """(pages stored, keys the peer dropped meanwhile, its report), or None if the peer failed."""
 
-        def read(sock: socket.socket) -> tuple[int, list[int]]:
+        def read(sock: socket.socket) -> tuple[int, list[int], NodeReport]:
             stored = _count(sock)
             if stored > self.pages:
                 raise WireError(f"peer stored {stored} pages of {self.pages}")
             dropped = _count(sock)
             if dropped > MAX_DROPPED:
                 raise WireError(f"peer reported {dropped} dropped keys, more than an answer carries ({MAX_DROPPED})")
-            raw = _recv_bytes(sock, dropped * KEY_BYTES)
+            raw = _recv_bytes(sock, dropped * KEY_BYTES + REPORT.size)
             if raw is None:
                 raise OSError("peer closed the connection")
-            return stored, unpack_keys(raw)
+            return (
+                stored,
+                unpack_keys(raw[: dropped * KEY_BYTES]),
+                NodeReport.from_flat(REPORT.unpack(raw[dropped * KEY_BYTES :])),
+            )
 
         return self._answer(read)
 

@@ -145,6 +145,14 @@ KEY_BYTES = 16  # a page key is an xxh3-128 digest
 MASK64 = (1 << 64) - 1  # a key's low half: what 64-bit tables and hashes take of it
 
 
+def trace_page_keys(fingerprint: ModelFingerprint, hash_ids: Sequence[int], salt: str = "") -> list[int]:
+    """Page keys of a trace request: its prefix-chained block ids (each already names its
+    whole prefix) bound to a model, as the runtime's engines key them; a simulator that
+    keys pages the same way places them on the same nodes (hash rings hash the keys)."""
+    seed = fingerprint.seed_key(salt)
+    return [xxhash.xxh3_128_intdigest(seed + h.to_bytes(8, "little")) for h in hash_ids]
+
+
 def pack_keys(keys: Sequence[int]) -> bytes:
     """Keys as one bytes object, 16 little-endian bytes each: what a fire-and-forget Ray call
     carries for a few microseconds, where a list of 128-bit ints is pickled int by int."""

@@ -290,6 +290,7 @@ class CacheManager:
         if ctx is not None:
             self.policy.on_admitted(handle, ctx)
         self.metrics.stored_pages += 1
+        self.metrics.stored_by_tier[tier.label] += 1
         return handle
 
     def restore(self, key: int, tier: Tier, slot: int, checksum: int, *, parent: int, depth: int = 0) -> int:

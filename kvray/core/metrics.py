@@ -61,6 +61,7 @@ class CacheMetrics:
     lookup_pages: int = 0
     hit_pages: Counter = field(default_factory=Counter)  # tier label -> pages hit
     stored_pages: int = 0
+    stored_by_tier: Counter = field(default_factory=Counter)  # tier label -> pages stored there
     evicted_pages: int = 0
     moved_pages: Counter = field(default_factory=Counter)  # "src->dst" -> pages
     corrupt_pages: int = 0

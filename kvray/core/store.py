@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,11 +45,12 @@ from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.manager import TIERS, CacheManager
 from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, runs, torch_dtype
-from kvray.core.tiers import DevicePool, DiskPool, HostPool, Pool, StoredPage, Tier
+from kvray.core.tiers import LOCAL_TIERS, DevicePool, DiskPool, HostPool, Pool, StoredPage, Tier
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 from kvray.core.tiers.disk import verified
 from kvray.core.tiers.memory import resident_empty
 from kvray.policy import PlacementPolicy, make_policy
+from kvray.policy.base import RequestInfo
 
 PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
 
@@ -171,6 +173,29 @@ class PageStore:
                 parent = int(index.parent[index.handle_of(key)])
                 links.append((key, None if parent == ROOT else index.key_of(parent)))
             return links
+
+    def on_request(self, info: RequestInfo) -> None:
+        """Tell the placement policy a request is arriving (before its lookup here), with
+        what the caller measured: the engine's backlog and the tiers' costs."""
+        with self._lock:
+            self.manager.policy.on_request(info)
+
+    def traffic(self) -> dict[Tier, tuple[int, int, int, int]]:
+        """Per local tier: free slots, capacity, pages read out of it and pages written into it
+        so far (hits, stores and moves): what a node reports of its occupancy and links."""
+        with self._lock:
+            metrics = self.metrics
+            read, written = Counter(metrics.hit_pages), Counter(metrics.stored_by_tier)
+            for move, pages in metrics.moved_pages.items():
+                src, dst = move.split("->")
+                read[src] += pages
+                written[dst] += pages
+            out = {}
+            for tier in LOCAL_TIERS:
+                slots = self.manager.slots.get(tier)
+                free, capacity = (slots.capacity - slots.used, slots.capacity) if slots is not None else (0, 0)
+                out[tier] = (free, capacity, read[tier.label], written[tier.label])
+            return out
 
     def on_page_dropped(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(key)`` whenever a page leaves this store (evicted, corrupt, lost)."""

@@ -3,7 +3,7 @@
 ``make_policy("lru")`` builds a policy by name; :data:`POLICIES` lists what is registered
 (``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``lecar``, ``selective-write``, ``belady`` (evaluation only: the
 simulator feeds it the future), ``rl`` (the shipped trained policy); ``rl:PATH`` loads a
-trained policy file).
+trained policy file; ``package.module:Class`` an importable policy class).
 Unknown names raise :class:`kvray.core.errors.PolicyError` listing the known ones.
 """
 
@@ -47,9 +47,14 @@ def register(name: str, factory: Callable[[], PlacementPolicy]) -> None:
 
 
 def make_policy(name: str) -> PlacementPolicy:
-    """A policy by registered name; ``rl:PATH`` loads a trained policy from ``PATH``."""
+    """A policy by registered name; ``rl:PATH`` loads a trained policy from ``PATH``;
+    ``package.module:Class`` builds an importable one (:mod:`kvray.policy.plugin`)."""
+    from kvray.policy.plugin import is_import_path, policy_class
+
     if name.startswith("rl:"):
         return _rl(name[3:])
+    if is_import_path(name):
+        return policy_class(name, PlacementPolicy)()
     if name not in POLICIES:
         raise PolicyError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
     return POLICIES[name]()

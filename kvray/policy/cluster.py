@@ -107,6 +107,7 @@ class ClusterPolicy:
     """
 
     name: ClassVar[str] = "base"
+    local_limit: int = 1024  # the largest request (pages) a policy that keeps requests on one node keeps there
 
     def route(self, request: RequestView, cluster: ClusterView) -> str:
         """The node that serves ``request``: its requester when it has one, else the least loaded."""
@@ -272,8 +273,18 @@ CLUSTER_POLICIES: dict[str, type[ClusterPolicy]] = {
 }
 
 
-def make_cluster_policy(name: str) -> ClusterPolicy:
-    """A cluster policy by registered name (:data:`CLUSTER_POLICIES`)."""
-    if name not in CLUSTER_POLICIES:
+def make_cluster_policy(name: str, local_limit: int | None = None) -> ClusterPolicy:
+    """A cluster policy by registered name (:data:`CLUSTER_POLICIES`) or import path
+    (``package.module:Class``, :mod:`kvray.policy.plugin`); ``local_limit``, when given, is
+    the largest request a node keeps (the runtime's ``RuntimeConfig.local_limit``)."""
+    from kvray.policy.plugin import is_import_path, policy_class
+
+    if is_import_path(name):
+        policy = policy_class(name, ClusterPolicy)()
+    elif name not in CLUSTER_POLICIES:
         raise PolicyError(f"unknown cluster policy {name!r}; known: {', '.join(sorted(CLUSTER_POLICIES))}")
-    return CLUSTER_POLICIES[name]()
+    else:
+        policy = CLUSTER_POLICIES[name]()
+    if local_limit is not None:
+        policy.local_limit = local_limit
+    return policy

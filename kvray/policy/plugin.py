@@ -30,7 +30,7 @@ def policy_class(path: str, base: type) -> type:
     module_name, _, class_name = path.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
+    except (ImportError, AttributeError, ValueError) as exc:
         raise PolicyError(f"policy {path!r}: cannot import {class_name!r} from {module_name!r} ({exc})") from None
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise PolicyError(f"policy {path!r} is not a {base.__name__} subclass")

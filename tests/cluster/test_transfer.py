@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvray.cluster import transfer
+from kvray.cluster.observe import NodeReport
 from kvray.cluster.transfer import (
     NONCE_BYTES,
     PROOF_BYTES,
@@ -44,14 +45,17 @@ def page_of(key: int) -> np.ndarray:
 
 class DictStore:
     """A store's verbs over a dict: read the cached prefix of ``keys`` into rows; write a run
-    (keeping at most ``room`` pages in all, reporting a page dropped on each write)."""
+    (keeping at most ``room`` pages in all, reporting a page dropped on each write of a page
+    and its room as a host tier)."""
 
     def __init__(self, keys, room: int = 1000) -> None:
         self.pages = {k: page_of(k) for k in keys}
         self.parents: dict[int, int | None] = {}
         self.room = room
 
-    def write(self, keys, rows: np.ndarray, parent) -> tuple[int, list[int]]:
+    def write(self, keys, rows: np.ndarray, parent) -> tuple[int, list[int], NodeReport]:
+        if not len(keys):
+            return 0, [], self.report()
         stored = 0
         for key, row in zip(keys, rows):
             if len(self.pages) >= self.room:
@@ -62,7 +66,10 @@ class DictStore:
             self.parents[keys[0]] = parent
         dropped = [min(self.pages)]
         del self.pages[dropped[0]]
-        return stored, dropped
+        return stored, dropped, self.report()
+
+    def report(self) -> NodeReport:
+        return NodeReport((0, self.room - len(self.pages), 0), (0, self.room, 0), (0, 0, 0, 0, len(self.pages)))
 
     def read(self, keys, rows: np.ndarray) -> int:
         got = 0
@@ -156,7 +163,8 @@ def test_stores_land_with_their_parent_and_report_what_was_dropped(served):
     rows = np.stack([page_of(k) for k in (100, 101, 102)])
     first = links.store(server.address, [100, 101, 102], rows, parent=39)
     second = links.store(server.address, [200], rows[:1], parent=None)  # pipelined behind the first
-    assert first.receive() == (3, [1]) and second.receive() == (1, [2])
+    assert first.receive() == (3, [1], NodeReport((0, 959, 0), (0, 1000, 0), (0, 0, 0, 0, 41)))
+    assert second.receive() == (1, [2], NodeReport((0, 959, 0), (0, 1000, 0), (0, 0, 0, 0, 41)))
     assert store.parents == {100: 39, 200: None}
     assert np.array_equal(store.pages[101], page_of(101)) and np.array_equal(store.pages[200], page_of(100))
     out = np.zeros((3, PAGE), dtype=np.uint8)
@@ -171,7 +179,7 @@ def test_a_full_store_keeps_a_prefix_of_the_run():
     links = PeerLinks(token, PAGE, timeout_s=10)
     try:
         rows = np.stack([page_of(k) for k in range(10, 14)])
-        assert links.store(server.address, list(range(10, 14)), rows, parent=3).receive() == (2, [1])
+        assert links.store(server.address, list(range(10, 14)), rows, parent=3).receive()[:2] == (2, [1])
         assert set(store.pages) == {2, 3, 10, 11}
     finally:
         links.close()
@@ -279,7 +287,7 @@ def test_a_page_corrupted_on_its_way_to_the_server_is_not_stored(served, monkeyp
     relay = Relay(server.address, to_server={offset: bytes([rows[1, 9] ^ 0xFF])})
     links = PeerLinks(token, PAGE, timeout_s=10)
     try:
-        assert links.store(relay.address, [100, 101, 102], rows, parent=39).receive() == (1, [1])
+        assert links.store(relay.address, [100, 101, 102], rows, parent=39).receive()[:2] == (1, [1])
         assert np.array_equal(store.pages[100], page_of(100)) and 101 not in store.pages and 102 not in store.pages
         assert server.corrupt == 1
     finally:

@@ -1,5 +1,5 @@
 """The simulator predicts the runtime: one trace slice replayed by ``kvray sim`` and by the
-Ray runtime (one store node, real page bytes) on the same scenario.
+Ray runtime (real page bytes) on the same scenario, on one store node and on two and three.
 
 Hits must agree exactly for the deterministic policies: both run the same CacheManager and
 policy over the same full-page keys in the same order. Mean TTFT is measured on the runtime
@@ -7,6 +7,14 @@ policy over the same full-page keys in the same order. Mean TTFT is measured on 
 simulator; on this shared 2-core machine the measured figure moves with whatever else runs,
 so the test asserts a looser bound (runtime within 0.8x..2x of the model) than the 15% goal
 and prints the gap; docs/sim-eval/README.md holds figures measured on a quiet machine.
+
+On several nodes the simulator's side is :class:`tests.sim.cluster_reference.ClusterReference`
+(the runtime's cluster rules over modeled nodes) until the cluster simulator merges; hits
+must agree exactly there too, pages served from another node included. That holds because
+each replay engine settles its reports before the next request, a client's writes to its
+own node wait for its touch of the hits, and its runs to one node land in order (see
+kvray/cluster/client.py): without these the threaded store actor or the controller could
+apply one request's effects after the next one's, and the hits drift by a page now and then.
 """
 
 from __future__ import annotations
@@ -16,11 +24,14 @@ from pathlib import Path
 import pytest
 
 from kvray.apps.replay import replay_on_runtime, settings_from
+from kvray.cluster.runtime import alive_nodes
 from kvray.core.errors import ConfigError
+from kvray.policy.cluster import LocalFirstRing
 from kvray.sim.cost import load_scenario
 from kvray.sim.simulator import simulate
 from kvray.traces import read_trace
 from tests.conftest import RAY_OBJECT_STORE_BYTES
+from tests.sim.cluster_reference import ClusterReference
 
 pytestmark = pytest.mark.ray
 
@@ -29,15 +40,31 @@ SCENARIO = ROOT / "simulations" / "this-machine-runtime.yaml"
 TRACE = ROOT / "data" / "traces" / "synthetic_trace.jsonl"
 REQUESTS = 150  # its first 150 requests revisit long prefixes, and lru, lfu, arc keep different ones
 NODE = {"kvray_sim_vs_runtime": 1.0}
+PAIR = {"kvray_sim_vs_runtime_2": 1.0}
+TRIO = {"kvray_sim_vs_runtime_3": 1.0}
 
 
 @pytest.fixture(scope="module")
 def one_node(ray_cluster):
-    """A store node of its own, so the runtime has one node like the simulator."""
-    node = ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=dict(NODE))
+    """A store node of its own, so the runtime has one node like the simulator (it is also
+    the first of the pair and the trio)."""
+    node = ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=NODE | PAIR | TRIO)
     ray_cluster.wait_for_nodes()
     yield NODE
     ray_cluster.remove_node(node)
+
+
+@pytest.fixture(scope="module")
+def three_nodes(ray_cluster, one_node):
+    """Two more store nodes: PAIR names two nodes, TRIO three."""
+    added = [
+        ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=PAIR | TRIO),
+        ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=dict(TRIO)),
+    ]
+    ray_cluster.wait_for_nodes()
+    yield
+    for node in added:
+        ray_cluster.remove_node(node)
 
 
 def both(policy: str, resources: dict, prefill_us: float | None = None) -> tuple[dict, dict]:
@@ -79,6 +106,38 @@ def test_hits_agree_exactly(policy, one_node):
     simulated, measured = both(policy, one_node, prefill_us=0.0)  # hits only: skip the prefill compute
     assert measured["hit_tokens"] == simulated["hit_tokens"] > 0
     assert measured["hit_tokens_by_tier"] == simulated["hit_tokens_by_tier"]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "policy", "local_pages_limit"),
+    [(2, "lru", None), (2, "arc", 8), (3, "lfu", 8)],  # 8: requests over 8 pages spread by the ring
+)
+def test_hits_agree_exactly_on_several_nodes(nodes, policy, local_pages_limit, three_nodes):
+    resources = PAIR if nodes == 2 else TRIO
+    trace = read_trace(TRACE, limit=REQUESTS)
+    runtime = {"policy": policy, "name": f"simrun{nodes}-{policy}", "store_resources": resources}
+    settings = settings_from(SCENARIO, runtime | {"local_pages_limit": local_pages_limit}, {}, {"prefill_us_per_token": 0.0})
+    members = alive_nodes(resources)  # the runtime's membership order, which requests go round
+    assert len(members) == nodes
+    reference = ClusterReference(members, settings.runtime, LocalFirstRing())
+    for i, request in enumerate(trace):
+        reference.serve(i, request)
+    measured = replay_on_runtime(trace, settings, progress=False).as_dict()
+    assert measured["wrong_pages"] == 0
+    expected = {tier: pages * 512 for tier, pages in reference.hit_pages_by_tier.items() if pages}
+    assert {tier: n for tier, n in measured["hit_tokens_by_tier"].items() if n} == expected
+    assert expected.get("remote", 0) > 0  # pages crossed nodes
+
+
+def test_the_cluster_reference_is_the_simulator_on_one_node():
+    """Its rules reduce to the single-node simulator's, so on several nodes it speaks for it."""
+    trace = read_trace(TRACE, limit=REQUESTS)
+    for policy in ("lru", "lfu", "arc"):
+        reference = ClusterReference(["n"], settings_from(SCENARIO, {"policy": policy}, {}, {}).runtime, LocalFirstRing())
+        for i, request in enumerate(trace):
+            reference.serve(i, request)
+        simulated = simulate(trace, policy, load_scenario(SCENARIO)).as_dict()["hit_tokens_by_tier"]
+        assert {tier: pages * 512 for tier, pages in reference.hit_pages_by_tier.items()} == simulated
 
 
 def test_kvray_run_reads_a_sim_scenario_as_one_node(tmp_path):

@@ -1,0 +1,120 @@
+"""The controller's placement seam without Ray: the cluster policy decides, from what the
+stores and engines reported (kvray.cluster.observe).
+
+The Controller class runs in this process (as benchmarks weigh it); its store handles are
+stand-ins because placement never calls a store.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvray.cluster.config import RuntimeConfig
+from kvray.cluster.controller import Controller
+from kvray.cluster.observe import ClusterObservations, LinkSpeeds, NodeReport
+from kvray.core.errors import PolicyError
+from kvray.core.hashring import HashRing
+from kvray.core.tiers import Tier
+from kvray.policy.cluster import ClusterPolicy
+
+NIC = LinkSpeeds().nic_gbps * 1e9  # bytes/s
+
+
+def report(free_host: int = 10, nic_out: int = 0, disk_write: int = 0) -> NodeReport:
+    return NodeReport((0, free_host, 0), (0, 40, 0), (0, nic_out, 0, 0, disk_write))
+
+
+def test_utilisation_is_the_share_of_a_link_used_over_the_window():
+    seen = ClusterObservations(LinkSpeeds(), window_s=1.0)
+    seen.report("a", report(), now=0.0)
+    seen.report("a", report(nic_out=int(NIC / 2)), now=0.5)
+    assert seen.utilisation("a", now=1.0)[1] == pytest.approx(0.5)  # half a second's worth over the second since t=0
+    assert seen.utilisation("a", now=2.0) == (0.0,) * 5  # nothing reported since the window began
+    seen.report("a", report(nic_out=int(NIC / 2) + int(NIC * 3)), now=2.2)
+    assert seen.utilisation("a", now=2.4)[1] == 1.0  # more than the link carries: saturated, never above 1
+    assert seen.utilisation("b", now=2.4) == (0.0,) * 5  # never heard from
+
+
+def test_views_carry_free_shares_backlogs_and_forget_nodes_that_left():
+    seen = ClusterObservations(LinkSpeeds(), window_s=1.0, empty={"host": 1.0})
+    seen.report("a", report(free_host=10, disk_write=10**9), now=0.0)
+    seen.report("a", report(free_host=10, disk_write=2 * 10**9), now=0.5)
+    seen.backlog("a", 3.0)
+    view = seen.view(["a", "b"], now=1.0)
+    assert view.names == ["a", "b"]
+    assert view.node("a").free_share == {"host": 0.25} and view.node("a").backlog_ms == 3.0
+    assert view.node("a").disk_write_util == pytest.approx(0.5)  # 1 GB over a second of a 2 GB/s disk
+    assert view.node("b").free_share == {"host": 1.0} and view.node("b").backlog_ms == 0.0
+    seen.forget("a")
+    assert seen.view(["a"], now=1.0).node("a").free_share == {"host": 1.0}
+
+
+def controller(nodes: list[str], **config) -> Controller:
+    ctrl = Controller(RuntimeConfig(**config))
+    for node in nodes:
+        ctrl.register_store(node, store=object())
+    return ctrl
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    nodes=st.lists(st.sampled_from(["n0", "n1", "n2", "n3"]), min_size=1, max_size=4, unique=True),
+    keys=st.lists(st.integers(0, 2**128 - 1), min_size=1, max_size=40, unique=True),
+    cached=st.integers(0, 40),
+    limit=st.integers(0, 30),
+    requester=st.sampled_from(["n0", "n1", "outside"]),
+)
+def test_local_first_places_as_the_rule_it_replaced(nodes, keys, cached, limit, requester):
+    """The default policy answers exactly what the controller's inline rule did: the
+    requester's node for a request of at most local_limit pages, else the hash ring of the
+    live nodes over the missing pages."""
+    ctrl = controller(nodes, local_pages_limit=limit)
+    cached = min(cached, len(keys))
+    if cached:
+        ctrl.commit(None, keys[:cached], [nodes[0]] * cached, 0, {})
+    plan = ctrl.lookup_pin(keys, requester)
+    assert plan.hit_nodes == [nodes[0]] * cached
+    missing = keys[cached:]
+    if not missing:
+        assert plan.targets == []
+    elif requester in nodes and len(keys) <= limit:
+        assert plan.targets == [requester] * len(missing)
+    else:
+        assert plan.targets == HashRing(nodes).owners(missing)
+
+
+def test_the_policy_sees_what_stores_and_engines_reported():
+    ctrl = controller(["a", "b"], tiers={"host": 40})
+    ctrl.commit(None, [1, 2], ["b", "b"], 0, {}, {"b": report(free_host=30)})
+    ctrl.lookup_pin([1, 2, 3], "a", backlog_ms=7.5)
+    view = ctrl.cluster_view()
+    assert view.node("a").free_share == {"host": 1.0} and view.node("a").backlog_ms == 7.5
+    assert view.node("b").free_share == {"host": 0.75} and view.node("b").backlog_ms == 0.0
+    ctrl.remove_node("b")
+    assert ctrl.cluster_view().names == ["a"]
+
+
+class Elsewhere(ClusterPolicy):
+    name = "elsewhere"
+
+    def place(self, request, missing, cluster):
+        return ["nowhere"] * missing
+
+
+def test_a_policy_naming_no_live_node_is_refused_by_name():
+    ctrl = controller(["a"])
+    ctrl.policy = Elsewhere()
+    with pytest.raises(PolicyError, match="elsewhere.*nowhere.*one live node"):
+        ctrl.lookup_pin([1, 2], "a")
+
+
+def test_unknown_cluster_policies_and_tier_costs_are_refused_where_they_enter():
+    with pytest.raises(ValueError, match="unknown cluster policy 'nope'; known: local-first"):
+        RuntimeConfig(cluster_policy="nope")
+    with pytest.raises(ValueError, match="is not a ClusterPolicy subclass"):
+        RuntimeConfig(cluster_policy="kvray.policy.lru:LRUPolicy")
+    with pytest.raises(ValueError, match="tier_cost: unknown tier"):
+        RuntimeConfig(tier_cost={"tape": 1.0})
+    assert RuntimeConfig(tier_cost={"host": 0.3}).tier_costs() == {Tier.HOST: 0.3}

@@ -1,0 +1,68 @@
+"""Policies that write down what they are shown, for the feature-equality tests.
+
+They run inside the runtime's actors (the controller builds the cluster policy, every
+store its placement policy, by import path: ``tests.sim.recording:RecordingRing``), so
+each process appends what its policy saw to a file of its own under :data:`RECORDS`,
+which the test reads back. In the test's own process (the simulator's side) ``sink`` is
+None and the records stay in ``seen``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+from kvray.policy.base import RequestInfo
+from kvray.policy.cluster import ClusterView, LocalFirstRing, RequestView
+from kvray.policy.lru import LRUPolicy
+
+RECORDS = Path(__file__).resolve().parents[2] / ".pytest_cache" / "kvray-recorded-views"
+
+
+def read_records(kind: str) -> list[list]:
+    """What each process recorded of ``kind`` (one list per process, in call order)."""
+    out = []
+    for path in sorted(RECORDS.glob(f"{kind}-*.pkl")):
+        records = []
+        with path.open("rb") as f:
+            while True:
+                try:
+                    records.append(pickle.load(f))
+                except EOFError:
+                    break
+        out.append(records)
+    return out
+
+
+class _Recorder:
+    kind = ""
+    sink: Path | None = RECORDS
+
+    def record(self, item) -> None:
+        self.__dict__.setdefault("seen", []).append(item)
+        if self.sink is not None:
+            self.sink.mkdir(parents=True, exist_ok=True)
+            with (self.sink / f"{self.kind}-{os.getpid()}.pkl").open("ab") as f:
+                pickle.dump(item, f)
+
+
+class RecordingRing(_Recorder, LocalFirstRing):
+    """Today's local-first + ring placement, writing down each (request, missing, cluster) it places."""
+
+    name = "recording-local-first"
+    kind = "place"
+
+    def place(self, request: RequestView, missing: int, cluster: ClusterView) -> list[str]:
+        self.record((request, missing, cluster))
+        return super().place(request, missing, cluster)
+
+
+class RecordingLRU(_Recorder, LRUPolicy):
+    """LRU, writing down every request it is told of."""
+
+    name = "recording-lru"
+    kind = "on_request"
+
+    def on_request(self, info: RequestInfo) -> None:
+        self.record(info)

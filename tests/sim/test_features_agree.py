@@ -1,0 +1,132 @@
+"""One policy, two worlds: for the same requests (a trace prefix, the same capacities, a
+quiet cluster) a policy sees the same observations in the Ray runtime as in the simulator.
+
+The runtime's controller and stores run recording policies (``tests.sim.recording``,
+built by import path in their actors), which write down every ``place`` (RequestView,
+pages to place, ClusterView) and every ``on_request`` (RequestInfo) they are shown. The
+simulator's side: the single-node :class:`~kvray.sim.simulator.Simulator` for the
+RequestInfo of one node, and :class:`tests.sim.cluster_reference.ClusterReference` (the
+runtime's cluster rules over modeled nodes, standing in for the cluster simulator until it
+merges) for the views of one and two nodes. Keys are compared as the runtime makes them:
+the simulator's trace block ids bound to the model (:func:`~kvray.core.keys.trace_page_keys`).
+
+Quiet means nothing else runs and each request starts after the last one's reports
+landed (the replay's engines settle between requests); link utilisations are read over a
+1 microsecond window, so the runtime sees idle links as the simulator does (their
+measurement over longer windows is tested in tests/cluster/test_observe.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvray.apps.replay import replay_on_runtime, settings_from
+from kvray.core.keys import trace_page_keys
+from kvray.policy.base import RequestInfo
+from kvray.sim.cost import load_scenario
+from kvray.sim.simulator import Simulator
+from kvray.traces import read_trace
+from tests.conftest import RAY_OBJECT_STORE_BYTES
+from tests.sim.cluster_reference import ClusterReference
+from tests.sim.recording import RECORDS, RecordingLRU, RecordingRing, read_records
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO = ROOT / "simulations" / "this-machine-runtime.yaml"
+TRACE = ROOT / "data" / "traces" / "synthetic_trace.jsonl"
+REQUESTS = 120
+SOLO = {"kvray_views_solo": 1.0}  # one of the two nodes
+PAIR = {"kvray_views": 1.0}  # both
+
+
+@pytest.fixture(scope="module")
+def two_nodes(ray_cluster):
+    """Two store nodes of their own: one offers SOLO and PAIR, the other PAIR."""
+    added = [
+        ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=PAIR | SOLO),
+        ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=dict(PAIR)),
+    ]
+    ray_cluster.wait_for_nodes()
+    yield
+    for node in added:
+        ray_cluster.remove_node(node)
+
+
+def recorded_run(name: str, resources: dict, local_pages_limit: int | None = None):
+    """Replay the trace prefix on the runtime with recording policies; (settings, result,
+    place records, on_request records per store)."""
+    shutil.rmtree(RECORDS, ignore_errors=True)
+    runtime = {
+        "name": name,
+        "policy": "tests.sim.recording:RecordingLRU",
+        "cluster_policy": "tests.sim.recording:RecordingRing",
+        "store_resources": resources,
+        "observe_window_s": 1e-6,
+        "local_pages_limit": local_pages_limit,
+    }
+    settings = settings_from(SCENARIO, runtime, {}, {"prefill_us_per_token": 0.0})  # views only: no prefill compute
+    result = replay_on_runtime(read_trace(TRACE, limit=REQUESTS), settings, progress=False).as_dict()
+    assert result["wrong_pages"] == 0
+    (places,) = read_records("place")  # one controller
+    return settings, result, places, read_records("on_request")
+
+
+def reference_run(settings, nodes: list[str]) -> ClusterReference:
+    reference = ClusterReference(nodes, settings.runtime, RecordingRing())
+    reference.policy.sink = None
+    for manager in reference.nodes.values():
+        manager.policy.sink = None  # this process's records stay in memory
+    for i, request in enumerate(read_trace(TRACE, limit=REQUESTS)):
+        reference.serve(i, request)
+    return reference
+
+
+def _first_keys(seen: list[RequestInfo]) -> tuple:
+    """Orders the nodes' records by their first request (the runtime's stores are unnamed)."""
+    return seen[0].keys if seen else ()
+
+
+def assert_same_views(settings, result, places, infos, reference: ClusterReference) -> None:
+    assert places and places == reference.policy.seen
+    expected = sorted((m.policy.seen for m in reference.nodes.values()), key=_first_keys)
+    assert sorted(infos, key=_first_keys) == expected
+    assert {k: v for k, v in result["hit_tokens_by_tier"].items() if v} == {
+        tier: pages * 512 for tier, pages in reference.hit_pages_by_tier.items() if pages
+    }
+
+
+def test_one_node_the_runtime_shows_the_policies_what_the_simulator_does(two_nodes):
+    settings, result, places, infos = recorded_run("views-one", SOLO)
+    node = places[0][2].names
+    assert len(node) == 1
+    reference = reference_run(settings, node)
+    assert_same_views(settings, result, places, infos, reference)
+    # The single-node simulator tells its policy the same of every request (keys made the
+    # runtime's way; a request without a full page never reaches the runtime's cache).
+    trace = read_trace(TRACE, limit=REQUESTS)
+    policy = RecordingLRU()
+    policy.sink = None
+    simulator = Simulator(load_scenario(SCENARIO), policy)
+    simulator.replay(trace)
+    fingerprint = settings.runtime.fingerprint()
+    simulated = [
+        RequestInfo(tuple(trace_page_keys(fingerprint, info.keys)), info.backlog_ms, info.tier_cost)
+        for info in policy.seen
+        if info.keys
+    ]
+    assert infos == [simulated]
+    assert simulated[0].tier_cost == settings.runtime.tier_costs() and simulated[0].backlog_ms == 0.0
+    assert any(view.free_share["host"] < 1.0 for _, _, cluster in places for view in cluster.nodes)
+
+
+def test_two_nodes_the_runtime_shows_the_policies_what_the_reference_does(two_nodes):
+    # Requests over 8 pages are spread by the ring, so pages cross nodes both ways.
+    settings, result, places, infos = recorded_run("views-two", PAIR, local_pages_limit=8)
+    nodes = places[0][2].names
+    assert len(nodes) == 2 and len(infos) == 2
+    assert result["hit_tokens_by_tier"].get("remote", 0) > 0
+    assert_same_views(settings, result, places, infos, reference_run(settings, nodes))
