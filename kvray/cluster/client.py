@@ -1,7 +1,9 @@
 """The client API engines and jobs call: lookup + pin, load, store, release.
 
 Each verb covers a whole request with one controller round trip at most, and none when
-this node's host tier holds the whole request:
+this node's host tier holds the whole request. With several controller shards, a
+request's calls all go to the shard owning its chain (:mod:`kvray.cluster.shards`), so
+that is still one round trip:
 
 - ``lookup(keys)``: if every page is published in this node's shared host tier (its
   :class:`~kvray.core.tiers.directory.SlotDirectory`, mapped into this process), the answer is
@@ -64,6 +66,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections import Counter, defaultdict
@@ -73,9 +76,10 @@ from dataclasses import dataclass, field
 import ray
 import xxhash
 
-from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
+from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan, new_lease
 from kvray.cluster.paths import ACTOR_ERRORS, PATHS, StoreCallPath
+from kvray.cluster.shards import ControllerShards
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks
 from kvray.core.errors import ClusterError, RequestError, StorageError
@@ -139,14 +143,15 @@ class KvrayClient:
     def __init__(
         self,
         config: RuntimeConfig,
-        controller,
+        shards: ControllerShards,
         node_id: str | None = None,
         buffer_pages: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         mapped_reads: bool = True,
     ) -> None:
         self.config = config
-        self.controller = controller
+        self.shards = shards
+        self._members_from = itertools.cycle(shards.handles)  # any shard knows the members; ask them in turn
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
         self.fingerprint = config.fingerprint()
         self.page_nbytes = config.layout.page_nbytes
@@ -168,17 +173,14 @@ class KvrayClient:
 
     @classmethod
     def connect(cls, name: str = "kvray", **kwargs) -> KvrayClient:
-        """Find the runtime ``name`` on the connected Ray cluster."""
-        try:
-            controller = ray.get_actor(controller_name(name), namespace=NAMESPACE)
-        except ValueError:
-            raise ClusterError(f"no kvray runtime named {name!r} on this Ray cluster (namespace {NAMESPACE!r})") from None
-        config = _answer(controller.runtime_config.remote(), kwargs.get("timeout_s", DEFAULT_TIMEOUT_S), "runtime_config")
-        return cls(config, controller, **kwargs)
+        """Find the runtime ``name`` (all its controller shards) on the connected Ray cluster."""
+        shards = ControllerShards.find(name, kwargs.get("timeout_s", DEFAULT_TIMEOUT_S))
+        config = _answer(shards.handles[0].runtime_config.remote(), kwargs.get("timeout_s", DEFAULT_TIMEOUT_S), "runtime_config")
+        return cls(config, shards, **kwargs)
 
     def refresh(self) -> None:
         """Re-read the live stores, their collective ranks and page servers from the controller."""
-        self._route(_answer(self.controller.members.remote(), self.timeout_s, "members"))
+        self._route(_answer(next(self._members_from).members.remote(), self.timeout_s, "members"))
         self._detach()
         self._host_info, self._next_check = None, 0.0
         self._mapped_host()  # asks the local store which host segment it serves
@@ -199,7 +201,7 @@ class KvrayClient:
         new page server port, which a client that never asked would not find."""
         now = time.monotonic()
         if self._members is None and now >= self._next_members:
-            self._members = self.controller.members.remote()
+            self._members = next(self._members_from).members.remote()
             self._next_members = now + MEMBERS_CHECK_S
         if self._members is not None and ray.wait([self._members], timeout=0)[0]:
             with contextlib.suppress(ray.exceptions.RayError):  # the controller is restarting: asked again later
@@ -257,18 +259,21 @@ class KvrayClient:
     def lookup(self, keys: Sequence[int]) -> Plan:
         self._check(keys)
         self._poll_members()
+        shard = self.shards.of(keys)
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):
-            return Plan(LOCAL_LEASE, [self.node_id] * len(keys), [])
+            return Plan(LOCAL_LEASE, [self.node_id] * len(keys), [], shard)
         lease = new_lease()
+        controller = self.shards.handles[shard]
         try:
-            return ray.get(self.controller.lookup_pin.remote(list(keys), self.node_id, lease), timeout=self.timeout_s)
+            plan = ray.get(controller.lookup_pin.remote(list(keys), self.node_id, lease), timeout=self.timeout_s)
         except ACTOR_ERRORS as exc:
             self.count_fault(exc)
             # The pin may still happen (or have happened) after we stopped waiting: end it by
             # its id. The controller runs one caller's calls in order, so this comes after it.
-            self.controller.release.remote(lease, {}, {})
-            return Plan(NO_LEASE, [], [])  # the controller is restarting or slow: a miss, nothing placed
+            controller.release.remote(lease, {}, {})
+            return Plan(NO_LEASE, [], [], shard)  # the controller is restarting or slow: a miss, nothing placed
+        return dataclasses.replace(plan, shard=shard)
 
     def count_fault(self, exc: Exception) -> None:
         """A call that became a miss, by cause (see ``faults``)."""
@@ -393,11 +398,11 @@ class KvrayClient:
         report = (plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes, local_pages)
         store = self.local_store
         if store is not None and plan.lease == LOCAL_LEASE:
-            store.touch.remote(pack_keys(loaded.mapped), report)
+            store.touch.remote(pack_keys(loaded.mapped), report, plan.shard)
             return
         if store is not None and loaded.mapped:
             store.touch.remote(pack_keys(loaded.mapped))
-        self.controller.release.remote(*report)
+        self.shards.handles[plan.shard].release.remote(*report)
 
     # -- store --------------------------------------------------------------------------------------
     def store(self, keys: Sequence[int], start: int, plan: Plan) -> int:
@@ -434,7 +439,9 @@ class KvrayClient:
                 if landed == run.start:
                     landed = run.stop
         parent = keys[start - 1] if start else None
-        self.controller.commit.remote(parent, list(keys[start:landed]), targets[: landed - start], start, dict(dropped))
+        self.shards.for_keys(keys).commit.remote(
+            parent, list(keys[start:landed]), targets[: landed - start], start, dict(dropped)
+        )
         return stored
 
     def close(self) -> None:

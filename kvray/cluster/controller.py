@@ -18,7 +18,12 @@ the pages its disk tier kept.
 
 The controller itself may die: Ray restarts it (``max_restarts``), and the new incarnation
 finds the runtime's store actors by name and rebuilds membership and index from what they
-hold (:meth:`Controller.rebuild`) before it answers anyone. Leases and pins of the old
+hold (:meth:`Controller.rebuild`) before it answers anyone.
+
+A runtime with ``controller_shards`` > 1 runs one controller per shard: each is this class
+over its :class:`~kvray.core.partition.Partition` (the chains whose root page hashes to it),
+with every store registered at each; clients route each request to its chain's shard
+(:mod:`kvray.cluster.shards`), and a restarted shard rebuilds only the chains it owns. Leases and pins of the old
 incarnation are gone; clients treat a request that meets the outage as a miss.
 
 Leases are named by the client (:func:`new_lease`), so a client whose ``lookup_pin``
@@ -50,9 +55,10 @@ import numpy as np
 import ray
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, store_name
-from kvray.core.hashring import HashRing
 from kvray.cluster.metrics import export_cluster_stats
+from kvray.core.hashring import HashRing
 from kvray.core.index import ROOT, PrefixIndex, parents_first
+from kvray.core.partition import Partition, owned_links
 
 NO_NODE = -1
 NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
@@ -74,6 +80,7 @@ class Plan:
     lease: int
     hit_nodes: list[str]
     targets: list[str]
+    shard: int = 0  # the controller shard that made it (and holds its lease), set by the client
 
     @property
     def hit_pages(self) -> int:
@@ -83,8 +90,9 @@ class Plan:
 class Controller:
     """Global prefix index, page locations, heat, pins and placement; see the module doc."""
 
-    def __init__(self, config: RuntimeConfig, token: bytes | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, token: bytes | None = None, shard: int = 0) -> None:
         self.config = config
+        self.partition = Partition(shard, config.controller_shards)
         self.token = token  # the transfer secret, for this runtime's stores and clients only
         self.servers: dict[str, tuple[str, int]] = {}
         self.index = PrefixIndex()
@@ -141,7 +149,7 @@ class Controller:
                 self.register_store(held["node_id"], store, held["rank"], server=held["server"])
                 links.extend((key, parent, held["node_id"]) for key, parent in held["pages"])
         ordered, _ = parents_first(links)  # pages whose chain lost its root stay out: misses
-        for key, parent_key, node in ordered:
+        for key, parent_key, node in owned_links(ordered, self.partition):
             if self.index.handle_of(key) is not None:
                 continue  # the same page on two nodes: one location is enough
             parent = ROOT if parent_key is None else self.index.handle_of(parent_key)
@@ -358,6 +366,7 @@ class Controller:
         self._expire()
         hits = sum(self.hit_pages.values())
         snap = {
+            "shard": self.partition.shard,
             "nodes": list(self.stores),
             "indexed_pages": len(self.index),
             "pages_by_node": self.pages_by_node(),
