@@ -150,7 +150,9 @@ class Runtime:
     def start(cls, config: RuntimeConfig, detached: bool = False) -> Runtime:
         """Place the controller shards and the stores; ``detached`` ones outlive this driver
         (Ray's ``lifetime="detached"``) until :meth:`close`, otherwise they end with it.
-        Shards are spread over the nodes round-robin from the driver's, each store registered at every shard."""
+        The controller shards all run beside the driver (on a cluster: the head node, whose
+        loss ends the cluster anyway, never a worker node that may leave); every store is
+        registered at every shard."""
         nodes = alive_nodes(config.store_resources)
         if not nodes:
             raise ClusterError(f"no live Ray node offers {config.store_resources or 'any resources'} for a store")
@@ -165,15 +167,14 @@ class Runtime:
             )
         here = ray.get_runtime_context().get_node_id()
         token = secrets.token_bytes(TOKEN_BYTES)
-        first = here if here in alive_nodes() else nodes[0]  # shard 0 beside the driver
-        homes = [first, *(n for n in alive_nodes() if n != first)]
+        home = here if here in alive_nodes() else nodes[0]
         shards = ControllerShards(
             [
                 ControllerActor.options(
                     name=controller_name(config.name, shard),
                     namespace=NAMESPACE,
                     num_cpus=0,
-                    scheduling_strategy=on_node(homes[shard % len(homes)]),
+                    scheduling_strategy=on_node(home),
                     lifetime="detached" if detached else None,
                 ).remote(config, token, shard)
                 for shard in range(config.controller_shards)
