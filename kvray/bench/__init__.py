@@ -34,6 +34,7 @@ MODULES = (
     "kvray.bench.policy",
     "kvray.bench.engines",
     "kvray.bench.runtime",
+    "kvray.bench.concurrency",
 )
 
 
