@@ -411,8 +411,10 @@ class KvrayClient:
         Each maximal run of pages bound for one node goes as one chain (same-node by shared
         memory, others by direct TCP to their page server, or the object store with ``tcp``
         off); the controller then learns the longest chain that landed, continuing the
-        cached prefix. If a same-node write was given up on, ``buffer`` is a fresh one
-        afterwards (see the module docstring).
+        cached prefix. The stores' reports of pages they evicted meanwhile (from any chain)
+        go with it, and to every other controller shard: which shard indexes an evicted
+        page is not known here. If a same-node write was given up on, ``buffer`` is a fresh
+        one afterwards (see the module docstring).
         """
         self._check(keys)
         stored = self._store(keys, start, plan)
@@ -439,9 +441,12 @@ class KvrayClient:
                 if landed == run.start:
                     landed = run.stop
         parent = keys[start - 1] if start else None
-        self.shards.for_keys(keys).commit.remote(
-            parent, list(keys[start:landed]), targets[: landed - start], start, dict(dropped)
-        )
+        owner, evicted = self.shards.of(keys), {node: gone for node, gone in dropped.items() if gone}
+        self.shards.handles[owner].commit.remote(parent, list(keys[start:landed]), targets[: landed - start], start, evicted)
+        if evicted:  # pages evicted from any chain: every other shard forgets those it indexes
+            for shard, controller in enumerate(self.shards.handles):
+                if shard != owner:
+                    controller.commit.remote(None, [], [], 0, evicted)
         return stored
 
     def close(self) -> None:

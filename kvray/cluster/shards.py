@@ -6,7 +6,9 @@ A runtime runs ``RuntimeConfig.controller_shards`` controller actors
 keeps the unsharded name, and its ``runtime_config`` says how many there are.
 :class:`ControllerShards` holds their handles: a request's calls go to the shard owning its
 chain (:meth:`ControllerShards.of`: one call per request, as with one controller),
-membership changes go to every shard (every shard places pages on every node), and
+membership changes go to every shard (every shard places pages on every node), as do
+the stores' reports of pages they evicted (a store does not know which chain, hence
+which shard, an evicted page belonged to; a write that evicted nothing sends none), and
 :meth:`ControllerShards.snapshot` merges the shards' counters into the one snapshot a
 single controller gives, with each shard's own figures under ``shards``.
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from kvray.core.errors import RequestError
 from kvray.core.index import parents_first
 from kvray.core.keys import ModelFingerprint, page_keys
-from tests.conftest import TINY
 from kvray.core.partition import Partition, chain_shard, owned_links, shard_of
+from tests.conftest import TINY
 
 KEYS = st.integers(min_value=0, max_value=2**128 - 1)
 
