@@ -141,6 +141,73 @@ def test_a_killed_controller_is_restarted_and_rebuilds_its_index_from_the_stores
     assert after["hit_pages_by_tier"]  # the rebuilt index served hits in the second half
 
 
+def test_a_killed_shard_rebuilds_its_own_chains_while_the_other_keeps_serving(ray_cluster):
+    """Two shards, 16 chains under distinct roots (tenant salts), so both hold pages. One
+    shard's process dies: while it restarts, requests it owns are misses and requests the
+    other owns still hit; once back, it indexes exactly the chains it held before, each
+    under a root it owns, and the other shard's index never changed."""
+    config, runtime = start(tiers=TierSizes(host=128), controller_shards=2)
+    client = KvrayClient.connect(config.name, buffer_pages=8, timeout_s=5.0)
+    pattern = PagePattern(client.page_nbytes)
+    chains = [client.keys_for_trace([1, 2, 3, 4], salt=f"tenant-{t}") for t in range(16)]
+
+    def serve(keys: list[int]) -> tuple[int, int]:
+        plan = client.lookup(keys)
+        loaded = client.load(keys, plan)
+        rows = client.buffer.pages
+        wrong = sum(not pattern.matches(keys[i], rows[i]) for i in range(loaded.pages))
+        for i in range(loaded.pages, len(keys)):
+            pattern.fill(keys[i], rows[i])
+        del rows
+        client.release(plan, loaded)
+        client.store(keys, loaded.pages, plan)
+        return loaded.pages, wrong
+
+    def index_of(shard) -> set[int]:
+        return set(ray.get(shard.__ray_call__.remote(lambda self: list(self.index.keys())), timeout=30))
+
+    try:
+        client.mapped_reads = False  # every lookup asks its shard
+        assert [serve(keys) for keys in chains] == [(0, 0)] * 16
+        runtime.shards.snapshot()  # the commits have landed
+        victim, survivor = runtime.shards.handles
+        before = [index_of(victim), index_of(survivor)]
+        owned = [[keys for keys in chains if runtime.shards.of(keys) == s] for s in (0, 1)]
+        assert owned[0] and owned[1] and all(before)  # both shards hold chains
+        ray.kill(victim, no_restart=False)
+        t0 = time.monotonic()
+        during = [serve(keys) for keys in owned[1]]  # the survivor serves while the victim restarts
+        assert during == [(4, 0)] * len(owned[1])
+        while True:
+            try:
+                snap = ray.get(victim.snapshot.remote(), timeout=5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                snap = {"rebuild_s": 0}
+            if snap["rebuild_s"] > 0:
+                break
+            assert time.monotonic() - t0 < CONTROLLER_RECOVERY_BOUND_S, "the shard did not come back"
+            time.sleep(0.1)
+        recovery_s = time.monotonic() - t0
+        after = [index_of(victim), index_of(survivor)]
+        roots = roots_by_shard(runtime)
+        served_after = [serve(keys) for keys in chains]
+    finally:
+        client.close()
+        runtime.close()
+    report(
+        "one of 2 controller shards killed",
+        requests=16 + len(during) + 16,
+        wrong_pages=sum(w for _, w in served_after),
+        pages_on_killed_shard=len(before[0]),
+        pages_rebuilt=len(after[0]),
+        survivor_hits_during_outage=sum(h for h, _ in during),
+        recovery_s=round(recovery_s, 2),
+    )
+    assert after == before  # the victim rebuilt exactly its chains; the survivor lost nothing
+    assert all(shard_of(root, 2) == shard for shard, rs in enumerate(roots) for root in rs)
+    assert served_after == [(4, 0)] * 16
+
+
 @SHARDS
 def test_a_store_actor_killed_mid_replay_costs_misses_never_wrong_kv(ray_cluster, shards):
     """One node's store process dies halfway (the node stays); Ray restarts it empty (no disk
