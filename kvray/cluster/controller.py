@@ -18,13 +18,13 @@ the pages its disk tier kept.
 
 The controller itself may die: Ray restarts it (``max_restarts``), and the new incarnation
 finds the runtime's store actors by name and rebuilds membership and index from what they
-hold (:meth:`Controller.rebuild`) before it answers anyone.
+hold (:meth:`Controller.rebuild`) before it answers anyone. Leases and pins of the old
+incarnation are gone; clients treat a request that meets the outage as a miss.
 
 A runtime with ``controller_shards`` > 1 runs one controller per shard: each is this class
 over its :class:`~kvray.core.partition.Partition` (the chains whose root page hashes to it),
 with every store registered at each; clients route each request to its chain's shard
-(:mod:`kvray.cluster.shards`), and a restarted shard rebuilds only the chains it owns. Leases and pins of the old
-incarnation are gone; clients treat a request that meets the outage as a miss.
+(:mod:`kvray.cluster.shards`), and a restarted shard rebuilds only the chains it owns.
 
 Leases are named by the client (:func:`new_lease`), so a client whose ``lookup_pin``
 timed out can still end the pins that call may have taken, and every lease expires after
@@ -122,7 +122,8 @@ class Controller:
                 self.rebuild()
 
     def rebuild(self) -> int:
-        """Recover membership and index from the live store actors; returns pages indexed.
+        """Recover membership and index (this shard's chains) from the live store actors;
+        returns pages indexed.
 
         A page goes back only under its parent (roots first), so the index stays
         prefix-closed; a store that does not answer within ``REBUILD_WAIT_S`` stays out
