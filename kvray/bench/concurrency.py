@@ -22,8 +22,8 @@ pages, release, store.
   controller shards, against 1 shard in the same run.
 
 The detailed figures go to ``concurrency.json`` and ``concurrency.png`` in ``KVRAY_BENCH_OUT``
-(default ``results/bench``); the knee is the first level whose throughput grows less than
-``KNEE_GAIN`` times over the level before it.
+(default ``results/bench``); the knee is the last level before throughput stops growing
+``KNEE_GAIN`` times from one level to the next.
 
 Example::
 
@@ -255,10 +255,11 @@ def serve_run(runtime: Runtime, procs: list, nodes: list[str], requests, clients
 
 
 def knee(levels: list[dict]) -> int | None:
-    """The first level (clients) whose throughput grows less than KNEE_GAIN x over the previous."""
+    """Where the curve bends: the last level (clients) before throughput stops growing by
+    KNEE_GAIN x from one level to the next; None if it still grows at the last level."""
     for prev, cur in itertools.pairwise(levels):
         if cur["throughput_rps"] < KNEE_GAIN * prev["throughput_rps"]:
-            return cur["clients"]
+            return prev["clients"]
     return None
 
 
