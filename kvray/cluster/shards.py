@@ -95,9 +95,10 @@ class ControllerShards:
             total.update(counts)
         return dict(total)
 
-    def kill(self, no_restart: bool = True) -> None:
+    def kill(self) -> None:
+        """Stop every shard for good (the runtime is closing)."""
         for handle in self.handles:
-            ray.kill(handle, no_restart=no_restart)
+            ray.kill(handle, no_restart=True)
 
 
 def merge_snapshots(snaps: Sequence[dict]) -> dict:
