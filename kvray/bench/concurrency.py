@@ -78,7 +78,13 @@ def agent_requests(count: int, agents: int, sessions: int, seed: int = 0) -> lis
 
 @ray.remote(num_cpus=0)
 class ClientProcess:
-    """One client process on its node: threads each serving requests with their own client."""
+    """One client process on its node: threads each serving requests with their own client.
+
+    Example::
+
+        proc = ClientProcess.options(scheduling_strategy=on_node(node)).remote("kvray", clients=8)
+        ray.get(proc.serve.remote([[1, 2, 3], [1, 2, 4]], threads=2, salt="run-1"))["counts"]
+    """
 
     def __init__(self, runtime_name: str, clients: int, mapped_reads: bool = True) -> None:
         self.shards = ControllerShards.find(runtime_name)
@@ -89,7 +95,7 @@ class ClientProcess:
             )
             for _ in range(clients)
         ]
-        self.node_id = self.clients[0].node_id if self.clients else ray.get_runtime_context().get_node_id()
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.page_nbytes = config.layout.page_nbytes
 
     def serve(self, requests: list[list[int]], threads: int, salt: str) -> dict:
@@ -97,7 +103,6 @@ class ClientProcess:
         queue = iter(range(len(requests)))
         lock = threading.Lock()
         spans = [(0.0, 0.0)] * len(requests)
-        tallies = []
 
         def work(client: KvrayClient) -> Counter:
             pattern, seen = PagePattern(self.page_nbytes), Counter()
