@@ -155,6 +155,9 @@ def up(
     host_pages: int | None = typer.Option(None, "--host-pages", help="host-tier pages per node (default 256)"),
     disk_pages: int | None = typer.Option(None, "--disk-pages", help="disk-tier pages per node (needs --disk-root)"),
     disk_root: str | None = typer.Option(None, "--disk-root", help="directory for the nodes' disk tiers"),
+    controller_shards: int | None = typer.Option(
+        None, "--controller-shards", help="controller actors sharing the metadata (default 1; README: sizing shards)"
+    ),
 ) -> None:
     """Start a kvray runtime on a Ray cluster that stays up after this command (until kvray down)."""
     from kvray.apps.replay import settings_from
@@ -163,14 +166,15 @@ def up(
     with reported_errors():
         config = settings_from(
             scenario,
-            runtime={"name": name, "policy": policy, "disk_root": disk_root},
+            runtime={"name": name, "policy": policy, "disk_root": disk_root, "controller_shards": controller_shards},
             tiers={"host": host_pages, "disk": disk_pages},
             replay={},
         ).runtime
         nodes = start(address, config)
     console.print(
         f"kvray runtime {name!r} is up: {config.policy} over {config.tiers.host} host pages per node on "
-        f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}; `kvray status --name {name}` reads it, "
+        f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}, {config.controller_shards} controller shard"
+        f"{'' if config.controller_shards == 1 else 's'}; `kvray status --name {name}` reads it, "
         f"`kvray down --name {name}` stops it"
     )
 

@@ -160,8 +160,8 @@ class Replay:
     def _bytes_moved(self) -> int:
         """Page bytes moved so far, between tiers inside the nodes and between nodes."""
         stats = self.runtime.store_stats()
-        cluster = _bounded(self.runtime.controller.snapshot.remote(), CALL_TIMEOUT_S, "the controller's snapshot")
-        return sum(s["bytes_moved"] for s in stats.values()) + cluster["bytes_between_nodes"]
+        between = _bounded(self.runtime.shards.broadcast("snapshot"), CALL_TIMEOUT_S, "the controller's snapshot")
+        return sum(s["bytes_moved"] for s in stats.values()) + sum(snap["bytes_between_nodes"] for snap in between)
 
     def _serve(self, i: int, request: TraceRequest, lost_nodes: list[str]) -> dict:
         while self.engines:

@@ -10,17 +10,21 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from kvray.cluster.runtime import CALL_TIMEOUT_S, RayConnection, find_controller
+from kvray.cluster.runtime import CALL_TIMEOUT_S, RayConnection
+from kvray.cluster.shards import ControllerShards, merge_snapshots
 from kvray.core.errors import ClusterError
 
 
 def fetch_status(address: str | None, name: str) -> dict:
-    """The controller's status of runtime ``name`` on an existing cluster (``address``,
-    ``RAY_ADDRESS`` or the one on this machine); every failure is a one-line ClusterError."""
+    """The status of runtime ``name`` on an existing cluster (``address``, ``RAY_ADDRESS`` or
+    the one on this machine): shard 0's (with the stores'), its cluster figures merged with
+    the other controller shards'; every failure is a one-line ClusterError."""
     with RayConnection(address=address or "auto"):
-        controller = find_controller(name)
+        shards = ControllerShards.find(name, CALL_TIMEOUT_S)
         try:
-            return resolve_status(ray.get(controller.status.remote(), timeout=CALL_TIMEOUT_S))
+            status = ray.get(shards.handles[0].status.remote(), timeout=CALL_TIMEOUT_S)
+            others = ray.get([shard.snapshot.remote() for shard in shards.handles[1:]], timeout=CALL_TIMEOUT_S)
+            return resolve_status({**status, "cluster": merge_snapshots([status["cluster"], *others])})
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise ClusterError(f"the controller of kvray runtime {name!r} did not answer: {type(exc).__name__}") from None
 
@@ -43,7 +47,7 @@ def print_status(snapshot: dict, console: Console) -> None:
     c = snapshot["cluster"]
     hits = ", ".join(f"{t} {n}" for t, n in sorted(c["hit_pages_by_tier"].items())) or "-"
     console.print(
-        f"nodes {len(c['nodes'])}  indexed pages {c['indexed_pages']}  page hit rate {c['page_hit_rate']:.3f}  "
+        f"nodes {len(c['nodes'])}  controller shards {len(c['shards'])}  indexed pages {c['indexed_pages']}  page hit rate {c['page_hit_rate']:.3f}  "
         f"hits per tier: {hits}  bytes between nodes {c['bytes_between_nodes']}  lost pages {c['lost_pages']}"
     )
     table = Table(title="kvray stores")
@@ -65,3 +69,12 @@ def print_status(snapshot: dict, console: Console) -> None:
                 str(stats["bytes_moved"]),
             )
     console.print(table)
+    if len(c["shards"]) > 1:
+        shards = Table(title="kvray controller shards")
+        for col in ("shard", "indexed pages", "index bytes", "lookups", "open leases", "rebuilt pages"):
+            shards.add_column(col)
+        for s in c["shards"]:
+            shards.add_row(
+                *map(str, (s["shard"], s["indexed_pages"], s["index_bytes"], s["lookups"], s["open_leases"], s["rebuilt_pages"]))
+            )
+        console.print(shards)

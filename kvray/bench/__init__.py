@@ -37,6 +37,7 @@ MODULES = (
     "kvray.bench.serve",
     "kvray.bench.gpu",
     "kvray.bench.long_context",
+    "kvray.bench.concurrency",
 )
 
 

@@ -7,6 +7,8 @@ The only part of kvray that imports Ray. The pieces, from the bottom:
 - :mod:`~kvray.cluster.controller`: the global prefix index, page locations, heat, pins
   and the placement of new pages (local node, or a consistent-hash ring when a request is
   larger than a node keeps). No page byte passes through it.
+- :mod:`~kvray.cluster.shards`: the controller split into ``controller_shards`` actors,
+  each owning the chains whose root page hashes to it; routing and merged snapshots.
 - :mod:`~kvray.cluster.client`: what engines and jobs call, one round trip per request:
   lookup + pin, load, store, release. Same-node bytes move through shared memory
   (:mod:`~kvray.cluster.shm`), cross-node bytes through Ray's object store or a

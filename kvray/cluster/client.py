@@ -1,7 +1,9 @@
 """The client API engines and jobs call: lookup + pin, load, store, release.
 
 Each verb covers a whole request with one controller round trip at most, and none when
-this node's host tier holds the whole request:
+this node's host tier holds the whole request. With several controller shards, a
+request's calls all go to the shard owning its chain (:mod:`kvray.cluster.shards`), so
+that is still one round trip:
 
 - ``lookup(keys, backlog_ms)``: if every page is published in this node's shared host tier (its
   :class:`~kvray.core.tiers.directory.SlotDirectory`, mapped into this process), the answer is
@@ -76,6 +78,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections import Counter, defaultdict
@@ -84,9 +87,10 @@ from dataclasses import dataclass, field
 
 import ray
 
-from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
+from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan, new_lease
 from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathSpeeds, StoreCallPath, nixl_wanted
+from kvray.cluster.shards import ControllerShards
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks
 from kvray.core.errors import ClusterError, RequestError, StorageError
@@ -163,14 +167,15 @@ class KvrayClient:
     def __init__(
         self,
         config: RuntimeConfig,
-        controller,
+        shards: ControllerShards,
         node_id: str | None = None,
         buffer_pages: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         mapped_reads: bool = True,
     ) -> None:
         self.config = config
-        self.controller = controller
+        self.shards = shards
+        self._members_from = itertools.cycle(shards.handles)  # any shard knows the members; ask them in turn
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
         self.fingerprint = config.fingerprint()
         self.page_nbytes = config.layout.page_nbytes
@@ -196,17 +201,14 @@ class KvrayClient:
 
     @classmethod
     def connect(cls, name: str = "kvray", **kwargs) -> KvrayClient:
-        """Find the runtime ``name`` on the connected Ray cluster."""
-        try:
-            controller = ray.get_actor(controller_name(name), namespace=NAMESPACE)
-        except ValueError:
-            raise ClusterError(f"no kvray runtime named {name!r} on this Ray cluster (namespace {NAMESPACE!r})") from None
-        config = _answer(controller.runtime_config.remote(), kwargs.get("timeout_s", DEFAULT_TIMEOUT_S), "runtime_config")
-        return cls(config, controller, **kwargs)
+        """Find the runtime ``name`` (all its controller shards) on the connected Ray cluster."""
+        shards = ControllerShards.find(name, kwargs.get("timeout_s", DEFAULT_TIMEOUT_S))
+        config = _answer(shards.handles[0].runtime_config.remote(), kwargs.get("timeout_s", DEFAULT_TIMEOUT_S), "runtime_config")
+        return cls(config, shards, **kwargs)
 
     def refresh(self) -> None:
         """Re-read the live stores, their collective ranks and page servers from the controller."""
-        self._route(_answer(self.controller.members.remote(), self.timeout_s, "members"))
+        self._route(_answer(next(self._members_from).members.remote(), self.timeout_s, "members"))
         self._detach()
         self._host_info, self._next_check = None, 0.0
         self._mapped_host()  # asks the local store which host segment it serves
@@ -227,7 +229,7 @@ class KvrayClient:
         new page server port, which a client that never asked would not find."""
         now = time.monotonic()
         if self._members is None and now >= self._next_members:
-            self._members = self.controller.members.remote()
+            self._members = next(self._members_from).members.remote()
             self._next_members = now + MEMBERS_CHECK_S
         if self._members is not None and ray.wait([self._members], timeout=0)[0]:
             with contextlib.suppress(ray.exceptions.RayError):  # the controller is restarting: asked again later
@@ -291,19 +293,22 @@ class KvrayClient:
         self._check(keys, max(self.buffer.capacity, self.config.max_request_pages))
         self._poll_members()
         self._arrival = (pack_keys(keys), float(backlog_ms))
+        shard = self.shards.of(keys)
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):
-            return Plan(LOCAL_LEASE, [self.node_id] * len(keys), [])
+            return Plan(LOCAL_LEASE, [self.node_id] * len(keys), [], shard)
         lease = new_lease()
+        controller = self.shards.handles[shard]
         try:
-            ref = self.controller.lookup_pin.remote(list(keys), self.node_id, lease, float(backlog_ms))
-            return ray.get(ref, timeout=self.timeout_s)
+            ref = controller.lookup_pin.remote(list(keys), self.node_id, lease, float(backlog_ms))
+            plan = ray.get(ref, timeout=self.timeout_s)
         except ACTOR_ERRORS as exc:
             self.count_fault(exc)
             # The pin may still happen (or have happened) after we stopped waiting: end it by
             # its id. The controller runs one caller's calls in order, so this comes after it.
-            self.controller.release.remote(lease, {}, {})
-            return Plan(NO_LEASE, [], [])  # the controller is restarting or slow: a miss, nothing placed
+            controller.release.remote(lease, {}, {})
+            return Plan(NO_LEASE, [], [], shard)  # the controller is restarting or slow: a miss, nothing placed
+        return dataclasses.replace(plan, shard=shard)
 
     def take_arrival(self) -> tuple[bytes, float] | None:
         """The request's arrival, for the first call to this node's store to carry (once)."""
@@ -488,11 +493,11 @@ class KvrayClient:
         # The request's arrival goes with this touch unless a write here will carry it.
         writes_here = plan.hit_pages > loaded.pages or self.node_id in plan.targets
         if store is not None and plan.lease == LOCAL_LEASE:
-            self._touched = self._sent(store.touch.remote(pack_keys(loaded.mapped), report, self.take_arrival()))
+            self._touched = self._sent(store.touch.remote(pack_keys(loaded.mapped), report, self.take_arrival(), plan.shard))
             return
         if store is not None and (loaded.mapped or (self._arrival is not None and not writes_here)):
             self._touched = self._sent(store.touch.remote(pack_keys(loaded.mapped), None, self.take_arrival()))
-        self._sent(self.controller.release.remote(*report))
+        self._sent(self.shards.handles[plan.shard].release.remote(*report))
 
     # -- store --------------------------------------------------------------------------------------
     def store(self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None = None) -> int:
@@ -504,8 +509,10 @@ class KvrayClient:
         Each maximal run of pages bound for one node goes as one chain (same-node by shared
         memory, others by direct TCP to their page server, or the object store with ``tcp``
         off); the controller then learns the longest chain that landed, continuing the
-        cached prefix. If a same-node write was given up on, ``buffer`` is a fresh one
-        afterwards (see the module docstring).
+        cached prefix. The stores' reports of pages they evicted meanwhile (from any chain)
+        go with it, and to every other controller shard: which shard indexes an evicted
+        page is not known here. If a same-node write was given up on, ``buffer`` is a fresh
+        one afterwards (see the module docstring).
         """
         self._check(keys)
         stored = self._store(keys, start, plan, parent_key)
@@ -545,11 +552,13 @@ class KvrayClient:
                 if landed == run.start:
                     landed = run.stop
         parent = keys[start - 1] if start else parent_key
-        self._sent(
-            self.controller.commit.remote(
-                parent, list(keys[start:landed]), targets[: landed - start], start, dict(dropped), reports
-            )
-        )
+        owner, evicted = self.shards.of(keys), {node: gone for node, gone in dropped.items() if gone}
+        args = (parent, list(keys[start:landed]), targets[: landed - start], start, evicted, reports)
+        self._sent(self.shards.handles[owner].commit.remote(*args))
+        if evicted:  # pages evicted from any chain: every other shard forgets those it indexes
+            for shard, controller in enumerate(self.shards.handles):
+                if shard != owner:
+                    self._sent(controller.commit.remote(None, [], [], 0, evicted, reports))
         return stored
 
     def close(self) -> None:

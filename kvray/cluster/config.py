@@ -31,8 +31,9 @@ DEFAULT_LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=64, page_tokens=512, 
 NAMESPACE = "kvray"  # the Ray namespace of every kvray actor
 
 
-def controller_name(name: str) -> str:
-    return f"{name}-controller"
+def controller_name(name: str, shard: int = 0) -> str:
+    """Shard 0 keeps the unsharded name, so a runtime is found by it whatever its shard count."""
+    return f"{name}-controller" if shard == 0 else f"{name}-controller-{shard}"
 
 
 def store_name(name: str, node_id: str) -> str:
@@ -62,6 +63,8 @@ class RuntimeConfig(FrozenModel):
     ones Ray's object store. A lease (the controller's pins of one request's cached
     prefix) ends at ``release`` or after ``lease_ttl_s``, whichever comes first; it should
     outlast a client's calls of one request (``KvrayClient`` waits ``timeout_s`` per call).
+    The metadata is split over ``controller_shards`` controller actors, each owning the
+    chains whose root page hashes to it (:mod:`kvray.cluster.shards`; README: sizing shards).
     """
 
     name: str = Field(default="kvray", pattern=r"^[A-Za-z0-9_-]{1,40}$")
@@ -83,6 +86,7 @@ class RuntimeConfig(FrozenModel):
     local_pages_limit: int | None = Field(default=None, ge=0)
     max_request_pages: int = Field(default=256, gt=0)
     lease_ttl_s: float = Field(default=120.0, gt=0)
+    controller_shards: int = Field(default=1, ge=1, le=256)
     store_resources: dict[str, float] = {}
 
     @model_validator(mode="after")

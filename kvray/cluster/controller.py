@@ -25,6 +25,11 @@ finds the runtime's store actors by name and rebuilds membership and index from 
 hold (:meth:`Controller.rebuild`) before it answers anyone. Leases and pins of the old
 incarnation are gone; clients treat a request that meets the outage as a miss.
 
+A runtime with ``controller_shards`` > 1 runs one controller per shard: each is this class
+over its :class:`~kvray.core.partition.Partition` (the chains whose root page hashes to it),
+with every store registered at each; clients route each request to its chain's shard
+(:mod:`kvray.cluster.shards`), and a restarted shard rebuilds only the chains it owns.
+
 Leases are named by the client (:func:`new_lease`), so a client whose ``lookup_pin``
 timed out can still end the pins that call may have taken, and every lease expires after
 ``RuntimeConfig.lease_ttl_s``: a client that dies between ``lookup_pin`` and ``release``
@@ -58,6 +63,7 @@ from kvray.cluster.metrics import export_cluster_stats
 from kvray.cluster.observe import ClusterObservations, NodeReport
 from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT, PrefixIndex, parents_first
+from kvray.core.partition import Partition, owned_links
 from kvray.policy.cluster import ClusterView, RequestView
 
 NO_NODE = -1
@@ -80,6 +86,7 @@ class Plan:
     lease: int
     hit_nodes: list[str]
     targets: list[str]
+    shard: int = 0  # the controller shard that made it (and holds its lease), set by the client
 
     @property
     def hit_pages(self) -> int:
@@ -89,8 +96,9 @@ class Plan:
 class Controller:
     """Global prefix index, page locations, heat, pins and placement; see the module doc."""
 
-    def __init__(self, config: RuntimeConfig, token: bytes | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, token: bytes | None = None, shard: int = 0) -> None:
         self.config = config
+        self.partition = Partition(shard, config.controller_shards)
         self.token = token  # the transfer secret, for this runtime's stores and clients only
         self.servers: dict[str, tuple[str, int]] = {}
         self.index = PrefixIndex()
@@ -124,7 +132,8 @@ class Controller:
                 self.rebuild()
 
     def rebuild(self) -> int:
-        """Recover membership and index from the live store actors; returns pages indexed.
+        """Recover membership and index (this shard's chains) from the live store actors;
+        returns pages indexed.
 
         A page goes back only under its parent (roots first), so the index stays
         prefix-closed; a store that does not answer within ``REBUILD_WAIT_S`` stays out
@@ -151,7 +160,7 @@ class Controller:
                 self.register_store(held["node_id"], store, held["rank"], server=held["server"])
                 links.extend((key, parent, held["node_id"]) for key, parent in held["pages"])
         ordered, _ = parents_first(links)  # pages whose chain lost its root stay out: misses
-        for key, parent_key, node in ordered:
+        for key, parent_key, node in owned_links(ordered, self.partition):
             if self.index.handle_of(key) is not None:
                 continue  # the same page on two nodes: one location is enough
             parent = ROOT if parent_key is None else self.index.handle_of(parent_key)
@@ -392,6 +401,7 @@ class Controller:
         self._expire()
         hits = sum(self.hit_pages.values())
         snap = {
+            "shard": self.partition.shard,
             "nodes": list(self.stores),
             "indexed_pages": len(self.index),
             "pages_by_node": self.pages_by_node(),

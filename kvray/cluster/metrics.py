@@ -19,14 +19,14 @@ from functools import cache
 from ray.util.metrics import Gauge
 
 _SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "kvray_hit_rate": ("Fraction of looked-up pages served from a cache tier", ()),
-    "kvray_hit_pages": ("Pages served per tier (remote = from another node)", ("tier",)),
-    "kvray_lookup_pages": ("Pages looked up by requests", ()),
+    "kvray_hit_rate": ("Fraction of looked-up pages served from a cache tier", ("shard",)),
+    "kvray_hit_pages": ("Pages served per tier (remote = from another node)", ("tier", "shard")),
+    "kvray_lookup_pages": ("Pages looked up by requests", ("shard",)),
     "kvray_bytes_moved": ("Bytes moved between tiers of a node or between nodes", ("node", "path")),
     "kvray_occupancy": ("Used fraction of a tier's page slots", ("node", "tier")),
     "kvray_fragmentation": ("1 - longest free run / free slots of a tier", ("node", "tier")),
     "kvray_swap_latency_seconds": ("Latency of page loads, stores and tier moves", ("node", "op", "stat")),
-    "kvray_indexed_pages": ("Pages in the controller's global prefix index", ()),
+    "kvray_indexed_pages": ("Pages in the controller's global prefix index", ("shard",)),
 }
 
 
@@ -48,10 +48,12 @@ def export_store_stats(node: str, stats: dict) -> None:
 
 
 def export_cluster_stats(snapshot: dict) -> None:
-    """Publish the controller's cluster-wide counters."""
-    _gauge("kvray_hit_rate").set(snapshot["page_hit_rate"])
-    _gauge("kvray_lookup_pages").set(snapshot["lookup_pages"])
-    _gauge("kvray_indexed_pages").set(snapshot["indexed_pages"])
+    """Publish one controller shard's counters, tagged with its shard (sum over ``shard``
+    for the cluster's; a hit rate is per shard)."""
+    shard = str(snapshot["shard"])
+    _gauge("kvray_hit_rate").set(snapshot["page_hit_rate"], {"shard": shard})
+    _gauge("kvray_lookup_pages").set(snapshot["lookup_pages"], {"shard": shard})
+    _gauge("kvray_indexed_pages").set(snapshot["indexed_pages"], {"shard": shard})
     for tier, pages in snapshot["hit_pages_by_tier"].items():
-        _gauge("kvray_hit_pages").set(pages, {"tier": tier})
-    _gauge("kvray_bytes_moved").set(snapshot["bytes_between_nodes"], {"node": "cluster", "path": "nodes"})
+        _gauge("kvray_hit_pages").set(pages, {"tier": tier, "shard": shard})
+    _gauge("kvray_bytes_moved").set(snapshot["bytes_between_nodes"], {"node": f"cluster-shard{shard}", "path": "nodes"})

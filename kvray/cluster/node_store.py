@@ -56,7 +56,7 @@ import numpy as np
 import ray
 import torch
 
-from kvray.cluster.config import NAMESPACE, RuntimeConfig
+from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.metrics import export_store_stats
 from kvray.cluster.observe import NodeReport
 from kvray.cluster.shm import LandingBuffer, reap_orphans
@@ -100,8 +100,9 @@ class NodeStore:
         self._rank: int | None = None
         self._run_parents: dict[int, int | None] = {}  # first key of a run -> the key before it in its chain
         self._peer_locks: dict[int, threading.Lock] = {}
-        self._controller_name = controller
-        self._controller_handle = None
+        # shard 0's name (``controller``), then the other shards' (kvray.cluster.shards)
+        self._controller_names = [controller, *(controller_name(config.name, s) for s in range(1, config.controller_shards))]
+        self._controller_handles: dict[int, ray.actor.ActorHandle] = {}
         self.sent_bytes = 0
         self.received_bytes = 0
         self._bytes_lock = threading.Lock()  # up to max_concurrency calls count at once
@@ -121,19 +122,22 @@ class NodeStore:
             self._register(context.current_actor)
 
     def _register(self, me) -> None:
-        """Tell the controller this restarted store is back, with the pages its disk kept.
+        """Tell every controller shard this restarted store is back, with the pages its disk kept.
 
-        Bounded: if the controller is down or slow, its rebuild (or the loss reports of
-        engines that miss here) brings the index in line instead.
+        Bounded: if a shard is down or slow, its rebuild (or the loss reports of
+        engines that miss here) brings its index in line instead.
         """
-        try:
-            controller = ray.get_actor(self._controller_name, namespace=NAMESPACE)
-            ray.get(
-                controller.register_store.remote(self.node_id, me, None, self.store.cached_keys(), self.server_address()),
-                timeout=CALL_TIMEOUT_S,
-            )
-        except (ValueError, ray.exceptions.RayError) as exc:
-            logger.warning("restarted store %s could not register with the controller: %s", self.node_id[:12], exc)
+        kept = self.store.cached_keys()
+        for shard in range(len(self._controller_names)):
+            try:
+                ray.get(
+                    self._controller(shard).register_store.remote(self.node_id, me, None, kept, self.server_address()),
+                    timeout=CALL_TIMEOUT_S,
+                )
+            except (ValueError, ray.exceptions.RayError) as exc:
+                logger.warning(
+                    "restarted store %s could not register with controller shard %d: %s", self.node_id[:12], shard, exc
+                )
 
     # -- bookkeeping -----------------------------------------------------------------
     def _on_drop(self, key: int) -> None:
@@ -269,20 +273,20 @@ class NodeStore:
             return None
         return {"name": self.host_name, "capacity": self.config.tiers.host, "page_nbytes": self.page_nbytes}
 
-    def touch(self, keys: bytes, report: tuple | None = None, request: tuple[bytes, float] | None = None) -> None:
+    def touch(self, keys: bytes, report: tuple | None = None, request: tuple[bytes, float] | None = None, shard: int = 0) -> None:
         """An engine copied the prefix ``keys`` (:func:`~kvray.core.keys.pack_keys`) out of the shared
         host tier: count the hits (recency, heat, promotions), and pass ``report`` (the
-        arguments of the controller's ``release``) on. ``request``: see :meth:`_arrived`."""
+        arguments of the controller's ``release``) on to controller shard ``shard``. ``request``: see :meth:`_arrived`."""
         self._arrived(request)
         if keys:
             self.store.touch_pages(unpack_keys(keys))
         if report is not None:
-            self._controller().release.remote(*report)
+            self._controller(shard).release.remote(*report)
 
-    def _controller(self):
-        if self._controller_handle is None:
-            self._controller_handle = ray.get_actor(self._controller_name, namespace=NAMESPACE)
-        return self._controller_handle
+    def _controller(self, shard: int):
+        if shard not in self._controller_handles:
+            self._controller_handles[shard] = ray.get_actor(self._controller_names[shard], namespace=NAMESPACE)
+        return self._controller_handles[shard]
 
     def release_buffer(self, buffer: str) -> None:
         """The engine is done with ``buffer`` (it closed, or gave up on a call still copying)."""

@@ -3,9 +3,10 @@
 :class:`RayConnection` decides which Ray to use: an existing cluster (``address`` or
 ``RAY_ADDRESS``), ``nodes`` local nodes through ``ray.cluster_utils.Cluster`` (separate
 raylets and object stores on one machine), or an embedded single-node Ray.
-:class:`Runtime` then places a controller and a :class:`~kvray.cluster.node_store.NodeStore`
-on every live node (node affinity, so a store never wanders off the node whose tiers it
-owns) and joins the stores in one collective group for the collective transfer path.
+:class:`Runtime` then places the controller (``controller_shards`` actors, see
+:mod:`kvray.cluster.shards`) and a :class:`~kvray.cluster.node_store.NodeStore` on every
+live node (node affinity, so a store never wanders off the node whose tiers it owns) and
+joins the stores in one collective group for the collective transfer path.
 
 All kvray actors live in the Ray namespace ``kvray`` under names derived from
 ``RuntimeConfig.name``, so a job, an engine or ``kvray status`` finds them by name. A
@@ -33,6 +34,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name, store_name
 from kvray.cluster.controller import ControllerActor
 from kvray.cluster.node_store import NodeStoreActor
+from kvray.cluster.shards import ControllerShards
 from kvray.cluster.transfer import TOKEN_BYTES
 from kvray.core.errors import ClusterError
 
@@ -133,17 +135,25 @@ def alive_nodes(resources: dict[str, float] | None = None) -> list[str]:
 
 
 class Runtime:
-    """The controller and store actors of one kvray instance (see the module docstring)."""
+    """The controller and store actors of one kvray instance (see the module docstring).
 
-    def __init__(self, config: RuntimeConfig, controller, stores: dict) -> None:
+    ``shards``: every controller shard (their merged ``snapshot``, routing);
+    ``controller``: shard 0, the whole controller when there is one shard (the default).
+    """
+
+    def __init__(self, config: RuntimeConfig, shards: ControllerShards, stores: dict) -> None:
         self.config = config
-        self.controller = controller
+        self.shards = shards
+        self.controller = shards.handles[0]
         self.stores = stores
 
     @classmethod
     def start(cls, config: RuntimeConfig, detached: bool = False) -> Runtime:
-        """Place the controller and the stores; ``detached`` ones outlive this driver
-        (Ray's ``lifetime="detached"``) until :meth:`close`, otherwise they end with it."""
+        """Place the controller shards and the stores; ``detached`` ones outlive this driver
+        (Ray's ``lifetime="detached"``) until :meth:`close`, otherwise they end with it.
+        The controller shards all run beside the driver (on a cluster: the head node, whose
+        loss ends the cluster anyway, never a worker node that may leave); every store is
+        registered at every shard."""
         nodes = alive_nodes(config.store_resources)
         if not nodes:
             raise ClusterError(f"no live Ray node offers {config.store_resources or 'any resources'} for a store")
@@ -158,35 +168,45 @@ class Runtime:
             )
         here = ray.get_runtime_context().get_node_id()
         token = secrets.token_bytes(TOKEN_BYTES)
-        controller = ControllerActor.options(  # beside the driver
-            name=controller_name(config.name),
-            namespace=NAMESPACE,
-            num_cpus=0,
-            scheduling_strategy=on_node(here if here in alive_nodes() else nodes[0]),
-            lifetime="detached" if detached else None,
-        ).remote(config, token)
+        home = here if here in alive_nodes() else nodes[0]
+        shards = ControllerShards(
+            [
+                ControllerActor.options(
+                    name=controller_name(config.name, shard),
+                    namespace=NAMESPACE,
+                    num_cpus=0,
+                    scheduling_strategy=on_node(home),
+                    lifetime="detached" if detached else None,
+                ).remote(config, token, shard)
+                for shard in range(config.controller_shards)
+            ]
+        )
         stores = {node: spawn_store(config, node, token, detached) for node in nodes}
         servers = dict(zip(stores, ray.get([s.server_address.remote() for s in stores.values()])))
         ranks: dict[str, int | None] = dict.fromkeys(stores)
         if config.collective and len(stores) > 1:
             ranks = dict(zip(stores, ray.get([s.init_collective.remote(len(stores), r) for r, s in enumerate(stores.values())])))
         ray.get(
-            [controller.register_store.remote(node, store, ranks[node], None, servers[node]) for node, store in stores.items()]
+            [
+                ref
+                for node, store in stores.items()
+                for ref in shards.broadcast("register_store", node, store, ranks[node], None, servers[node])
+            ]
         )
-        return cls(config, controller, stores)
+        return cls(config, shards, stores)
 
     @classmethod
     def attach(cls, name: str) -> Runtime:
         """The runtime ``name`` already running on the connected cluster (``kvray up``)."""
-        controller = find_controller(name)
-        config = ray.get(controller.runtime_config.remote(), timeout=CALL_TIMEOUT_S)
-        stores = ray.get(controller.members.remote(), timeout=CALL_TIMEOUT_S)["stores"]
-        return cls(config, controller, stores)
+        shards = ControllerShards.find(name, CALL_TIMEOUT_S)
+        config = ray.get(shards.handles[0].runtime_config.remote(), timeout=CALL_TIMEOUT_S)
+        stores = ray.get(shards.handles[0].members.remote(), timeout=CALL_TIMEOUT_S)["stores"]
+        return cls(config, shards, stores)
 
     def node_lost(self, node_id: str) -> int:
-        """Tell the controller a node left; returns how many page locations it dropped."""
+        """Tell every controller shard a node left; returns how many page locations they dropped."""
         self.stores.pop(node_id, None)
-        return ray.get(self.controller.remove_node.remote(node_id), timeout=120)
+        return sum(ray.get(self.shards.broadcast("remove_node", node_id), timeout=120))
 
     def store_stats(self) -> dict[str, dict]:
         refs = {node: store.stats.remote() for node, store in self.stores.items()}
@@ -206,19 +226,8 @@ class Runtime:
             except (ray.exceptions.RayError, TimeoutError):
                 pass  # already gone with its node
             ray.kill(store, no_restart=True)
-        ray.kill(self.controller, no_restart=True)
+        self.shards.kill()
         self.stores = {}
-
-
-def find_controller(name: str):
-    """The controller of the runtime ``name`` on the connected cluster, or a ClusterError
-    that says how to start one."""
-    try:
-        return ray.get_actor(controller_name(name), namespace=NAMESPACE)
-    except ValueError:
-        raise ClusterError(
-            f"no kvray runtime named {name!r} is running on this Ray cluster (start one with `kvray up --name {name}`)"
-        ) from None
 
 
 def spawn_store(config: RuntimeConfig, node_id: str, token: bytes, detached: bool = False):

@@ -118,5 +118,8 @@ def test_kvray_bench_skips_what_needs_ray_and_runs_the_rest(monkeypatch, capsys)
     ray_that_does_not_start(monkeypatch)
     monkeypatch.setattr(_Bench, "_failure", None)
     results = run_benchmarks(only=["controller_"], quick=True, progress=False)
-    assert [r.name for r in results] == ["controller_memory_per_page_vs_dict"]  # in-process: no Ray needed
+    assert [r.name for r in results] == [  # in-process: no Ray needed
+        "controller_memory_per_page_vs_dict",
+        "controller_memory_per_page_vs_dict[64 nodes,100000 pages]",
+    ]
     assert "kvray bench: controller_lookup_vs_empty_call skipped: Ray did not start:" in capsys.readouterr().err

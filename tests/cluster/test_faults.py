@@ -1,4 +1,8 @@
-"""Failures with real processes: a node leaves mid-replay; a store actor restarts."""
+"""Failures with real processes: a node leaves mid-replay; a store actor restarts.
+
+Tests where the controller's sharding changes what happens (membership changes reach every
+shard, a request's calls reach its chain's shard) run with 1 and 2 controller shards
+(:data:`SHARDS`)."""
 
 from __future__ import annotations
 
@@ -20,28 +24,32 @@ pytestmark = [pytest.mark.ray, pytest.mark.fault]
 
 LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=16, page_tokens=512, dtype="float16")
 _names = itertools.count()
+SHARDS = pytest.mark.parametrize("shards", [1, 2], ids=["1-shard", "2-shards"])
 
 
 def replay_with_fault(runtime: Runtime, trace, fault, inspect=None) -> tuple:
     """Replay ``trace`` on ``runtime`` with ``fault(i)`` run before request ``i``; returns the
-    result and what ``inspect()`` (default: the controller's snapshot) saw before teardown."""
+    result and what ``inspect()`` (default: the controller shards' merged snapshot) saw before teardown."""
     replay = Replay(
         runtime, ReplaySettings(name="fault", nodes=len(runtime.stores), runtime=runtime.config, prefill_us_per_token=1.0)
     )
     try:
         result = replay.run(trace, progress=False, on_request=fault)
-        return result, (inspect or (lambda: ray.get(runtime.controller.snapshot.remote())))()
+        return result, (inspect or runtime.shards.snapshot)()
     finally:
         replay.close()
         runtime.close()
 
 
-def test_a_node_removed_mid_replay_costs_misses_never_wrong_kv(ray_cluster):
+@SHARDS
+def test_a_node_removed_mid_replay_costs_misses_never_wrong_kv(ray_cluster, shards):
     """A fourth node joins, takes part, and is removed (raylet, store and engine die)
     halfway through; the replay finishes and the index forgets the node's pages."""
     doomed = ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES)
     ray_cluster.wait_for_nodes()
-    config = RuntimeConfig(name=f"f{next(_names)}", layout=LAYOUT, tiers=TierSizes(host=300), collective=False)
+    config = RuntimeConfig(
+        name=f"f{next(_names)}", layout=LAYOUT, tiers=TierSizes(host=300), collective=False, controller_shards=shards
+    )
     runtime = Runtime.start(config)
     assert doomed.node_id in runtime.stores and len(runtime.stores) == 4
     trace = read_trace(TRACE)[1000:1040]
@@ -49,7 +57,7 @@ def test_a_node_removed_mid_replay_costs_misses_never_wrong_kv(ray_cluster):
 
     def remove_at_half(i: int) -> None:
         if i == len(trace) // 2:
-            before.update(ray.get(runtime.controller.pages_by_node.remote()))
+            before.update(runtime.shards.pages_by_node())
             ray_cluster.remove_node(doomed)
 
     result, after = replay_with_fault(runtime, trace, remove_at_half)
@@ -75,8 +83,10 @@ def restarted_info(store, timeout_s: float = 120.0) -> dict:
     raise TimeoutError("the store actor did not come back")
 
 
-def test_a_restarted_store_recovers_its_disk_tier(ray_cluster, tmp_path):
+@SHARDS
+def test_a_restarted_store_recovers_its_disk_tier(ray_cluster, tmp_path, shards):
     config = RuntimeConfig(
+        controller_shards=shards,
         name=f"f{next(_names)}",
         layout=LAYOUT,
         tiers=TierSizes(host=4, disk=32),

@@ -10,7 +10,8 @@
 - A store call that raises (a full or failing disk) is a miss, not a failed request.
 
 Each test prints one ``RELIABILITY {...}`` line (run with ``-s``); docs/reliability.md
-tabulates them.
+tabulates them. The lease tests run with 1 and 2 controller shards: a lease lives on the
+shard owning its request's chain, and its release must reach that shard.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvray.apps.replay_engine import PagePattern
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.cluster.controller import new_lease
 from kvray.core.config import PageLayout, TierSizes
+from tests.cluster.test_faults import SHARDS
 from tests.cluster.test_reliability_runtime import report
 
 pytestmark = [pytest.mark.ray, pytest.mark.fault]
@@ -57,8 +59,9 @@ def serve(client: KvrayClient, pattern: PagePattern, keys: list[int]) -> tuple[i
 
 
 def settle(runtime: Runtime) -> dict:
-    """The controller's snapshot once the calls sent without waiting (release, commit) landed."""
-    return ray.get(runtime.controller.snapshot.remote())
+    """The controller shards' merged snapshot once the calls sent without waiting (release,
+    commit) landed: each shard answers after the calls this process sent it before."""
+    return runtime.shards.snapshot()
 
 
 def evict_all_but_root(runtime: Runtime, client: KvrayClient, pattern: PagePattern, keys: list[int]) -> None:
@@ -69,17 +72,18 @@ def evict_all_but_root(runtime: Runtime, client: KvrayClient, pattern: PagePatte
     settle(runtime)
 
 
-def test_a_leaked_lease_blocks_a_dropped_prefix_only_until_it_expires(ray_cluster):
+@SHARDS
+def test_a_leaked_lease_blocks_a_dropped_prefix_only_until_it_expires(ray_cluster, shards):
     """A client pins a 3-page prefix and dies without releasing; two of the pages are then
     evicted. Until the lease expires the prefix serves 1 of 3 pages and cannot be cached
     again (the old code: for ever); once it expires the pages are stored and hit again."""
     ttl = 10.0
-    runtime, client = start(tiers=TierSizes(host=4), lease_ttl_s=ttl)
+    runtime, client = start(tiers=TierSizes(host=4), lease_ttl_s=ttl, controller_shards=shards)
     pattern = PagePattern(client.page_nbytes)
     keys = client.keys_for_trace([6000, 6001, 6002])
     try:
         assert serve(client, pattern, keys) == (0, 0)
-        ray.get(runtime.controller.lookup_pin.remote(keys, client.node_id, new_lease()))  # never released
+        ray.get(runtime.shards.for_keys(keys).lookup_pin.remote(keys, client.node_id, new_lease()))  # never released
         leaked_at = time.monotonic()
         evict_all_but_root(runtime, client, pattern, keys)
         blocked = serve(client, pattern, keys)
@@ -104,17 +108,18 @@ def test_a_leaked_lease_blocks_a_dropped_prefix_only_until_it_expires(ray_cluste
     assert snap["expired_leases"] >= 1 and snap["doomed_pages"] == 0 and snap["open_leases"] == 0
 
 
-def test_a_lookup_that_timed_out_after_its_pin_releases_the_lease_by_id(ray_cluster):
+@SHARDS
+def test_a_lookup_that_timed_out_after_its_pin_releases_the_lease_by_id(ray_cluster, shards):
     """The controller is busy past the client's timeout, so the lookup is a miss; the pin
     happens later anyway. The client released the lease by its id, so nothing stays pinned
     and a later eviction does not leave the prefix doomed."""
-    runtime, client = start(tiers=TierSizes(host=4), lease_ttl_s=600.0)
+    runtime, client = start(tiers=TierSizes(host=4), lease_ttl_s=600.0, controller_shards=shards)
     pattern = PagePattern(client.page_nbytes)
     keys = client.keys_for_trace([6100, 6101, 6102])
     try:
         assert serve(client, pattern, keys) == (0, 0)
         settle(runtime)
-        runtime.controller.__ray_call__.remote(lambda self: time.sleep(STALL_S))  # the controller stalls
+        runtime.shards.for_keys(keys).__ray_call__.remote(lambda self: time.sleep(STALL_S))  # its shard stalls
         plan = client.lookup(keys)  # gives up after TIMEOUT_S; lookup_pin runs after the stall
         assert plan.hit_pages == 0 and client.faults["timeout"] >= 1
         after_timeout = settle(runtime)
@@ -135,17 +140,19 @@ def test_a_lookup_that_timed_out_after_its_pin_releases_the_lease_by_id(ray_clus
     assert served == [(1, 0), (3, 0)] and snap["doomed_pages"] == 0
 
 
-def test_a_lease_released_by_id_frees_a_doomed_prefix_at_once(ray_cluster):
-    runtime, client = start(tiers=TierSizes(host=4), lease_ttl_s=600.0)
+@SHARDS
+def test_a_lease_released_by_id_frees_a_doomed_prefix_at_once(ray_cluster, shards):
+    runtime, client = start(tiers=TierSizes(host=4), lease_ttl_s=600.0, controller_shards=shards)
     pattern = PagePattern(client.page_nbytes)
     keys = client.keys_for_trace([6200, 6201, 6202])
     try:
         serve(client, pattern, keys)
         lease = new_lease()
-        ray.get(runtime.controller.lookup_pin.remote(keys, client.node_id, lease))
+        owner = runtime.shards.for_keys(keys)
+        ray.get(owner.lookup_pin.remote(keys, client.node_id, lease))
         evict_all_but_root(runtime, client, pattern, keys)
         assert settle(runtime)["doomed_pages"] >= 1  # the two evicted pages wait for the lease
-        runtime.controller.release.remote(lease, {}, {})
+        owner.release.remote(lease, {}, {})
         assert settle(runtime)["doomed_pages"] == 0
         assert [serve(client, pattern, keys) for _ in range(2)] == [(1, 0), (3, 0)]
     finally:

@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
+from kvray.cluster.controller import LOCAL_LEASE
 from kvray.core.config import PageLayout, TierSizes
 
 pytestmark = pytest.mark.ray
@@ -94,3 +95,43 @@ def test_metrics_reach_prometheus_through_ray(busy_runtime):
             }
         time.sleep(1)
     assert wanted <= seen, f"missing {wanted - seen}"
+
+
+def test_kvray_status_shows_every_controller_shard(ray_cluster):
+    """A 2-shard runtime with chains under 8 tenant salts: the table names both shards, and
+    the JSON's cluster figures are the sum of the shards'. Looked up again, the chains are
+    answered from the node's mapped host tier with no controller call, and those reports
+    reach their shards through the store."""
+    runtime = Runtime.start(RuntimeConfig(name="status-shards", layout=LAYOUT, tiers=TierSizes(host=64), controller_shards=2))
+    client = KvrayClient.connect("status-shards", buffer_pages=8)
+    try:
+        for tenant in range(8):
+            keys = client.keys_for_trace([1, 2], salt=f"tenant-{tenant}")
+            plan = client.lookup(keys)
+            client.release(plan, client.load(keys, plan))
+            client.store(keys, 0, plan)
+        runtime.shards.snapshot()  # the commits have landed
+        for tenant in range(8):
+            keys = client.keys_for_trace([1, 2], salt=f"tenant-{tenant}")
+            plan = client.lookup(keys)
+            assert plan.lease == LOCAL_LEASE  # no controller call
+            client.release(plan, client.load(keys, plan))
+        deadline = time.monotonic() + 30
+        while runtime.shards.snapshot()["local_lookups"] < 8:  # forwarded by the store, unawaited
+            assert time.monotonic() < deadline, "the local requests' reports never reached their shards"
+            time.sleep(0.1)
+        command = [sys.executable, "-m", "kvray", "status", "--address", ray_cluster.address, "--name", "status-shards"]
+        table = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        as_json = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    finally:
+        client.close()
+        runtime.close()
+    assert table.returncode == 0 and as_json.returncode == 0, table.stderr[-3000:] + as_json.stderr[-3000:]
+    printed = " ".join(table.stderr.split())  # the table goes to the console (stderr)
+    assert "controller shards 2" in printed and "kvray controller shards" in printed
+    cluster = json.loads(as_json.stdout.strip().splitlines()[-1])["cluster"]
+    assert [s["shard"] for s in cluster["shards"]] == [0, 1]
+    assert cluster["indexed_pages"] == 16 == sum(s["indexed_pages"] for s in cluster["shards"])
+    assert all(s["indexed_pages"] > 0 for s in cluster["shards"])  # 8 roots spread over both
+    assert cluster["lookups"] == 8 and cluster["local_lookups"] == 8
+    assert cluster["hit_pages_by_tier"] == {"host": 16}
