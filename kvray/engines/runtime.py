@@ -146,7 +146,9 @@ class RuntimePages:
         :class:`~kvray.cluster.client.Loaded` record and ``[loaded.pages, page_nbytes]``
         uint8 rows, valid until the next call on this instance. A page that did not arrive
         ends the prefix there."""
-        loaded = self.client.load(list(keys[: plan.hit_pages]), plan)
+        from kvray.cluster.client import Loaded
+
+        loaded = self.client.load(list(keys[: plan.hit_pages]), plan) if plan.hit_pages else Loaded(0)
         self.client.release(plan, loaded)
         self.pages_by_path.update(loaded.paths)
         self.lost_pages += plan.hit_pages - loaded.pages
