@@ -326,36 +326,30 @@ def calibrate(
 @app.command()
 def generate(
     out: Path = typer.Option(..., "--out", help="trace file to write (.jsonl or .parquet)"),
-    sessions: int = typer.Option(500, "--sessions"),
+    family: str = typer.Option(
+        None, "--family", help="chat, document, agent, bursty, phase, or a held-out configuration (kvray.sim.workloads)"
+    ),
+    sessions: int = typer.Option(None, "--sessions", min=1, help="sessions (default: the family's or 500)"),
     seed: int = typer.Option(0, "--seed"),
     spec: Path = typer.Option(None, "--spec", help="WorkloadSpec YAML (fields of kvray.sim.workloads)"),
 ) -> None:
-    """Generate a seeded chat workload (sessions, shared prompts and documents) as a trace."""
+    """Generate a seeded workload (a family, or a spec's sessions over shared prompts and documents) as a trace."""
     from kvray.core.config import load_yaml
-    from kvray.sim.workloads import WorkloadSpec
+    from kvray.core.errors import ConfigError
+    from kvray.sim.workloads import PhasedWorkload, WorkloadSpec, named_workload
     from kvray.sim.workloads import generate as make
-    from kvray.traces import write_parquet
+    from kvray.traces import write_trace
 
     with reported_errors():
-        shape = load_yaml(spec, WorkloadSpec) if spec else WorkloadSpec(sessions=sessions)
+        if family and spec:
+            raise ConfigError("give --family or --spec, not both")
+        shape = named_workload(family) if family else load_yaml(spec, WorkloadSpec) if spec else WorkloadSpec()
+        if sessions is not None:
+            if isinstance(shape, PhasedWorkload):
+                raise ConfigError(f"--sessions does not apply to the phased workload {family!r}")
+            shape = shape.model_copy(update={"sessions": sessions})
         trace = make(shape, seed)
-    if out.suffix == ".parquet":
-        write_parquet(trace, out)
-    else:
-        out.write_text(
-            "".join(
-                json.dumps(
-                    {
-                        "timestamp": r.timestamp_ms,
-                        "input_length": r.input_length,
-                        "output_length": r.output_length,
-                        "hash_ids": list(r.hash_ids),
-                    }
-                )
-                + "\n"
-                for r in trace
-            )
-        )
+        write_trace(trace, out)
     console.print(f"wrote {len(trace)} requests to {out}")
 
 

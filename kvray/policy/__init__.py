@@ -1,7 +1,8 @@
 """Placement policies and their registry.
 
 ``make_policy("lru")`` builds a policy by name; :data:`POLICIES` lists what is registered
-(``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``belady`` (evaluation only: the
+(``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``experts`` (follows whichever of lru, lfu, arc and threshold does best
+on shadow caches of the same workload), ``belady`` (evaluation only: the
 simulator feeds it the future), ``rl`` (the shipped trained policy); ``rl:PATH`` loads a
 trained policy file).
 Unknown names raise :class:`kvray.core.errors.PolicyError` listing the known ones.
@@ -15,6 +16,7 @@ from kvray.core.errors import PolicyError
 from kvray.policy.arc import ARCPolicy
 from kvray.policy.base import PageContext, PlacementPolicy
 from kvray.policy.belady import BeladyPolicy
+from kvray.policy.experts import ExpertsPolicy
 from kvray.policy.lfu import LFUPolicy
 from kvray.policy.lru import LRUPolicy
 from kvray.policy.threshold import ThresholdPolicy
@@ -34,6 +36,7 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "wfq": WFQPolicy,
     "threshold": ThresholdPolicy,
     "belady": BeladyPolicy,
+    "experts": ExpertsPolicy,
     "rl": _rl,
 }
 
@@ -54,6 +57,7 @@ def make_policy(name: str) -> PlacementPolicy:
 __all__ = [
     "ARCPolicy",
     "BeladyPolicy",
+    "ExpertsPolicy",
     "LFUPolicy",
     "LRUPolicy",
     "POLICIES",
