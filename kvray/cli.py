@@ -213,12 +213,21 @@ def train(
     out: Path = typer.Option(..., "--out", help="policy folder, e.g. policies/mine"),
     seed: int = typer.Option(0, "--seed"),
     train_fraction: float = typer.Option(0.6, "--train-fraction", help="first part of each trace (by time) trained on"),
+    family: list[str] = typer.Option(
+        ["chat", "document", "agent", "bursty", "phase"],
+        "--family",
+        help="generated workload families trained on (kvray generate)",
+    ),
+    fraction: list[float] = typer.Option(
+        [0.02, 0.05, 0.10, 0.25], "--capacity-fraction", help="cache sizes trained on: device+host = F x unique pages"
+    ),
     holdout: list[Path] = typer.Option([], "--holdout", help="traces held out whole, evaluated in the card"),
     evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score the policy on held-out data"),
     tensorboard: Path = typer.Option(None, "--tensorboard", help="TensorBoard log folder (default OUT/tensorboard)"),
     json_out: bool = typer.Option(False, "--json", help="print the model card as one JSON object"),
 ) -> None:
-    """Train the RL placement policy with PPO; writes policy.safetensors, card.json and TensorBoard logs.
+    """Train the RL placement policy (the selector of the adaptive expert policy) with PPO on generated
+    workload families and the first part of each trace; writes policy.safetensors, card.json and TensorBoard logs.
     Progress and logs go to stderr, so stdout holds only the result."""
     from kvray.rl.train import train as run_training
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
@@ -250,6 +259,8 @@ def train(
             out,
             seed,
             train_fraction,
+            capacity_fractions=fraction,
+            families=family,
             progress=True,
             evaluate=score if evaluate else None,
             tensorboard=tensorboard or out / "tensorboard",
@@ -268,9 +279,9 @@ _CARD_KEYS = ("trace", "capacity_fraction", "policy", "token_hit_rate", "mean_tt
 def eval_(
     trace: list[str] = typer.Option(..., "--trace", help="PATH or PATH@F (only requests after fraction F of its time)"),
     policy: list[str] = typer.Option(
-        ["lru", "lfu", "arc", "wfq", "threshold", "belady", "rl"],
+        ["lru", "lfu", "arc", "wfq", "threshold", "belady", "experts", "rl"],
         "--policy",
-        help="policies to compare (rl: the shipped one, rl:PATH: a trained one)",
+        help="policies to compare (rl: the shipped one, rl:PATH: a trained one; several rl:PATH are seeds)",
     ),
     fraction: list[float] = typer.Option(
         [0.02, 0.05, 0.10, 0.25], "--capacity-fraction", help="device+host = F x unique pages; one value draws bars"
@@ -278,8 +289,10 @@ def eval_(
     scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
     out: Path = typer.Option(Path("results/eval"), "--out", help="folder for eval.json and plots"),
     card: Path = typer.Option(None, "--card", help="model card whose training curve to plot (default: the rl policy's)"),
+    jobs: int = typer.Option(1, "--jobs", min=1, help="replays run at once (worker processes)"),
 ) -> None:
-    """Compare policies over traces and capacities; writes eval.json and plots."""
+    """Compare policies over traces and capacities; writes eval.json and plots.
+    A trace is PATH, PATH@F (after fraction F of its time) or gen:NAME:SEED (kvray generate's families)."""
     from kvray.apps.evaluate import compare, goals, load_trace_spec, plot, write_report
     from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, decision_time_us, load_scorer
     from kvray.resources import shipped_or_given
@@ -291,7 +304,7 @@ def eval_(
         total = len(traces) * len(policy) * len(fraction)
         with progress_bar(total, "eval") as tick:
             done = iter(range(total))
-            rows = compare(traces, policy, fraction, spec, progress=lambda what: tick(next(done)))
+            rows = compare(traces, policy, fraction, spec, progress=lambda what: tick(next(done)), jobs=jobs)
         learned = next((p for p in policy if p.startswith("rl")), None)
         summary: dict = {"capacity": goals(rows, learned=learned or "rl")}
         folder = shipped_or_given(learned[3:] if learned and learned.startswith("rl:") else DEFAULT_POLICY, "policies")

@@ -1,6 +1,6 @@
 """Adapting to the workload online: follow whichever heuristic expert is doing best.
 
-No fixed eviction rule is best everywhere: LRU, LFU, ARC and the threshold rule each win
+No fixed eviction rule is best everywhere: LRU, ARC and the threshold rule (and LFU) each win
 on some workload and capacity and lose badly on another (docs/sim-eval). This policy keeps
 every expert's bookkeeping over the real cache (so any of them can name the next victim
 or admission tier at any time) and, beside it, a *shadow cache* per expert: a metadata-only
@@ -27,7 +27,7 @@ Example::
     policy = ExpertsPolicy()                           # follow the leader
     manager = CacheManager({Tier.HOST: 8, Tier.DISK: 32}, policy)
     policy.on_request(RequestInfo(keys=(1, 2, 3)))     # shadows serve it too
-    policy.selector_rows().shape                       # (4, len(SELECTOR_FEATURES))
+    policy.selector_rows().shape                       # (3, len(SELECTOR_FEATURES))
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ from kvray.core.index import PrefixIndex
 from kvray.core.tiers import Tier
 from kvray.policy.base import PageContext, PlacementPolicy, RequestInfo
 
-EXPERTS = ("lru", "lfu", "arc", "threshold")
+EXPERTS = ("lru", "arc", "threshold")  # lfu's shadow replays 5x slower than these (docs/sim-eval)
 WINDOW = 32  # requests between two choices of expert
 LONG_HALF_LIFE = 4.0  # windows: the smoothed cost forgets half of its past in this many
 SELECTOR_FEATURES = (
     "window_cost_gap",
     "smoothed_cost_gap",
     "previous_window_cost_gap",
+    "total_cost_gap",
     "is_current",
     *(f"expert_{name}" for name in EXPERTS),
     "real_cost_gap",
@@ -133,6 +134,7 @@ class ExpertsPolicy(PlacementPolicy):
         self._window_hits = np.zeros(n)
         self._previous_gap = np.zeros(n)
         self._smoothed = np.zeros(n)
+        self._total = np.zeros(n)
         self._real_cost = 0.0
         self._window_pages = 0
         self._stored = 0
@@ -149,11 +151,12 @@ class ExpertsPolicy(PlacementPolicy):
         rows[:, 0] = _gap(costs)
         rows[:, 1] = _gap(self._smoothed + 1e-9)
         rows[:, 2] = self._previous_gap
-        rows[self.current, 3] = 1.0
+        rows[:, 3] = _gap(self._total + 1e-9)
+        rows[self.current, 4] = 1.0
         for i, name in enumerate(self.expert_names):
             if name in EXPERTS:
-                rows[i, 4 + EXPERTS.index(name)] = 1.0
-        base = 4 + len(EXPERTS)
+                rows[i, 5 + EXPERTS.index(name)] = 1.0
+        base = 5 + len(EXPERTS)
         rows[:, base] = min((self._real_cost - costs.min()) / max(float(costs.min()), 1e-3), 4.0)
         rows[:, base + 1] = self.log_backlog
         ghosts = 0 if self._arc is None else self._arc.ghost_hits - self._ghosts_before
@@ -173,7 +176,7 @@ class ExpertsPolicy(PlacementPolicy):
         self._ghosts_before = 0 if self._arc is None else self._arc.ghost_hits
 
     def on_request(self, info: RequestInfo) -> None:
-        if self.requests and self.requests % WINDOW == 0:
+        if self.requests % WINDOW == 0:
             self._choose()
         self.requests += 1
         if info.tier_cost is not None:
@@ -185,6 +188,7 @@ class ExpertsPolicy(PlacementPolicy):
             self._window_hits[i] += hits
         self._window_cost += request_cost
         self._smoothed = self._smoothed * _DECAY + request_cost
+        self._total += request_cost
         self._real_cost += len(info.keys)  # hits are credited back in on_access
         self._window_pages += len(info.keys)
         for advisor in self.advisors:

@@ -168,9 +168,7 @@ HELD_OUT: dict[str, Workload] = {
     "agent-long": _AGENT.model_copy(
         update={"system_prompt_pages": 24, "mean_turns": 20.0, "document_probability": 0.8, "sessions": 90}
     ),
-    "document-flat": _DOCUMENT.model_copy(
-        update={"document_skew": 0.4, "document_pages": 40, "documents": 150, "sessions": 900}
-    ),
+    "document-flat": _DOCUMENT.model_copy(update={"document_skew": 0.4, "document_pages": 40, "documents": 150, "sessions": 900}),
     "bursty-document": _DOCUMENT.model_copy(
         update={"burst_factor": 6.0, "session_rate_per_s": 2.0, "burst_every_s": 60.0, "document_skew": 1.3}
     ),
