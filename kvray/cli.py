@@ -293,7 +293,7 @@ def eval_(
 ) -> None:
     """Compare policies over traces and capacities; writes eval.json and plots.
     A trace is PATH, PATH@F (after fraction F of its time) or gen:NAME:SEED (kvray generate's families)."""
-    from kvray.apps.evaluate import compare, goals, load_trace_spec, plot, write_report
+    from kvray.apps.evaluate import compare, goals, load_trace_spec, markdown_table, plot, targets, write_report
     from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, decision_time_us, load_scorer
     from kvray.resources import shipped_or_given
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
@@ -306,13 +306,15 @@ def eval_(
             done = iter(range(total))
             rows = compare(traces, policy, fraction, spec, progress=lambda what: tick(next(done)), jobs=jobs)
         learned = next((p for p in policy if p.startswith("rl")), None)
-        summary: dict = {"capacity": goals(rows, learned=learned or "rl")}
+        cells = goals(rows, learned=learned or "rl")
+        summary: dict = {"capacity": cells, "targets": targets(cells, learned=learned or "rl")}
         folder = shipped_or_given(learned[3:] if learned and learned.startswith("rl:") else DEFAULT_POLICY, "policies")
         if learned is not None:
             summary["rl_decision_us_batched"] = decision_time_us(load_scorer(folder)[0])
         card_path = card or folder / CARD_FILE
         model_card = json.loads(card_path.read_text()) if card_path.is_file() else None
         path = write_report(out, rows, summary)
+        (out / "table.md").write_text(markdown_table(cells, policy))
         plots = plot(rows, out, model_card)
     console.print(f"wrote {path} and {', '.join(p.name for p in plots)}")
     print(json.dumps(summary, indent=2))

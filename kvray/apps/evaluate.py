@@ -173,6 +173,49 @@ def _draw(ax, rows: list[dict], key: str) -> None:
     ax.legend()
 
 
+def targets(summary: dict, learned: str = "rl") -> dict:
+    """The adaptivity target over every cell of ``summary`` (:func:`goals`): the learned
+    policy within 1.02x of the best heuristic everywhere, while every heuristic is at
+    least 1.05x somewhere; each heuristic's worst cell is named."""
+    worst: dict[str, tuple[float, str]] = {}
+    for cell, entry in summary.items():
+        for policy, ratio in entry["ttft_vs_best_heuristic"].items():
+            if policy in HEURISTICS and ratio > worst.get(policy, (0.0, ""))[0]:
+                worst[policy] = (ratio, cell)
+    learned_ratios = [e["rl_ttft_vs_best_heuristic"] for e in summary.values() if "rl_ttft_vs_best_heuristic" in e]
+    return {
+        "cells": len(summary),
+        "rl_within_1.02_cells": sum(r <= 1.02 for r in learned_ratios),
+        "rl_worst_ratio": max(learned_ratios, default=None),
+        "every_heuristic_1.05_somewhere": all(r >= 1.05 for r, _ in worst.values()),
+        "heuristic_worst": {p: {"ratio": r, "cell": c} for p, (r, c) in worst.items()},
+        "met": bool(learned_ratios) and max(learned_ratios) <= 1.02 and all(r >= 1.05 for r, _ in worst.values()),
+    }
+
+
+def markdown_table(summary: dict, policies: Sequence[str]) -> str:
+    """One line per cell: the best heuristic's mean TTFT, then each policy's over it, and
+    the learned policy's share of the oracle's gain (docs/sim-eval)."""
+    head = ["cell (trace@capacity)", "best heuristic (ms)", *(f"{p} x" for p in policies), "rl share of oracle gain"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cell, entry in summary.items():
+        ratios = entry["ttft_vs_best_heuristic"]
+        share = entry.get("rl_share_of_oracle_gain")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    cell,
+                    f"{entry['best_heuristic']} {entry['best_heuristic_ttft_ms']:.1f}",
+                    *(f"{ratios[p]:.3f}" if p in ratios else "-" for p in policies),
+                    "-" if share is None else f"{share:.2f}",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def write_report(out: Path, rows: list[dict], summary: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "eval.json"

@@ -12,7 +12,7 @@ from kvray.sim.workloads import FAMILIES, generate
 from kvray.traces import full_blocks
 
 SCENARIO = load_scenario(DEFAULT_SCENARIO)
-TRACE = generate(FAMILIES["document"].model_copy(update={"sessions": 500}), seed=3)
+TRACE = generate(FAMILIES["document"].model_copy(update={"sessions": 700}), seed=1)
 CAPACITY = fast_capacity(SCENARIO, TRACE, fraction=0.1)
 
 
@@ -34,7 +34,7 @@ def test_shadow_cache_hits_as_the_expert_alone_does():
 
 def test_policy_follows_the_expert_that_wins():
     ttft = {name: replay(make_policy(name))[0] for name in ("lru", "arc")}
-    assert ttft["lru"] > 1.5 * ttft["arc"]  # the workload: ARC clearly wins
+    assert ttft["lru"] > 2 * ttft["arc"]  # the workload: ARC clearly wins (3.0x)
     chosen = []
     policy = ExpertsPolicy()
     original = policy.selector
