@@ -20,7 +20,8 @@ lowest smoothed cost) here, a trained scorer in :class:`kvray.policy.rl.RLPolicy
 learner in the training environment (:mod:`kvray.rl.env`).
 
 Example::
-        from kvray.core.tiers import Tier
+    from kvray.core.manager import CacheManager
+    from kvray.core.tiers import Tier
     from kvray.policy.base import RequestInfo
     from kvray.policy.experts import ExpertsPolicy
 
