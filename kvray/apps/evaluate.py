@@ -137,7 +137,7 @@ def plot(rows: list[dict], out: Path, card: dict | None = None) -> list[Path]:
             _draw(ax, mine, key)
             ax.set(ylabel=label, title=trace)
         fig.tight_layout()
-        path = out / f"{trace.replace('@', '_at_')}.png"
+        path = out / f"{trace.replace('@', '_at_').replace(':', '_')}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
