@@ -277,12 +277,21 @@ def train(
     out: Path = typer.Option(..., "--out", help="policy folder, e.g. policies/mine"),
     seed: int = typer.Option(0, "--seed"),
     train_fraction: float = typer.Option(0.6, "--train-fraction", help="first part of each trace (by time) trained on"),
+    family: list[str] = typer.Option(
+        ["chat", "document", "agent", "bursty", "phase"],
+        "--family",
+        help="generated workload families trained on (kvray generate)",
+    ),
+    fraction: list[float] = typer.Option(
+        [0.02, 0.05, 0.10, 0.25], "--capacity-fraction", help="cache sizes trained on: device+host = F x unique pages"
+    ),
     holdout: list[Path] = typer.Option([], "--holdout", help="traces held out whole, evaluated in the card"),
     evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score the policy on held-out data"),
     tensorboard: Path = typer.Option(None, "--tensorboard", help="TensorBoard log folder (default OUT/tensorboard)"),
     json_out: bool = typer.Option(False, "--json", help="print the model card as one JSON object"),
 ) -> None:
-    """Train the RL placement policy with PPO; writes policy.safetensors, card.json and TensorBoard logs.
+    """Train the RL placement policy (the selector of the adaptive expert policy) with PPO on generated
+    workload families and the first part of each trace; writes policy.safetensors, card.json and TensorBoard logs.
     Progress and logs go to stderr, so stdout holds only the result."""
     from kvray.rl.train import train as run_training
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
@@ -314,6 +323,8 @@ def train(
             out,
             seed,
             train_fraction,
+            capacity_fractions=fraction,
+            families=family,
             progress=True,
             evaluate=score if evaluate else None,
             tensorboard=tensorboard or out / "tensorboard",
@@ -332,9 +343,9 @@ _CARD_KEYS = ("trace", "capacity_fraction", "policy", "token_hit_rate", "mean_tt
 def eval_(
     trace: list[str] = typer.Option(..., "--trace", help="PATH or PATH@F (only requests after fraction F of its time)"),
     policy: list[str] = typer.Option(
-        ["lru", "lfu", "arc", "wfq", "threshold", "belady", "rl"],
+        ["lru", "lfu", "arc", "wfq", "threshold", "belady", "experts", "rl"],
         "--policy",
-        help="policies to compare (rl: the shipped one, rl:PATH: a trained one)",
+        help="policies to compare (rl: the shipped one, rl:PATH: a trained one; several rl:PATH are seeds)",
     ),
     fraction: list[float] = typer.Option(
         [0.02, 0.05, 0.10, 0.25], "--capacity-fraction", help="device+host = F x unique pages; one value draws bars"
@@ -342,9 +353,11 @@ def eval_(
     scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
     out: Path = typer.Option(Path("results/eval"), "--out", help="folder for eval.json and plots"),
     card: Path = typer.Option(None, "--card", help="model card whose training curve to plot (default: the rl policy's)"),
+    jobs: int = typer.Option(1, "--jobs", min=1, help="replays run at once (worker processes)"),
 ) -> None:
-    """Compare policies over traces and capacities; writes eval.json and plots."""
-    from kvray.apps.evaluate import compare, goals, load_trace_spec, plot, write_report
+    """Compare policies over traces and capacities; writes eval.json and plots.
+    A trace is PATH, PATH@F (after fraction F of its time) or gen:NAME:SEED (kvray generate's families)."""
+    from kvray.apps.evaluate import compare, goals, load_trace_spec, markdown_table, plot, targets, write_report
     from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, decision_time_us, load_scorer
     from kvray.resources import shipped_or_given
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
@@ -355,15 +368,17 @@ def eval_(
         total = len(traces) * len(policy) * len(fraction)
         with progress_bar(total, "eval") as tick:
             done = iter(range(total))
-            rows = compare(traces, policy, fraction, spec, progress=lambda what: tick(next(done)))
+            rows = compare(traces, policy, fraction, spec, progress=lambda what: tick(next(done)), jobs=jobs)
         learned = next((p for p in policy if p.startswith("rl")), None)
-        summary: dict = {"capacity": goals(rows, learned=learned or "rl")}
+        cells = goals(rows, learned=learned or "rl")
+        summary: dict = {"capacity": cells, "targets": targets(cells, learned=learned or "rl")}
         folder = shipped_or_given(learned[3:] if learned and learned.startswith("rl:") else DEFAULT_POLICY, "policies")
         if learned is not None:
             summary["rl_decision_us_batched"] = decision_time_us(load_scorer(folder)[0])
         card_path = card or folder / CARD_FILE
         model_card = json.loads(card_path.read_text()) if card_path.is_file() else None
         path = write_report(out, rows, summary)
+        (out / "table.md").write_text(markdown_table(cells, policy))
         plots = plot(rows, out, model_card)
     console.print(f"wrote {path} and {', '.join(p.name for p in plots)}")
     print(json.dumps(summary, indent=2))
@@ -390,36 +405,30 @@ def calibrate(
 @app.command()
 def generate(
     out: Path = typer.Option(..., "--out", help="trace file to write (.jsonl or .parquet)"),
-    sessions: int = typer.Option(500, "--sessions"),
+    family: str = typer.Option(
+        None, "--family", help="chat, document, agent, bursty, phase, or a held-out configuration (kvray.sim.workloads)"
+    ),
+    sessions: int = typer.Option(None, "--sessions", min=1, help="sessions (default: the family's or 500)"),
     seed: int = typer.Option(0, "--seed"),
     spec: Path = typer.Option(None, "--spec", help="WorkloadSpec YAML (fields of kvray.sim.workloads)"),
 ) -> None:
-    """Generate a seeded chat workload (sessions, shared prompts and documents) as a trace."""
+    """Generate a seeded workload (a family, or a spec's sessions over shared prompts and documents) as a trace."""
     from kvray.core.config import load_yaml
-    from kvray.sim.workloads import WorkloadSpec
+    from kvray.core.errors import ConfigError
+    from kvray.sim.workloads import PhasedWorkload, WorkloadSpec, named_workload
     from kvray.sim.workloads import generate as make
-    from kvray.traces import write_parquet
+    from kvray.traces import write_trace
 
     with reported_errors():
-        shape = load_yaml(spec, WorkloadSpec) if spec else WorkloadSpec(sessions=sessions)
+        if family and spec:
+            raise ConfigError("give --family or --spec, not both")
+        shape = named_workload(family) if family else load_yaml(spec, WorkloadSpec) if spec else WorkloadSpec()
+        if sessions is not None:
+            if isinstance(shape, PhasedWorkload):
+                raise ConfigError(f"--sessions does not apply to the phased workload {family!r}")
+            shape = shape.model_copy(update={"sessions": sessions})
         trace = make(shape, seed)
-    if out.suffix == ".parquet":
-        write_parquet(trace, out)
-    else:
-        out.write_text(
-            "".join(
-                json.dumps(
-                    {
-                        "timestamp": r.timestamp_ms,
-                        "input_length": r.input_length,
-                        "output_length": r.output_length,
-                        "hash_ids": list(r.hash_ids),
-                    }
-                )
-                + "\n"
-                for r in trace
-            )
-        )
+        write_trace(trace, out)
     console.print(f"wrote {len(trace)} requests to {out}")
 
 

@@ -127,5 +127,15 @@ def write_parquet(requests: list[TraceRequest], path: str | Path) -> None:
     pq.write_table(table, path)
 
 
+def write_trace(requests: list[TraceRequest], path: str | Path) -> None:
+    """Write Parquet for a ``.parquet`` path, Mooncake JSON Lines otherwise (what :func:`read_trace` reads)."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        write_parquet(requests, path)
+        return
+    rows = (dict(zip(COLUMNS, (r.timestamp_ms, r.input_length, r.output_length, list(r.hash_ids)))) for r in requests)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
 def unique_blocks(requests: list[TraceRequest]) -> int:
     return len({h for r in requests for h in r.hash_ids})

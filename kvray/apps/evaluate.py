@@ -3,7 +3,13 @@ with the goals of the learned policy checked against the best heuristic and Bela
 plots (hit rate and mean TTFT against capacity, the training curve) beside the JSON.
 
 A trace is named ``PATH`` or ``PATH@F``: the latter keeps only the requests after
-fraction ``F`` of its time span, the part :func:`kvray.rl.train.split_by_time` held out.
+fraction ``F`` of its time span, the part :func:`kvray.rl.train.split_by_time` held out;
+``gen:NAME:SEED`` is a generated workload (:mod:`kvray.sim.workloads`, a family or a
+held-out configuration).
+
+Per cell (trace x capacity) the summary names the best heuristic, each policy's mean TTFT
+over it, and the share of the oracle's (Belady's) gain over the best heuristic that the
+learned policy captures.
 
 Example::
 
@@ -27,7 +33,15 @@ HEURISTICS = ("lru", "lfu", "arc", "wfq", "threshold")
 
 
 def load_trace_spec(spec: str) -> tuple[str, list[TraceRequest]]:
-    """``PATH`` or ``PATH@F`` -> (name, requests after fraction F of the time span)."""
+    """``PATH``, ``PATH@F`` (requests after fraction F of the time span) or ``gen:NAME:SEED``
+    -> (name, requests)."""
+    if spec.startswith("gen:"):
+        from kvray.sim.workloads import generate, named_workload
+
+        name, _, seed = spec[4:].partition(":")
+        if not seed.isdigit():
+            raise ConfigError(f"{spec}: expected gen:NAME:SEED with a non-negative integer seed")
+        return spec[4:], generate(named_workload(name), int(seed))
     path, _, cut = spec.partition("@")
     trace = read_trace(path)
     name = Path(path).stem
@@ -44,42 +58,64 @@ def load_trace_spec(spec: str) -> tuple[str, list[TraceRequest]]:
     return f"{name}@{cut}", split_by_time(trace, fraction)[1]  # never empty: the last request is at or after the cut
 
 
+def _replay_row(job: tuple) -> dict:
+    name, trace, fraction, policy, scenario = job
+    started = time.perf_counter()
+    result = simulate(trace, policy, scenario, capacity_fraction=fraction).as_dict()
+    return {"trace": name, "capacity_fraction": fraction, **result, "replay_s": time.perf_counter() - started}
+
+
 def compare(
     traces: dict[str, Sequence[TraceRequest]],
     policies: Sequence[str],
     fractions: Sequence[float],
     scenario: Scenario,
     progress: Callable[[str], None] | None = None,
+    jobs: int = 1,
 ) -> list[dict]:
-    """One row per (trace, capacity fraction, policy): the replay's JSON plus its wall time."""
-    rows = []
-    for name, trace in traces.items():
-        for fraction in fractions:
-            for policy in policies:
-                if progress is not None:
-                    progress(f"{name} {fraction:g} {policy}")
-                started = time.perf_counter()
-                result = simulate(trace, policy, scenario, capacity_fraction=fraction).as_dict()
-                rows.append({"trace": name, "capacity_fraction": fraction, **result, "replay_s": time.perf_counter() - started})
-    return rows
+    """One row per (trace, capacity fraction, policy): the replay's JSON plus its wall time;
+    ``jobs`` replays run at once in worker processes (every replay is independent)."""
+    work = [(name, trace, f, p, scenario) for name, trace in traces.items() for f in fractions for p in policies]
+    if jobs <= 1:
+        rows = []
+        for job in work:
+            if progress is not None:
+                progress(f"{job[0]} {job[2]:g} {job[3]}")
+            rows.append(_replay_row(job))
+        return rows
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(jobs) as pool:
+        rows = []
+        for job, row in zip(work, pool.map(_replay_row, work)):
+            if progress is not None:
+                progress(f"{job[0]} {job[2]:g} {job[3]}")
+            rows.append(row)
+        return rows
 
 
 def goals(rows: list[dict], learned: str = "rl") -> dict:
-    """Per trace and capacity: the learned policy's mean TTFT over the best heuristic's
-    (goal <= 0.85) and its token hit rate over Belady's (goal >= 0.90)."""
+    """Per trace and capacity: the best heuristic, every policy's mean TTFT over it (the
+    learned policy's goal: <= 1.02), the learned policy's token hit rate over Belady's and
+    the share of Belady's TTFT gain over the best heuristic that it captures."""
     out: dict[str, dict] = {}
     for key in sorted({(r["trace"], r["capacity_fraction"]) for r in rows}):
         at = {r["policy"]: r for r in rows if (r["trace"], r["capacity_fraction"]) == key}
         heuristics = [at[p] for p in HEURISTICS if p in at]
-        if learned not in at or not heuristics:
+        if not heuristics:
             continue
         best = min(heuristics, key=lambda r: r["mean_ttft_ms"])
-        entry = {
+        entry: dict = {
             "best_heuristic": best["policy"],
-            "rl_ttft_vs_best_heuristic": at[learned]["mean_ttft_ms"] / best["mean_ttft_ms"],
+            "best_heuristic_ttft_ms": best["mean_ttft_ms"],
+            "ttft_vs_best_heuristic": {p: r["mean_ttft_ms"] / best["mean_ttft_ms"] for p, r in at.items()},
         }
-        if "belady" in at:
+        if learned in at:
+            entry["rl_ttft_vs_best_heuristic"] = at[learned]["mean_ttft_ms"] / best["mean_ttft_ms"]
+        if learned in at and "belady" in at:
             entry["rl_hit_rate_vs_belady"] = at[learned]["token_hit_rate"] / max(at["belady"]["token_hit_rate"], 1e-12)
+            gain = best["mean_ttft_ms"] - at["belady"]["mean_ttft_ms"]
+            entry["rl_share_of_oracle_gain"] = (best["mean_ttft_ms"] - at[learned]["mean_ttft_ms"]) / gain if gain > 0 else None
         out[f"{key[0]}@{key[1]:g}"] = entry
     return out
 
@@ -101,7 +137,7 @@ def plot(rows: list[dict], out: Path, card: dict | None = None) -> list[Path]:
             _draw(ax, mine, key)
             ax.set(ylabel=label, title=trace)
         fig.tight_layout()
-        path = out / f"{trace.replace('@', '_at_')}.png"
+        path = out / f"{trace.replace('@', '_at_').replace(':', '_')}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
@@ -135,6 +171,49 @@ def _draw(ax, rows: list[dict], key: str) -> None:
         ax.plot([100 * r["capacity_fraction"] for r in mine], [r[key] for r in mine], marker="o", label=policy)
     ax.set_xlabel("device + host capacity (% of unique pages)")
     ax.legend()
+
+
+def targets(summary: dict, learned: str = "rl") -> dict:
+    """The adaptivity target over every cell of ``summary`` (:func:`goals`): the learned
+    policy within 1.02x of the best heuristic everywhere, while every heuristic is at
+    least 1.05x somewhere; each heuristic's worst cell is named."""
+    worst: dict[str, tuple[float, str]] = {}
+    for cell, entry in summary.items():
+        for policy, ratio in entry["ttft_vs_best_heuristic"].items():
+            if policy in HEURISTICS and ratio > worst.get(policy, (0.0, ""))[0]:
+                worst[policy] = (ratio, cell)
+    learned_ratios = [e["rl_ttft_vs_best_heuristic"] for e in summary.values() if "rl_ttft_vs_best_heuristic" in e]
+    return {
+        "cells": len(summary),
+        "rl_within_1.02_cells": sum(r <= 1.02 for r in learned_ratios),
+        "rl_worst_ratio": max(learned_ratios, default=None),
+        "every_heuristic_1.05_somewhere": all(r >= 1.05 for r, _ in worst.values()),
+        "heuristic_worst": {p: {"ratio": r, "cell": c} for p, (r, c) in worst.items()},
+        "met": bool(learned_ratios) and max(learned_ratios) <= 1.02 and all(r >= 1.05 for r, _ in worst.values()),
+    }
+
+
+def markdown_table(summary: dict, policies: Sequence[str]) -> str:
+    """One line per cell: the best heuristic's mean TTFT, then each policy's over it, and
+    the learned policy's share of the oracle's gain (docs/sim-eval)."""
+    head = ["cell (trace@capacity)", "best heuristic (ms)", *(f"{p} x" for p in policies), "rl share of oracle gain"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cell, entry in summary.items():
+        ratios = entry["ttft_vs_best_heuristic"]
+        share = entry.get("rl_share_of_oracle_gain")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    cell,
+                    f"{entry['best_heuristic']} {entry['best_heuristic_ttft_ms']:.1f}",
+                    *(f"{ratios[p]:.3f}" if p in ratios else "-" for p in policies),
+                    "-" if share is None else f"{share:.2f}",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def write_report(out: Path, rows: list[dict], summary: dict) -> Path:

@@ -1,7 +1,8 @@
 """Placement policies and their registry.
 
 ``make_policy("lru")`` builds a policy by name; :data:`POLICIES` lists what is registered
-(``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``lecar``, ``selective-write``, ``belady`` (evaluation only: the
+(``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``lecar``, ``selective-write``, ``experts`` (follows whichever of
+lru, arc and threshold does best on shadow caches of the same workload), ``belady`` (evaluation only: the
 simulator feeds it the future), ``rl`` (the shipped trained policy); ``rl:PATH`` loads a
 trained policy file; ``package.module:Class`` an importable policy class).
 Unknown names raise :class:`kvray.core.errors.PolicyError` listing the known ones.
@@ -15,6 +16,7 @@ from kvray.core.errors import PolicyError
 from kvray.policy.arc import ARCPolicy
 from kvray.policy.base import PageContext, PlacementPolicy
 from kvray.policy.belady import BeladyPolicy
+from kvray.policy.experts import ExpertsPolicy
 from kvray.policy.lecar import LeCaRPolicy
 from kvray.policy.lfu import LFUPolicy
 from kvray.policy.lru import LRUPolicy
@@ -38,6 +40,7 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "belady": BeladyPolicy,
     "lecar": LeCaRPolicy,
     "selective-write": SelectiveWritePolicy,
+    "experts": ExpertsPolicy,
     "rl": _rl,
 }
 
@@ -63,6 +66,7 @@ def make_policy(name: str) -> PlacementPolicy:
 __all__ = [
     "ARCPolicy",
     "BeladyPolicy",
+    "ExpertsPolicy",
     "LFUPolicy",
     "LRUPolicy",
     "LeCaRPolicy",

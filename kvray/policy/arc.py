@@ -47,9 +47,12 @@ class ARCPolicy(PlacementPolicy):
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         super().bind(index, capacities)
         self._lists = {t: _ArcLists(capacities[t]) for t in self.tiers}
+        self.ghost_hits = 0  # pages stored again while remembered as ghosts: recency or frequency was wrong
 
     def on_insert(self, handle: int, tier: Tier) -> None:
         arc, key = self._lists[tier], self.index.key_of(handle)
+        if key in arc.b1 or key in arc.b2:
+            self.ghost_hits += 1
         if key in arc.b1:
             arc.p = min(arc.capacity, arc.p + max(1.0, len(arc.b2) / len(arc.b1)))
             del arc.b1[key]

@@ -1,12 +1,13 @@
-"""The learned placement policy: a small MLP scores each choice's feature row.
+"""The learned placement policy: the adaptive :class:`~kvray.policy.experts.ExpertsPolicy`
+whose selector is a small trained MLP scoring each expert's row.
 
 It is trained by PPO in the simulator (:mod:`kvray.rl.train`) and stored as
 ``policy.safetensors`` (the scorer's weights, no pickle) beside ``card.json`` (the
-model card: observation space, training traces, steps, seed, evaluation scores).
+model card: observation space, training data, steps, seed, evaluation scores).
 Inference is numpy: the rows of a decision (or of many decisions at once) go through the
-MLP in one batch, and the best-scored choice is taken.
+MLP in one batch, and the best-scored expert is followed for the next window.
 
-A file whose card names other features or another candidate count raises
+A file whose card names other features or other experts raises
 :class:`~kvray.core.errors.PolicyError`: its scores would mean nothing on these rows.
 """
 
@@ -19,8 +20,7 @@ import numpy as np
 
 from kvray.core.errors import ConfigError, PolicyError
 from kvray.core.tiers import Tier
-from kvray.policy.agent import AgentPolicy, Decision
-from kvray.policy.features import CANDIDATES, FEATURES
+from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES, WINDOW, ExpertsPolicy
 from kvray.resources import shipped_or_given
 
 DEFAULT_POLICY = "default"  # the policy shipped in policies/default (kvray.resources)
@@ -30,7 +30,7 @@ CARD_FILE = "card.json"
 
 def observation_spec() -> dict:
     """What a policy file must have been trained on to be usable here."""
-    return {"features": list(FEATURES), "candidates": CANDIDATES}
+    return {"features": list(SELECTOR_FEATURES), "experts": list(EXPERTS), "window": WINDOW}
 
 
 class MLPScorer:
@@ -38,7 +38,7 @@ class MLPScorer:
 
     Example::
 
-        scorer = MLPScorer([np.ones((4, 10)), np.ones((1, 4))], [np.zeros(4), np.zeros(1)])
+        scorer = MLPScorer([np.ones((4, 13)), np.ones((1, 4))], [np.zeros(4), np.zeros(1)])
         scorer.score(np.zeros((3, 10), dtype=np.float32))   # array of 3 scores
     """
 
@@ -85,13 +85,13 @@ def load_scorer(path: str | Path) -> tuple[MLPScorer, dict]:
         biases = [tensors[f"layer{i}.bias"] for i in range(n)]
     except KeyError as exc:
         raise PolicyError(f"{weights_path}: missing tensor {exc}") from None
-    if not weights or weights[0].shape[1] != len(FEATURES) or weights[-1].shape[0] != 1:
-        raise PolicyError(f"{weights_path}: scorer shape does not take {len(FEATURES)} features to one score")
+    if not weights or weights[0].shape[1] != len(SELECTOR_FEATURES) or weights[-1].shape[0] != 1:
+        raise PolicyError(f"{weights_path}: scorer shape does not take {len(SELECTOR_FEATURES)} features to one score")
     return MLPScorer(weights, biases), card
 
 
-class RLPolicy(AgentPolicy):
-    """Admission and eviction chosen by a trained scorer; demotion one tier down.
+class RLPolicy(ExpertsPolicy):
+    """Follows, window by window, the expert heuristic a trained scorer picks.
 
     Example::
 
@@ -116,21 +116,21 @@ class RLPolicy(AgentPolicy):
         scorer, card = load_scorer(path or DEFAULT_POLICY)
         return cls(scorer, card)
 
-    def best(self, decision: Decision) -> int:
-        """The row the scorer rates highest."""
-        return int(np.argmax(self.scorer.score(decision.rows)))
+    def best(self, rows: np.ndarray) -> int:
+        """The expert whose row the scorer rates highest."""
+        return int(np.argmax(self.scorer.score(rows)))
 
 
 def decision_time_us(scorer: MLPScorer, decisions: int = 4096, repeats: int = 20) -> float:
-    """Median microseconds per decision when ``decisions`` decisions (``CANDIDATES`` rows
+    """Median microseconds per decision when ``decisions`` decisions (one row per expert
     each) are scored in one batch."""
     import statistics
     import time
 
-    rows = np.random.default_rng(0).random((decisions * CANDIDATES, len(FEATURES)), dtype=np.float32)
+    rows = np.random.default_rng(0).random((decisions * len(EXPERTS), len(SELECTOR_FEATURES)), dtype=np.float32)
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        scorer.score(rows).reshape(decisions, CANDIDATES).argmax(axis=1)
+        scorer.score(rows).reshape(decisions, len(EXPERTS)).argmax(axis=1)
         times.append(time.perf_counter() - started)
     return statistics.median(times) / decisions * 1e6

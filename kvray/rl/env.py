@@ -1,21 +1,21 @@
-"""Gymnasium environment: the placement decisions of a trace replay, one step each.
+"""Gymnasium environment: which expert the cache follows, one window of requests per step.
 
-Each step is one real decision of the cache (docs/design.md, "Placement"): where a new page
-goes (a tier or not kept) or which page leaves a full tier (its destination is then one
-tier down, or nowhere from the slowest). The observation is the decision's feature rows
-(:mod:`kvray.policy.features`, padded to ``CANDIDATES`` rows, flattened); the action is
-the index of the chosen row. The replay runs through the real
-:class:`~kvray.core.manager.CacheManager` of a :class:`~kvray.sim.simulator.Simulator`: the
-environment only answers, for the manager, the questions a policy would.
+The policy being trained is :class:`~kvray.policy.experts.ExpertsPolicy`: every expert
+heuristic keeps its bookkeeping over the real cache and replays the same requests on a
+shadow cache of its own; every ``WINDOW`` requests the policy asks its selector which
+expert's admission and eviction the real cache follows next. Here the selector is the
+learner: the observation is the policy's selector rows (:data:`SELECTOR_FEATURES`, one row
+per expert, flattened), the action the index of the expert to follow. The replay runs
+through the real :class:`~kvray.core.manager.CacheManager` of a
+:class:`~kvray.sim.simulator.Simulator`, so the manager's store and eviction loop is the
+only one; the environment only answers the policy's question.
 
-Reward is hindsight regret in units of one page's prefill time: the modeled cost the
-choice adds at the page's next use (loaded from the tier it will have aged into, or
-recomputed), plus ``slot_cost`` for a slot held by a page that is not used while cached
-(what it displaced: the cost of a slot in a tight cache), minus that of the best choice
-among the same options, capped at ``max_regret`` so that a few costly choices (dropping
-a long chain) do not drown out the many small ones. Only the reward uses
-the future; observations never do. Episodes are windows of ``episode_requests`` requests
-starting at random points of the trace, after a warm-up that fills the cache with LRU.
+Reward is the TTFT the simulator realises over the window that follows (queueing
+included), as minus its ratio to recomputing every prompt of the window (capped at
+``max_cost``); with a discount above 0 the learner weighs what a choice leaves in the
+cache for later windows. Episodes are ``episode_windows`` windows starting at a random
+point of the trace, after a warm-up that fills the cache (the policy follows LRU then).
+Nothing of the trace's future enters an observation or a reward.
 
 Example::
     import gymnasium
@@ -23,8 +23,8 @@ Example::
     from kvray.sim.cost import load_scenario
     from kvray.traces import read_trace
 
-    env = gymnasium.make("kvray/Placement-v0", trace=read_trace("synthetic_trace.jsonl", limit=200),
-                         scenario=load_scenario("h100-llama8b"))
+    env = gymnasium.make("kvray/Placement-v0", trace=read_trace("synthetic_trace.jsonl", limit=300),
+                         scenario=load_scenario("h100-llama8b"), episode_windows=2)
     obs, info = env.reset(seed=0)
     obs, reward, terminated, truncated, info = env.step(env.action_space.sample())
 """
@@ -39,11 +39,10 @@ import gymnasium as gym
 import numpy as np
 
 from kvray.core.tiers import Tier
-from kvray.policy.agent import AgentPolicy, Decision
-from kvray.policy.features import CANDIDATES, DROP_COST, FEATURES, padded
+from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES, WINDOW, ExpertsPolicy
 from kvray.sim.cost import Scenario
-from kvray.sim.simulator import Simulator, next_uses
-from kvray.traces import TraceRequest, full_blocks, unique_blocks
+from kvray.sim.simulator import Simulator
+from kvray.traces import TraceRequest, unique_blocks
 
 
 class _Stopped(Exception):
@@ -124,7 +123,7 @@ class PausedReplay:
 
 
 class PlacementEnv(gym.Env):
-    """Admission and eviction decisions of a trace replay with modeled-cost regret rewards."""
+    """Choosing the expert to follow, window by window, rewarded by the realised TTFT."""
 
     metadata = {"render_modes": []}
 
@@ -133,60 +132,46 @@ class PlacementEnv(gym.Env):
         trace: Sequence[TraceRequest],
         scenario: Scenario,
         capacities: Mapping[Tier, int] | None = None,
-        episode_requests: int = 400,
-        slot_cost: float = 0.3,
-        max_regret: float = 1.0,
+        episode_windows: int = 12,
+        max_cost: float = 20.0,
     ) -> None:
         self.trace = list(trace)
         self.scenario = scenario
         self.capacities = dict(capacities or scenario.capacities())
-        self.episode_requests = min(episode_requests, len(self.trace))
-        self.futures = next_uses(self.trace)
-        self.rate = max(unique_blocks(self.trace) / len(self.trace), 1.0)  # new pages per request
-        self.warmup_requests = int(sum(self.capacities.values()) / self.rate)
-        self.observation_space = gym.spaces.Box(-10.0, 10.0, (CANDIDATES * len(FEATURES),), np.float32)
-        self.action_space = gym.spaces.Discrete(CANDIDATES)
-        self.slot_cost = slot_cost
-        self.max_regret = max_regret
+        self.episode_requests = min(episode_windows * WINDOW, len(self.trace))
+        rate = max(unique_blocks(self.trace) / len(self.trace), 1.0)  # new pages per request
+        self.warmup_requests = int(sum(c for t, c in self.capacities.items() if t <= Tier.HOST) / rate)
+        self.observation_space = gym.spaces.Box(-10.0, 10.0, (len(EXPERTS) * len(SELECTOR_FEATURES),), np.float32)
+        self.action_space = gym.spaces.Discrete(len(EXPERTS))
+        self.max_cost = max_cost
         self._episode: PausedReplay | None = None
-        # per tier: each tier from it down, with how far ahead (in requests) a page kept
-        # there is still in that tier, as it ages down at ``rate``
-        self._reach: dict[Tier, list[tuple[Tier, float]]] = {}
-        for tier in self.capacities:
-            reach, steps = 0.0, []
-            for t in sorted(self.capacities):
-                if t >= tier:
-                    reach += self.capacities[t] / self.rate
-                    steps.append((t, reach))
-            self._reach[tier] = steps
 
-    # -- gymnasium API -------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
         super().reset(seed=seed)
         self.close()
-        self.policy = AgentPolicy()  # LRU's decisions while the cache warms up
+        self.policy = ExpertsPolicy(selector=None)  # follows the first expert (LRU) while the cache warms up
         self.sim = Simulator(self.scenario, self.policy, self.capacities)
-        last_start = len(self.trace) - self.episode_requests
-        start = int(self.np_random.integers(0, last_start + 1))
-        self._next_use: dict[int, float] = {}
-        for i in range(max(0, start - self.warmup_requests), start):
-            self._learn_future(i)
-            self.sim.serve(self.trace[i])
+        start = int(self.np_random.integers(0, len(self.trace) - self.episode_requests + 1))
+        start -= start % WINDOW  # the policy chooses at whole windows from the trace's start
+        for request in self.trace[max(0, start - self.warmup_requests) : start]:
+            self.sim.serve(request)
         self.ttft_ms: list[float] = []
-        self.policy.agent = self._ask
+        self.prefill_ms: list[float] = []
+        self.policy.selector = self._ask
         self._episode = PausedReplay(lambda: self._replay(start, start + self.episode_requests))
         obs = self._episode.start()
         return self._no_obs() if obs is None else obs, {}
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
         assert self._episode is not None, "call reset() first"
-        self._reward = 0.0
+        self.ttft_ms.clear()
+        self.prefill_ms.clear()
         obs = self._episode.answer(int(action))
+        reward = -min(sum(self.ttft_ms) / max(sum(self.prefill_ms), 1e-9), self.max_cost)
         if obs is None:
             self._episode = None
-            info = {"mean_ttft_ms": float(np.mean(self.ttft_ms)) if self.ttft_ms else 0.0}
-            return self._no_obs(), self._reward, True, False, info
-        return obs, self._reward, False, False, {}
+            return self._no_obs(), reward, True, False, {}
+        return obs, reward, False, False, {}
 
     def close(self) -> None:
         if self._episode is not None:
@@ -194,75 +179,19 @@ class PlacementEnv(gym.Env):
             self._episode = None
         super().close()
 
-    # -- the replay, paused at every decision ------------------------------------------
-    def _learn_future(self, i: int) -> None:
-        for key, nxt in zip(self.trace[i].hash_ids, self.futures[i].tolist()):
-            self._next_use[key] = nxt
-
     def _replay(self, start: int, stop: int) -> None:
-        """Serve the episode's requests; the policy asks :meth:`_ask` at every decision."""
-        for i in range(start, stop):
-            request = self.trace[i]
-            self._now = i
-            self._learn_future(i)
-            self._keys = full_blocks(request.hash_ids, request.input_length, self.sim.block_tokens)
+        """Serve the episode's requests; the policy asks :meth:`_ask` at every window."""
+        for request in self.trace[start:stop]:
             _, ttft = self.sim.serve(request)
             self.ttft_ms.append(ttft)
+            self.prefill_ms.append(self.sim.cost.prefill_ms(request.input_length))
 
-    def _ask(self, decision: Decision) -> int:
-        """The agent of :attr:`policy`: show the decision, wait for the action, score its regret."""
-        action = int(self._episode.ask(self._obs(decision.rows)))
-        choices = decision.choices
-        choice = choices[action % len(choices)]
-        if decision.ctx is not None:
-            regret = self._admission_regret(choices, choice, self._keys[decision.ctx.depth :])
-        else:
-            dst = self.policy.demote_target(choice, decision.tier)
-            losses = [self._eviction_loss(h, decision.tier, dst) for h in choices]
-            regret = losses[action % len(choices)] - min(losses)
-        self._reward = -min(regret, self.max_regret)
-        return action
+    def _ask(self, rows: np.ndarray) -> int:
+        """The selector of :attr:`policy`: show the rows, wait for the action."""
+        return int(self._episode.ask(np.clip(rows, -10.0, 10.0).reshape(-1)))
 
     def _no_obs(self) -> np.ndarray:
         return np.zeros(self.observation_space.shape, np.float32)
-
-    def _obs(self, rows: np.ndarray) -> np.ndarray:
-        return np.clip(padded(rows), -10.0, 10.0).reshape(-1)
-
-    # -- hindsight costs (rewards only) --------------------------------------------------
-    def _distance(self, key: int) -> float:
-        return self._next_use.get(key, np.inf) - self._now
-
-    def _kept_cost(self, tier: Tier, key: int) -> float:
-        """Modeled cost (in page prefills) of keeping the page in ``tier``: at its next use
-        it is loaded from the tier it has aged into by then (pages age down the tiers at
-        the trace's rate of new pages); a page not used before it would leave the cache
-        costs its recomputation, if it is used at all, plus ``slot_cost`` for the slot
-        it held in vain."""
-        distance = self._distance(key)
-        for t, reach in self._reach[tier]:
-            if distance <= reach:
-                return self.policy.tier_cost[t]
-        return (DROP_COST if distance < np.inf else 0.0) + self.slot_cost
-
-    def _dropped_cost(self, keys: Sequence[int]) -> float:
-        """Recomputing each of ``keys`` that is used again (a page dropped takes the rest
-        of its chain with it)."""
-        return sum(DROP_COST for key in keys if self._distance(key) < np.inf)
-
-    def _admission_regret(self, options: list[Tier | None], choice: Tier | None, keys: Sequence[int]) -> float:
-        def loss(tier: Tier | None) -> float:
-            return self._dropped_cost(keys) if tier is None else self._kept_cost(tier, keys[0])
-
-        return loss(choice) - min(loss(t) for t in options)
-
-    def _eviction_loss(self, handle: int, tier: Tier, dst: Tier | None) -> float:
-        """Added cost of evicting the page. (A dropped page takes its cached descendants
-        with it; they are not charged here: walking every candidate's subtree would cost
-        more than the replay, and the oldest pages a policy picks from are mostly leaves.)"""
-        key = self.sim.manager.index.key_of(handle)
-        after = self._dropped_cost((key,)) if dst is None else self._kept_cost(dst, key)
-        return after - self._kept_cost(tier, key)
 
 
 gym.register("kvray/Placement-v0", entry_point=PlacementEnv)

@@ -1,12 +1,17 @@
-"""Training the learned placement policy: PPO (stable-baselines3) in the placement env.
+"""Training the learned selector of the adaptive policy: PPO (stable-baselines3) in the env.
 
-The actor is one small MLP applied to every feature row of a decision (a shared scorer,
-so its size does not depend on how many choices there are); the row it scores highest is
-the action. Only that scorer is kept: it is exported to ``policy.safetensors`` and run by
-:class:`~kvray.policy.rl.RLPolicy` in numpy. The critic (a baseline for PPO) is dropped.
+The policy is :class:`~kvray.policy.experts.ExpertsPolicy`: shadow caches tell how each
+expert heuristic would do on the workload seen so far, and the selector picks the expert
+the real cache follows for the next window. The actor is one small MLP applied to every
+expert's row (a shared scorer: the same function ranks LRU, ARC and the threshold rule by
+what their rows say); the row it scores highest is the action. Only that scorer is kept:
+it is exported to ``policy.safetensors`` and run by :class:`~kvray.policy.rl.RLPolicy` in
+numpy. The critic (a baseline for PPO) is dropped.
 
-Training and evaluation data are kept apart: :func:`split_by_time` gives the first part
-of a trace to training and the rest to evaluation; other traces can be held out whole.
+Training data: generated workloads of every family (:data:`kvray.sim.workloads.FAMILIES`,
+seeds never used for evaluation) plus the first part (by time) of each given trace
+(:func:`split_by_time`); the rest of those traces, and whole held-out traces and
+generator configurations, are for evaluation (``kvray eval``).
 
 Example::
     from pathlib import Path
@@ -15,7 +20,8 @@ Example::
     from kvray.resources import bundled
 
     card = train(load_scenario("h100-llama8b"), [bundled("data/traces/synthetic_trace.jsonl")],
-                 timesteps=256, out=Path("policies-mine"), episode_requests=100, progress=False)
+                 timesteps=64, out=Path("policies-mine"), families=(), capacity_fractions=(0.1,),
+                 episode_windows=2, progress=False)
     card["training"]["timesteps"]     # what was trained on; `kvray train` also fills card["evaluation"]
 """
 
@@ -31,10 +37,11 @@ import torch
 from torch import nn
 
 from kvray.core.errors import TraceError
-from kvray.policy.features import CANDIDATES, FEATURES
+from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES
 from kvray.policy.rl import CARD_FILE, WEIGHTS_FILE, observation_spec
 from kvray.progress import progress_bar
 from kvray.sim.cost import Scenario
+from kvray.sim.workloads import FAMILIES
 from kvray.traces import TraceRequest
 
 
@@ -51,7 +58,7 @@ class RowScorer(nn.Module):
 
     def __init__(self, hidden: int = 32) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(len(FEATURES), hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 1)])
+        self.layers = nn.ModuleList([nn.Linear(len(SELECTOR_FEATURES), hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 1)])
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         x = rows
@@ -63,17 +70,17 @@ class RowScorer(nn.Module):
 
 
 class _ScorerExtractor(nn.Module):
-    """PPO's actor latent = the scores of the ``CANDIDATES`` rows; the critic sees them all."""
+    """PPO's actor latent = the scores of the experts' rows; the critic sees them all."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scorer = RowScorer()
-        self.latent_dim_pi = CANDIDATES
+        self.latent_dim_pi = len(EXPERTS)
         self.latent_dim_vf = 64
-        self.value = nn.Sequential(nn.Linear(CANDIDATES * len(FEATURES), 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+        self.value = nn.Sequential(nn.Linear(len(EXPERTS) * len(SELECTOR_FEATURES), 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
 
     def forward_actor(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.scorer(obs.view(-1, CANDIDATES, len(FEATURES)))
+        return self.scorer(obs.view(-1, len(EXPERTS), len(SELECTOR_FEATURES)))
 
     def forward_critic(self, obs: torch.Tensor) -> torch.Tensor:
         return self.value(obs)
@@ -110,6 +117,29 @@ def export_scorer(scorer: RowScorer, folder: Path) -> None:
     save_file(tensors, str(folder / WEIGHTS_FILE))
 
 
+def training_sets(
+    traces: Sequence[Path], train_fraction: float, families: Sequence[str], family_seed: int
+) -> tuple[dict[str, list[TraceRequest]], list[list[TraceRequest]], list[dict]]:
+    """The named training traces (each family generated, the first part of each trace),
+    the held-out rests of the traces, and the card's description of the sources."""
+    from kvray.sim.workloads import generate, named_workload
+    from kvray.traces import read_trace
+
+    train_sets: dict[str, list[TraceRequest]] = {}
+    held_out, sources = [], []
+    for i, family in enumerate(families):
+        train_sets[family] = generate(named_workload(family), family_seed + i)
+        sources.append({"family": family, "seed": family_seed + i, "train_requests": len(train_sets[family])})
+    for path in traces:
+        first, rest = split_by_time(read_trace(path), train_fraction)
+        if not first:  # the held-out rest never is empty: the last request is at or after the cut
+            raise TraceError(f"{path}: no requests in the first {train_fraction:g} of its time span to train on")
+        train_sets[Path(path).stem] = first
+        held_out.append(rest)
+        sources.append({"trace": str(path), "train_requests": len(first), "held_out_requests": len(rest)})
+    return train_sets, held_out, sources
+
+
 def train(
     scenario: Scenario,
     traces: Sequence[Path],
@@ -117,17 +147,20 @@ def train(
     out: Path,
     seed: int = 0,
     train_fraction: float = 0.6,
-    capacity_fractions: Sequence[float] = (0.05, 0.10),
-    episode_requests: int = 400,
+    capacity_fractions: Sequence[float] = (0.02, 0.05, 0.10, 0.25),
+    families: Sequence[str] = tuple(FAMILIES),
+    family_seed: int = 100,
+    episode_windows: int = 12,
+    gamma: float = 0.9,
     progress: bool = True,
     evaluate: Callable[[Path, list[list[TraceRequest]]], dict] | None = None,
     tensorboard: Path | None = None,
 ) -> dict:
     """Train, export the scorer and its model card into ``out``; returns the card.
 
-    One environment per capacity fraction (of the training slice's unique pages), so the
-    policy learns both tight and looser caches. ``evaluate(out, held_out)`` fills the
-    card's evaluation scores (kvray eval does this on the held-out slices).
+    One environment per training trace and capacity fraction (of that trace's unique
+    pages), so the selector learns tight and loose caches of every family.
+    ``evaluate(out, held_out)`` fills the card's evaluation scores.
     ``tensorboard`` is a folder for SB3's TensorBoard logs (losses, entropy, the mean
     reward per rollout), so a long run can be watched while it trains.
     """
@@ -138,17 +171,9 @@ def train(
 
     import kvray.rl.env  # noqa: F401  (registers kvray/Placement-v0)
     from kvray.sim.simulator import fast_capacity
-    from kvray.traces import read_trace
 
     torch.set_num_threads(1)
-    train_parts, held_out, sources = [], [], []
-    for path in traces:
-        first, rest = split_by_time(read_trace(path), train_fraction)
-        if not first:  # the held-out rest never is empty: the last request is at or after the cut
-            raise TraceError(f"{path}: no requests in the first {train_fraction:g} of its time span to train on")
-        train_parts.append(first)
-        held_out.append(rest)
-        sources.append({"trace": str(path), "train_requests": len(first), "held_out_requests": len(rest)})
+    train_sets, held_out, sources = training_sets(traces, train_fraction, families, family_seed)
     makers = [
         (
             lambda t=t, f=f: gym.make(
@@ -156,24 +181,25 @@ def train(
                 trace=t,
                 scenario=scenario,
                 capacities=fast_capacity(scenario, t, fraction=f),
-                episode_requests=episode_requests,
+                episode_windows=episode_windows,
             )
         )
-        for t in train_parts
+        for t in train_sets.values()
         for f in capacity_fractions
     ]
     env = DummyVecEnv(makers)
     env.seed(seed)
+    n_steps = max(4, min(16, timesteps // len(makers)))
     model = PPO(
         _scorer_policy_class(),
         env,
-        n_steps=512,
-        batch_size=256,
-        n_epochs=4,
-        gamma=0.0,
-        gae_lambda=1.0,
-        learning_rate=1e-3,
-        ent_coef=0.02,
+        n_steps=n_steps,
+        batch_size=min(64, n_steps * len(makers)),
+        n_epochs=6,
+        gamma=gamma,
+        gae_lambda=0.9,
+        learning_rate=3e-3,
+        ent_coef=0.01,
         seed=seed,
         device="cpu",
         verbose=0,
@@ -200,7 +226,8 @@ def train(
     export_scorer(model.policy.mlp_extractor.scorer, out)
     card = {
         "name": out.name,
-        "algorithm": "PPO (stable-baselines3), shared row scorer, hindsight-regret reward",
+        "algorithm": "PPO (stable-baselines3): a shared row scorer picks the expert heuristic to follow per window; "
+        "reward: realised modeled TTFT of the window",
         "observation": observation_spec(),
         "scenario": scenario.name,
         "tier_cost": tier_costs(scenario),
@@ -208,7 +235,8 @@ def train(
             "traces": sources,
             "train_fraction_by_time": train_fraction,
             "capacity_fractions": list(capacity_fractions),
-            "episode_requests": episode_requests,
+            "episode_windows": episode_windows,
+            "gamma": gamma,
             "timesteps": int(model.num_timesteps),
             "seed": seed,
             "wall_s": round(time.time() - started, 1),

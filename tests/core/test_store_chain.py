@@ -83,9 +83,8 @@ def stored(workload: list[list[int]], policy: str) -> dict[int, tuple]:
 
 
 def trained(workload: list[list[int]]) -> dict[int, tuple]:
-    """The training environment, its agent always taking the first choice (the fastest
-    tier; the least recently used page): LRU's decisions."""
-    env = PlacementEnv(trace_of(workload), SCENARIO, CAPACITIES, episode_requests=len(workload))
+    """The training environment, its agent always following the first expert (LRU)."""
+    env = PlacementEnv(trace_of(workload), SCENARIO, CAPACITIES, episode_windows=len(workload))
     env.warmup_requests = 0
     env.reset(seed=0)
     terminated = False

@@ -1,6 +1,7 @@
-"""The learned policy: tiny PPO training writes safe weights and a model card, `rl:PATH`
-loads them, decisions are deterministic, and files for another observation space (or not
-a policy at all) are refused with PolicyError."""
+"""The learned policy: tiny PPO training (on generated families and a trace's first part)
+writes safe weights and a model card, `rl:PATH` loads them, decisions are deterministic,
+and files for another observation space (or not a policy at all) are refused with
+PolicyError."""
 
 import json
 import shutil
@@ -12,7 +13,7 @@ import pytest
 from kvray.apps.evaluate import compare, goals, plot, write_report
 from kvray.core.errors import PolicyError
 from kvray.policy import make_policy
-from kvray.policy.features import CANDIDATES, FEATURES
+from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES, WINDOW
 from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, WEIGHTS_FILE, RLPolicy, load_scorer
 from kvray.resources import shipped_or_given
 from kvray.rl.train import split_by_time, train
@@ -29,7 +30,9 @@ def tiny_policy(tmp_path_factory):
     lines = Path("data/traces/conversation_trace_first30min.jsonl").read_text().splitlines(keepends=True)[:200]
     trace.write_text("".join(lines))
     out = tmp_path_factory.mktemp("policy") / "tiny"
-    card = train(SCENARIO, [trace], timesteps=512, out=out, capacity_fractions=(0.1,), episode_requests=40, progress=False)
+    card = train(
+        SCENARIO, [trace], timesteps=16, out=out, capacity_fractions=(0.1,), families=("chat",), episode_windows=2, progress=False
+    )
     return out, card
 
 
@@ -37,9 +40,12 @@ def test_training_writes_safetensors_and_a_card(tiny_policy):
     out, card = tiny_policy
     assert (out / WEIGHTS_FILE).read_bytes()[8:9] == b"{"  # safetensors: length + JSON header, no pickle
     written = json.loads((out / CARD_FILE).read_text())
-    assert written["observation"] == {"features": list(FEATURES), "candidates": CANDIDATES}
-    assert written["training"]["timesteps"] >= 512 and written["training"]["seed"] == 0
-    assert written["training"]["curve"] and written["training"]["traces"][0]["train_requests"] > 0
+    assert written["observation"] == {"features": list(SELECTOR_FEATURES), "experts": list(EXPERTS), "window": WINDOW}
+    assert written["training"]["timesteps"] >= 16 and written["training"]["seed"] == 0
+    assert written["training"]["gamma"] > 0
+    sources = written["training"]["traces"]
+    assert sources[0] == {"family": "chat", "seed": 100, "train_requests": sources[0]["train_requests"]}
+    assert sources[1]["train_requests"] > 0 and sources[1]["held_out_requests"] > 0
 
 
 def test_trained_policy_runs_in_the_simulator_deterministically(tiny_policy):
@@ -75,7 +81,7 @@ def test_shipped_default_policy_scores_rows_as_its_weights_say():
     policy = make_policy("rl")
     assert isinstance(policy, RLPolicy) and policy.card["training"]["timesteps"] > 0
     scorer, _ = load_scorer(DEFAULT_POLICY)
-    rows = np.random.default_rng(0).random((5000, len(FEATURES)), dtype=np.float32)  # > one chunk
+    rows = np.random.default_rng(0).random((5000, len(SELECTOR_FEATURES)), dtype=np.float32)  # > one chunk
     tensors = load_file(str(shipped_or_given(DEFAULT_POLICY, "policies") / WEIGHTS_FILE))
     x = torch.from_numpy(rows)
     layers = len(tensors) // 2
@@ -90,10 +96,11 @@ def test_shipped_default_policy_scores_rows_as_its_weights_say():
 def test_eval_compares_policies_and_saves_plots(tiny_policy, tmp_path):
     out, card = tiny_policy
     _, held = split_by_time(read_trace("data/traces/conversation_trace_first30min.jsonl", limit=300), 0.5)
-    rows = compare({"conv@0.5": held}, ["lru", "belady", f"rl:{out}"], [0.05, 0.1], SCENARIO)
+    rows = compare({"conv@0.5": held}, ["lru", "belady", f"rl:{out}"], [0.05, 0.1], SCENARIO, jobs=2)
     summary = goals(rows, learned=f"rl:{out}")
     assert set(summary) == {"conv@0.5@0.05", "conv@0.5@0.1"}
     assert all(v["rl_hit_rate_vs_belady"] > 0 and v["best_heuristic"] == "lru" for v in summary.values())
+    assert all(v["ttft_vs_best_heuristic"]["lru"] == 1.0 and "rl_share_of_oracle_gain" in v for v in summary.values())
     write_report(tmp_path, rows, summary)
     files = plot(rows, tmp_path, card)
     assert {f.name for f in files} == {"conv_at_0.5.png", "training_curve.png"}
@@ -101,7 +108,8 @@ def test_eval_compares_policies_and_saves_plots(tiny_policy, tmp_path):
 
 
 def test_rl_policy_runs_inside_the_runtime_page_store(tiny_layout):
-    """The same policy object works in PageStore, which sends no on_request."""
+    """The same policy object works in PageStore, which sends no on_request: its selector
+    is never asked, so it follows its first expert (LRU) and keeps what LRU keeps."""
     import torch
 
     from kvray.core.config import StoreConfig, TierSizes
@@ -116,7 +124,7 @@ def test_rl_policy_runs_inside_the_runtime_page_store(tiny_layout):
         hit = store.load(tokens)
         assert torch.equal(hit.kv, prefix_kv(tiny_layout, tokens)[:, :, : hit.tokens])
         hit_tokens.append(hit.tokens)
-    assert len(store) == 6  # full: the policy chose what to evict four times over
+    assert len(store) == 5  # the tiers are full (device 2 + host 4 slots; a chain's parent stays): LRU's count
     assert hit_tokens == [16] * 5  # what was just stored is served from the tiers, bit-exact
 
 
@@ -129,7 +137,23 @@ def test_kvray_train_writes_tensorboard_events(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(Path("data/traces/conversation_trace_first30min.jsonl").read_text().splitlines(keepends=True)[:120]))
     out = tmp_path / "tiny"
-    result = CliRunner().invoke(app, ["train", "--trace", str(trace), "--timesteps", "64", "--out", str(out), "--no-evaluate"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--trace",
+            str(trace),
+            "--timesteps",
+            "8",
+            "--family",
+            "chat",
+            "--capacity-fraction",
+            "0.1",
+            "--out",
+            str(out),
+            "--no-evaluate",
+        ],
+    )
     assert result.exit_code == 0, result.output
     events = list((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert events and all(e.stat().st_size > 0 for e in events)

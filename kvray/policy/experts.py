@@ -1,0 +1,229 @@
+"""Adapting to the workload online: follow whichever heuristic expert is doing best.
+
+No fixed eviction rule is best everywhere: LRU, ARC and the threshold rule (and LFU) each win
+on some workload and capacity and lose badly on another (docs/sim-eval). This policy keeps
+every expert's bookkeeping over the real cache (so any of them can name the next victim
+or admission tier at any time) and, beside it, a *shadow cache* per expert: a metadata-only
+:class:`~kvray.core.manager.CacheManager` of the same tier sizes replaying the same
+request stream under that expert alone, so each expert's cost on this very workload is
+known without ever acting on it. Every ``WINDOW`` requests a *selector* reads the
+experts' recent and long-run shadow costs (plus the real cache's own cost, the prefill
+backlog and ARC's ghost hits: all online state) and picks the expert whose decisions the
+real cache follows for the next window.
+
+Costs are in page prefills: a hit page costs its tier's load time relative to recomputing
+it (``RequestInfo.tier_cost``), a missed page costs 1.
+
+The selector is a function of the rows of :meth:`ExpertsPolicy.selector_rows` (one row
+per expert, :data:`SELECTOR_FEATURES`): :func:`follow_the_leader` (the expert with the
+lowest smoothed cost) here, a trained scorer in :class:`kvray.policy.rl.RLPolicy`, the
+learner in the training environment (:mod:`kvray.rl.env`).
+
+Example::
+    from kvray.core.manager import CacheManager
+    from kvray.core.tiers import Tier
+    from kvray.policy.base import RequestInfo
+    from kvray.policy.experts import ExpertsPolicy
+
+    policy = ExpertsPolicy()                           # follow the leader
+    manager = CacheManager({Tier.HOST: 8, Tier.DISK: 32}, policy)
+    policy.on_request(RequestInfo(keys=(1, 2, 3)))     # shadows serve it too
+    policy.selector_rows().shape                       # (3, len(SELECTOR_FEATURES))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from kvray.core.index import PrefixIndex
+from kvray.core.tiers import Tier
+from kvray.policy.base import PageContext, PlacementPolicy, RequestInfo
+
+EXPERTS = ("lru", "arc", "threshold")  # lfu's shadow replays 5x slower than these (docs/sim-eval)
+WINDOW = 32  # requests between two choices of expert
+LONG_HALF_LIFE = 4.0  # windows: the smoothed cost forgets half of its past in this many
+SELECTOR_FEATURES = (
+    "window_cost_gap",
+    "smoothed_cost_gap",
+    "previous_window_cost_gap",
+    "total_cost_gap",
+    "is_current",
+    *(f"expert_{name}" for name in EXPERTS),
+    "real_cost_gap",
+    "log_backlog",
+    "ghost_hit_rate",
+    "best_hit_rate",
+)
+
+_DECAY = 0.5 ** (1.0 / (LONG_HALF_LIFE * WINDOW))  # per request
+Selector = Callable[[np.ndarray], int]  # rows -> index of the expert to follow
+
+
+def _gap(costs: np.ndarray) -> np.ndarray:
+    """Each cost's excess over the lowest, relative to it, capped at 4."""
+    return np.minimum((costs - costs.min()) / max(float(costs.min()), 1e-3), 4.0)
+
+
+def follow_the_leader(rows: np.ndarray) -> int:
+    """The expert with the lowest smoothed cost (the first among equals)."""
+    return int(np.argmin(rows[:, SELECTOR_FEATURES.index("smoothed_cost_gap")]))
+
+
+def _no_move(handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:
+    """Shadows hold metadata only: a move moves nothing."""
+
+
+class ShadowCache:
+    """One expert replaying the request stream alone over tiers of the real cache's sizes.
+
+    Example::
+
+        shadow = ShadowCache(make_policy("lru"), {Tier.HOST: 8})
+        shadow.serve((1, 2, 3), {Tier.HOST: 0.1})   # 3.0: three misses
+        shadow.serve((1, 2, 3), {Tier.HOST: 0.1})   # 0.3: three host hits
+    """
+
+    def __init__(self, expert: PlacementPolicy, capacities: Mapping[Tier, int]) -> None:
+        from kvray.core.manager import CacheManager  # the manager imports the policy package
+
+        self.manager = CacheManager(capacities, expert, page_nbytes=1)
+
+    def serve(self, keys: Sequence[int], tier_cost: Mapping[Tier, float]) -> tuple[float, int]:
+        """The request's cost in page prefills and its hit pages; then its pages are stored."""
+        manager = self.manager
+        match = manager.lookup(keys, count=False)
+        cost = float(len(keys) - len(match))
+        for tier in match.tiers.tolist():
+            cost += tier_cost[Tier(tier)]
+        manager.touch(match.handles)
+        manager.promote(match.handles, _no_move)
+        manager.store_chain(keys, _no_move)
+        return cost, len(match)
+
+
+class ExpertsPolicy(PlacementPolicy):
+    """Follows, window by window, the expert its ``selector`` picks from the shadow costs.
+
+    Example::
+
+        policy = ExpertsPolicy(selector=lambda rows: 2)     # always ARC
+        manager = CacheManager({Tier.HOST: 64, Tier.DISK: 1024}, policy)
+    """
+
+    name = "experts"
+
+    def __init__(self, selector: Selector | None = follow_the_leader, experts: Sequence[str] = EXPERTS) -> None:
+        self.selector = selector
+        self.expert_names = tuple(experts)
+
+    def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
+        from kvray.policy import make_policy
+
+        super().bind(index, capacities)
+        self.advisors = [make_policy(name) for name in self.expert_names]
+        for advisor in self.advisors:
+            advisor.bind(index, capacities)
+        self.shadows = [ShadowCache(make_policy(name), capacities) for name in self.expert_names]
+        self.tier_cost: dict[Tier, float] = {t: 0.1 * (1 + int(t)) for t in self.tiers}
+        self.current = 0
+        self.requests = 0
+        self.log_backlog = 0.0
+        n = len(self.expert_names)
+        self._window_cost = np.zeros(n)
+        self._window_hits = np.zeros(n)
+        self._previous_gap = np.zeros(n)
+        self._smoothed = np.zeros(n)
+        self._total = np.zeros(n)
+        self._real_cost = 0.0
+        self._window_pages = 0
+        self._stored = 0
+        arc = self.expert_names.index("arc") if "arc" in self.expert_names else None
+        self._arc = None if arc is None else self.advisors[arc]
+        self._ghosts_before = 0
+
+    # -- the selector ----------------------------------------------------------------
+    def selector_rows(self) -> np.ndarray:
+        """One row per expert (:data:`SELECTOR_FEATURES`) from the window just ended."""
+        n = len(self.expert_names)
+        rows = np.zeros((n, len(SELECTOR_FEATURES)), dtype=np.float32)
+        costs = self._window_cost + 1e-9
+        rows[:, 0] = _gap(costs)
+        rows[:, 1] = _gap(self._smoothed + 1e-9)
+        rows[:, 2] = self._previous_gap
+        rows[:, 3] = _gap(self._total + 1e-9)
+        rows[self.current, 4] = 1.0
+        for i, name in enumerate(self.expert_names):
+            if name in EXPERTS:
+                rows[i, 5 + EXPERTS.index(name)] = 1.0
+        base = 5 + len(EXPERTS)
+        rows[:, base] = min((self._real_cost - costs.min()) / max(float(costs.min()), 1e-3), 4.0)
+        rows[:, base + 1] = self.log_backlog
+        ghosts = 0 if self._arc is None else self._arc.ghost_hits - self._ghosts_before
+        rows[:, base + 2] = ghosts / max(self._stored, 1)
+        rows[:, base + 3] = self._window_hits.max() / max(self._window_pages, 1)
+        return rows
+
+    def _choose(self) -> None:
+        rows = self.selector_rows()
+        self._previous_gap = rows[:, 0].copy()
+        if self.selector is not None:
+            self.current = int(self.selector(rows)) % len(self.expert_names)
+        self._window_cost[:] = 0.0
+        self._window_hits[:] = 0.0
+        self._real_cost = 0.0
+        self._window_pages = self._stored = 0
+        self._ghosts_before = 0 if self._arc is None else self._arc.ghost_hits
+
+    def on_request(self, info: RequestInfo) -> None:
+        if self.requests % WINDOW == 0:
+            self._choose()
+        self.requests += 1
+        if info.tier_cost is not None:
+            self.tier_cost = {t: float(info.tier_cost[t]) for t in self.tiers}
+        self.log_backlog = float(np.log1p(info.backlog_ms)) / 8.0
+        request_cost = np.empty(len(self.shadows))
+        for i, shadow in enumerate(self.shadows):
+            request_cost[i], hits = shadow.serve(info.keys, self.tier_cost)
+            self._window_hits[i] += hits
+        self._window_cost += request_cost
+        self._smoothed = self._smoothed * _DECAY + request_cost
+        self._total += request_cost
+        self._real_cost += len(info.keys)  # hits are credited back in on_access
+        self._window_pages += len(info.keys)
+        for advisor in self.advisors:
+            advisor.on_request(info)
+
+    # -- the real cache follows the current expert -----------------------------------
+    def admit(self, ctx: PageContext) -> Tier | None:
+        return self.advisors[self.current].admit(ctx)
+
+    def victim(self, tier: Tier) -> int | None:
+        return self.advisors[self.current].victim(tier)
+
+    def demote_target(self, handle: int, tier: Tier) -> Tier | None:
+        return self.advisors[self.current].demote_target(handle, tier)
+
+    def promote_target(self, handle: int, tier: Tier) -> Tier | None:
+        return self.advisors[self.current].promote_target(handle, tier)
+
+    # -- every expert keeps its bookkeeping over the real cache ----------------------
+    def on_insert(self, handle: int, tier: Tier) -> None:
+        for advisor in self.advisors:
+            advisor.on_insert(handle, tier)
+
+    def on_admitted(self, handle: int, ctx: PageContext) -> None:
+        self._stored += 1
+        for advisor in self.advisors:
+            advisor.on_admitted(handle, ctx)
+
+    def on_access(self, handles: np.ndarray) -> None:
+        for tier in self.index.tier[handles].tolist():
+            self._real_cost -= 1.0 - self.tier_cost[Tier(tier)]
+        for advisor in self.advisors:
+            advisor.on_access(handles)
+
+    def on_remove(self, handle: int, tier: Tier) -> None:
+        for advisor in self.advisors:
+            advisor.on_remove(handle, tier)

@@ -1,0 +1,44 @@
+"""The adaptive policy: shadow caches replay each expert exactly, and the policy follows
+the expert that clearly wins a workload (a seeded document-heavy one, where ARC keeps the
+popular documents that LRU flushes)."""
+
+import numpy as np
+
+from kvray.policy import make_policy
+from kvray.policy.experts import EXPERTS, ExpertsPolicy, ShadowCache
+from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+from kvray.sim.simulator import Simulator, fast_capacity
+from kvray.sim.workloads import FAMILIES, generate
+from kvray.traces import full_blocks
+
+SCENARIO = load_scenario(DEFAULT_SCENARIO)
+TRACE = generate(FAMILIES["document"].model_copy(update={"sessions": 700}), seed=1)
+CAPACITY = fast_capacity(SCENARIO, TRACE, fraction=0.1)
+
+
+def replay(policy) -> tuple[float, Simulator]:
+    sim = Simulator(SCENARIO, policy, CAPACITY)
+    return sim.replay(TRACE).mean_ttft_ms, sim
+
+
+def test_shadow_cache_hits_as_the_expert_alone_does():
+    sim = Simulator(SCENARIO, make_policy("arc"), CAPACITY)
+    shadow = ShadowCache(make_policy("arc"), CAPACITY)
+    for request in TRACE[:300]:
+        keys = full_blocks(request.hash_ids, request.input_length, sim.block_tokens)
+        hits = sim.manager.lookup(keys, count=False)
+        _, shadow_hits = shadow.serve(keys, sim.tier_cost)
+        assert shadow_hits == len(hits)
+        sim.serve(request)
+
+
+def test_policy_follows_the_expert_that_wins():
+    ttft = {name: replay(make_policy(name))[0] for name in ("lru", "arc")}
+    assert ttft["lru"] > 2 * ttft["arc"]  # the workload: ARC clearly wins (3.0x)
+    chosen = []
+    policy = ExpertsPolicy()
+    original = policy.selector
+    policy.selector = lambda rows: chosen.append(original(rows)) or chosen[-1]
+    adaptive, _ = replay(policy)
+    assert np.mean(np.array(chosen[len(chosen) // 4 :]) == EXPERTS.index("arc")) > 0.9
+    assert adaptive < 1.25 * ttft["arc"] and adaptive < 0.7 * ttft["lru"]
