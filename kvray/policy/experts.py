@@ -16,8 +16,11 @@ it (``RequestInfo.tier_cost``), a missed page costs 1.
 
 The selector is a function of the rows of :meth:`ExpertsPolicy.selector_rows` (one row
 per expert, :data:`SELECTOR_FEATURES`): :func:`follow_the_leader` (the expert with the
-lowest smoothed cost) here, a trained scorer in :class:`kvray.policy.rl.RLPolicy`, the
-learner in the training environment (:mod:`kvray.rl.env`).
+lowest smoothed cost) here; in :class:`kvray.policy.rl.RLPolicy` the same ranking
+(:func:`leader_scores`) plus a trained correction, learned in the training environment
+(:mod:`kvray.rl.env`). A selector trained from scratch collapsed onto one expert (the
+threshold rule, 14.5x the best heuristic on one held-out cell); starting from the leader
+it can only learn deviations that paid in training.
 
 Example::
     from kvray.core.manager import CacheManager
@@ -66,9 +69,19 @@ def _gap(costs: np.ndarray) -> np.ndarray:
     return np.minimum((costs - costs.min()) / max(float(costs.min()), 1e-3), 4.0)
 
 
+LEADER_PRIOR = 8.0  # score per unit of smoothed cost gap: a learned selector's starting point
+
+
+def leader_scores(rows: np.ndarray) -> np.ndarray:
+    """Scores ranking experts by their smoothed cost, lowest first: the prior a learned
+    selector adds its own scores to, so that an untrained (zero) correction follows the
+    leader and training only learns where to deviate. Works on ``[..., experts, features]``."""
+    return -LEADER_PRIOR * rows[..., SELECTOR_FEATURES.index("smoothed_cost_gap")]
+
+
 def follow_the_leader(rows: np.ndarray) -> int:
     """The expert with the lowest smoothed cost (the first among equals)."""
-    return int(np.argmin(rows[:, SELECTOR_FEATURES.index("smoothed_cost_gap")]))
+    return int(np.argmax(leader_scores(rows)))
 
 
 def _no_move(handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:

@@ -1,5 +1,6 @@
 """The learned placement policy: the adaptive :class:`~kvray.policy.experts.ExpertsPolicy`
-whose selector is a small trained MLP scoring each expert's row.
+whose selector ranks the experts by their smoothed shadow cost (follow the leader) plus a
+small trained MLP's correction for each expert's row.
 
 It is trained by PPO in the simulator (:mod:`kvray.rl.train`) and stored as
 ``policy.safetensors`` (the scorer's weights, no pickle) beside ``card.json`` (the
@@ -20,7 +21,7 @@ import numpy as np
 
 from kvray.core.errors import ConfigError, PolicyError
 from kvray.core.tiers import Tier
-from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES, WINDOW, ExpertsPolicy
+from kvray.policy.experts import EXPERTS, LEADER_PRIOR, SELECTOR_FEATURES, WINDOW, ExpertsPolicy, leader_scores
 from kvray.resources import shipped_or_given
 
 DEFAULT_POLICY = "default"  # the policy shipped in policies/default (kvray.resources)
@@ -30,7 +31,7 @@ CARD_FILE = "card.json"
 
 def observation_spec() -> dict:
     """What a policy file must have been trained on to be usable here."""
-    return {"features": list(SELECTOR_FEATURES), "experts": list(EXPERTS), "window": WINDOW}
+    return {"features": list(SELECTOR_FEATURES), "experts": list(EXPERTS), "window": WINDOW, "leader_prior": LEADER_PRIOR}
 
 
 class MLPScorer:
@@ -117,8 +118,8 @@ class RLPolicy(ExpertsPolicy):
         return cls(scorer, card)
 
     def best(self, rows: np.ndarray) -> int:
-        """The expert whose row the scorer rates highest."""
-        return int(np.argmax(self.scorer.score(rows)))
+        """The expert rated highest by the leader ranking plus the trained correction."""
+        return int(np.argmax(leader_scores(rows) + self.scorer.score(rows)))
 
 
 def decision_time_us(scorer: MLPScorer, decisions: int = 4096, repeats: int = 20) -> float:

@@ -4,7 +4,9 @@ The policy is :class:`~kvray.policy.experts.ExpertsPolicy`: shadow caches tell h
 expert heuristic would do on the workload seen so far, and the selector picks the expert
 the real cache follows for the next window. The actor is one small MLP applied to every
 expert's row (a shared scorer: the same function ranks LRU, ARC and the threshold rule by
-what their rows say); the row it scores highest is the action. Only that scorer is kept:
+what their rows say), added to the leader ranking
+(:func:`~kvray.policy.experts.leader_scores`); its last layer starts at zero, so training
+starts from follow-the-leader and learns only where deviating pays. Only that scorer is kept:
 it is exported to ``policy.safetensors`` and run by :class:`~kvray.policy.rl.RLPolicy` in
 numpy. The critic (a baseline for PPO) is dropped.
 
@@ -37,7 +39,7 @@ import torch
 from torch import nn
 
 from kvray.core.errors import TraceError
-from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES
+from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES, leader_scores
 from kvray.policy.rl import CARD_FILE, WEIGHTS_FILE, observation_spec
 from kvray.progress import progress_bar
 from kvray.sim.cost import Scenario
@@ -54,11 +56,13 @@ def split_by_time(trace: Sequence[TraceRequest], train_fraction: float) -> tuple
 
 
 class RowScorer(nn.Module):
-    """Feature row -> score; ReLU MLP (what :class:`~kvray.policy.rl.MLPScorer` runs)."""
+    """Feature row -> correction to the leader ranking; ReLU MLP (what :class:`~kvray.policy.rl.MLPScorer` runs)."""
 
     def __init__(self, hidden: int = 32) -> None:
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(len(SELECTOR_FEATURES), hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 1)])
+        nn.init.zeros_(self.layers[-1].weight)  # no correction yet: the policy starts as follow-the-leader
+        nn.init.zeros_(self.layers[-1].bias)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         x = rows
@@ -80,7 +84,8 @@ class _ScorerExtractor(nn.Module):
         self.value = nn.Sequential(nn.Linear(len(EXPERTS) * len(SELECTOR_FEATURES), 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
 
     def forward_actor(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.scorer(obs.view(-1, len(EXPERTS), len(SELECTOR_FEATURES)))
+        rows = obs.view(-1, len(EXPERTS), len(SELECTOR_FEATURES))
+        return leader_scores(rows) + self.scorer(rows)  # as RLPolicy.best ranks them
 
     def forward_critic(self, obs: torch.Tensor) -> torch.Tensor:
         return self.value(obs)
@@ -226,7 +231,8 @@ def train(
     export_scorer(model.policy.mlp_extractor.scorer, out)
     card = {
         "name": out.name,
-        "algorithm": "PPO (stable-baselines3): a shared row scorer picks the expert heuristic to follow per window; "
+        "algorithm": "PPO (stable-baselines3): a shared row scorer corrects the follow-the-leader ranking of the expert "
+        "heuristics, one choice per window; "
         "reward: realised modeled TTFT of the window",
         "observation": observation_spec(),
         "scenario": scenario.name,

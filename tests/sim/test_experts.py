@@ -42,3 +42,20 @@ def test_policy_follows_the_expert_that_wins():
     adaptive, _ = replay(policy)
     assert np.mean(np.array(chosen[len(chosen) // 4 :]) == EXPERTS.index("arc")) > 0.9
     assert adaptive < 1.25 * ttft["arc"] and adaptive < 0.7 * ttft["lru"]
+
+
+def test_an_untrained_correction_follows_the_leader_and_a_trained_one_can_overrule_it():
+    from kvray.policy.experts import SELECTOR_FEATURES, follow_the_leader
+    from kvray.policy.rl import MLPScorer, RLPolicy
+
+    rows = np.random.default_rng(3).random((200, len(EXPERTS), len(SELECTOR_FEATURES)), dtype=np.float32)
+    n = len(SELECTOR_FEATURES)
+    first = SELECTOR_FEATURES.index(f"expert_{EXPERTS[0]}")
+    rows[:, :, first : first + len(EXPERTS)] = np.eye(len(EXPERTS))  # each row names its expert
+    untrained = RLPolicy(MLPScorer([np.ones((4, n)), np.zeros((1, 4))], [np.zeros(4), np.zeros(1)]))
+    assert [untrained.best(r) for r in rows] == [follow_the_leader(r) for r in rows]
+    # A correction that strongly favours the threshold expert's row wins over any cost gap (<= 4).
+    favour = np.zeros((1, n))
+    favour[0, SELECTOR_FEATURES.index("expert_threshold")] = 100.0
+    biased = RLPolicy(MLPScorer([favour], [np.zeros(1)]))
+    assert {biased.best(r) for r in rows} == {EXPERTS.index("threshold")}

@@ -13,7 +13,7 @@ import pytest
 from kvray.apps.evaluate import compare, goals, plot, write_report
 from kvray.core.errors import PolicyError
 from kvray.policy import make_policy
-from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES, WINDOW
+from kvray.policy.experts import EXPERTS, LEADER_PRIOR, SELECTOR_FEATURES, WINDOW
 from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, WEIGHTS_FILE, RLPolicy, load_scorer
 from kvray.resources import shipped_or_given
 from kvray.rl.train import split_by_time, train
@@ -40,7 +40,8 @@ def test_training_writes_safetensors_and_a_card(tiny_policy):
     out, card = tiny_policy
     assert (out / WEIGHTS_FILE).read_bytes()[8:9] == b"{"  # safetensors: length + JSON header, no pickle
     written = json.loads((out / CARD_FILE).read_text())
-    assert written["observation"] == {"features": list(SELECTOR_FEATURES), "experts": list(EXPERTS), "window": WINDOW}
+    expected = {"features": list(SELECTOR_FEATURES), "experts": list(EXPERTS), "window": WINDOW, "leader_prior": LEADER_PRIOR}
+    assert written["observation"] == expected
     assert written["training"]["timesteps"] >= 16 and written["training"]["seed"] == 0
     assert written["training"]["gamma"] > 0
     sources = written["training"]["traces"]
