@@ -31,6 +31,8 @@ $(STAMP): pyproject.toml setup.py kvray/core/_tokens.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,hf]'
+	# NIXL (the kvray[nixl] extra) without nixl's CUDA 13 build: tests/cluster/test_nixl.py runs it over UCX's TCP
+	$(PY) -m pip install -q --no-deps nixl==1.5.2 nixl-cu12==1.5.1
 	touch $@
 
 install: $(STAMP)
