@@ -44,6 +44,7 @@ import numpy as np
 import xxhash
 
 from kvray.bench import BenchResult, alternating_medians, benchmark
+from kvray.bench.side_by_side import drop_cache
 from kvray.core.config import PageLayout, StoreConfig, TierSizes
 from kvray.core.errors import ClusterError
 from kvray.core.pages import request_bytes
@@ -77,17 +78,6 @@ def _stamped(block: np.ndarray, start: int, stop: int) -> np.ndarray:
     pages = block[: stop - start]
     pages[:, :8] = np.arange(start, stop, dtype="<u8")[:, None].view(np.uint8)
     return pages
-
-
-def _drop_cache(path: Path) -> None:
-    """Evict ``path`` from the page cache (clean pages; no privileges needed), so a read
-    measures the disk, as a cold start would."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 class _LongPrefix:
@@ -222,7 +212,7 @@ def _reload_rows(prefix: _LongPrefix, quick: bool) -> list[BenchResult]:
     region = (HEADER_BYTES, disk_pages * stride)  # where the disk pages' slots lie in the file
 
     def raw_read() -> None:
-        _drop_cache(prefix.disk.path)
+        drop_cache([prefix.disk.path])
         fd = os.open(prefix.disk.path, os.O_RDONLY)
         try:
             offset, end = region
@@ -235,7 +225,7 @@ def _reload_rows(prefix: _LongPrefix, quick: bool) -> list[BenchResult]:
     runs: list[dict[str, float]] = []
 
     def stream() -> None:
-        _drop_cache(prefix.disk.path)
+        drop_cache([prefix.disk.path])
         runs.append(prefix.stream())
 
     _, raw_s, memcpy_s = alternating_medians(stream, raw_read, memcpy, repeats=3 if quick else 5)

@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -67,7 +68,7 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _drop_cache(paths: list[str]) -> None:
+def drop_cache(paths: list[str | Path]) -> None:
     """Evict these files' pages from the page cache (no root-wide drop_caches)."""
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
@@ -111,7 +112,7 @@ def measure(side: Side, tokens: np.ndarray, directory: str) -> dict[str, float]:
     side.open_disk(directory, chunks)
     rows["disk_store_gbps"] = gb / _timed(lambda: ([side.store(t) for t in tokens], side.flush()))
     rows.update(_retrieve_rows(side, tokens, "disk_retrieve_warm"))
-    _drop_cache(side.files())
+    drop_cache(side.files())
     rows.update(_retrieve_rows(side, tokens, "disk_retrieve_cold"))
     side.close()
     return rows

@@ -27,7 +27,7 @@ from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.cluster.controller import new_lease
 from kvray.core.config import PageLayout, TierSizes
 from tests.cluster.test_faults import SHARDS
-from tests.cluster.test_reliability_runtime import report
+from tests.cluster.test_reliability_runtime import report, serve
 
 pytestmark = [pytest.mark.ray, pytest.mark.fault]
 
@@ -41,21 +41,6 @@ def start(**overrides) -> tuple[Runtime, KvrayClient]:
     config = RuntimeConfig(name=f"l{next(_names)}", layout=LAYOUT, collective=False, **overrides)
     runtime = Runtime.start(config)
     return runtime, KvrayClient.connect(config.name, buffer_pages=8, timeout_s=TIMEOUT_S, mapped_reads=False)
-
-
-def serve(client: KvrayClient, pattern: PagePattern, keys: list[int]) -> tuple[int, int]:
-    """One engine request (lookup, load, check, compute the rest, release, store); returns
-    (pages hit, pages whose bytes were wrong)."""
-    plan = client.lookup(keys)
-    loaded = client.load(keys, plan)
-    rows = client.buffer.pages
-    wrong = sum(not pattern.matches(keys[i], rows[i]) for i in range(loaded.pages))
-    for i in range(loaded.pages, len(keys)):
-        pattern.fill(keys[i], rows[i])
-    del rows
-    client.release(plan, loaded)
-    client.store(keys, loaded.pages, plan)
-    return loaded.pages, wrong
 
 
 def settle(runtime: Runtime) -> dict:

@@ -66,6 +66,21 @@ def start(**overrides) -> tuple[RuntimeConfig, Runtime]:
     return config, Runtime.start(config)
 
 
+def serve(client: KvrayClient, pattern: PagePattern, keys: list[int]) -> tuple[int, int]:
+    """One engine request (lookup, load, check, compute the rest, release, store); returns
+    (pages hit, pages whose bytes were wrong)."""
+    plan = client.lookup(keys)
+    loaded = client.load(keys, plan)
+    rows = client.buffer.pages
+    wrong = sum(not pattern.matches(keys[i], rows[i]) for i in range(loaded.pages))
+    for i in range(loaded.pages, len(keys)):
+        pattern.fill(keys[i], rows[i])
+    del rows
+    client.release(plan, loaded)
+    client.store(keys, loaded.pages, plan)
+    return loaded.pages, wrong
+
+
 @SHARDS
 def test_a_killed_controller_is_restarted_and_rebuilds_its_index_from_the_stores(ray_cluster, shards):
     """Mid-replay the controller process dies (with 2 shards: the shard holding the most
@@ -151,24 +166,12 @@ def test_a_killed_shard_rebuilds_its_own_chains_while_the_other_keeps_serving(ra
     pattern = PagePattern(client.page_nbytes)
     chains = [client.keys_for_trace([1, 2, 3, 4], salt=f"tenant-{t}") for t in range(16)]
 
-    def serve(keys: list[int]) -> tuple[int, int]:
-        plan = client.lookup(keys)
-        loaded = client.load(keys, plan)
-        rows = client.buffer.pages
-        wrong = sum(not pattern.matches(keys[i], rows[i]) for i in range(loaded.pages))
-        for i in range(loaded.pages, len(keys)):
-            pattern.fill(keys[i], rows[i])
-        del rows
-        client.release(plan, loaded)
-        client.store(keys, loaded.pages, plan)
-        return loaded.pages, wrong
-
     def index_of(shard) -> set[int]:
         return set(ray.get(shard.__ray_call__.remote(lambda self: list(self.index.keys())), timeout=30))
 
     try:
         client.mapped_reads = False  # every lookup asks its shard
-        assert [serve(keys) for keys in chains] == [(0, 0)] * 16
+        assert [serve(client, pattern, keys) for keys in chains] == [(0, 0)] * 16
         runtime.shards.snapshot()  # the commits have landed
         victim, survivor = runtime.shards.handles
         before = [index_of(victim), index_of(survivor)]
@@ -176,7 +179,7 @@ def test_a_killed_shard_rebuilds_its_own_chains_while_the_other_keeps_serving(ra
         assert owned[0] and owned[1] and all(before)  # both shards hold chains
         ray.kill(victim, no_restart=False)
         t0 = time.monotonic()
-        during = [serve(keys) for keys in owned[1]]  # the survivor serves while the victim restarts
+        during = [serve(client, pattern, keys) for keys in owned[1]]  # the survivor serves while the victim restarts
         assert during == [(4, 0)] * len(owned[1])
         while True:
             try:
@@ -190,7 +193,7 @@ def test_a_killed_shard_rebuilds_its_own_chains_while_the_other_keeps_serving(ra
         recovery_s = time.monotonic() - t0
         after = [index_of(victim), index_of(survivor)]
         roots = roots_by_shard(runtime)
-        served_after = [serve(keys) for keys in chains]
+        served_after = [serve(client, pattern, keys) for keys in chains]
     finally:
         client.close()
         runtime.close()
