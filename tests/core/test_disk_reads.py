@@ -90,3 +90,31 @@ def test_a_corrupt_page_ends_the_prefix_among_concurrent_reads(tmp_path, monkeyp
     again = store.load(tokens)  # the pages after the dropped one are unreachable, not wrong
     assert again.tokens == good and store.stats()["corrupt_pages"] == 1
     store.close()
+
+
+def test_short_writes_and_reads_are_finished(tmp_path, monkeypatch):
+    """The kernel may move fewer bytes than asked (a signal, a resource limit); a page is
+    then finished from where the call stopped, never left partly written or read. Short
+    calls cannot be provoked on a local file here, so the two syscalls are wrapped at that
+    boundary to move at most 1,000 bytes each (the real calls do the moving)."""
+    pool = DiskPool(tmp_path, 2, 8192, fingerprint=b"f" * 16)
+    page = np.random.default_rng(1).integers(0, 256, 8192, dtype=np.uint8)
+    real_pwritev, real_preadv = os.pwritev, os.preadv
+
+    def short_pwritev(fd, buffers, offset, *flags):
+        first = memoryview(buffers[0]).cast("B")[:1000]
+        return real_pwritev(fd, [first], offset, *flags)
+
+    def short_preadv(fd, buffers, offset, *flags):
+        first = memoryview(buffers[0]).cast("B")[:1000]
+        return real_preadv(fd, [first], offset, *flags)
+
+    monkeypatch.setattr(os, "pwritev", short_pwritev)
+    digest = pool.write_runs(0, 1, None, [page[:5000], page[5000:]])
+    monkeypatch.setattr(os, "pwritev", real_pwritev)
+    monkeypatch.setattr(os, "preadv", short_preadv)
+    cached, cold = np.zeros_like(page), np.zeros_like(page)
+    ((stored, got),) = pool.read_many([(0, [cached[:3000], cached[3000:]])])
+    assert stored is not None and got == digest and np.array_equal(cached, page)  # the page-cache path
+    assert pool.read_runs(0, [cold]) == (stored, digest) and np.array_equal(cold, page)  # the device path
+    pool.close()

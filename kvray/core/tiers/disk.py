@@ -44,16 +44,19 @@ READ_BATCH_BYTES = 8 << 20  # pages in consecutive slots are read together, up t
 IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 
 
-def _batches(chunks: list[np.ndarray], limit: int) -> list[list[np.ndarray]]:
-    """Consecutive groups of chunks of at most ``limit`` bytes each (a larger chunk alone)."""
-    groups: list[list[np.ndarray]] = [[]]
+def _batches(chunks: list[np.ndarray], limit: int) -> list[tuple[list[np.ndarray], int]]:
+    """Consecutive groups of chunks of at most ``limit`` bytes each (a larger chunk alone),
+    each with its size in bytes."""
+    groups: list[tuple[list[np.ndarray], int]] = []
+    group: list[np.ndarray] = []
     size = 0
     for chunk in chunks:
-        if groups[-1] and size + chunk.size > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(chunk)
-        size += chunk.size
+        if group and size + chunk.nbytes > limit:
+            groups.append((group, size))
+            group, size = [], 0
+        group.append(chunk)
+        size += chunk.nbytes
+    groups.append((group, size))
     return groups
 
 
@@ -208,11 +211,15 @@ class DiskPool:
         """
         offset = slot * self.stride + HEADER_BYTES
         hasher = xxhash.xxh3_64()
+        update, fd = hasher.update, self._fd
         try:
-            for batch in _batches(chunks, CACHED_BATCH_BYTES):
+            for batch, nbytes in _batches(chunks, CACHED_BATCH_BYTES):
                 for chunk in batch:
-                    hasher.update(chunk)
-                offset = self._pwritev_all(batch, offset)
+                    update(chunk)
+                written = os.pwritev(fd, batch, offset)  # the chunks themselves: no view per chunk
+                if written < nbytes:
+                    self._pwritev_all(batch, offset, skip=written)
+                offset += nbytes
             digest = hasher.intdigest()
             self._pwritev_all([np.frombuffer(self._header(key, parent_key, digest), np.uint8)], slot * self.stride)
             if self.fsync:
@@ -224,20 +231,26 @@ class DiskPool:
             raise StorageError(f"disk tier {self.directory}: write of slot {slot} failed: {exc.strerror}") from None
         return digest
 
-    def _pwritev_all(self, chunks: list[np.ndarray], offset: int) -> int:
-        """Write ``chunks`` at ``offset`` (finishing short writes); return the end offset."""
+    def _pwritev_all(self, chunks: list[np.ndarray], offset: int, skip: int = 0) -> int:
+        """Write ``chunks`` at ``offset``, their first ``skip`` bytes already written
+        (finishing short writes); return the end offset."""
         views = [memoryview(c).cast("B") for c in chunks]
+        offset += skip
+        _advance(views, skip)
         while views:
             written = os.pwritev(self._fd, views, offset)
             offset += written
             _advance(views, written)
         return offset
 
-    def _preadv_all(self, chunks: list[np.ndarray | bytearray], offset: int, flags: int = 0) -> bool:
-        """Fill ``chunks`` from ``offset``; False if the file ends first. With ``RWF_NOWAIT``
-        also False (``BlockingIOError``) as soon as a byte is not in the page cache."""
+    def _preadv_all(self, chunks: list[np.ndarray | bytearray], offset: int, flags: int = 0, skip: int = 0) -> bool:
+        """Fill ``chunks`` from ``offset``, their first ``skip`` bytes already read; False if
+        the file ends first. With ``RWF_NOWAIT`` also False (``BlockingIOError``) as soon as a
+        byte is not in the page cache."""
         views = [memoryview(c).cast("B") for c in chunks]
-        return self._preadv_upto(views, offset, flags) == sum(v.nbytes for v in views)
+        want = sum(v.nbytes for v in views) - skip
+        _advance(views, skip)
+        return self._preadv_upto(views, offset + skip, flags) == want
 
     def read_runs(self, slot: int, chunks: list[np.ndarray]) -> tuple[StoredPage | None, int]:
         """Read ``slot`` into ``chunks``: (its header, or None if missing or torn; the
@@ -268,17 +281,19 @@ class DiskPool:
         if not self._nowait:
             return None
         header = bytearray(HEADER_BYTES)
-        batches = _batches(chunks, CACHED_BATCH_BYTES)
         hasher = xxhash.xxh3_64()
+        update, fd, nowait = hasher.update, self._fd, os.RWF_NOWAIT
         offset = slot * self.stride
         try:
-            for i, batch in enumerate(batches):
-                reads = [header, *batch] if i == 0 else batch
-                if not self._preadv_all(reads, offset, os.RWF_NOWAIT):
+            for i, (batch, nbytes) in enumerate(_batches(chunks, CACHED_BATCH_BYTES)):
+                if i == 0:
+                    batch, nbytes = [header, *batch], nbytes + HEADER_BYTES
+                got = os.preadv(fd, batch, offset, nowait)  # the chunks themselves: no view per chunk
+                if got < nbytes and not self._preadv_all(batch, offset, nowait, skip=got):
                     return None  # the file ends inside the slot: read_runs says torn
-                offset += sum(chunk.nbytes for chunk in batch) + (HEADER_BYTES if i == 0 else 0)
-                for chunk in batch:
-                    hasher.update(chunk)
+                offset += nbytes
+                for chunk in batch[1:] if i == 0 else batch:
+                    update(chunk)
         except BlockingIOError:
             return None
         except OSError as exc:
