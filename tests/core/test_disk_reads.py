@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from kvray.core.config import StoreConfig, TierSizes
 from kvray.core.store import PageStore
 from kvray.core.tiers import DiskPool
-from kvray.core.tiers.disk import HEADER_BYTES, READERS
+from kvray.core.tiers.disk import CACHED_BATCH_BYTES, HEADER_BYTES, READERS
 from tests.conftest import TINY, prefix_kv
 
 PAGES = 3 * READERS  # more pages than readers, so reads queue behind each other
@@ -117,4 +118,20 @@ def test_short_writes_and_reads_are_finished(tmp_path, monkeypatch):
     ((stored, got),) = pool.read_many([(0, [cached[:3000], cached[3000:]])])
     assert stored is not None and got == digest and np.array_equal(cached, page)  # the page-cache path
     assert pool.read_runs(0, [cold]) == (stored, digest) and np.array_equal(cold, page)  # the device path
+    pool.close()
+
+
+@pytest.mark.parametrize("page_nbytes", [4096, 3 * CACHED_BATCH_BYTES + 4096], ids=["one batch", "several batches"])
+def test_the_checksum_is_the_whole_pages_xxh3_however_it_is_batched(tmp_path, page_nbytes):
+    """The slot file's format: the header's checksum is xxh3-64 of the page's bytes, so
+    files written with any batch size (or by an earlier kvray) verify the same way."""
+    pool = DiskPool(tmp_path, 2, page_nbytes, fingerprint=b"f" * 16)
+    page = np.random.default_rng(2).integers(0, 256, page_nbytes, dtype=np.uint8)
+    cut = page_nbytes // 3
+    digest = pool.write_runs(0, 1, None, [page[:cut], page[cut:]])
+    assert digest == xxhash.xxh3_64_intdigest(page)
+    assert pool.scan()[0].checksum == digest
+    out = np.zeros_like(page)
+    ((stored, got),) = pool.read_many([(0, [out[:100], out[100:]])])
+    assert got == digest and np.array_equal(out, page)
     pool.close()
