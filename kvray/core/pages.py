@@ -60,6 +60,21 @@ def request_page(layout: PageLayout, kv_bytes: np.ndarray, page_index: int) -> n
     return kv_bytes[:, :, start : start + layout.page_tokens]
 
 
+def request_runs(layout: PageLayout, kv_bytes: np.ndarray, pages: int) -> list[list[np.ndarray]]:
+    """The contiguous byte runs (:func:`runs`) of the first ``pages`` pages of a request (see
+    :func:`request_bytes`, C-contiguous), each page's runs in order, made for the whole
+    request at once: one reshape, then numpy slicing the runs out in C, instead of a view and
+    a layout check per page (a measurable share of a page-cache disk read of a 2 MiB page).
+    """
+    layers, kv, tokens, row_bytes = kv_bytes.shape
+    run_bytes = layout.page_tokens * row_bytes
+    flat = kv_bytes.reshape(layers * kv, tokens * row_bytes)  # a view: kv_bytes is contiguous
+    blocks = flat[:, : pages * run_bytes].reshape(layers * kv, pages, run_bytes)
+    if pages and not np.may_share_memory(blocks, kv_bytes):  # numpy copied: the runs would not be the request's
+        raise LayoutError("request bytes cannot be split into page runs without a copy")
+    return [list(page) for page in blocks.transpose(1, 0, 2)]
+
+
 def runs(page: np.ndarray) -> list[np.ndarray]:
     """A page view's contiguous byte runs, in order (one for a contiguous page, one per
     layer and K/V for a page sliced out of a request)."""

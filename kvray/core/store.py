@@ -29,6 +29,7 @@ of page bytes run outside it, on pinned pages.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import Counter
@@ -44,7 +45,7 @@ from kvray.core.errors import FingerprintMismatch, LayoutError, RequestError, St
 from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.manager import TIERS, CacheManager
-from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, runs, torch_dtype
+from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, request_runs, runs, torch_dtype
 from kvray.core.tiers import LOCAL_TIERS, DevicePool, DiskPool, HostPool, Pool, StoredPage, Tier
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 from kvray.core.tiers.disk import verified
@@ -212,7 +213,12 @@ class PageStore:
         arr = as_token_array(tokens, self.config.max_request_tokens)
         check_request_kv(self.layout, kv, arr.size)
         kv_bytes = request_bytes(kv)
-        return self._store_pages(self.keys(arr, salt), lambda i: request_page(self.layout, kv_bytes, i), priority)
+        return self._store_pages(
+            self.keys(arr, salt),
+            lambda i: request_page(self.layout, kv_bytes, i),
+            priority,
+            page_runs=lambda pages: request_runs(self.layout, kv_bytes, pages),
+        )
 
     def load(self, tokens: Sequence[int] | np.ndarray, salt: str = "", out: torch.Tensor | None = None) -> LoadResult:
         """KV of the longest cached prefix of ``tokens``, every page checksum-verified.
@@ -237,7 +243,9 @@ class PageStore:
         if out.device.type != "cpu":
             raise LayoutError(f"out tensor must be in host memory, got {out.device}")
         out_bytes = request_bytes(out)
-        got, by_tier = self.read_pages(keys, lambda i: request_page(self.layout, out_bytes, i))
+        got, by_tier = self._read_into(
+            keys, lambda i: request_page(self.layout, out_bytes, i), lambda pages: request_runs(self.layout, out_bytes, pages)
+        )
         return LoadResult(got * self.layout.page_tokens, out[:, :, : got * self.layout.page_tokens], by_tier)
 
     def load_chunks(
@@ -281,7 +289,11 @@ class PageStore:
 
         def read(i: int) -> tuple[int, dict[str, int]]:
             rows = as_bytes[(i // step) % 2]
-            return self.read_pages(keys[i : i + step], lambda j: request_page(self.layout, rows, j))
+            return self._read_into(
+                keys[i : i + step],
+                lambda j: request_page(self.layout, rows, j),
+                lambda pages: request_runs(self.layout, rows, pages),
+            )
 
         if not keys:
             return
@@ -333,21 +345,30 @@ class PageStore:
         their checksum condemn a page.
         """
         views = self._targets(targets, len(keys))
+        return self._read_into(keys, views.__getitem__, lambda pages: [runs(views[i]) for i in range(pages)])
+
+    def _read_into(
+        self, keys: Sequence[int], view: PageSource, page_runs: Callable[[int], list[list[np.ndarray]]]
+    ) -> tuple[int, dict[str, int]]:
+        """:meth:`read_pages` into targets already known to hold one page each: ``view(i)``
+        is page ``i``'s view, ``page_runs(n)`` the contiguous runs of the first ``n`` pages
+        (what a disk read fills), asked for once, only when a disk page is matched."""
         with self._lock:
             match = self.manager.lookup(keys)
             self.manager.pin(match.handles)
         delivered = 0
         t0 = time.perf_counter()
-        disk_reads = self._disk_reads(match.tiers, match.slots, lambda i: views[i])
+        disk_reads = self._disk_reads(match.tiers, match.slots, page_runs)
         tiers, slots, checksums = match.tiers.tolist(), match.slots.tolist(), match.checksums.tolist()
+        disk = Tier.DISK
         try:
-            for i in range(len(match)):
-                tier, slot, expected = TIERS[tiers[i]], slots[i], checksums[i]
-                if tier == Tier.DISK:
+            for i, expected in enumerate(checksums):
+                tier = TIERS[tiers[i]]
+                if tier is disk:
                     stored, digest = next(disk_reads)
                     if not verified(stored, digest, expected):
                         break
-                elif not self._read_page(tier, slot, expected, views[i]):
+                elif not self._read_page(tier, slots[i], expected, view(i)):
                     break
                 delivered += 1
         except BaseException:
@@ -369,25 +390,31 @@ class PageStore:
     def _targets(self, targets: PageSource, pages: int) -> list[np.ndarray]:
         """``targets(i)`` for every page of a request, each checked to hold exactly one page."""
         views = []
+        nbytes = self.layout.page_nbytes
         for i in range(pages):
             try:
                 view = targets(i)
             except (IndexError, ValueError) as exc:
                 raise LayoutError(f"target buffer has no room for page {i} of {pages}: {exc}") from None
-            if not isinstance(view, np.ndarray) or view.dtype != np.uint8 or view.nbytes != self.layout.page_nbytes:
+            if not isinstance(view, np.ndarray) or view.dtype != np.uint8 or view.nbytes != nbytes:
                 what = f"{view.dtype} {view.shape}" if isinstance(view, np.ndarray) else type(view).__name__
-                raise LayoutError(f"target of page {i} of {pages} is {what}, not the {self.layout.page_nbytes} bytes of one page")
+                raise LayoutError(f"target of page {i} of {pages} is {what}, not the {nbytes} bytes of one page")
             views.append(view)
         return views
 
-    def _disk_reads(self, tiers: np.ndarray, slots: np.ndarray, targets: PageSource) -> Iterator[tuple[StoredPage | None, int]]:
+    def _disk_reads(
+        self, tiers: np.ndarray, slots: np.ndarray, page_runs: Callable[[int], list[list[np.ndarray]]]
+    ) -> Iterator[tuple[StoredPage | None, int]]:
         """The disk pages among a match, read ahead concurrently (:meth:`DiskPool.read_many`)
         in match order; a page after one that fails verification may be read, never delivered.
         Nothing runs until the first disk page is asked for."""
         disk = self.pools.get(Tier.DISK)
         if isinstance(disk, DiskPool):
-            wanted = np.flatnonzero(tiers == int(Tier.DISK))
-            yield from disk.read_many([(int(slots[i]), runs(targets(int(i)))) for i in wanted])
+            wanted = np.flatnonzero(tiers == int(Tier.DISK)).tolist()
+            if wanted:
+                chunks = page_runs(wanted[-1] + 1)
+                slot_of = slots.tolist()
+                yield from disk.read_many([(slot_of[i], chunks[i]) for i in wanted])
 
     def touch_pages(self, keys: Sequence[int]) -> int:
         """Count a hit on the cached prefix of ``keys`` that a reader copied out of the shared
@@ -402,10 +429,23 @@ class PageStore:
         self.manager.touch(handles)
         self.manager.promote(handles, self._move)
 
-    def _store_pages(self, keys: list[int], sources: PageSource, priority: int = 0, parent_key: int | None = None) -> int:
+    def _store_pages(
+        self,
+        keys: list[int],
+        sources: PageSource,
+        priority: int = 0,
+        parent_key: int | None = None,
+        page_runs: Callable[[int], list[list[np.ndarray]]] | None = None,
+    ) -> int:
         """Store the pages of one chain (after ``parent_key``'s page, if given) through the
-        manager's chain writer, writing each page's bytes into the slot it gets."""
+        manager's chain writer, writing each page's bytes into the slot it gets.
+
+        ``page_runs(n)``, where given, is the contiguous runs of the first ``n`` sources,
+        made for the whole request at once (:func:`~kvray.core.pages.request_runs`) the first
+        time a page goes to disk, instead of a view and its runs per page."""
         t0 = time.perf_counter()
+        disk = self.pools.get(Tier.DISK)
+        request_runs_once = functools.cache(lambda: page_runs(len(keys))) if page_runs is not None else None
         with self._lock:
             parent = ROOT
             if parent_key is not None:
@@ -416,6 +456,8 @@ class PageStore:
             def write(i: int, key: int, tier: Tier, slot: int, under: int) -> int:
                 under_key = None if under == ROOT else self.manager.index.key_of(under)
                 try:
+                    if tier is Tier.DISK and request_runs_once is not None and isinstance(disk, DiskPool):
+                        return disk.write_runs(slot, key, under_key, request_runs_once()[i])
                     return self._write_page(tier, slot, key, under_key, sources(i))
                 except StorageError as exc:
                     slots = self.manager.slots[tier]

@@ -33,6 +33,7 @@ from kvray.core.pages import runs
 MAGIC = b"KVRAYPG1"
 HEADER = struct.Struct("<8sHHI16s16s16sQQ")  # magic, version, flags, pad, key, parent, fingerprint, checksum, nbytes
 HEADER_BYTES = 128
+SLOT_HEADER = struct.Struct(HEADER.format + f"{HEADER_BYTES - HEADER.size}x")  # the header padded with zeros
 VERSION = 2
 FLAG_HAS_PARENT = 1
 ALIGN = 4096
@@ -173,6 +174,7 @@ class DiskPool:
         self.fingerprint = fingerprint
         self.fsync = fsync
         self.stride = -(-(HEADER_BYTES + page_nbytes) // ALIGN) * ALIGN
+        self._slot_bytes = HEADER_BYTES + page_nbytes
         self._readers: ThreadPoolExecutor | None = None
         self._nowait = hasattr(os, "RWF_NOWAIT")  # until the file system refuses it (Linux 4.14+)
         self.path = self.directory / f"{fingerprint.hex()}.kvpages"
@@ -184,11 +186,10 @@ class DiskPool:
 
     def _header(self, key: int, parent_key: int | None, checksum: int) -> bytes:
         flags = 0 if parent_key is None else FLAG_HAS_PARENT
-        raw = HEADER.pack(
+        return SLOT_HEADER.pack(
             MAGIC, VERSION, flags, 0, key.to_bytes(16, "little"), (parent_key or 0).to_bytes(16, "little"),
             self.fingerprint, checksum, self.page_nbytes,
         )  # fmt: skip
-        return raw.ljust(HEADER_BYTES, b"\0")
 
     def view(self, slot: int) -> None:
         """Disk slots are not addressable memory: moves read them out first."""
@@ -285,10 +286,12 @@ class DiskPool:
             hasher.update(chunk)
         return page, hasher.intdigest()
 
-    def _read_cached(self, slot: int, chunks: list[np.ndarray]) -> tuple[StoredPage | None, int] | None:
-        """:meth:`read_runs` if every byte of the slot is in the page cache, else None
-        (nothing waits on the device: ``RWF_NOWAIT``). Batches of :data:`CACHED_BATCH_BYTES`,
-        each hashed right after its ``preadv`` while it is still in cache."""
+    def _read_cached(self, slot: int, chunks: list[np.ndarray]) -> tuple[bytearray | None, int] | None:
+        """Read ``slot`` into ``chunks`` if every byte of it is in the page cache, else None
+        (nothing waits on the device: ``RWF_NOWAIT``): its raw header (None if the file ends
+        inside the slot: torn) and the checksum of the bytes read, for :meth:`_parse` to
+        judge later. Batches of :data:`CACHED_BATCH_BYTES`, each hashed right after its
+        ``preadv`` while it is still in cache."""
         if not self._nowait:
             return None
         header = bytearray(HEADER_BYTES)
@@ -296,15 +299,23 @@ class DiskPool:
         update, fd, nowait = hasher.update, self._fd, os.RWF_NOWAIT
         offset = slot * self.stride
         try:
-            for i, (batch, nbytes) in enumerate(self._cached_batches(chunks)):
-                if i == 0:
-                    batch, nbytes = [header, *batch], nbytes + HEADER_BYTES
-                got = os.preadv(fd, batch, offset, nowait)  # the chunks themselves: no view per chunk
-                if got < nbytes and not self._preadv_all(batch, offset, nowait, skip=got):
-                    return None  # the file ends inside the slot: read_runs says torn
-                offset += nbytes
-                for chunk in batch[1:] if i == 0 else batch:
+            if self.page_nbytes <= CACHED_BATCH_BYTES:  # the whole slot is one batch
+                buffers = [header, *chunks]
+                got = os.preadv(fd, buffers, offset, nowait)  # the chunks themselves: no view per chunk
+                if got < self._slot_bytes and not self._preadv_all(buffers, offset, nowait, skip=got):
+                    return None, 0  # the file ends inside the slot: torn
+                for chunk in chunks:
                     update(chunk)
+            else:
+                for i, (batch, nbytes) in enumerate(_batches(chunks, CACHED_BATCH_BYTES)):
+                    if i == 0:
+                        batch, nbytes = [header, *batch], nbytes + HEADER_BYTES
+                    got = os.preadv(fd, batch, offset, nowait)
+                    if got < nbytes and not self._preadv_all(batch, offset, nowait, skip=got):
+                        return None, 0
+                    offset += nbytes
+                    for chunk in batch[1:] if i == 0 else batch:
+                        update(chunk)
         except BlockingIOError:
             return None
         except OSError as exc:
@@ -312,28 +323,32 @@ class DiskPool:
                 raise StorageError(f"disk tier {self.directory}: read of slot {slot} failed: {exc.strerror}") from None
             self._nowait = False  # a file system without RWF_NOWAIT: every read goes to the readers
             return None
-        page = self._parse(slot, bytes(header))
-        return (page, hasher.intdigest()) if page is not None else (None, 0)
+        return header, hasher.intdigest()
 
     def read_many(self, pages: list[tuple[int, list[np.ndarray]]]) -> Iterator[tuple[StoredPage | None, int]]:
         """:meth:`read_runs` for each ``(slot, chunks)``, in order.
 
         Pages in the page cache are copied and hashed here, on the caller's thread
-        (:meth:`_read_cached`): handing them to threads costs more than it saves. From the
+        (:meth:`_read_cached`): handing them to threads costs more than it saves. They are
+        all copied first and their headers parsed after, at the first page asked for: each
+        2 MiB copy evicts the interpreter's data from the core's 1 MiB L2, so Python run
+        between copies costs several times what it costs run together. From the
         first page that is not, the rest go to :data:`READERS` threads at once (``preadv``
         and xxh3 release the GIL), so the device has several pages in flight and page i is
         hashed while page i+1 is read; pages in consecutive slots go as one read
         (:meth:`_batched`). Closing the iterator early (a page failed verification) cancels the reads not started and waits for those running, so no
         chunk is written after.
         """
-        first_cold = len(pages)
-        for i, (slot, chunks) in enumerate(pages):
-            cached = self._read_cached(slot, chunks)
-            if cached is None:
-                first_cold = i
+        cached: list[tuple[bytearray | None, int]] = []
+        for slot, chunks in pages:
+            read = self._read_cached(slot, chunks)
+            if read is None:
                 break
-            yield cached
-        cold = pages[first_cold:]
+            cached.append(read)
+        for (slot, _), (header, digest) in zip(pages, cached):
+            page = None if header is None else self._parse(slot, header)
+            yield (page, digest) if page is not None else (None, 0)
+        cold = pages[len(cached) :]
         if len(cold) < 2:
             yield from (self.read_runs(slot, chunks) for slot, chunks in cold)
             return
@@ -416,7 +431,7 @@ class DiskPool:
                 views[first] = views[first][n:]
         return total
 
-    def _parse(self, slot: int, header: bytes) -> StoredPage | None:
+    def _parse(self, slot: int, header: bytes | bytearray) -> StoredPage | None:
         magic, version, flags, _, key, parent, fingerprint, checksum, nbytes = HEADER.unpack_from(header)
         if magic != MAGIC or version != VERSION or fingerprint != self.fingerprint or nbytes != self.page_nbytes:
             return None
