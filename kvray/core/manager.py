@@ -208,7 +208,11 @@ class CacheManager:
         return True
 
     def promote(self, handles: np.ndarray, mover: Mover) -> None:
-        """Move hit pages up where the policy asks (pinned pages stay put)."""
+        """Move hit pages up where the policy asks (pinned pages stay put). Nothing to ask
+        a policy that never promotes (the base class's ``promote_target``): this runs after
+        every load, whose copies have just evicted the interpreter's data from cache."""
+        if type(self.policy).promote_target is PlacementPolicy.promote_target:
+            return
         for handle in handles.tolist():
             src = TIERS[self.index.tier[handle]]
             dst = self.policy.promote_target(handle, src)

@@ -10,6 +10,8 @@ slice, where torch ops cost several: that keeps per-page overhead small next to 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import xxhash
@@ -45,8 +47,9 @@ def request_bytes(kv: torch.Tensor) -> np.ndarray:
     A view when ``kv`` is a contiguous CPU tensor (the usual case); a copy otherwise.
     """
     host = kv.detach().cpu().contiguous()
-    row_bytes = host[0, 0, 0].numel() * host.element_size() if host.shape[2] else 0
-    return host.view(torch.uint8).numpy().reshape(host.shape[0], host.shape[1], host.shape[2], row_bytes)
+    layers, kv_dim, tokens, *row = host.shape
+    row_bytes = math.prod(row) * host.element_size() if tokens else 0  # shape arithmetic: no tensor op
+    return host.view(torch.uint8).numpy().reshape(layers, kv_dim, tokens, row_bytes)
 
 
 def request_page(layout: PageLayout, kv_bytes: np.ndarray, page_index: int) -> np.ndarray:

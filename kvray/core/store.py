@@ -384,8 +384,7 @@ class PageStore:
                 self.manager.drop(int(match.handles[delivered]))
             self._hit(match.handles[:delivered])
             self.metrics.observe("load", time.perf_counter() - t0)
-        labels, counts = np.unique(match.tiers[:delivered], return_counts=True)
-        return delivered, {Tier(int(t)).label: int(n) for t, n in zip(labels, counts)}
+        return delivered, {TIERS[t].label: n for t, n in sorted(Counter(tiers[:delivered]).items())}
 
     def _targets(self, targets: PageSource, pages: int) -> list[np.ndarray]:
         """``targets(i)`` for every page of a request, each checked to hold exactly one page."""
