@@ -110,6 +110,10 @@ class PrefixIndex:
     def has_children(self, handles: Sequence[int] | np.ndarray) -> np.ndarray:
         return self._cols["first_child"][np.asarray(handles, dtype=np.int64)] != NONE
 
+    def is_leaf(self, handle: int) -> bool:
+        """No cached page below ``handle``: one scalar read, where eviction asks per victim."""
+        return self._cols["first_child"].item(handle) == NONE
+
     def key_of(self, handle: int) -> int:
         key = self._keys[handle]
         if key is None:

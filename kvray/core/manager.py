@@ -312,16 +312,21 @@ class CacheManager:
         """Forget pages and their descendants, freeing their slots (eviction, corruption,
         a lost node). Returns how many pages went; 0 if any of them is pinned or kept."""
         index = self.index
-        if not index.has_children(handles).any():
+        if len(handles) == 1 and index.is_leaf(handles[0]):  # an eviction's victim: scalar checks only
             doomed = list(handles)
-            if any(handle in self._kept for handle in doomed):
+            if handles[0] in self._kept or index.pins.item(handles[0]) > 0:
                 return 0
-        elif self._keeps_descendant(handles):
-            return 0  # cheap refusal before walking a possibly large subtree
         else:
-            doomed = index.subtree(handles)
-        if (index.pins[doomed] > 0).any():
-            return 0
+            if not index.has_children(handles).any():
+                doomed = list(handles)
+                if any(handle in self._kept for handle in doomed):
+                    return 0
+            elif self._keeps_descendant(handles):
+                return 0  # cheap refusal before walking a possibly large subtree
+            else:
+                doomed = index.subtree(handles)
+            if (index.pins[doomed] > 0).any():
+                return 0
         for handle in doomed:
             tier, slot = TIERS[index.tier[handle]], int(index.slot[handle])
             self.policy.on_remove(handle, tier)
