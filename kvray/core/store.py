@@ -53,7 +53,12 @@ from kvray.core.tiers.memory import resident_empty
 from kvray.policy import PlacementPolicy, make_policy
 from kvray.policy.base import RequestInfo
 
-PageSource = Callable[[int], np.ndarray]  # page index within the request -> a byte view of it
+PageSource = Callable[[int], np.ndarray]
+
+
+def _no_reads() -> Iterator[tuple[StoredPage | None, int]]:
+    """The disk reads of a match without disk pages (closable, like the pool's)."""
+    yield from ()  # page index within the request -> a byte view of it
 
 
 @dataclass(frozen=True)
@@ -406,14 +411,15 @@ class PageStore:
     ) -> Iterator[tuple[StoredPage | None, int]]:
         """The disk pages among a match, read ahead concurrently (:meth:`DiskPool.read_many`)
         in match order; a page after one that fails verification may be read, never delivered.
-        Nothing runs until the first disk page is asked for."""
+        Nothing is read until the first disk page is asked for. The pool's own iterator, not
+        one wrapping it: a generator level costs every page a resume."""
         disk = self.pools.get(Tier.DISK)
-        if isinstance(disk, DiskPool):
-            wanted = np.flatnonzero(tiers == int(Tier.DISK)).tolist()
-            if wanted:
-                chunks = page_runs(wanted[-1] + 1)
-                slot_of = slots.tolist()
-                yield from disk.read_many([(slot_of[i], chunks[i]) for i in wanted])
+        wanted = np.flatnonzero(tiers == int(Tier.DISK)).tolist() if isinstance(disk, DiskPool) else []
+        if not wanted:
+            return _no_reads()
+        chunks = page_runs(wanted[-1] + 1)
+        slot_of = slots.tolist()
+        return disk.read_many([(slot_of[i], chunks[i]) for i in wanted])
 
     def touch_pages(self, keys: Sequence[int]) -> int:
         """Count a hit on the cached prefix of ``keys`` that a reader copied out of the shared
