@@ -102,12 +102,8 @@ class CacheManager:
     # -- reads ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int], count: bool = True) -> Match:
         handles = self.index.lookup(keys)
-        match = Match(
-            handles,
-            self.index.tier[handles].copy(),
-            self.index.slot[handles].copy(),
-            self.index.checksum[handles].copy(),
-        )
+        # fancy indexing copies: the match stays as it was when the index moves on
+        match = Match(handles, self.index.tier[handles], self.index.slot[handles], self.index.checksum[handles])
         if count:
             self.metrics.lookups += 1
             self.metrics.lookup_pages += len(keys)

@@ -363,8 +363,8 @@ class PageStore:
             self.manager.pin(match.handles)
         delivered = 0
         t0 = time.perf_counter()
-        disk_reads = self._disk_reads(match.tiers, match.slots, page_runs)
         tiers, slots, checksums = match.tiers.tolist(), match.slots.tolist(), match.checksums.tolist()
+        disk_reads = self._disk_reads(tiers, slots, page_runs)
         disk = Tier.DISK
         try:
             for i, expected in enumerate(checksums):
@@ -407,19 +407,19 @@ class PageStore:
         return views
 
     def _disk_reads(
-        self, tiers: np.ndarray, slots: np.ndarray, page_runs: Callable[[int], list[list[np.ndarray]]]
+        self, tiers: list[int], slots: list[int], page_runs: Callable[[int], list[list[np.ndarray]]]
     ) -> Iterator[tuple[StoredPage | None, int]]:
         """The disk pages among a match, read ahead concurrently (:meth:`DiskPool.read_many`)
         in match order; a page after one that fails verification may be read, never delivered.
         Nothing is read until the first disk page is asked for. The pool's own iterator, not
         one wrapping it: a generator level costs every page a resume."""
         disk = self.pools.get(Tier.DISK)
-        wanted = np.flatnonzero(tiers == int(Tier.DISK)).tolist() if isinstance(disk, DiskPool) else []
+        on_disk = int(Tier.DISK)
+        wanted = [i for i, tier in enumerate(tiers) if tier == on_disk] if isinstance(disk, DiskPool) else []
         if not wanted:
             return _no_reads()
         chunks = page_runs(wanted[-1] + 1)
-        slot_of = slots.tolist()
-        return disk.read_many([(slot_of[i], chunks[i]) for i in wanted])
+        return disk.read_many([(slots[i], chunks[i]) for i in wanted])
 
     def touch_pages(self, keys: Sequence[int]) -> int:
         """Count a hit on the cached prefix of ``keys`` that a reader copied out of the shared
