@@ -194,3 +194,16 @@ def test_capacities_of_zero_are_absent_tiers():
     assert manager.tiers == [Tier.HOST]
     with pytest.raises(KeyError):
         manager.reserve(Tier.DEVICE, Mover())
+
+
+def test_a_pinned_leaf_refuses_drop_and_goes_once_unpinned():
+    """A single leaf (an eviction's victim) is checked without numpy's vector path: pinned it
+    stays, with its slot; unpinned it goes, given as a numpy integer too."""
+    manager, mover = CacheManager({Tier.HOST: 8}, LRUPolicy()), Mover()
+    a, b = store_chain(manager, [1, 2], mover)
+    assert manager.index.is_leaf(b) and not manager.index.is_leaf(a)
+    manager.pin(np.array([b]))
+    assert manager.drop(b) == 0 and 2 in manager.index and manager.slots[Tier.HOST].used == 2
+    manager.unpin(np.array([b]))
+    assert manager.drop(np.int64(b)) == 1 and 2 not in manager.index and manager.slots[Tier.HOST].used == 1
+    assert manager.index.is_leaf(a)
