@@ -174,7 +174,6 @@ class DiskPool:
         self.fingerprint = fingerprint
         self.fsync = fsync
         self.stride = -(-(HEADER_BYTES + page_nbytes) // ALIGN) * ALIGN
-        self._slot_bytes = HEADER_BYTES + page_nbytes
         self._readers: ThreadPoolExecutor | None = None
         self._nowait = hasattr(os, "RWF_NOWAIT")  # until the file system refuses it (Linux 4.14+)
         self.path = self.directory / f"{fingerprint.hex()}.kvpages"
@@ -299,23 +298,15 @@ class DiskPool:
         update, fd, nowait = hasher.update, self._fd, os.RWF_NOWAIT
         offset = slot * self.stride
         try:
-            if self.page_nbytes <= CACHED_BATCH_BYTES:  # the whole slot is one batch
-                buffers = [header, *chunks]
-                got = os.preadv(fd, buffers, offset, nowait)  # the chunks themselves: no view per chunk
-                if got < self._slot_bytes and not self._preadv_all(buffers, offset, nowait, skip=got):
+            for i, (batch, nbytes) in enumerate(self._cached_batches(chunks)):
+                if i == 0:
+                    batch, nbytes = [header, *batch], nbytes + HEADER_BYTES
+                got = os.preadv(fd, batch, offset, nowait)  # the chunks themselves: no view per chunk
+                if got < nbytes and not self._preadv_all(batch, offset, nowait, skip=got):
                     return None, 0  # the file ends inside the slot: torn
-                for chunk in chunks:
+                offset += nbytes
+                for chunk in batch[1:] if i == 0 else batch:
                     update(chunk)
-            else:
-                for i, (batch, nbytes) in enumerate(_batches(chunks, CACHED_BATCH_BYTES)):
-                    if i == 0:
-                        batch, nbytes = [header, *batch], nbytes + HEADER_BYTES
-                    got = os.preadv(fd, batch, offset, nowait)
-                    if got < nbytes and not self._preadv_all(batch, offset, nowait, skip=got):
-                        return None, 0
-                    offset += nbytes
-                    for chunk in batch[1:] if i == 0 else batch:
-                        update(chunk)
         except BlockingIOError:
             return None
         except OSError as exc:
