@@ -32,7 +32,11 @@ class RequestInfo:
     """What the cache knows as a request arrives, told to the policy before it is served.
 
     ``tier_cost`` is each tier's time to bring a page to the engine relative to
-    recomputing it (prefill); ``backlog_ms`` the work queued ahead (load). ``future`` is
+    recomputing it (prefill); ``backlog_ms`` the work queued ahead (load). Where the cost
+    of time is known (the simulator), ``arrival_ms``, ``page_prefill_ms`` (recomputing one
+    page) and ``engines`` (prefill engines serving the queue) let a policy model what a
+    choice would have cost in waiting, not only in pages; ``page_prefill_ms`` 0 means
+    unknown. ``future`` is
     set only by the simulator, only for the offline oracle: per page of the request, the
     index of the next request that uses it (``inf`` if none).
     """
@@ -41,6 +45,9 @@ class RequestInfo:
     backlog_ms: float = 0.0
     tier_cost: Mapping[Tier, float] | None = None
     future: np.ndarray | None = None
+    arrival_ms: float = 0.0
+    page_prefill_ms: float = 0.0
+    engines: int = 1
 
 
 @dataclass(frozen=True)
