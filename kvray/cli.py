@@ -243,12 +243,17 @@ def cluster_eval(
     limit: int = typer.Option(None, "--limit", help="replay only the first N requests of each trace"),
     capacity_fraction: float = typer.Option(0.05, "--capacity-fraction", help="cluster device+host = F x unique pages"),
     out: Path = typer.Option(Path("docs/sim-eval"), "--out", help="folder for cluster.md, cluster.json, cluster.png"),
+    policy: list[str] = typer.Option(
+        [], "--policy", help="also NODE_POLICY+CLUSTER_POLICY (e.g. rl+cost-router), reported against the best heuristic"
+    ),
 ) -> None:
     """Every heuristic and the oracle on cluster scenarios: one table per scenario and trace."""
     import shlex
     import sys
 
     from kvray.apps.cluster_eval import evaluate, write_results
+    from kvray.policy import make_policy
+    from kvray.policy.cluster import make_cluster_policy
     from kvray.sim.cost import load_scenario
     from kvray.sim.workloads import WorkloadSpec, generate
     from kvray.traces import read_trace
@@ -261,9 +266,18 @@ def cluster_eval(
             traces[f"generated-{generated}"] = generate(spec, seed=0)
         if not traces:
             raise ConfigError("give at least one --trace or --generated N")
+        candidates = []
+        for pair in policy:
+            node_policy, plus, cluster_policy = pair.partition("+")
+            if not plus or not node_policy or not cluster_policy:
+                raise ConfigError(f"--policy {pair!r}: expected NODE_POLICY+CLUSTER_POLICY, e.g. rl+cost-router")
+            make_policy(node_policy), make_cluster_policy(cluster_policy)  # unknown names fail before any replay
+            candidates.append((node_policy, cluster_policy))
         total = len(scenarios) * len(traces)
         with console.status("replaying") as status:
-            rows = evaluate(scenarios, traces, capacity_fraction, progress=lambda what: status.update(what))
+            rows = evaluate(
+                scenarios, traces, capacity_fraction, progress=lambda what: status.update(what), candidates=candidates
+            )
         command = "kvray " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         paths = write_results(rows, out, command)
     console.print(f"{total} tables; wrote {', '.join(str(p) for p in paths)}")
@@ -273,7 +287,11 @@ def cluster_eval(
 def train(
     scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
     trace: list[Path] = typer.Option(..., "--trace", help="training trace(s); each is split by time"),
-    timesteps: int = typer.Option(50_000, "--timesteps", min=1),
+    timesteps: int = typer.Option(50_000, "--timesteps", min=0, help="PPO steps after the counterfactual fit (0: none)"),
+    horizon: int = typer.Option(
+        8, "--counterfactual-horizon", min=0, help="windows of every expert's future cost the scorer is first fitted to (0: none)"
+    ),
+    epochs: int = typer.Option(300, "--counterfactual-epochs", min=1, help="full-batch epochs of that fit"),
     out: Path = typer.Option(..., "--out", help="policy folder, e.g. policies/mine"),
     seed: int = typer.Option(0, "--seed"),
     train_fraction: float = typer.Option(0.6, "--train-fraction", help="first part of each trace (by time) trained on"),
@@ -290,8 +308,9 @@ def train(
     tensorboard: Path = typer.Option(None, "--tensorboard", help="TensorBoard log folder (default OUT/tensorboard)"),
     json_out: bool = typer.Option(False, "--json", help="print the model card as one JSON object"),
 ) -> None:
-    """Train the RL placement policy (the selector of the adaptive expert policy) with PPO on generated
-    workload families and the first part of each trace; writes policy.safetensors, card.json and TensorBoard logs.
+    """Train the RL placement policy (the selector of the adaptive expert policy): fitted to every expert's
+    counterfactual cost, then PPO, on generated workload families and the first part of each trace; writes
+    policy.safetensors, card.json and TensorBoard logs.
     Progress and logs go to stderr, so stdout holds only the result."""
     from kvray.rl.train import train as run_training
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
@@ -325,11 +344,20 @@ def train(
             train_fraction,
             capacity_fractions=fraction,
             families=family,
+            counterfactual_horizon=horizon,
+            counterfactual_epochs=epochs,
             progress=True,
             evaluate=score if evaluate else None,
             tensorboard=tensorboard or out / "tensorboard",
         )
-    console.print(f"wrote {out}: {card['training']['timesteps']} steps in {card['training']['wall_s']} s")
+    fitted = card["training"]["counterfactual"]
+    fit_line = (
+        f"fitted to {fitted['choices']} counterfactual choices in {fitted['wall_s']} s (expected regret "
+        f"{fitted['fitted_expected_regret']}, follow-the-leader {fitted['follow_the_leader_regret']}); "
+        if fitted
+        else ""
+    )
+    console.print(f"wrote {out}: {fit_line}{card['training']['timesteps']} PPO steps in {card['training']['wall_s']} s")
     if json_out:
         print(json.dumps(card))
     elif "evaluation" in card:

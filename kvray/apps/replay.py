@@ -87,8 +87,8 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
     the runtime (docs/sim-eval/README.md); the runtime's stand-in prefill has no fixed cost
     and serves requests back to back, so a comparison scenario sets ``prefill_overhead_ms: 0``
     and enough ``servers`` that no request queues. A ``remote`` tier has no meaning on one node.
-    The nodes' placement policies are told the scenario's tier costs (as the simulator tells
-    its policy), calibrated for this machine by ``kvray calibrate``.
+    The nodes' placement policies are told the scenario's tier costs, page prefill time and
+    engines (as the simulator tells its policy), calibrated for this machine by ``kvray calibrate``.
     """
     tiers = {name: spec.capacity_pages for name, spec in scenario.tiers.items() if name != "remote"}
     costs = CostModel(scenario).tier_cost(TIER_BY_LABEL[name] for name in tiers)
@@ -97,6 +97,8 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
         "layout": scenario.layout.model_dump(),
         "tiers": tiers,
         "tier_cost": {tier.label: cost for tier, cost in costs.items()},
+        "page_prefill_ms": CostModel(scenario).page_prefill_ms(),
+        "prefill_engines": scenario.compute.servers,
     }
     return base | {"name": scenario.name, "nodes": 1, "prefill_us_per_token": scenario.compute.prefill_us_per_token}
 

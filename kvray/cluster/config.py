@@ -55,7 +55,10 @@ class RuntimeConfig(FrozenModel):
     ``observe_window_s``; each node's placement policy is told, as a request arrives, the
     engine's backlog and ``tier_cost`` (each tier's page load time relative to recomputing
     the page, as ``kvray calibrate`` measured it; ``kvray run`` takes it from a simulator
-    scenario; None leaves the policy its own constants). Cross-node loads go by direct TCP
+    scenario; None leaves the policy its own constants), and, where ``page_prefill_ms`` (the
+    engine's time to recompute one page) is given, the request's arrival, that time and the
+    node's ``prefill_engines``: adaptive policies then weigh modeled waiting time, as in
+    training (:mod:`kvray.policy.experts`), rather than pages. Cross-node loads go by direct TCP
     to the peer's page server when ``tcp`` is on (no Ray call on the way), or by NIXL for the
     peers it has moved pages from faster (``nixl``: True tries it wherever the ``nixl``
     package is installed, ``"auto"`` only on nodes with an RDMA NIC, False never); otherwise runs
@@ -77,6 +80,8 @@ class RuntimeConfig(FrozenModel):
     links: LinkSpeeds = LinkSpeeds()
     observe_window_s: float = Field(default=1.0, gt=0)
     tier_cost: dict[str, float] | None = None
+    page_prefill_ms: float | None = Field(default=None, gt=0)
+    prefill_engines: int = Field(default=1, gt=0, le=4096)
     disk_root: Path | None = None
     checksum_memory: bool = False
     tcp: bool = True

@@ -172,7 +172,16 @@ class NodeStore:
         keys and the engine's backlog in ms; None: told already, or not this call's to tell)."""
         if request is not None:
             keys, backlog_ms = request
-            self.store.on_request(RequestInfo(tuple(unpack_keys(keys)), backlog_ms, self.tier_cost))
+            self.store.on_request(
+                RequestInfo(
+                    tuple(unpack_keys(keys)),
+                    backlog_ms,
+                    self.tier_cost,
+                    arrival_ms=time.monotonic() * 1000.0,
+                    page_prefill_ms=self.config.page_prefill_ms or 0.0,
+                    engines=self.config.prefill_engines,
+                )
+            )
 
     def _take_dropped(self) -> list[int]:
         with self._dropped_lock:

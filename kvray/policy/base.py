@@ -15,6 +15,7 @@ simulator a cost model stands in for the bytes (docs/design.md, "One policy, two
 
 from __future__ import annotations
 
+import bisect
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -31,7 +32,11 @@ class RequestInfo:
     """What the cache knows as a request arrives, told to the policy before it is served.
 
     ``tier_cost`` is each tier's time to bring a page to the engine relative to
-    recomputing it (prefill); ``backlog_ms`` the work queued ahead (load). ``future`` is
+    recomputing it (prefill); ``backlog_ms`` the work queued ahead (load). Where the cost
+    of time is known (the simulator), ``arrival_ms``, ``page_prefill_ms`` (recomputing one
+    page) and ``engines`` (prefill engines serving the queue) let a policy model what a
+    choice would have cost in waiting, not only in pages; ``page_prefill_ms`` 0 means
+    unknown. ``future`` is
     set only by the simulator, only for the offline oracle: per page of the request, the
     index of the next request that uses it (``inf`` if none).
     """
@@ -40,6 +45,9 @@ class RequestInfo:
     backlog_ms: float = 0.0
     tier_cost: Mapping[Tier, float] | None = None
     future: np.ndarray | None = None
+    arrival_ms: float = 0.0
+    page_prefill_ms: float = 0.0
+    engines: int = 1
 
 
 @dataclass(frozen=True)
@@ -159,9 +167,10 @@ class ScoredPolicy(PlacementPolicy):
     from what they know; scores must change only on ``on_access`` or when a subclass calls
     :meth:`rescored`. Scoring a whole tier per eviction would cost O(tier) each time, so
     each tier keeps a short queue of its lowest-scored pages; the queue stays exact because
-    it is dropped whenever a score changes or a page scoring below its last entry arrives,
-    and an entry counts only while its page has not left the tier since (so its score is
-    the one queued) and is not pinned.
+    it is dropped whenever a score changes (or, for scores that only rise on access, loses
+    the pages touched), a page scoring below its last entry joins it in order, and an entry
+    counts only while its page has not left the tier since (so its score is the one queued).
+    Pinned pages stay queued but are passed over, so that they count again once unpinned.
 
     Example::
 
@@ -171,6 +180,9 @@ class ScoredPolicy(PlacementPolicy):
     """
 
     queue_length: ClassVar[int] = 64
+    # True when an access can only raise the scores of the pages it touches (LFU): the
+    # queue then stays exact by forgetting just those pages instead of being rebuilt.
+    scores_rise_on_access: ClassVar[bool] = False
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         super().bind(index, capacities)
@@ -196,8 +208,20 @@ class ScoredPolicy(PlacementPolicy):
 
     def _check_newcomer(self, handle: int, tier: Tier) -> None:
         queue = self._queues.get(tier)
-        if queue and self.scores(handle) < queue[-1][0]:
-            self._drop_queue(tier)
+        if not queue or self._queued.get(handle) == tier:
+            return
+        if any(queued == handle for _, queued in queue):
+            if self.scores(handle) < queue[-1][0]:
+                self._drop_queue(tier)  # its entry from an earlier stay would count again
+            return
+        self._enqueue(handle, tier, queue)
+
+    def _enqueue(self, handle: int, tier: Tier, queue: list[tuple[float, int]]) -> None:
+        """Queue a page in order if it scores below the last entry (else it is not needed)."""
+        score = float(self.scores(handle))
+        if score < queue[-1][0]:
+            bisect.insort(queue, (score, handle))  # demoted pages are often the lowest (LFU)
+            self._queued[handle] = tier
 
     def _drop_queue(self, tier: Tier) -> None:
         for _, handle in self._queues.pop(tier):
@@ -205,34 +229,47 @@ class ScoredPolicy(PlacementPolicy):
                 del self._queued[handle]
 
     def on_access(self, handles: np.ndarray) -> None:
-        self.rescored(handles)
+        if not self.scores_rise_on_access:
+            self.rescored(handles)
+            return
+        queued = self._queued
+        moved = {h: queued.pop(h) for h in handles.tolist() if h in queued}
+        for tier in set(moved.values()):  # pages outside the queue rose and still score above it
+            queue = self._queues[tier]
+            queue[:] = [entry for entry in queue if entry[1] not in moved]
+            if queue:
+                for handle in (h for h, t in moved.items() if t == tier):
+                    self._enqueue(handle, tier, queue)
+            else:
+                del self._queues[tier]
 
     def on_remove(self, handle: int, tier: Tier) -> None:
         self.members.remove(handle, tier)
         self._queued.pop(handle, None)
 
     def victim(self, tier: Tier) -> int | None:
-        queue = self._queues.get(tier)
         queued, pins = self._queued, self.index.pins
-        while queue:  # entries leave only once stale: asking twice gives the same answer
-            handle = queue[0][1]
-            if queued.get(handle) == tier:
-                if pins[handle] == 0:
-                    return handle
-                del queued[handle]
+        queue = self._queues.get(tier)
+        while queue and queued.get(queue[0][1]) != tier:  # stale: asking twice gives the same answer
             queue.pop(0)
-        queue = self._queues[tier] = self._lowest(tier)
-        queued.update((handle, tier) for _, handle in queue)
-        return queue[0][1] if queue else None
+        if not queue:
+            queue = self._queues[tier] = self._lowest(tier, self.queue_length)
+            queued.update((handle, tier) for _, handle in queue)
+        for _, handle in queue:  # pinned pages stay queued: they may be unpinned by the next call
+            if pins[handle] == 0 and queued.get(handle) == tier:
+                return handle
+        rest = self._lowest(tier, 1, unpinned=True)  # every queued page is pinned
+        return rest[0][1] if rest else None
 
-    def _lowest(self, tier: Tier) -> list[tuple[float, int]]:
-        """The ``queue_length`` lowest-scored unpinned pages of ``tier``, lowest first."""
+    def _lowest(self, tier: Tier, k: int, unpinned: bool = False) -> list[tuple[float, int]]:
+        """The ``k`` lowest-scored pages of ``tier`` (only unpinned ones if asked), lowest first."""
         handles = self.members.handles(tier)
-        handles = handles[self.index.pins[handles] == 0]
+        if unpinned:
+            handles = handles[self.index.pins[handles] == 0]
         if len(handles) == 0:
             return []
         scores = np.asarray(self.scores(handles), dtype=np.float64)
-        k = min(self.queue_length, len(handles))
+        k = min(k, len(handles))
         part = np.argpartition(scores, k - 1)[:k] if k < len(handles) else np.arange(len(handles))
         part = part[np.lexsort((handles[part], scores[part]))]
         return list(zip(scores[part].tolist(), handles[part].tolist()))

@@ -16,6 +16,7 @@ class LFUPolicy(ScoredPolicy):
     """
 
     name = "lfu"
+    scores_rise_on_access = True  # a hit adds to the count and to the recency
 
     def scores(self, handles: np.ndarray | int) -> np.ndarray | float:
         # Exact in float64 while last_access < 2**40: recency only orders equal hit counts.

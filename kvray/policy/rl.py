@@ -21,7 +21,15 @@ import numpy as np
 
 from kvray.core.errors import ConfigError, PolicyError
 from kvray.core.tiers import Tier
-from kvray.policy.experts import EXPERTS, LEADER_PRIOR, SELECTOR_FEATURES, WINDOW, ExpertsPolicy, leader_scores
+from kvray.policy.experts import (
+    EXPERTS,
+    LEADER_PRIOR,
+    LONG_HALF_LIFE,
+    SELECTOR_FEATURES,
+    WINDOW,
+    ExpertsPolicy,
+    leader_scores,
+)
 from kvray.resources import shipped_or_given
 
 DEFAULT_POLICY = "default"  # the policy shipped in policies/default (kvray.resources)
@@ -31,7 +39,14 @@ CARD_FILE = "card.json"
 
 def observation_spec() -> dict:
     """What a policy file must have been trained on to be usable here."""
-    return {"features": list(SELECTOR_FEATURES), "experts": list(EXPERTS), "window": WINDOW, "leader_prior": LEADER_PRIOR}
+    return {
+        "features": list(SELECTOR_FEATURES),
+        "experts": list(EXPERTS),
+        "window": WINDOW,
+        "leader_prior": LEADER_PRIOR,
+        "half_life_windows": LONG_HALF_LIFE,
+        "cost": "modeled TTFT (ms) where known, else page prefills",
+    }
 
 
 class MLPScorer:

@@ -157,6 +157,8 @@ def train(
     family_seed: int = 100,
     episode_windows: int = 12,
     gamma: float = 0.9,
+    counterfactual_horizon: int = 8,
+    counterfactual_epochs: int = 300,
     progress: bool = True,
     evaluate: Callable[[Path, list[list[TraceRequest]]], dict] | None = None,
     tensorboard: Path | None = None,
@@ -164,7 +166,10 @@ def train(
     """Train, export the scorer and its model card into ``out``; returns the card.
 
     One environment per training trace and capacity fraction (of that trace's unique
-    pages), so the selector learns tight and loose caches of every family.
+    pages), so the selector learns tight and loose caches of every family. First the
+    scorer is fitted to the counterfactual regrets of every expert over the next
+    ``counterfactual_horizon`` windows (:mod:`kvray.rl.counterfactual`; 0 skips it), then
+    PPO fine-tunes it for ``timesteps`` steps (0: none).
     ``evaluate(out, held_out)`` fills the card's evaluation scores.
     ``tensorboard`` is a folder for SB3's TensorBoard logs (losses, entropy, the mean
     reward per rollout), so a long run can be watched while it trains.
@@ -211,6 +216,23 @@ def train(
         tensorboard_log=None if tensorboard is None else str(tensorboard),
     )
 
+    counterfactual = None
+    if counterfactual_horizon > 0:
+        from kvray.rl.counterfactual import collect, fit
+
+        started = time.time()
+        rows, regret = collect(list(train_sets.values()), capacity_fractions, scenario, counterfactual_horizon)
+        leader = np.argmax(leader_scores(rows), axis=1)
+        fitted = fit(model.policy.mlp_extractor.scorer, rows, regret, counterfactual_epochs, seed)
+        counterfactual = {
+            "horizon_windows": counterfactual_horizon,
+            "epochs": counterfactual_epochs,
+            "choices": len(rows),
+            "follow_the_leader_regret": round(float(regret[np.arange(len(rows)), leader].mean()), 4),
+            "fitted_expected_regret": round(fitted[-1], 4),
+            "wall_s": round(time.time() - started, 1),
+        }
+
     curve: list[dict] = []
 
     class Curve(BaseCallback):
@@ -225,15 +247,16 @@ def train(
             return True
 
     started = time.time()
-    with progress_bar(timesteps, "train", enabled=progress) as tick:  # on stderr: stdout stays for --json
-        model.learn(total_timesteps=timesteps, callback=Curve())
+    if timesteps > 0:
+        with progress_bar(timesteps, "train", enabled=progress) as tick:  # on stderr: stdout stays for --json
+            model.learn(total_timesteps=timesteps, callback=Curve())
     out.mkdir(parents=True, exist_ok=True)
     export_scorer(model.policy.mlp_extractor.scorer, out)
     card = {
         "name": out.name,
-        "algorithm": "PPO (stable-baselines3): a shared row scorer corrects the follow-the-leader ranking of the expert "
-        "heuristics, one choice per window; "
-        "reward: realised modeled TTFT of the window",
+        "algorithm": "a shared row scorer corrects the follow-the-leader ranking of the expert heuristics, one "
+        "choice per window; fitted to the counterfactual regret of every expert over the next windows (their "
+        "shadow caches' modeled TTFT), then PPO (stable-baselines3) on the realised modeled TTFT of the window",
         "observation": observation_spec(),
         "scenario": scenario.name,
         "tier_cost": tier_costs(scenario),
@@ -243,6 +266,7 @@ def train(
             "capacity_fractions": list(capacity_fractions),
             "episode_windows": episode_windows,
             "gamma": gamma,
+            "counterfactual": counterfactual,
             "timesteps": int(model.num_timesteps),
             "seed": seed,
             "wall_s": round(time.time() - started, 1),

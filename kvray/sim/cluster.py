@@ -147,6 +147,7 @@ class SimNode:
         self.cost = CostModel(scenario)
         self.page_nbytes = self.cost.page_nbytes
         self.queue = PrefillQueue(scenario.compute.servers)
+        self.engines = scenario.compute.servers
         self.manager = CacheManager(capacities or scenario.capacities(), policy, page_nbytes=self.page_nbytes)
         self.policy = policy
         self.tier_cost = self.cost.tier_cost(self.manager.slots)
@@ -362,7 +363,7 @@ class ClusterSimulator:
                 view.keys, self.names[at], tuple(self.names[h] for h in self.hit_nodes(view.keys, at)), view.session
             )
         keys, node = view.keys, self.nodes[at]
-        info = RequestInfo(keys, node.queue.backlog_ms(now), node.tier_cost, future)
+        info = self._request_info(node, keys, now, future)
         node.policy.on_request(info)
         told = {at}
         prefix = self._prefix(view, at)  # per node holding prefix pages: its handles, root first
@@ -439,11 +440,23 @@ class ClusterSimulator:
             self._paths[key] = path
         return path
 
+    def _request_info(self, node: SimNode, keys: tuple[int, ...], now: float, future: np.ndarray | None) -> RequestInfo:
+        """What ``node``'s policy is told of a request arriving at ``now``."""
+        return RequestInfo(
+            keys,
+            node.queue.backlog_ms(now),
+            node.tier_cost,
+            future,
+            arrival_ms=now,
+            page_prefill_ms=node.cost.page_prefill_ms(),
+            engines=node.engines,
+        )
+
     def _tell(self, h: int, told: set[int], info: RequestInfo, now: float) -> SimNode:
         """Node ``h``'s policy hears of the request (once) before the request touches its pages."""
         node = self.nodes[h]
         if h not in told:
-            node.policy.on_request(RequestInfo(info.keys, node.queue.backlog_ms(now), node.tier_cost, info.future))
+            node.policy.on_request(self._request_info(node, info.keys, now, info.future))
             told.add(h)
         return node
 

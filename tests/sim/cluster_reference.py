@@ -93,7 +93,15 @@ class ClusterReference:
             return
         here = self.names[i % len(self.names)]
         node = self.nodes[here]
-        node.policy.on_request(RequestInfo(tuple(keys), 0.0, self.tier_cost[here]))
+        node.policy.on_request(
+            RequestInfo(
+                tuple(keys),
+                0.0,
+                self.tier_cost[here],
+                page_prefill_ms=self.config.page_prefill_ms or 0.0,
+                engines=self.config.prefill_engines,
+            )
+        )
         if Tier.HOST in node.slots and self._in_host(here, keys) == len(keys):
             self._hit(here, keys)  # a local plan: the client read it all from its mapped host tier
             self.hit_pages_by_tier[Tier.HOST.label] += len(keys)

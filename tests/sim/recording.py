@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from dataclasses import replace
 from pathlib import Path
 
 from kvray.policy.base import RequestInfo
@@ -65,4 +66,4 @@ class RecordingLRU(_Recorder, LRUPolicy):
     kind = "on_request"
 
     def on_request(self, info: RequestInfo) -> None:
-        self.record(info)
+        self.record(replace(info, arrival_ms=0.0))  # the runtime's clock is the wall's, the simulator's the trace's

@@ -41,7 +41,10 @@ def test_policy_follows_the_expert_that_wins():
     policy.selector = lambda rows: chosen.append(original(rows)) or chosen[-1]
     adaptive, _ = replay(policy)
     assert np.mean(np.array(chosen[len(chosen) // 4 :]) == EXPERTS.index("arc")) > 0.9
-    assert adaptive < 1.25 * ttft["arc"] and adaptive < 0.7 * ttft["lru"]
+    # Near ARC, not at it: the first windows follow LRU until ARC's lead shows, and what the
+    # cache kept then still costs later (1.5x here with the 16-window half-life, 1.2x with 4,
+    # which was worse on the training cells overall: docs/sim-eval/README.md).
+    assert adaptive < 1.6 * ttft["arc"] and adaptive < 0.7 * ttft["lru"]
 
 
 def test_an_untrained_correction_follows_the_leader_and_a_trained_one_can_overrule_it():

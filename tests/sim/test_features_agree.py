@@ -19,6 +19,7 @@ measurement over longer windows is tested in tests/cluster/test_observe.py).
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -113,12 +114,9 @@ def test_one_node_the_runtime_shows_the_policies_what_the_simulator_does(two_nod
     simulator = Simulator(load_scenario(SCENARIO), policy)
     simulator.replay(trace)
     fingerprint = settings.runtime.fingerprint()
-    simulated = [
-        RequestInfo(tuple(trace_page_keys(fingerprint, info.keys)), info.backlog_ms, info.tier_cost)
-        for info in policy.seen
-        if info.keys
-    ]
+    simulated = [replace(info, keys=tuple(trace_page_keys(fingerprint, info.keys))) for info in policy.seen if info.keys]
     assert infos == [simulated]
+    assert simulated[0].page_prefill_ms == settings.runtime.page_prefill_ms > 0  # both weigh modeled time
     assert simulated[0].tier_cost == settings.runtime.tier_costs() and simulated[0].backlog_ms == 0.0
     assert any(view.free_share["host"] < 1.0 for _, _, cluster in places for view in cluster.nodes)
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvray.core.errors import PolicyError
@@ -52,11 +52,20 @@ def test_lfu_evicts_the_least_hit_page_oldest_first():
     assert 4 not in manager.index and 3 in manager.index
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["store", "hit", "pin"]), st.integers(0, 40)), max_size=120))
-def test_scored_victim_is_the_minimum_over_unpinned_pages(ops):
+class _ShortQueueLFU(LFUPolicy):
+    queue_length = 2  # most pages outside the queue: hits must keep it exact
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["store", "hit", "pin", "unpin"]), st.integers(0, 40)), max_size=120),
+    st.sampled_from([LFUPolicy, _ShortQueueLFU]),
+)
+@example([("store", k) for k in range(7)] + [("hit", 1), ("store", 7)], _ShortQueueLFU)  # 1 was queued when hit
+@example([("store", k) for k in range(6)] + [("pin", 0), ("store", 6), ("unpin", 0), ("store", 7)], _ShortQueueLFU)
+def test_scored_victim_is_the_minimum_over_unpinned_pages(ops, policy_class):
     """The short eviction queue of ScoredPolicy never changes the answer of a full scan."""
-    policy = LFUPolicy()
+    policy = policy_class()
     manager = CacheManager({Tier.HOST: 6}, policy)
     pinned: list[int] = []
     for op, key in ops:
@@ -75,6 +84,8 @@ def test_scored_victim_is_the_minimum_over_unpinned_pages(ops):
         elif op == "pin" and handle is not None and len(pinned) < 3:
             manager.pin(np.array([handle]))
             pinned.append(handle)
+        elif op == "unpin" and pinned:
+            manager.unpin(np.array([pinned.pop()]))
 
 
 def test_arc_keeps_reused_pages_through_a_scan_that_flushes_lru():
@@ -160,3 +171,32 @@ def test_belady_hits_at_least_as_often_as_every_online_heuristic(trace):
         for p in ("lru", "lfu", "arc", "belady")
     }
     assert rates["belady"] >= max(rates.values()) and rates["belady"] > rates["lru"]
+
+
+class _CheckedLFU(LFUPolicy):
+    """LFU whose every answer is checked against a full scan of the tier."""
+
+    wrong = 0
+
+    def victim(self, tier):
+        answer = super().victim(tier)
+        handles = self.members.handles(tier)
+        handles = handles[self.index.pins[handles] == 0]
+        scan = min(zip(self.scores(handles).tolist(), handles.tolist()), default=(None, None))[1]
+        self.wrong += answer != scan
+        return answer
+
+
+def test_lfu_victims_equal_a_full_scan_through_a_replay_with_refusals_and_demotions():
+    """A replay demotes pages, refuses victims (a chain being stored keeps its ancestors:
+    they are pinned for the rest of that reserve, then unpinned) and hits queued pages."""
+    from kvray.sim.simulator import fast_capacity
+    from kvray.sim.workloads import generate, named_workload
+
+    trace = generate(named_workload("phase"), 3)[:1500]
+    scenario = load_scenario(DEFAULT_SCENARIO)
+    policy = _CheckedLFU()
+    simulator = Simulator(scenario, policy, fast_capacity(scenario, trace, 0.1))
+    simulator.replay(trace)
+    assert simulator.manager.metrics.evicted_pages > 100
+    assert policy.wrong == 0

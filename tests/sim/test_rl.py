@@ -13,8 +13,8 @@ import pytest
 from kvray.apps.evaluate import compare, goals, plot, write_report
 from kvray.core.errors import PolicyError
 from kvray.policy import make_policy
-from kvray.policy.experts import EXPERTS, LEADER_PRIOR, SELECTOR_FEATURES, WINDOW
-from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, WEIGHTS_FILE, RLPolicy, load_scorer
+from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES
+from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, WEIGHTS_FILE, RLPolicy, load_scorer, observation_spec
 from kvray.resources import shipped_or_given
 from kvray.rl.train import split_by_time, train
 from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
@@ -40,8 +40,10 @@ def test_training_writes_safetensors_and_a_card(tiny_policy):
     out, card = tiny_policy
     assert (out / WEIGHTS_FILE).read_bytes()[8:9] == b"{"  # safetensors: length + JSON header, no pickle
     written = json.loads((out / CARD_FILE).read_text())
-    expected = {"features": list(SELECTOR_FEATURES), "experts": list(EXPERTS), "window": WINDOW, "leader_prior": LEADER_PRIOR}
-    assert written["observation"] == expected
+    assert written["observation"] == observation_spec()
+    assert written["observation"]["features"] == list(SELECTOR_FEATURES) and written["observation"]["experts"] == list(EXPERTS)
+    fitted = written["training"]["counterfactual"]
+    assert fitted["choices"] > 0 and fitted["fitted_expected_regret"] >= 0
     assert written["training"]["timesteps"] >= 16 and written["training"]["seed"] == 0
     assert written["training"]["gamma"] > 0
     sources = written["training"]["traces"]
@@ -80,7 +82,7 @@ def test_shipped_default_policy_scores_rows_as_its_weights_say():
     from safetensors.torch import load_file
 
     policy = make_policy("rl")
-    assert isinstance(policy, RLPolicy) and policy.card["training"]["timesteps"] > 0
+    assert isinstance(policy, RLPolicy) and policy.card["training"]["counterfactual"]["choices"] > 0
     scorer, _ = load_scorer(DEFAULT_POLICY)
     rows = np.random.default_rng(0).random((5000, len(SELECTOR_FEATURES)), dtype=np.float32)  # > one chunk
     tensors = load_file(str(shipped_or_given(DEFAULT_POLICY, "policies") / WEIGHTS_FILE))
