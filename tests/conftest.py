@@ -4,6 +4,8 @@ depends on the whole prefix before it, so any KV returned for the wrong prefix s
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -109,3 +111,16 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@contextmanager
+def extra_nodes(cluster, *resources: dict[str, float]) -> Iterator[None]:
+    """One more one-CPU Ray node per entry of ``resources`` (its custom resources, which
+    tests pin store actors to), removed again on exit so the session's three stay."""
+    added = [cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=dict(r)) for r in resources]
+    cluster.wait_for_nodes()
+    try:
+        yield
+    finally:
+        for node in added:
+            cluster.remove_node(node)

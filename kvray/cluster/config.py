@@ -95,16 +95,9 @@ class RuntimeConfig(FrozenModel):
     store_resources: dict[str, float] = {}
 
     @model_validator(mode="after")
-    def _known_policy(self) -> RuntimeConfig:
+    def _known_policies(self) -> RuntimeConfig:
         try:
             make_policy(self.policy)
-        except PolicyError as exc:
-            raise ValueError(str(exc)) from None
-        return self
-
-    @model_validator(mode="after")
-    def _known_cluster_policy(self) -> RuntimeConfig:
-        try:
             make_cluster_policy(self.cluster_policy)
         except PolicyError as exc:
             raise ValueError(str(exc)) from None

@@ -30,7 +30,7 @@ from kvray.policy.base import RequestInfo
 from kvray.sim.cost import load_scenario
 from kvray.sim.simulator import Simulator
 from kvray.traces import read_trace
-from tests.conftest import RAY_OBJECT_STORE_BYTES
+from tests.conftest import extra_nodes
 from tests.sim.cluster_reference import ClusterReference
 from tests.sim.recording import RECORDS, RecordingLRU, RecordingRing, read_records
 
@@ -47,14 +47,8 @@ PAIR = {"kvray_views": 1.0}  # both
 @pytest.fixture(scope="module")
 def two_nodes(ray_cluster):
     """Two store nodes of their own: one offers SOLO and PAIR, the other PAIR."""
-    added = [
-        ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=PAIR | SOLO),
-        ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=dict(PAIR)),
-    ]
-    ray_cluster.wait_for_nodes()
-    yield
-    for node in added:
-        ray_cluster.remove_node(node)
+    with extra_nodes(ray_cluster, PAIR | SOLO, PAIR):
+        yield
 
 
 def recorded_run(name: str, resources: dict, local_pages_limit: int | None = None):

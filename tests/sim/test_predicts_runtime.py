@@ -30,7 +30,7 @@ from kvray.policy.cluster import LocalFirstRing
 from kvray.sim.cost import load_scenario
 from kvray.sim.simulator import simulate
 from kvray.traces import read_trace
-from tests.conftest import RAY_OBJECT_STORE_BYTES
+from tests.conftest import extra_nodes
 from tests.sim.cluster_reference import ClusterReference
 
 pytestmark = pytest.mark.ray
@@ -48,23 +48,15 @@ TRIO = {"kvray_sim_vs_runtime_3": 1.0}
 def one_node(ray_cluster):
     """A store node of its own, so the runtime has one node like the simulator (it is also
     the first of the pair and the trio)."""
-    node = ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=NODE | PAIR | TRIO)
-    ray_cluster.wait_for_nodes()
-    yield NODE
-    ray_cluster.remove_node(node)
+    with extra_nodes(ray_cluster, NODE | PAIR | TRIO):
+        yield NODE
 
 
 @pytest.fixture(scope="module")
 def three_nodes(ray_cluster, one_node):
     """Two more store nodes: PAIR names two nodes, TRIO three."""
-    added = [
-        ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=PAIR | TRIO),
-        ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES, resources=dict(TRIO)),
-    ]
-    ray_cluster.wait_for_nodes()
-    yield
-    for node in added:
-        ray_cluster.remove_node(node)
+    with extra_nodes(ray_cluster, PAIR | TRIO, TRIO):
+        yield
 
 
 def both(policy: str, resources: dict, prefill_us: float | None = None) -> tuple[dict, dict]:
