@@ -316,7 +316,9 @@ def train(
 ) -> None:
     """Train the RL placement policy (the selector of the adaptive expert policy): fitted to every expert's
     counterfactual cost, then PPO, on generated workload families and the first part of each trace; writes
-    policy.safetensors, card.json and TensorBoard logs.
+    policy.safetensors, card.json and TensorBoard logs. --correction-decay penalises the size of the fitted
+    correction to follow-the-leader; 0 by default, as leave-one-source-out cross-validation over the training
+    sources chose (docs/sim-eval).
     Progress and logs go to stderr, so stdout holds only the result."""
     from kvray.rl.train import train as run_training
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario

@@ -5,8 +5,10 @@ expert heuristic would do on the workload seen so far, and the selector picks th
 the real cache follows for the next window. The actor is one small MLP applied to every
 expert's row (a shared scorer: the same function ranks LRU, ARC and the threshold rule by
 what their rows say), added to the leader ranking
-(:func:`~kvray.policy.experts.leader_scores`); its last layer starts at zero, so training
-starts from follow-the-leader and learns only where deviating pays. Only that scorer is kept:
+(:func:`~kvray.policy.experts.leader_scores`). A fresh :class:`RowScorer` adds nothing (its
+last layer is zero), but inside PPO's policy stable-baselines3's orthogonal initialisation
+redraws every layer, so the counterfactual fit starts from a random correction; left out one
+training source at a time, either start fits to the same regret (docs/sim-eval). Only that scorer is kept:
 it is exported to ``policy.safetensors`` and run by :class:`~kvray.policy.rl.RLPolicy` in
 numpy. The critic (a baseline for PPO) is dropped.
 
