@@ -292,6 +292,12 @@ def train(
         8, "--counterfactual-horizon", min=0, help="windows of every expert's future cost the scorer is first fitted to (0: none)"
     ),
     epochs: int = typer.Option(300, "--counterfactual-epochs", min=1, help="full-batch epochs of that fit"),
+    correction_decay: float = typer.Option(
+        0.0,
+        "--correction-decay",
+        min=0.0,
+        help="penalty on the size of the fitted correction to follow-the-leader (0: none; docs/sim-eval)",
+    ),
     out: Path = typer.Option(..., "--out", help="policy folder, e.g. policies/mine"),
     seed: int = typer.Option(0, "--seed"),
     train_fraction: float = typer.Option(0.6, "--train-fraction", help="first part of each trace (by time) trained on"),
@@ -310,7 +316,9 @@ def train(
 ) -> None:
     """Train the RL placement policy (the selector of the adaptive expert policy): fitted to every expert's
     counterfactual cost, then PPO, on generated workload families and the first part of each trace; writes
-    policy.safetensors, card.json and TensorBoard logs.
+    policy.safetensors, card.json and TensorBoard logs. --correction-decay penalises the size of the fitted
+    correction to follow-the-leader; 0 by default, as leave-one-source-out cross-validation over the training
+    sources chose (docs/sim-eval).
     Progress and logs go to stderr, so stdout holds only the result."""
     from kvray.rl.train import train as run_training
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
@@ -346,6 +354,7 @@ def train(
             families=family,
             counterfactual_horizon=horizon,
             counterfactual_epochs=epochs,
+            correction_decay=correction_decay,
             progress=True,
             evaluate=score if evaluate else None,
             tensorboard=tensorboard or out / "tensorboard",

@@ -32,21 +32,23 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from kvray.policy.experts import ExpertsPolicy, follow_the_leader, leader_scores
+from kvray.policy.experts import ExpertsPolicy, Selector, follow_the_leader, leader_scores
 from kvray.sim.cost import Scenario
 from kvray.traces import TraceRequest
 
 MAX_REGRET = 4.0  # relative excess cost over the horizon's best expert, as the rows' gaps are capped
 
 
-def _replay(trace: Sequence[TraceRequest], fraction: float, scenario: Scenario, horizon: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows at every choice of one follow-the-leader replay, and each expert's relative
-    excess cost over the ``horizon`` windows that follow it."""
+def _replay(
+    trace: Sequence[TraceRequest], fraction: float, scenario: Scenario, horizon: int, selector: Selector
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows at every choice of one replay that follows ``selector``, and each expert's
+    relative excess cost over the ``horizon`` windows that follow it."""
     from kvray.sim.simulator import Simulator, fast_capacity
 
     seen_rows: list[np.ndarray] = []
@@ -55,7 +57,7 @@ def _replay(trace: Sequence[TraceRequest], fraction: float, scenario: Scenario, 
     def record(rows: np.ndarray) -> int:
         seen_rows.append(rows)
         window_costs.append(policy.window_costs())  # the window that just ended (zeros before the first)
-        return follow_the_leader(rows)
+        return selector(rows)
 
     policy = ExpertsPolicy(selector=record)
     Simulator(scenario, policy, fast_capacity(scenario, trace, fraction)).replay(trace)
@@ -68,33 +70,92 @@ def _replay(trace: Sequence[TraceRequest], fraction: float, scenario: Scenario, 
 
 
 def collect(
-    traces: Sequence[Sequence[TraceRequest]], fractions: Sequence[float], scenario: Scenario, horizon: int = 16
+    traces: Sequence[Sequence[TraceRequest]],
+    fractions: Sequence[float],
+    scenario: Scenario,
+    horizon: int = 16,
+    selector: Selector = follow_the_leader,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows ``[choices, experts, features]`` and regrets ``[choices, experts]`` from a
-    follow-the-leader replay of every trace at every capacity fraction."""
-    parts = [_replay(trace, fraction, scenario, horizon) for trace in traces for fraction in fractions]
+    replay of every trace at every capacity fraction whose real cache follows ``selector``
+    (the regrets are the shadows' and do not depend on it; the rows' real-cache features do)."""
+    parts = [_replay(trace, fraction, scenario, horizon, selector) for trace in traces for fraction in fractions]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 def expected_regret(scorer: torch.nn.Module, rows: torch.Tensor, regret: torch.Tensor) -> torch.Tensor:
     """Mean over choices of the regret expected under the softmax of the selector's scores."""
-    scores = leader_scores(rows) + scorer(rows)
+    return _expected_regret(scorer(rows), rows, regret)
+
+
+def _expected_regret(correction: torch.Tensor, rows: torch.Tensor, regret: torch.Tensor) -> torch.Tensor:
+    scores = leader_scores(rows) + correction
     return (torch.softmax(scores, dim=-1) * regret).sum(dim=-1).mean()
 
 
+def correction_size(correction: torch.Tensor) -> torch.Tensor:
+    """Mean square of a correction ``[choices, experts]`` about its mean over each choice's
+    experts: a shift common to every expert changes no choice, so only the rest counts."""
+    return (correction - correction.mean(dim=-1, keepdim=True)).square().mean()
+
+
 def fit(
-    scorer: torch.nn.Module, rows: np.ndarray, regret: np.ndarray, epochs: int = 200, seed: int = 0, lr: float = 3e-3
+    scorer: torch.nn.Module,
+    rows: np.ndarray,
+    regret: np.ndarray,
+    epochs: int = 200,
+    seed: int = 0,
+    lr: float = 3e-3,
+    correction_decay: float = 0.0,
 ) -> list[float]:
     """Fit ``scorer`` (the correction to the leader ranking) to the counterfactual regrets,
-    full batch with Adam; returns the mean expected regret after each epoch."""
+    full batch with Adam; returns the mean expected regret after each epoch.
+
+    ``correction_decay`` adds that times :func:`correction_size` to the loss: a correction
+    then survives only where it lowers the training regret by more than it costs, and the
+    selector stays with the leader where the training rows do not agree on a deviation. An
+    unpenalised fit learns deviations of a few sources that did not transfer (docs/sim-eval).
+    """
     torch.manual_seed(seed)
     x, y = torch.from_numpy(rows), torch.from_numpy(regret)
     optimizer = torch.optim.Adam(scorer.parameters(), lr=lr)
     curve = []
     for _ in range(epochs):
         optimizer.zero_grad()
-        loss = expected_regret(scorer, x, y)
-        loss.backward()
+        correction = scorer(x)
+        loss = _expected_regret(correction, x, y)
+        (loss + correction_decay * correction_size(correction) if correction_decay else loss).backward()
         optimizer.step()
         curve.append(loss.item())
     return curve
+
+
+def leave_one_source_out(
+    sources: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    make_scorer: Callable[[int], torch.nn.Module],
+    correction_decay: float = 0.0,
+    epochs: int = 300,
+    seeds: Sequence[int] = (0,),
+) -> dict[str, dict[str, float]]:
+    """Cross-validation over training sources: for each source (its rows and regrets from
+    :func:`collect`), a scorer per seed (``make_scorer(seed)``) is fitted on every other
+    source and scored on the one left out; returns, per source, the mean over seeds of the
+    expected regret (what :func:`fit` minimises) and of the regret of the argmax choice
+    (what :class:`~kvray.policy.rl.RLPolicy` does). How ``kvray train``'s
+    ``--correction-decay`` default was chosen without looking at held-out workloads."""
+    scores: dict[str, dict[str, float]] = {}
+    for left_out, (rows, regret) in sources.items():
+        others = [v for k, v in sources.items() if k != left_out]
+        train_rows, train_regret = np.concatenate([o[0] for o in others]), np.concatenate([o[1] for o in others])
+        x, y = torch.from_numpy(rows), torch.from_numpy(regret)
+        expected, chosen = [], []
+        for seed in seeds:
+            scorer = make_scorer(seed)
+            fit(scorer, train_rows, train_regret, epochs, seed, correction_decay=correction_decay)
+            with torch.no_grad():
+                correction = scorer(x)
+            expected.append(_expected_regret(correction, x, y).item())
+            choice = (leader_scores(x) + correction).argmax(dim=-1)
+            chosen.append(y[torch.arange(len(y)), choice].mean().item())
+        scores[left_out] = {"expected_regret": float(np.mean(expected)), "argmax_regret": float(np.mean(chosen))}
+    return scores

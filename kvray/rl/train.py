@@ -5,8 +5,10 @@ expert heuristic would do on the workload seen so far, and the selector picks th
 the real cache follows for the next window. The actor is one small MLP applied to every
 expert's row (a shared scorer: the same function ranks LRU, ARC and the threshold rule by
 what their rows say), added to the leader ranking
-(:func:`~kvray.policy.experts.leader_scores`); its last layer starts at zero, so training
-starts from follow-the-leader and learns only where deviating pays. Only that scorer is kept:
+(:func:`~kvray.policy.experts.leader_scores`). A fresh :class:`RowScorer` adds nothing (its
+last layer is zero), but inside PPO's policy stable-baselines3's orthogonal initialisation
+redraws every layer, so the counterfactual fit starts from a random correction; left out one
+training source at a time, either start fits to the same regret (docs/sim-eval). Only that scorer is kept:
 it is exported to ``policy.safetensors`` and run by :class:`~kvray.policy.rl.RLPolicy` in
 numpy. The critic (a baseline for PPO) is dropped.
 
@@ -159,6 +161,7 @@ def train(
     gamma: float = 0.9,
     counterfactual_horizon: int = 8,
     counterfactual_epochs: int = 300,
+    correction_decay: float = 0.0,
     progress: bool = True,
     evaluate: Callable[[Path, list[list[TraceRequest]]], dict] | None = None,
     tensorboard: Path | None = None,
@@ -169,7 +172,9 @@ def train(
     pages), so the selector learns tight and loose caches of every family. First the
     scorer is fitted to the counterfactual regrets of every expert over the next
     ``counterfactual_horizon`` windows (:mod:`kvray.rl.counterfactual`; 0 skips it), then
-    PPO fine-tunes it for ``timesteps`` steps (0: none).
+    PPO fine-tunes it for ``timesteps`` steps (0: none). ``correction_decay`` penalises the
+    size of the fitted correction (:func:`kvray.rl.counterfactual.fit`), pulling the
+    selector toward follow-the-leader wherever the training sources disagree.
     ``evaluate(out, held_out)`` fills the card's evaluation scores.
     ``tensorboard`` is a folder for SB3's TensorBoard logs (losses, entropy, the mean
     reward per rollout), so a long run can be watched while it trains.
@@ -223,10 +228,13 @@ def train(
         started = time.time()
         rows, regret = collect(list(train_sets.values()), capacity_fractions, scenario, counterfactual_horizon)
         leader = np.argmax(leader_scores(rows), axis=1)
-        fitted = fit(model.policy.mlp_extractor.scorer, rows, regret, counterfactual_epochs, seed)
+        fitted = fit(
+            model.policy.mlp_extractor.scorer, rows, regret, counterfactual_epochs, seed, correction_decay=correction_decay
+        )
         counterfactual = {
             "horizon_windows": counterfactual_horizon,
             "epochs": counterfactual_epochs,
+            "correction_decay": correction_decay,
             "choices": len(rows),
             "follow_the_leader_regret": round(float(regret[np.arange(len(rows)), leader].mean()), 4),
             "fitted_expected_regret": round(fitted[-1], 4),
