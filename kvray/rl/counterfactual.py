@@ -118,8 +118,9 @@ def fit(
 
     ``correction_decay`` adds that times :func:`correction_size` to the loss: a correction
     then survives only where it lowers the training regret by more than it costs, and the
-    selector stays with the leader where the training rows do not agree on a deviation. An
-    unpenalised fit learns deviations of a few sources that did not transfer (docs/sim-eval).
+    selector stays with the leader where the training rows do not agree on a deviation.
+    Cross-validated over the training sources it did not help (the unpenalised correction
+    already transfers to a source left out; docs/sim-eval), so ``kvray train`` defaults to 0.
     """
     torch.manual_seed(seed)
     x, y = torch.from_numpy(rows), torch.from_numpy(regret)
