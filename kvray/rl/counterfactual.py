@@ -20,9 +20,10 @@ full) teach nothing. "What they cost" is in the replay's own unit, the mean best
 cost of that replay, not relative to each window's best: mean TTFT is a sum of absolute
 costs, dominated by the windows where the prefill queue is backed up, and a choice there
 should weigh as much as it moves the mean. Chosen by leave-one-source-out cross-validation
-on the training sources (:func:`leave_one_source_out`, three seeds, horizon 8): the chosen
-expert's excess cost over the left-out replays, as a share of the best's, 0.031 against 0.035
-with per-window relative regrets capped at 4 (follow-the-leader 0.043).
+on the training sources (fitted on five, scored on the sixth, three seeds, horizon 8; the
+method is in docs/sim-eval): the chosen expert's excess cost over the left-out replays, as a
+share of the best's, 0.031 against 0.035 with per-window relative regrets capped at 4
+(follow-the-leader 0.043).
 
 Example::
     from kvray.rl.counterfactual import collect, fit
