@@ -91,13 +91,14 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
     engines (as the simulator tells its policy), calibrated for this machine by ``kvray calibrate``.
     """
     tiers = {name: spec.capacity_pages for name, spec in scenario.tiers.items() if name != "remote"}
-    costs = CostModel(scenario).tier_cost(TIER_BY_LABEL[name] for name in tiers)
+    model = CostModel(scenario)
+    costs = model.tier_cost(TIER_BY_LABEL[name] for name in tiers)
     base = ReplaySettings().model_dump()
     base["runtime"] |= {
         "layout": scenario.layout.model_dump(),
         "tiers": tiers,
         "tier_cost": {tier.label: cost for tier, cost in costs.items()},
-        "page_prefill_ms": CostModel(scenario).page_prefill_ms(),
+        "page_prefill_ms": model.page_prefill_ms(),
         "prefill_engines": scenario.compute.servers,
     }
     return base | {"name": scenario.name, "nodes": 1, "prefill_us_per_token": scenario.compute.prefill_us_per_token}
