@@ -554,6 +554,8 @@ class ClusterSimulator:
         for i, request in enumerate(trace):
             if i == warmup_requests:
                 base = self._counters(links)
+            for link in links:
+                link.advance(request.timestamp_ms)
             hit_tiers, ttft = self.serve(request, None if futures is None else futures[i])
             if i >= warmup_requests:
                 tally.record(request, hit_tiers, ttft)

@@ -1,13 +1,20 @@
 """Links as queued resources: every byte the simulator moves occupies the links it crosses.
 
-A :class:`Link` is a first-come first-served resource of ``lanes`` parallel channels
-(PCIe: one per GPU of the node; an NVMe drive, a NIC direction or a switch: one) with a
-bandwidth and a per-transfer latency. :func:`transfer` sends bytes along a path of links:
-the transfer starts when every link on the path has a free lane, then holds one lane of
-each for ``latency + bytes / bottleneck bandwidth``, so two transfers over a shared link
-queue behind each other and a slow hop (NVMe) sets the pace of a path that also crosses a
-fast one (PCIe). Per-transfer latency holds the link too: a page loaded as its own transfer
-costs its latency each time, as a DMA or NVMe command does.
+A :class:`Link` is a resource of ``lanes`` parallel channels (PCIe: one per GPU of the node;
+an NVMe drive, a NIC direction or a switch: one) with a bandwidth and a per-transfer
+latency. :func:`transfer` sends bytes along a path of links: the transfer starts at the
+earliest time, once it is ready, that every link on the path has a lane idle for its whole
+duration, then holds that lane of each for ``latency + bytes / bottleneck bandwidth``, so two
+transfers over a shared link queue behind each other and a slow hop (NVMe) sets the pace of
+a path that also crosses a fast one (PCIe). Per-transfer latency holds the link too: a page
+loaded as its own transfer costs its latency each time, as a DMA or NVMe command does.
+
+A lane is booked by time, not by the order of the calls: the simulator books a request's
+writes when its prefill will end, often seconds after the next requests' loads start, and
+a load fits in the idle time before such a write. (Booking in call order made a page read
+from another node's GPU wait behind demotions booked for seconds later: on the 4-node skewed
+scenario under ARC those waits were 0.8 s per remote load on average.)
+:meth:`Link.advance` forgets what ended before the simulator's clock.
 
 An unqueued link (``queued=False``) never delays a transfer but still counts its bytes and
 busy time: the single-node scenarios of the simulator's first version run that way, so their
@@ -20,18 +27,23 @@ Example::
     first = transfer((pcie,), ready_ms=0.0, nbytes=50_000_000, kind="load")   # 1 ms + 10 us
     second = transfer((pcie,), ready_ms=0.0, nbytes=50_000_000, kind="load")  # waits for the first
     assert abs(first - 1.01) < 1e-9 and abs(second - 2.02) < 1e-9
-    assert pcie.bytes_by_kind["load"] == 100_000_000 and pcie.utilisation(now_ms=1000.0) == 100_000_000 / 50e9
+    later = transfer((pcie,), ready_ms=10.0, nbytes=50_000_000, kind="store")  # booked for 10 ms
+    early = transfer((pcie,), ready_ms=3.0, nbytes=50_000_000, kind="load")    # fits before it
+    assert abs(early - 4.01) < 1e-9
+    assert pcie.bytes_by_kind["load"] == 150_000_000 and pcie.utilisation(now_ms=1000.0) == 200_000_000 / 50e9
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right, insort
 from collections import deque
 from collections.abc import Sequence
 
 
 class Link:
-    """One direction of a physical link: ``lanes`` FCFS channels of ``gbps`` (1e9 bytes/s) each.
+    """One direction of a physical link: ``lanes`` channels of ``gbps`` (1e9 bytes/s) each, each
+    holding its bookings as sorted ``(start, end)`` intervals.
 
     Its utilisation is what a runtime reads off byte counters: the bytes whose transfers
     ended in the last ``window_ms`` over what the link could carry in that time.
@@ -52,7 +64,8 @@ class Link:
         "bytes_by_kind",
         "busy_ms",
         "last_end_ms",
-        "_free_at",
+        "_starts",
+        "_ends",
         "_pending",
         "_window",
         "_window_bytes",
@@ -78,25 +91,50 @@ class Link:
         self.bytes_by_kind: dict[str, int] = {}
         self.busy_ms = 0.0
         self.last_end_ms = 0.0
-        self._free_at = [0.0] * lanes
+        self._starts: list[list[float]] = [[] for _ in range(lanes)]  # per lane, sorted; ends likewise
+        self._ends: list[list[float]] = [[] for _ in range(lanes)]
         self._pending: list[tuple[float, int]] = []  # heap of (end, bytes) not yet arrived
         self._window: deque[tuple[float, int]] = deque()  # arrived within the window, by end
         self._window_bytes = 0
 
-    def free_at(self) -> float:
-        """When the earliest lane is free (0 for an unqueued link: it never delays)."""
-        return min(self._free_at) if self.queued else 0.0
+    def _fit(self, lane: int, ready_ms: float, duration_ms: float) -> float:
+        """The earliest start at or after ``ready_ms`` at which ``lane`` is idle for ``duration_ms``."""
+        starts, ends = self._starts[lane], self._ends[lane]
+        start = ready_ms
+        for i in range(bisect_right(ends, ready_ms), len(starts)):
+            if start + duration_ms <= starts[i]:
+                break
+            start = max(start, ends[i])
+        return start
+
+    def earliest(self, ready_ms: float, duration_ms: float) -> float:
+        """The earliest start at or after ``ready_ms`` at which some lane is idle for
+        ``duration_ms`` (``ready_ms`` itself for an unqueued link: it never delays)."""
+        if not self.queued:
+            return ready_ms
+        return min(self._fit(lane, ready_ms, duration_ms) for lane in range(self.lanes))
 
     def occupy(self, start: float, end: float, nbytes: int, kind: str) -> None:
-        """Hold the earliest free lane from ``start`` to ``end`` and count the bytes."""
+        """Hold a lane idle from ``start`` to ``end`` (one :meth:`earliest` gave) and count the bytes."""
         if self.queued:
-            lanes = self._free_at
-            lanes[lanes.index(min(lanes))] = end
+            lane = next((i for i in range(self.lanes) if self._fit(i, start, end - start) <= start), None)
+            if lane is None:
+                raise ValueError(f"link {self.name!r}: no lane idle from {start} to {end} ms")
+            insort(self._starts[lane], start)
+            insort(self._ends[lane], end)
         self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + nbytes
         self.busy_ms += end - start
         if end > self.last_end_ms:
             self.last_end_ms = end
         heapq.heappush(self._pending, (end, nbytes))
+
+    def advance(self, now_ms: float) -> None:
+        """No transfer will be ready before ``now_ms`` from now on: bookings that ended by then
+        are forgotten (in batches, so that a busy link's search stays short)."""
+        for starts, ends in zip(self._starts, self._ends):
+            done = bisect_right(ends, now_ms)
+            if done > 64:
+                del starts[:done], ends[:done]
 
     @property
     def bytes(self) -> int:
@@ -135,18 +173,19 @@ def _shape(path: Sequence[Link]) -> tuple[float, float]:
 def transfer(path: Sequence[Link], ready_ms: float, nbytes: int, kind: str, latency_ms: float = 0.0, ops: int = 1) -> float:
     """Move ``nbytes`` along ``path`` as ``ops`` back-to-back operations, each paying
     ``latency_ms`` (the source's access latency) plus the links' latencies; returns when the
-    last byte arrives. The transfer starts once ``ready_ms`` has passed and every link has a
-    free lane, and holds one lane of each link until it ends."""
+    last byte arrives. The transfer starts at the earliest time at or after ``ready_ms`` that
+    every link has a lane idle for its whole duration, and holds that lane of each link."""
     if not path:
         return ready_ms
-    start = ready_ms
-    for link in path:
-        if link.queued:
-            free = min(link._free_at)
-            if free > start:
-                start = free
     links_latency, bytes_per_ms = _shape(path)
-    end = start + ops * (latency_ms + links_latency) + nbytes / bytes_per_ms
+    duration = ops * (latency_ms + links_latency) + nbytes / bytes_per_ms
+    start = ready_ms
+    while True:  # the earliest time every link has a lane idle throughout
+        latest = max(link.earliest(start, duration) for link in path)
+        if latest <= start:
+            break
+        start = latest
+    end = start + duration
     for link in path:
         link.occupy(start, end, nbytes, kind)
     return end

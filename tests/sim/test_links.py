@@ -3,6 +3,8 @@ latency, transfers sharing a lane queue, lanes work in parallel, and utilisation
 bytes that arrived in the window over what the link could carry."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvray.sim.links import Link, transfer, transfer_ms
 
@@ -55,3 +57,42 @@ def test_utilisation_counts_bytes_arrived_in_the_window():
 def test_bad_links_are_refused():
     with pytest.raises(ValueError, match="nic"):
         Link("nic", gbps=0.0)
+
+
+def test_a_load_fits_before_a_write_booked_for_later_and_waits_when_it_does_not_fit():
+    link = Link("pcie_d2h", gbps=1.0)
+    assert transfer((link,), 100.0, 10 * MB, "demote") == pytest.approx(110.0)  # a write booked for later
+    assert transfer((link,), 0.0, 10 * MB, "load") == pytest.approx(10.0)  # idle until 100 ms: no wait
+    assert transfer((link,), 95.0, 10 * MB, "load") == pytest.approx(120.0)  # would overlap it: after it
+    nic = Link("nic_out", gbps=1.0)
+    transfer((nic,), 12.0, 10 * MB, "load")  # the path's second link is busy from 12 to 22 ms
+    assert transfer((link, nic), 5.0, 10 * MB, "load") == pytest.approx(32.0)  # both idle from 22 ms
+
+
+def test_advance_forgets_only_what_ended_and_keeps_later_bookings():
+    link = Link("nvme_write", gbps=1.0)
+    for i in range(100):
+        transfer((link,), 10.0 * i, 5 * MB, "store")  # 100 bookings, each 5 ms of every 10
+    transfer((link,), 2000.0, 5 * MB, "store")
+    link.advance(1000.0)
+    assert transfer((link,), 1995.0, 10 * MB, "load") == pytest.approx(2015.0)  # the later booking still counts
+    assert transfer((link,), 1000.0, 5 * MB, "load") == pytest.approx(1005.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lanes=st.integers(1, 3),
+    jobs=st.lists(st.tuples(st.floats(0, 100), st.integers(1, 20), st.booleans()), min_size=1, max_size=40),
+)
+def test_no_lane_is_ever_double_booked_and_nothing_starts_before_it_is_ready(lanes, jobs):
+    shared = Link("switch", gbps=1.0, lanes=lanes)
+    other = Link("nic_in", gbps=2.0)
+    booked = []
+    for ready, mb, both in jobs:
+        path = (shared, other) if both else (shared,)
+        end = transfer(path, ready, mb * MB, "load")
+        duration = mb * MB / 1e6  # the shared link is the bottleneck of either path
+        assert end - duration >= ready - 1e-9
+        booked.append((end - duration, end))
+    for t in sorted({start for start, _ in booked}):  # at any start, at most `lanes` bookings hold the link
+        assert sum(1 for s, e in booked if s <= t < e - 1e-9) <= lanes
