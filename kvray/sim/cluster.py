@@ -225,6 +225,7 @@ class SimNode:
 
 
 TIER_BY_NAME = {t.label: t for t in Tier}
+ADVANCE_EVERY = 64  # requests between two prunings of the links' past bookings (Link.advance)
 PCIE_GBPS = 50.0  # a node without a host tier still has PCIe (Gen5 x16, ~50 GB/s copies)
 
 
@@ -554,8 +555,9 @@ class ClusterSimulator:
         for i, request in enumerate(trace):
             if i == warmup_requests:
                 base = self._counters(links)
-            for link in links:
-                link.advance(request.timestamp_ms)
+            if i % ADVANCE_EVERY == 0:
+                for link in links:
+                    link.advance(request.timestamp_ms)
             hit_tiers, ttft = self.serve(request, None if futures is None else futures[i])
             if i >= warmup_requests:
                 tally.record(request, hit_tiers, ttft)

@@ -101,10 +101,11 @@ class Link:
         """The earliest start at or after ``ready_ms`` at which ``lane`` is idle for ``duration_ms``."""
         starts, ends = self._starts[lane], self._ends[lane]
         start = ready_ms
-        for i in range(bisect_right(ends, ready_ms), len(starts)):
+        for i in range(bisect_right(ends, ready_ms), len(ends)):
             if start + duration_ms <= starts[i]:
                 break
-            start = max(start, ends[i])
+            if ends[i] > start:
+                start = ends[i]
         return start
 
     def earliest(self, ready_ms: float, duration_ms: float) -> float:
@@ -112,7 +113,12 @@ class Link:
         ``duration_ms`` (``ready_ms`` itself for an unqueued link: it never delays)."""
         if not self.queued:
             return ready_ms
-        return min(self._fit(lane, ready_ms, duration_ms) for lane in range(self.lanes))
+        best = self._fit(0, ready_ms, duration_ms)
+        for lane in range(1, self.lanes):
+            if best == ready_ms:
+                break
+            best = min(best, self._fit(lane, ready_ms, duration_ms))
+        return best
 
     def occupy(self, start: float, end: float, nbytes: int, kind: str) -> None:
         """Hold a lane idle from ``start`` to ``end`` (one :meth:`earliest` gave) and count the bytes."""
@@ -120,8 +126,13 @@ class Link:
             lane = next((i for i in range(self.lanes) if self._fit(i, start, end - start) <= start), None)
             if lane is None:
                 raise ValueError(f"link {self.name!r}: no lane idle from {start} to {end} ms")
-            insort(self._starts[lane], start)
-            insort(self._ends[lane], end)
+            starts, ends = self._starts[lane], self._ends[lane]
+            if not ends or start >= ends[-1]:
+                starts.append(start)
+                ends.append(end)
+            else:
+                insort(starts, start)
+                insort(ends, end)
         self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + nbytes
         self.busy_ms += end - start
         if end > self.last_end_ms:
@@ -129,11 +140,11 @@ class Link:
         heapq.heappush(self._pending, (end, nbytes))
 
     def advance(self, now_ms: float) -> None:
-        """No transfer will be ready before ``now_ms`` from now on: bookings that ended by then
-        are forgotten (in batches, so that a busy link's search stays short)."""
+        """No transfer will be ready before ``now_ms`` from now on: bookings that ended by
+        then are forgotten, so that a busy link's search stays short."""
         for starts, ends in zip(self._starts, self._ends):
             done = bisect_right(ends, now_ms)
-            if done > 64:
+            if done:
                 del starts[:done], ends[:done]
 
     @property
@@ -181,8 +192,13 @@ def transfer(path: Sequence[Link], ready_ms: float, nbytes: int, kind: str, late
     duration = ops * (latency_ms + links_latency) + nbytes / bytes_per_ms
     start = ready_ms
     while True:  # the earliest time every link has a lane idle throughout
-        latest = max(link.earliest(start, duration) for link in path)
-        if latest <= start:
+        latest = start
+        for link in path:
+            if link.queued:
+                fits = link.earliest(start, duration)
+                if fits > latest:
+                    latest = fits
+        if latest == start:
             break
         start = latest
     end = start + duration
