@@ -29,7 +29,9 @@ from kvray.sim.cost import Scenario
 from kvray.sim.oracle import oracle_replay
 from kvray.traces import TraceRequest
 
-# (per-node policy, cluster policy): every heuristic of the baselines
+# (per-node policy, cluster policy): every heuristic of the baselines; each expert of the
+# adaptive policies (kvray.policy.experts) under the cost router too, the cluster policy
+# they are evaluated under, so that they are compared with each of their experts there
 HEURISTICS: tuple[tuple[str, str], ...] = (
     ("lru", "local-first"),
     ("arc", "local-first"),
@@ -37,6 +39,8 @@ HEURISTICS: tuple[tuple[str, str], ...] = (
     ("selective-write", "local-first"),
     ("threshold", "local-first"),
     ("lru", "cost-router"),
+    ("arc", "cost-router"),
+    ("threshold", "cost-router"),
     ("lru", "always-prefetch"),
     ("lru", "replicate-hot"),
 )
