@@ -388,19 +388,25 @@ def eval_(
         [0.02, 0.05, 0.10, 0.25], "--capacity-fraction", help="device+host = F x unique pages; one value draws bars"
     ),
     scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
+    bandwidth_scale: float = typer.Option(1.0, "--bandwidth-scale", help="every link of the scenario this many times as fast"),
     out: Path = typer.Option(Path("results/eval"), "--out", help="folder for eval.json and plots"),
     card: Path = typer.Option(None, "--card", help="model card whose training curve to plot (default: the rl policy's)"),
     jobs: int = typer.Option(1, "--jobs", min=1, help="replays run at once (worker processes)"),
 ) -> None:
     """Compare policies over traces and capacities; writes eval.json and plots.
-    A trace is PATH, PATH@F (after fraction F of its time) or gen:NAME:SEED (kvray generate's families)."""
+    A trace is PATH, PATH@F (after fraction F of its time) or gen:NAME:SEED (kvray generate's families);
+    --bandwidth-scale evaluates at link bandwidths the policy was not trained at."""
     from kvray.apps.evaluate import compare, goals, load_trace_spec, markdown_table, plot, targets, write_report
     from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, decision_time_us, load_scorer
     from kvray.resources import shipped_or_given
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 
+    if not bandwidth_scale > 0:
+        raise typer.BadParameter(f"must be positive, got {bandwidth_scale}", param_hint="--bandwidth-scale")
     with reported_errors():
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
+        if bandwidth_scale != 1.0:
+            spec = spec.with_bandwidth(bandwidth_scale)
         traces = dict(load_trace_spec(t) for t in trace)
         total = len(traces) * len(policy) * len(fraction)
         with progress_bar(total, "eval") as tick:

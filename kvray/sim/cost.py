@@ -168,6 +168,45 @@ class Scenario(FrozenModel):
     def capacities(self) -> dict[Tier, int]:
         return {TIER_BY_LABEL[name]: spec.capacity_pages for name, spec in self.tiers.items()}
 
+    def with_bandwidth(self, scale: float) -> Scenario:
+        """This scenario with every link ``scale`` times as fast (each tier's read and write
+        rate, the network, the switch, every kind of node's overrides), named for it: the
+        held-out bandwidths of the learned policy's generalisation protocol (docs/sim-eval).
+
+        Example::
+
+            load_scenario("h100-llama8b").with_bandwidth(0.5).tiers["disk"].read_gbps   # 3.5
+        """
+        if not scale > 0:
+            raise ValueError(f"bandwidth scale must be positive, got {scale}")
+
+        def tiers(specs: dict[str, TierSpec]) -> dict[str, TierSpec]:
+            return {
+                name: t.model_copy(update={"read_gbps": t.read_gbps * scale, "write_gbps": t.write_gbps * scale})
+                for name, t in specs.items()
+            }
+
+        nodes = None
+        if self.nodes is not None:
+            nodes = [
+                n.model_copy(
+                    update={
+                        "tiers": None if n.tiers is None else tiers(n.tiers),
+                        "network_gbps": None if n.network_gbps is None else n.network_gbps * scale,
+                    }
+                )
+                for n in self.nodes
+            ]
+        return self.model_copy(
+            update={
+                "name": f"{self.name}@bandwidth-x{scale:g}",
+                "tiers": tiers(self.tiers),
+                "network_gbps": self.network_gbps * scale,
+                "switch": None if self.switch is None else self.switch.model_copy(update={"gbps": self.switch.gbps * scale}),
+                "nodes": nodes,
+            }
+        )
+
     def scaled(self, fast_pages: int) -> dict[Tier, int]:
         """Tier sizes with device + host = ``fast_pages``, every tier keeping its ratio to them."""
         caps = self.capacities()

@@ -55,6 +55,28 @@ def test_an_empty_trace_is_one_clear_line(command, empty_trace, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_eval_at_another_bandwidth_names_it_in_every_row(tmp_path):
+    out = tmp_path / "out"
+    result = invoke(
+        "eval",
+        "--trace",
+        str(TRACE),
+        "--policy",
+        "lru",
+        "--capacity-fraction",
+        "0.1",
+        "--bandwidth-scale",
+        "0.5",
+        "--out",
+        str(out),
+    )
+    assert result.exit_code == 0, result.output
+    rows = json.loads((out / "eval.json").read_text())["rows"]
+    assert [r["scenario"] for r in rows] == ["h100-llama8b@bandwidth-x0.5"]
+    refused = invoke("eval", "--trace", str(TRACE), "--policy", "lru", "--bandwidth-scale", "0", "--out", str(out))
+    assert refused.exit_code == 2 and "--bandwidth-scale" in refused.output
+
+
 def test_train_refuses_a_trace_with_nothing_before_the_split(tmp_path):
     single = tmp_path / "single.jsonl"
     single.write_text(TRACE.read_text().splitlines()[0] + "\n")

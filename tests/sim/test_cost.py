@@ -72,6 +72,24 @@ def test_scaling_keeps_tier_ratios():
     assert sized[Tier.DISK] == round(16384 * 1000 / (768 + 8192))
 
 
+def test_bandwidth_scale_speeds_every_link_and_nothing_else():
+    scenario = load_scenario(DEFAULT_SCENARIO)
+    base, half = CostModel(scenario), CostModel(scenario.with_bandwidth(0.5))
+    for tier in (Tier.HOST, Tier.DISK):
+        latency = scenario.tiers[tier.label].latency_us / 1e3
+        assert half.load_ms(tier) - latency == pytest.approx(2 * (base.load_ms(tier) - latency))
+    assert half.page_prefill_ms() == base.page_prefill_ms()
+    assert scenario.with_bandwidth(0.5).capacities() == scenario.capacities()
+    cluster = load_scenario("h100-8node-hetero")
+    fast = cluster.with_bandwidth(1.5)
+    assert fast.name == "h100-8node-hetero@bandwidth-x1.5"
+    for node, sped in zip(cluster.node_scenarios(), fast.node_scenarios()):  # overrides and defaults alike
+        assert sped.network_gbps == pytest.approx(1.5 * node.network_gbps)
+        assert sped.tiers["disk"].write_gbps == pytest.approx(1.5 * node.tiers["disk"].write_gbps)
+    with pytest.raises(ValueError, match="bandwidth scale must be positive"):
+        scenario.with_bandwidth(0.0)
+
+
 def test_prefill_queue_waits_while_engines_are_busy():
     queue = PrefillQueue(servers=2)
     assert queue.serve(0, 10) == 0
