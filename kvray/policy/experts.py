@@ -22,7 +22,7 @@ are in page prefills: a hit page costs its tier's load time relative to recomput
 The selector is a function of the rows of :meth:`ExpertsPolicy.selector_rows` (one row
 per expert, :data:`SELECTOR_FEATURES`): :func:`follow_the_leader` (the expert with the
 lowest smoothed cost) here; in :class:`kvray.policy.rl.RLPolicy` the same ranking
-(:func:`leader_scores`) plus a trained correction, learned in the training environment
+(:func:`leader_scores`) plus a trained, bounded correction (:func:`corrected_scores`), learned in the training environment
 (:mod:`kvray.rl.env`). A selector trained from scratch collapsed onto one expert (the
 threshold rule, 14.5x the best heuristic on one held-out cell); starting from the leader
 it can only learn deviations that paid in training.
@@ -83,6 +83,24 @@ def leader_scores(rows: np.ndarray) -> np.ndarray:
     selector adds its own scores to, so that an untrained (zero) correction follows the
     leader and training only learns where to deviate. Works on ``[..., experts, features]``."""
     return -LEADER_PRIOR * rows[..., SELECTOR_FEATURES.index("smoothed_cost_gap")]
+
+
+CORRECTION_BOUND = 2.0  # the most a learned correction moves an expert's score (corrected_scores)
+
+
+def corrected_scores(rows: np.ndarray, correction):
+    """The leader ranking plus a learned selector's ``correction``, bounded to
+    +-:data:`CORRECTION_BOUND`: it moves an expert's score by at most a quarter of a unit of
+    smoothed cost gap, so it may prefer an expert whose smoothed cost is up to 50% above
+    another's, never one the shadows rank far behind. A fitted MLP
+    extrapolates linearly from rows unlike its training data: at half the trained link
+    bandwidth, with prefill backlogs it never saw, the unbounded correction followed ARC
+    while ARC's shadow cost 5x LRU's and the cell's mean TTFT was 20x the best heuristic's.
+    The bound was chosen on the training cells (bounds 1.5-3: geometric mean 1.027-1.030x the
+    best heuristic, worst 1.49x; unbounded 1.160x, worst 7.54x; docs/sim-eval). The fit
+    itself is unbounded (:mod:`kvray.rl.counterfactual`). Works on numpy arrays and torch
+    tensors, ``[..., experts, features]`` rows and ``[..., experts]`` corrections."""
+    return leader_scores(rows) + correction.clip(-CORRECTION_BOUND, CORRECTION_BOUND)
 
 
 def follow_the_leader(rows: np.ndarray) -> int:

@@ -1,6 +1,7 @@
 """The learned placement policy: the adaptive :class:`~kvray.policy.experts.ExpertsPolicy`
 whose selector ranks the experts by their smoothed shadow cost (follow the leader) plus a
-small trained MLP's correction for each expert's row.
+small trained MLP's correction for each expert's row, bounded
+(:func:`~kvray.policy.experts.corrected_scores`).
 
 It is trained by PPO in the simulator (:mod:`kvray.rl.train`) and stored as
 ``policy.safetensors`` (the scorer's weights, no pickle) beside ``card.json`` (the
@@ -28,7 +29,7 @@ from kvray.policy.experts import (
     SELECTOR_FEATURES,
     WINDOW,
     ExpertsPolicy,
-    leader_scores,
+    corrected_scores,
 )
 from kvray.resources import shipped_or_given
 
@@ -133,8 +134,8 @@ class RLPolicy(ExpertsPolicy):
         return cls(scorer, card)
 
     def best(self, rows: np.ndarray) -> int:
-        """The expert rated highest by the leader ranking plus the trained correction."""
-        return int(np.argmax(leader_scores(rows) + self.scorer.score(rows)))
+        """The expert rated highest by the leader ranking plus the trained correction, bounded."""
+        return int(np.argmax(corrected_scores(rows, self.scorer.score(rows))))
 
 
 def decision_time_us(scorer: MLPScorer, decisions: int = 4096, repeats: int = 20) -> float:

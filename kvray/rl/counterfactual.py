@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from kvray.policy.experts import ExpertsPolicy, Selector, follow_the_leader, leader_scores
+from kvray.policy.experts import ExpertsPolicy, Selector, corrected_scores, follow_the_leader, leader_scores
 from kvray.sim.cost import Scenario
 from kvray.traces import TraceRequest
 
@@ -95,7 +95,7 @@ def expected_regret(scorer: torch.nn.Module, rows: torch.Tensor, regret: torch.T
 
 
 def _expected_regret(correction: torch.Tensor, rows: torch.Tensor, regret: torch.Tensor) -> torch.Tensor:
-    scores = leader_scores(rows) + correction
+    scores = leader_scores(rows) + correction  # unbounded: the fit needs its gradient everywhere (RLPolicy bounds it)
     return (torch.softmax(scores, dim=-1) * regret).sum(dim=-1).mean()
 
 
@@ -162,7 +162,7 @@ def leave_one_source_out(
             with torch.no_grad():
                 correction = scorer(x)
             expected.append(_expected_regret(correction, x, y).item())
-            choice = (leader_scores(x) + correction).argmax(dim=-1)
+            choice = corrected_scores(x, correction).argmax(dim=-1)  # what RLPolicy follows
             chosen.append(y[torch.arange(len(y)), choice].mean().item())
         scores[left_out] = {"expected_regret": float(np.mean(expected)), "argmax_regret": float(np.mean(chosen))}
     return scores

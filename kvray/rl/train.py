@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from kvray.core.errors import TraceError
-from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES, leader_scores
+from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES, corrected_scores, leader_scores
 from kvray.policy.rl import CARD_FILE, WEIGHTS_FILE, observation_spec
 from kvray.progress import progress_bar
 from kvray.sim.cost import Scenario
@@ -87,7 +87,7 @@ class _ScorerExtractor(nn.Module):
 
     def forward_actor(self, obs: torch.Tensor) -> torch.Tensor:
         rows = obs.view(-1, len(EXPERTS), len(SELECTOR_FEATURES))
-        return leader_scores(rows) + self.scorer(rows)  # as RLPolicy.best ranks them
+        return corrected_scores(rows, self.scorer(rows))  # as RLPolicy.best ranks them
 
     def forward_critic(self, obs: torch.Tensor) -> torch.Tensor:
         return self.value(obs)

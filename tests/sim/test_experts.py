@@ -57,8 +57,15 @@ def test_an_untrained_correction_follows_the_leader_and_a_trained_one_can_overru
     rows[:, :, first : first + len(EXPERTS)] = np.eye(len(EXPERTS))  # each row names its expert
     untrained = RLPolicy(MLPScorer([np.ones((4, n)), np.zeros((1, 4))], [np.zeros(4), np.zeros(1)]))
     assert [untrained.best(r) for r in rows] == [follow_the_leader(r) for r in rows]
-    # A correction that strongly favours the threshold expert's row wins over any cost gap (<= 4).
+    # A correction that strongly favours the threshold expert's row (and leaves the others at 0)
+    # wins where its smoothed cost gap is within CORRECTION_BOUND / LEADER_PRIOR = 0.25 of the
+    # leader's, never beyond.
     favour = np.zeros((1, n))
     favour[0, SELECTOR_FEATURES.index("expert_threshold")] = 100.0
     biased = RLPolicy(MLPScorer([favour], [np.zeros(1)]))
-    assert {biased.best(r) for r in rows} == {EXPERTS.index("threshold")}
+    threshold, gap = EXPERTS.index("threshold"), SELECTOR_FEATURES.index("smoothed_cost_gap")
+    near = [r for r in rows if r[threshold, gap] - r[:, gap].min() < 0.25 - 1e-3]
+    far = [r for r in rows if r[threshold, gap] - r[:, gap].min() > 0.25 + 1e-3]
+    assert near and far
+    assert {biased.best(r) for r in near} == {threshold}
+    assert [biased.best(r) for r in far] == [follow_the_leader(r) for r in far]
