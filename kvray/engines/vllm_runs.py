@@ -315,7 +315,10 @@ def run_serve_on_ray(spec: dict) -> dict:
     """The Ray Serve deployment of :mod:`kvray.engines.vllm_serve` on a local Ray with a
     kvray runtime: ``spec["prompts"]`` POSTed one after another to its HTTP endpoint
     (``spec["replicas"]`` replicas; vLLM's prefix cache off, so every reused token is
-    kvray's). Reports each answer."""
+    kvray's). Reports each answer. The worker stores pages on its I/O thread, off the
+    request's path, so an answer can arrive before its pages are stored: the next prompt is
+    sent once the runtime holds every full block before the last token of the prompts so
+    far (or after 60 s), so that the run measures reuse, not that race."""
     import socket
     import urllib.request
 
@@ -345,11 +348,16 @@ def run_serve_on_ray(spec: dict) -> dict:
         )
         serve.run(app, name="kvray-vllm")
         answers = []
+        blocks: set[tuple[int, ...]] = set()  # distinct full blocks before each prompt's last token
         for prompt in spec["prompts"]:
             body = json.dumps({"prompt_token_ids": prompt, "max_tokens": spec["max_tokens"]}).encode()
             request = urllib.request.Request(f"http://127.0.0.1:{port}/", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=300) as response:
                 answers.append(json.loads(response.read()))
+            blocks.update(tuple(prompt[:end]) for end in range(block_size, len(prompt), block_size))
+            deadline = time.monotonic() + 60
+            while sum(s["pages"] for s in runtime.store_stats().values()) < len(blocks) and time.monotonic() < deadline:
+                time.sleep(0.05)
         return {"answers": answers}
     finally:
         serve.shutdown()
