@@ -285,7 +285,12 @@ def cluster_eval(
 
 @app.command()
 def train(
-    scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
+    scenario: list[Path] = typer.Option(
+        [], "--scenario", help="training scenario YAML(s), one node or a cluster (default simulations/h100-llama8b.yaml)"
+    ),
+    bandwidth_scale: list[float] = typer.Option(
+        [1.0], "--bandwidth-scale", help="link bandwidths trained over: each scenario with every link this many times as fast"
+    ),
     trace: list[Path] = typer.Option(..., "--trace", help="training trace(s); each is split by time"),
     timesteps: int = typer.Option(50_000, "--timesteps", min=0, help="PPO steps after the counterfactual fit (0: none)"),
     horizon: int = typer.Option(
@@ -313,9 +318,11 @@ def train(
     evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score the policy on held-out data"),
     tensorboard: Path = typer.Option(None, "--tensorboard", help="TensorBoard log folder (default OUT/tensorboard)"),
     json_out: bool = typer.Option(False, "--json", help="print the model card as one JSON object"),
+    jobs: int = typer.Option(1, "--jobs", min=1, help="counterfactual replays run at once (worker processes)"),
 ) -> None:
     """Train the RL placement policy (the selector of the adaptive expert policy): fitted to every expert's
-    counterfactual cost, then PPO, on generated workload families and the first part of each trace; writes
+    counterfactual cost, then PPO, on generated workload families and the first part of each trace, replayed on
+    every --scenario (one node or a cluster) at every --bandwidth-scale; writes
     policy.safetensors, card.json and TensorBoard logs. --correction-decay penalises the size of the fitted
     correction to follow-the-leader; 0 by default, as leave-one-source-out cross-validation over the training
     sources chose (docs/sim-eval).
@@ -323,8 +330,13 @@ def train(
     from kvray.rl.train import train as run_training
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 
+    bad_scale = next((b for b in bandwidth_scale if not b > 0), None)
+    if bad_scale is not None:
+        raise typer.BadParameter(f"must be positive, got {bad_scale}", param_hint="--bandwidth-scale")
     with reported_errors():
-        spec = load_scenario(scenario or DEFAULT_SCENARIO)
+        bases = [load_scenario(path) for path in scenario or [DEFAULT_SCENARIO]]
+        scenarios = [s if b == 1.0 else s.with_bandwidth(b) for s in bases for b in bandwidth_scale]
+        spec = bases[0]
 
         def score(folder: Path, held_out: list) -> dict:
             from kvray.apps.evaluate import HEURISTICS, compare, goals
@@ -344,7 +356,7 @@ def train(
             return {"goals": goals(rows), "rows": [{k: r[k] for k in _CARD_KEYS} for r in rows]}
 
         card = run_training(
-            spec,
+            scenarios,
             trace,
             timesteps,
             out,
@@ -358,6 +370,7 @@ def train(
             progress=True,
             evaluate=score if evaluate else None,
             tensorboard=tensorboard or out / "tensorboard",
+            jobs=jobs,
         )
     fitted = card["training"]["counterfactual"]
     fit_line = (

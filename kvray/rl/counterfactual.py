@@ -32,7 +32,7 @@ Example::
     from kvray.sim.workloads import generate, named_workload
 
     scenario = load_scenario("h100-llama8b")
-    rows, regret = collect([generate(named_workload("chat"), 1)[:400]], [0.05], scenario, horizon=4)
+    rows, regret = collect([generate(named_workload("chat"), 1)[:400]], [0.05], [scenario], horizon=4)
     scorer = RowScorer()
     fit(scorer, rows, regret, epochs=5, seed=0)   # the mean expected regret after each epoch
 """
@@ -48,44 +48,74 @@ from kvray.policy.experts import ExpertsPolicy, Selector, corrected_scores, foll
 from kvray.sim.cost import Scenario
 from kvray.traces import TraceRequest
 
+CLUSTER_POLICY = "cost-router"  # what the policy runs under on a cluster (kvray cluster-eval)
 
-def _replay(
-    trace: Sequence[TraceRequest], fraction: float, scenario: Scenario, horizon: int, selector: Selector
-) -> tuple[np.ndarray, np.ndarray]:
-    """Rows at every choice of one replay that follows ``selector``, and each expert's
-    excess cost over the best expert's in the ``horizon`` windows that follow it, in units
-    of this replay's mean best horizon cost."""
-    from kvray.sim.simulator import Simulator, fast_capacity
 
-    seen_rows: list[np.ndarray] = []
-    window_costs: list[np.ndarray] = []
+class _Recorder:
+    """One node's adaptive policy and what its selector saw: the rows of every choice, and
+    each expert's shadow cost in every window."""
 
-    def record(rows: np.ndarray) -> int:
-        seen_rows.append(rows)
-        window_costs.append(policy.window_costs())  # the window that just ended (zeros before the first)
-        return selector(rows)
+    def __init__(self, selector: Selector) -> None:
+        self.selector = selector
+        self.rows: list[np.ndarray] = []
+        self.costs: list[np.ndarray] = []
+        self.policy = ExpertsPolicy(selector=self._record)
 
-    policy = ExpertsPolicy(selector=record)
-    Simulator(scenario, policy, fast_capacity(scenario, trace, fraction)).replay(trace)
-    costs = np.array([*window_costs[1:], policy.window_costs()])  # costs[w]: the window after choice w
-    ahead = np.cumsum(costs[::-1], axis=0)[::-1]  # from window w to the end
-    ahead = ahead - np.concatenate([ahead[horizon:], np.zeros((min(horizon, len(ahead)), costs.shape[1]))])
-    best = ahead.min(axis=1, keepdims=True)
-    regret = (ahead - best) / max(float(best.mean()), 1e-9)
-    return np.array(seen_rows, dtype=np.float32), regret.astype(np.float32)
+    def _record(self, rows: np.ndarray) -> int:
+        self.rows.append(rows)
+        self.costs.append(self.policy.window_costs())  # the window that just ended (zeros before the first)
+        return self.selector(rows)
+
+    def labels(self, horizon: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rows, and each expert's excess cost over the best expert's in the ``horizon``
+        windows after each choice, in units of this node's mean best horizon cost."""
+        costs = np.array([*self.costs[1:], self.policy.window_costs()])  # costs[w]: the window after choice w
+        ahead = np.cumsum(costs[::-1], axis=0)[::-1]  # from window w to the end
+        ahead = ahead - np.concatenate([ahead[horizon:], np.zeros((min(horizon, len(ahead)), costs.shape[1]))])
+        best = ahead.min(axis=1, keepdims=True)
+        regret = (ahead - best) / max(float(best.mean()), 1e-9)
+        return np.array(self.rows, dtype=np.float32), regret.astype(np.float32)
+
+
+def _replay(job: tuple) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Rows and regrets of one replay whose real caches follow ``selector``: one pair per
+    node that served a request. On a cluster each node's selector sees only its own
+    requests and shadows, as in :class:`~kvray.policy.rl.RLPolicy` on a cluster, under
+    :data:`CLUSTER_POLICY`."""
+    from kvray.policy.cluster import make_cluster_policy
+    from kvray.sim.cluster import ClusterSimulator, node_capacities
+
+    trace, fraction, scenario, horizon, selector = job
+    recorders = [_Recorder(selector) for _ in scenario.node_scenarios()]
+    cluster = make_cluster_policy(CLUSTER_POLICY) if len(recorders) > 1 else None
+    capacities = node_capacities(scenario, trace, fraction)
+    ClusterSimulator(scenario, [r.policy for r in recorders], cluster, capacities).replay(trace)
+    return [r.labels(horizon) for r in recorders if r.rows]
 
 
 def collect(
     traces: Sequence[Sequence[TraceRequest]],
     fractions: Sequence[float],
-    scenario: Scenario,
+    scenarios: Sequence[Scenario],
     horizon: int = 16,
     selector: Selector = follow_the_leader,
+    jobs: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows ``[choices, experts, features]`` and regrets ``[choices, experts]`` from a
-    replay of every trace at every capacity fraction whose real cache follows ``selector``
-    (the regrets are the shadows' and do not depend on it; the rows' real-cache features do)."""
-    parts = [_replay(trace, fraction, scenario, horizon, selector) for trace in traces for fraction in fractions]
+    replay of every trace at every capacity fraction (of the whole cluster's device + host)
+    on every scenario, whose real caches follow ``selector`` (the regrets are the shadows'
+    and do not depend on it; the rows' real-cache features do). ``jobs`` replays run at once
+    in worker processes."""
+    work = [
+        (trace, fraction, scenario, horizon, selector) for scenario in scenarios for trace in traces for fraction in fractions
+    ]
+    if jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(jobs) as pool:
+            parts = [part for replay in pool.map(_replay, work) for part in replay]
+    else:
+        parts = [part for job in work for part in _replay(job)]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 

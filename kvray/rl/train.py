@@ -23,7 +23,7 @@ Example::
     from kvray.sim.cost import load_scenario
     from kvray.resources import bundled
 
-    card = train(load_scenario("h100-llama8b"), [bundled("data/traces/synthetic_trace.jsonl")],
+    card = train([load_scenario("h100-llama8b")], [bundled("data/traces/synthetic_trace.jsonl")],
                  timesteps=64, out=Path("policies-mine"), families=(), capacity_fractions=(0.1,),
                  episode_windows=2, progress=False)
     card["training"]["timesteps"]     # what was trained on; `kvray train` also fills card["evaluation"]
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvray.core.errors import TraceError
+from kvray.core.errors import ConfigError, TraceError
 from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES, corrected_scores, leader_scores
 from kvray.policy.rl import CARD_FILE, WEIGHTS_FILE, observation_spec
 from kvray.progress import progress_bar
@@ -148,7 +148,7 @@ def training_sets(
 
 
 def train(
-    scenario: Scenario,
+    scenarios: Sequence[Scenario],
     traces: Sequence[Path],
     timesteps: int,
     out: Path,
@@ -165,19 +165,26 @@ def train(
     progress: bool = True,
     evaluate: Callable[[Path, list[list[TraceRequest]]], dict] | None = None,
     tensorboard: Path | None = None,
+    jobs: int = 1,
 ) -> dict:
     """Train, export the scorer and its model card into ``out``; returns the card.
 
-    One environment per training trace and capacity fraction (of that trace's unique
-    pages), so the selector learns tight and loose caches of every family. First the
+    Every training trace is replayed at every capacity fraction (of its unique pages) on
+    every scenario of ``scenarios`` (one node or a cluster, at the link bandwidths to train
+    over: :meth:`~kvray.sim.cost.Scenario.with_bandwidth`), so the selector learns tight and
+    loose caches of every family, fast and slow links, one node's whole stream and a
+    cluster node's share of it; the first scenario's tier costs are the policy's default
+    where nothing tells it the cost of a load (the runtime without a cost model). First the
     scorer is fitted to the counterfactual regrets of every expert over the next
     ``counterfactual_horizon`` windows (:mod:`kvray.rl.counterfactual`; 0 skips it), then
-    PPO fine-tunes it for ``timesteps`` steps (0: none). ``correction_decay`` penalises the
+    PPO fine-tunes it for ``timesteps`` steps (0: none) in one environment per trace,
+    fraction and one-node scenario (the environment replays one node). ``correction_decay`` penalises the
     size of the fitted correction (:func:`kvray.rl.counterfactual.fit`), pulling the
     selector toward follow-the-leader wherever the training sources disagree.
     ``evaluate(out, held_out)`` fills the card's evaluation scores.
     ``tensorboard`` is a folder for SB3's TensorBoard logs (losses, entropy, the mean
-    reward per rollout), so a long run can be watched while it trains.
+    reward per rollout), so a long run can be watched while it trains. ``jobs`` replays of
+    the counterfactual collection run at once.
     """
     import gymnasium as gym
     from stable_baselines3 import PPO
@@ -188,17 +195,21 @@ def train(
     from kvray.sim.simulator import fast_capacity
 
     torch.set_num_threads(1)
+    single = [s for s in scenarios if len(s.node_scenarios()) == 1]
+    if not single:
+        raise ConfigError("give at least one one-node training scenario: the training environment replays one node")
     train_sets, held_out, sources = training_sets(traces, train_fraction, families, family_seed)
     makers = [
         (
-            lambda t=t, f=f: gym.make(
+            lambda t=t, f=f, s=s: gym.make(
                 "kvray/Placement-v0",
                 trace=t,
-                scenario=scenario,
-                capacities=fast_capacity(scenario, t, fraction=f),
+                scenario=s,
+                capacities=fast_capacity(s, t, fraction=f),
                 episode_windows=episode_windows,
             )
         )
+        for s in single
         for t in train_sets.values()
         for f in capacity_fractions
     ]
@@ -226,7 +237,7 @@ def train(
         from kvray.rl.counterfactual import collect, fit
 
         started = time.time()
-        rows, regret = collect(list(train_sets.values()), capacity_fractions, scenario, counterfactual_horizon)
+        rows, regret = collect(list(train_sets.values()), capacity_fractions, scenarios, counterfactual_horizon, jobs=jobs)
         leader = np.argmax(leader_scores(rows), axis=1)
         fitted = fit(
             model.policy.mlp_extractor.scorer, rows, regret, counterfactual_epochs, seed, correction_decay=correction_decay
@@ -266,9 +277,10 @@ def train(
         "choice per window; fitted to the counterfactual regret of every expert over the next windows (their "
         "shadow caches' modeled TTFT), then PPO (stable-baselines3) on the realised modeled TTFT of the window",
         "observation": observation_spec(),
-        "scenario": scenario.name,
-        "tier_cost": tier_costs(scenario),
+        "scenario": scenarios[0].name,
+        "tier_cost": tier_costs(scenarios[0]),
         "training": {
+            "scenarios": [{"name": s.name, "nodes": len(s.node_scenarios())} for s in scenarios],
             "traces": sources,
             "train_fraction_by_time": train_fraction,
             "capacity_fractions": list(capacity_fractions),

@@ -25,7 +25,7 @@ TRACE = generate(named_workload("phase"), 5)[:640]
 
 @pytest.fixture(scope="module")
 def rows_and_regret():
-    return collect([TRACE], [0.02, 0.05, 0.10], SCENARIO, horizon=4)
+    return collect([TRACE], [0.02, 0.05, 0.10], [SCENARIO], horizon=4)
 
 
 def _fitted(rows, regret, decay: float) -> tuple[float, float]:
@@ -54,8 +54,8 @@ def test_correction_size_ignores_a_shift_common_to_every_expert():
 
 
 def test_rows_follow_the_selector_in_charge_and_the_regrets_do_not(rows_and_regret):
-    rows, regret = collect([TRACE], [0.05], SCENARIO, horizon=4, selector=lambda r: 2)
-    leader_rows, leader_regret = collect([TRACE], [0.05], SCENARIO, horizon=4, selector=follow_the_leader)
+    rows, regret = collect([TRACE], [0.05], [SCENARIO], horizon=4, selector=lambda r: 2)
+    leader_rows, leader_regret = collect([TRACE], [0.05], [SCENARIO], horizon=4, selector=follow_the_leader)
     current = SELECTOR_FEATURES.index("is_current")
     assert (rows[1:, :, current] == [0, 0, 1]).all()  # the real cache followed expert 2 throughout
     assert not (leader_rows[1:, :, current] == [0, 0, 1]).all()
@@ -66,7 +66,9 @@ def _train(out: Path, decay: float) -> dict:
     lines = Path("data/traces/conversation_trace_first30min.jsonl").read_text().splitlines(keepends=True)[:200]
     trace = out.parent / "t.jsonl"
     trace.write_text("".join(lines))
-    return train(SCENARIO, [trace], 0, out, capacity_fractions=(0.1,), families=("chat",), correction_decay=decay, progress=False)
+    return train(
+        [SCENARIO], [trace], 0, out, capacity_fractions=(0.1,), families=("chat",), correction_decay=decay, progress=False
+    )
 
 
 def test_training_is_reproducible_and_records_the_decay(tmp_path):
@@ -84,7 +86,7 @@ def test_cli_refuses_a_negative_decay(tmp_path):
 
 def test_leave_one_source_out_scores_each_source_with_a_scorer_that_never_saw_it(rows_and_regret):
     rows, regret = rows_and_regret
-    other = collect([generate(named_workload("document"), 5)[:480]], [0.05], SCENARIO, horizon=4)
+    other = collect([generate(named_workload("document"), 5)[:480]], [0.05], [SCENARIO], horizon=4)
     sources = {"phase": (rows, regret), "document": other}
     seen: list[int] = []
 

@@ -85,6 +85,17 @@ def test_train_refuses_a_trace_with_nothing_before_the_split(tmp_path):
     assert "no requests in the first 0.6 of its time span to train on" in one_line(result.stderr)
 
 
+def test_train_refuses_a_bad_bandwidth_and_a_cluster_without_one_node(tmp_path):
+    out = tmp_path / "out"
+    refused = invoke("train", "--trace", str(TRACE), "--bandwidth-scale", "-1", "--out", str(out), "--no-evaluate")
+    assert refused.exit_code == 2 and "--bandwidth-scale" in refused.output
+    cluster = ROOT / "simulations" / "h100-2node-train.yaml"
+    result = invoke("train", "--trace", str(TRACE), "--scenario", str(cluster), "--out", str(out), "--no-evaluate")
+    assert result.exit_code == 2
+    assert "give at least one one-node training scenario" in one_line(result.stderr)
+    assert not out.exists()
+
+
 def test_sim_reports_in_units_and_names_the_scenario():
     scenario = ROOT / "simulations" / "reference-single-tier.yaml"
     result = invoke("sim", "--trace", str(TRACE), "--limit", "60", "--scenario", str(scenario))

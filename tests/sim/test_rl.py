@@ -31,7 +31,14 @@ def tiny_policy(tmp_path_factory):
     trace.write_text("".join(lines))
     out = tmp_path_factory.mktemp("policy") / "tiny"
     card = train(
-        SCENARIO, [trace], timesteps=16, out=out, capacity_fractions=(0.1,), families=("chat",), episode_windows=2, progress=False
+        [SCENARIO, SCENARIO.with_bandwidth(0.5), load_scenario("h100-2node-train")],
+        [trace],
+        timesteps=16,
+        out=out,
+        capacity_fractions=(0.1,),
+        families=("chat",),
+        episode_windows=2,
+        progress=False,
     )
     return out, card
 
@@ -46,6 +53,12 @@ def test_training_writes_safetensors_and_a_card(tiny_policy):
     assert fitted["choices"] > 0 and fitted["fitted_expected_regret"] >= 0
     assert written["training"]["timesteps"] >= 16 and written["training"]["seed"] == 0
     assert written["training"]["gamma"] > 0
+    assert written["training"]["scenarios"] == [
+        {"name": "h100-llama8b", "nodes": 1},
+        {"name": "h100-llama8b@bandwidth-x0.5", "nodes": 1},
+        {"name": "h100-2node-train", "nodes": 2},
+    ]
+    assert written["scenario"] == "h100-llama8b"  # the default tier costs come from the first
     sources = written["training"]["traces"]
     assert sources[0] == {"family": "chat", "seed": 100, "train_requests": sources[0]["train_requests"]}
     assert sources[1]["train_requests"] > 0 and sources[1]["held_out_requests"] > 0
