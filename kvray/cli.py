@@ -7,6 +7,7 @@ flags and every default, where typer's rich panels print a ``<bool>`` after each
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -335,7 +336,8 @@ def train(
         raise typer.BadParameter(f"must be positive, got {bad_scale}", param_hint="--bandwidth-scale")
     with reported_errors():
         bases = [load_scenario(path) for path in scenario or [DEFAULT_SCENARIO]]
-        scenarios = [s if b == 1.0 else s.with_bandwidth(b) for s in bases for b in bandwidth_scale]
+        nearest_first = sorted(bandwidth_scale, key=lambda b: abs(math.log(b)))  # the first scenario gives the default tier costs
+        scenarios = [s if b == 1.0 else s.with_bandwidth(b) for s in bases for b in nearest_first]
         spec = bases[0]
 
         def score(folder: Path, held_out: list) -> dict:
