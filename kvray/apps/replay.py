@@ -147,6 +147,7 @@ class Replay:
         moved_before = self._bytes_moved()
         tally = ReplayTally(self.settings.runtime.layout.page_tokens)
         wrong_pages, lost_nodes = 0, []
+        compute_s, computed_tokens = 0.0, 0
         with progress_bar(len(trace), f"replay {policy}", enabled=progress) as tick:
             for i, request in enumerate(trace):
                 if on_request is not None:
@@ -154,10 +155,19 @@ class Replay:
                 outcome = self._serve(i, request, lost_nodes)
                 tally.add(outcome["tokens"], outcome["hit_tokens_by_tier"], outcome["ttft_s"] * 1e3)
                 wrong_pages += outcome["wrong_pages"]
+                compute_s += outcome["compute_s"]
+                computed_tokens += outcome["tokens"] - sum(outcome["hit_tokens_by_tier"].values())
                 if tick:
                     tick(i)
         return tally.result(
-            policy, self.settings.name, self._bytes_moved() - moved_before, wrong_pages=wrong_pages, lost_nodes=lost_nodes
+            policy,
+            self.settings.name,
+            self._bytes_moved() - moved_before,
+            wrong_pages=wrong_pages,
+            lost_nodes=lost_nodes,
+            # What the prefill stand-in cost per token while serving, against the calibrated
+            # ``prefill_us_per_token`` it was given: above it when the machine was loaded.
+            prefill_us_per_token_measured=compute_s * 1e6 / computed_tokens if computed_tokens else 0.0,
         )
 
     def _bytes_moved(self) -> int:

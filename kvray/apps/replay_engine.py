@@ -94,10 +94,12 @@ class ReplayEngine:
                 loaded = self.client.load(keys, plan)
             hit = loaded.pages
             rows = self.client.buffer.pages  # after the load: it may have moved to a fresh buffer
+            computing = time.perf_counter()
             self.prefill.run(input_length - hit * self.page_tokens)
             for i in range(hit, len(keys)):
                 self.pattern.fill(keys[i], rows[i])
             ttft = time.perf_counter() - t0
+            compute = ttft - (computing - t0)
             wrong = sum(not self.pattern.matches(keys[i], rows[i]) for i in range(hit))
             del rows  # no view of the buffer may outlive a store call (it may move to a fresh one)
         finally:  # even if the load raised: a lease never released pins its pages until it expires
@@ -108,6 +110,7 @@ class ReplayEngine:
             self.client.settle()
         return {
             "ttft_s": ttft,
+            "compute_s": compute,
             "tokens": input_length,
             "hit_tokens_by_tier": {tier: n * self.page_tokens for tier, n in loaded.by_tier.items()},
             "wrong_pages": wrong,

@@ -4,9 +4,11 @@ Ray runtime (real page bytes) on the same scenario, on one store node and on two
 Hits must agree exactly for the deterministic policies: both run the same CacheManager and
 policy over the same full-page keys in the same order. Mean TTFT is measured on the runtime
 (Ray round trips, real page copies, a calibrated matmul prefill) and modeled by the
-simulator; on this shared 2-core machine the measured figure moves with whatever else runs,
-so the test asserts a looser bound (runtime within 0.8x..2x of the model) than the 15% goal
-and prints the gap; docs/sim-eval/README.md holds figures measured on a quiet machine.
+simulator at the machine's calibrated speed. On this shared 2-core machine the runtime's
+compute runs up to a few times slower than calibrated, with whatever else runs (the
+calibration keeps the fastest of its timings), so the test divides the runtime/model ratio
+by that slowdown, which the runtime measures on its own prefill while it serves
+(``prefill_us_per_token_measured``), asserts a loose bound (0.8x..2x) and prints the gap.
 
 On several nodes the simulator's side is :class:`tests.sim.cluster_reference.ClusterReference`
 (the runtime's cluster rules over modeled nodes) until the cluster simulator merges; hits
@@ -87,10 +89,14 @@ def test_lru_hits_agree_exactly_and_mean_ttft_is_predicted(one_node):
     assert measured["hit_tokens_by_tier"] == simulated["hit_tokens_by_tier"]
     assert measured["tokens"] == simulated["tokens"]
     ratio = measured["mean_ttft_ms"] / simulated["mean_ttft_ms"]
+    calibrated = load_scenario(SCENARIO).compute.prefill_us_per_token
+    slowdown = max(measured["prefill_us_per_token_measured"] / calibrated, 1.0)
     print(
-        f"mean TTFT: sim {simulated['mean_ttft_ms']:.1f} ms, runtime {measured['mean_ttft_ms']:.1f} ms, runtime/sim {ratio:.2f}"
+        f"mean TTFT: sim {simulated['mean_ttft_ms']:.1f} ms, runtime {measured['mean_ttft_ms']:.1f} ms, "
+        f"runtime/sim {ratio:.2f}; prefill ran {slowdown:.2f}x slower than calibrated"
     )
-    assert 0.8 <= ratio <= 2.0
+    assert measured["prefill_us_per_token_measured"] >= 0.7 * calibrated  # the stand-in costs what it was given
+    assert 0.8 <= ratio / slowdown <= 2.0
 
 
 @pytest.mark.parametrize("policy", ["lfu", "arc"])
