@@ -128,6 +128,11 @@ def run(
         from kvray.apps.results import print_results
 
         print_results({result.policy: result}, Console(), title=f"kvray run: measured replay ({result.scenario} settings)")
+        if settings.prefill_us_per_token > 0:  # how far this machine ran from its calibration, which `kvray sim` assumes
+            console.print(
+                f"prefill: {result.prefill_us_per_token_measured:.2f} us per missed token measured, "
+                f"{settings.prefill_us_per_token:g} calibrated"
+            )
 
 
 @app.command()

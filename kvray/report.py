@@ -1,7 +1,8 @@
 """The result of replaying a trace, shared by ``kvray sim`` (modeled times) and
 ``kvray run`` (measured times, :mod:`kvray.apps.replay`) so that both print the same
-keys and compare field by field. Only the runtime checks page bytes, so only its result
-has ``wrong_pages`` (and the nodes it lost on the way).
+keys and compare field by field. Only the runtime checks page bytes and times a real
+prefill, so only its result has ``wrong_pages`` and ``prefill_us_per_token_measured`` (and
+the nodes it lost on the way).
 
 Token accounting follows the trace: request ``r`` has ``r.input_length`` prompt tokens in
 ``len(r.hash_ids)`` blocks of ``block_tokens`` (the last one may be partial); a hit on the
@@ -50,6 +51,9 @@ class ReplayResult:
     scenario: str
     extra: dict = field(default_factory=dict)
     wrong_pages: int | None = None  # pages whose bytes were checked and wrong (runtime only)
+    # What computing a missed token cost while serving (runtime only): above the calibrated
+    # ``prefill_us_per_token`` by as much as the machine was slower than at calibration.
+    prefill_us_per_token_measured: float | None = None
     lost_nodes: list[str] = field(default_factory=list)  # not printed: nodes differ run to run
 
     @property
@@ -60,8 +64,9 @@ class ReplayResult:
         out = asdict(self)
         extra = out.pop("extra")
         del out["lost_nodes"]
-        if self.wrong_pages is None:
-            del out["wrong_pages"]
+        for runtime_only in ("wrong_pages", "prefill_us_per_token_measured"):
+            if out[runtime_only] is None:
+                del out[runtime_only]
         return {**out, "token_hit_rate": self.token_hit_rate, **extra}
 
     def as_json(self) -> str:
@@ -101,6 +106,7 @@ class ReplayTally:
         bytes_moved: int,
         wrong_pages: int | None = None,
         lost_nodes: Sequence[str] = (),
+        prefill_us_per_token_measured: float | None = None,
         **extra,
     ) -> ReplayResult:
         ttft = np.asarray(self.ttft_ms)
@@ -116,5 +122,6 @@ class ReplayTally:
             scenario=scenario,
             extra=extra,
             wrong_pages=wrong_pages,
+            prefill_us_per_token_measured=prefill_us_per_token_measured,
             lost_nodes=list(lost_nodes),
         )

@@ -29,6 +29,7 @@ RESULT_KEYS = {
     "policy",
     "scenario",
 }
+RUNTIME_KEYS = {"wrong_pages", "prefill_us_per_token_measured"}  # only a replay on the runtime has these
 
 
 def prefix_kv(layout: PageLayout, tokens) -> torch.Tensor:

@@ -165,8 +165,6 @@ class Replay:
             self._bytes_moved() - moved_before,
             wrong_pages=wrong_pages,
             lost_nodes=lost_nodes,
-            # What the prefill stand-in cost per token while serving, against the calibrated
-            # ``prefill_us_per_token`` it was given: above it when the machine was loaded.
             prefill_us_per_token_measured=compute_s * 1e6 / computed_tokens if computed_tokens else 0.0,
         )
 

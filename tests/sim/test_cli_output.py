@@ -124,6 +124,10 @@ def test_train_json_leaves_stdout_to_the_card(tmp_path):
             str(tmp_path / "tiny"),
             "--no-evaluate",
             "--json",
+            "--family",  # one generated family at one size: what is written where, not the fit, is tested
+            "chat",
+            "--capacity-fraction",
+            "0.05",
         ],
         capture_output=True,
         text=True,

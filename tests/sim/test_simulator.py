@@ -16,7 +16,7 @@ from kvray.resources import shipped_or_given
 from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator, fast_capacity, next_uses
 from kvray.traces import TraceRequest, read_trace
-from tests.conftest import RESULT_KEYS
+from tests.conftest import RESULT_KEYS, RUNTIME_KEYS
 
 TRACE = "data/traces/conversation_trace_first30min.jsonl"
 runner = CliRunner()
@@ -118,11 +118,15 @@ def test_single_tier_block_hit_ratio_matches_the_trace_readme(policy, reference)
     assert sim.manager.metrics.snapshot()["page_hit_rate"] == pytest.approx(reference, abs=0.01)
 
 
-def test_runtime_result_adds_only_wrong_pages_to_the_sim_keys():
-    """`kvray run` and `kvray sim` share one result type; only the runtime checks bytes."""
+def test_runtime_result_adds_only_its_checks_to_the_sim_keys():
+    """`kvray run` and `kvray sim` share one result type; only the runtime checks bytes and
+    times a real prefill."""
     tally = ReplayTally(block_tokens=512)
     tally.add(1000, {"host": 512}, 2.0)
     modeled = tally.result("lru", "s", bytes_moved=0).as_dict()
-    measured = tally.result("lru", "s", bytes_moved=0, wrong_pages=0, lost_nodes=["n1"]).as_dict()
-    assert set(measured) == set(modeled) | {"wrong_pages"} and measured["wrong_pages"] == 0
+    measured = tally.result(
+        "lru", "s", bytes_moved=0, wrong_pages=0, lost_nodes=["n1"], prefill_us_per_token_measured=5.5
+    ).as_dict()
+    assert set(measured) == set(modeled) | RUNTIME_KEYS and measured["wrong_pages"] == 0
+    assert measured["prefill_us_per_token_measured"] == 5.5
     assert modeled["hit_tokens"] == 512 and modeled["token_hit_rate"] == 0.512
