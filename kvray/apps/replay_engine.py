@@ -98,8 +98,8 @@ class ReplayEngine:
             self.prefill.run(input_length - hit * self.page_tokens)
             for i in range(hit, len(keys)):
                 self.pattern.fill(keys[i], rows[i])
-            ttft = time.perf_counter() - t0
-            compute = ttft - (computing - t0)
+            done = time.perf_counter()
+            ttft, compute = done - t0, done - computing
             wrong = sum(not self.pattern.matches(keys[i], rows[i]) for i in range(hit))
             del rows  # no view of the buffer may outlive a store call (it may move to a fresh one)
         finally:  # even if the load raised: a lease never released pins its pages until it expires
