@@ -243,8 +243,9 @@ def run_on_ray_nodes(spec: dict) -> dict:
     Starts two local Ray nodes (``ray.cluster_utils.Cluster``: separate raylets and object
     stores) from this vLLM environment, so that their workers run its interpreter, and a
     kvray runtime whose layout is the model's. Then each of ``spec["steps"]`` runs its
-    ``engines`` (as ``run_serve`` takes them) in a new Ray actor pinned to node ``node``
-    (0: the head), one step after the other; ``close_store_of`` first closes that node's
+    ``engines`` (as ``run_serve`` takes them) in a Ray actor pinned to node ``node``
+    (0: the head; one actor per node, reused by its later steps, each engine new), one
+    step after the other; ``close_store_of`` first closes that node's
     store (its page server stops answering; the controller is not told, so its index still
     promises those pages). An engine's ``kvray`` settings name the runtime with
     ``kvray_runtime``; the actor is connected to Ray already. Reports each step's node and
@@ -268,12 +269,16 @@ def run_on_ray_nodes(spec: dict) -> dict:
         runtime = Runtime.start(RuntimeConfig(name=spec["runtime"], layout=layout, tiers=TierSizes(host=spec["host_pages"])))
         nodes = sorted(runtime.stores, key=lambda n: n != ray.get_runtime_context().get_node_id())  # head first
         engine_host = ray.remote(num_cpus=0)(vllm_runs.EngineHost)
+        hosts: dict[int, ray.actor.ActorHandle] = {}  # one per node, kept across steps: vLLM's import is the slow part
         steps = []
         for step in spec["steps"]:
             if "close_store_of" in step:
                 ray.get(runtime.stores[nodes[step["close_store_of"]]].close.remote(), timeout=60)
-            host = engine_host.options(scheduling_strategy=on_node(nodes[step["node"]])).remote()
-            steps.append(ray.get(host.serve.remote(spec, step["engines"]), timeout=spec.get("timeout_s", 600)))
+            if step["node"] not in hosts:
+                hosts[step["node"]] = engine_host.options(scheduling_strategy=on_node(nodes[step["node"]])).remote()
+            serving = hosts[step["node"]].serve.remote(spec, step["engines"])
+            steps.append(ray.get(serving, timeout=spec.get("timeout_s", 600)))
+        for host in hosts.values():
             ray.kill(host)
         return {"nodes": nodes, "steps": steps}
     finally:
