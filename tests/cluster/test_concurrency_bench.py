@@ -13,6 +13,7 @@ from kvray.bench.concurrency import DEPTH, results_of, run_concurrency, write_re
 pytestmark = [pytest.mark.ray]
 
 
+@pytest.mark.timeout(1200)  # ~80 s on a quiet machine; it starts ~20 client processes, which took over 600 s under load
 def test_the_concurrency_bench_serves_every_request_right_at_a_tiny_size(ray_cluster, tmp_path, monkeypatch):
     report = run_concurrency(levels=(1, 3), shard_counts=(1, 2), requests=36, agents=6, sessions=2, lookups=240)
     monkeypatch.setenv("KVRAY_BENCH_OUT", str(tmp_path))
