@@ -17,10 +17,18 @@ Example::
     assert hit.tokens == 64 and torch.equal(hit.kv, kv)
 """
 
+from typing import TYPE_CHECKING
+
 from kvray.core.config import PageLayout, StoreConfig, TierSizes
 from kvray.core.errors import KvrayError
 from kvray.core.keys import ModelFingerprint, page_keys
-from kvray.core.store import LoadResult, PageStore
+from kvray.lazy import lazy_attributes
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from kvray.core.store import LoadResult, PageStore
+
+# PageStore loads torch: imported on first use (kvray.lazy says why)
+__getattr__ = lazy_attributes(__name__, {"LoadResult": "kvray.core.store", "PageStore": "kvray.core.store"})
 
 __all__ = [
     "KvrayError",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvray.core.config import PageLayout
-from kvray.core.pages import TORCH_DTYPES
+from kvray.core.pages import torch_dtypes
 
 TINY = PageLayout(layers=2, kv_heads=2, head_dim=4, page_tokens=4, dtype="float32")
 # What `kvray sim --json` and `kvray run --json` print at least (the interface other tools rely on)
@@ -40,7 +40,7 @@ def prefix_kv(layout: PageLayout, tokens) -> torch.Tensor:
     grid = (state[:, None] * 7 + np.arange(per_token)[None, :]) % 1_000
     kv = torch.from_numpy(grid.astype(np.float32) / 8.0)  # exact in float16 and bfloat16 too
     kv = kv.view(len(tokens), layout.layers, 2, layout.kv_heads, layout.head_dim).permute(1, 2, 0, 3, 4)
-    return kv.contiguous().to(TORCH_DTYPES[layout.dtype])
+    return kv.contiguous().to(torch_dtypes()[layout.dtype])
 
 
 SHM = Path("/dev/shm")

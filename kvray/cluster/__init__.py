@@ -25,9 +25,25 @@ Example::
         client = KvrayClient.connect(runtime.config.name)
 """
 
-from kvray.cluster.client import KvrayClient, Loaded
+from typing import TYPE_CHECKING
+
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.controller import Plan
-from kvray.cluster.runtime import RayConnection, Runtime
+from kvray.lazy import lazy_attributes
 
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from kvray.cluster.client import KvrayClient, Loaded
+    from kvray.cluster.runtime import RayConnection, Runtime
+
+# The client and the runtime (which places the store actors) load torch: imported on first
+# use, so a controller actor, which needs neither, starts seconds sooner (kvray.lazy)
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "KvrayClient": "kvray.cluster.client",
+        "Loaded": "kvray.cluster.client",
+        "RayConnection": "kvray.cluster.runtime",
+        "Runtime": "kvray.cluster.runtime",
+    },
+)
 __all__ = ["KvrayClient", "Loaded", "Plan", "RayConnection", "Runtime", "RuntimeConfig"]

@@ -51,10 +51,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
-import torch
 
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.metrics import export_store_stats
@@ -66,6 +66,9 @@ from kvray.core.store import PageStore
 from kvray.core.tiers import LOCAL_TIERS, Tier
 from kvray.core.tiers.directory import retire_predecessors
 from kvray.policy.base import RequestInfo
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 COLLECTIVE_GROUP = "kvray-pages"
@@ -342,11 +345,14 @@ class NodeStore:
         return self._stored(keys, self.store.put_pages(keys, pages, self.store.fingerprint.digest, local), parent)
 
     # -- cross-node data plane: NIXL (Ray's tensor transport) ------------------------------
-    @ray.method(tensor_transport="nixl")
     def get_pages_nixl(self, keys: Sequence[int]) -> torch.Tensor:
         """:meth:`get_pages` as a tensor Ray's tensor transport hands over by NIXL: the
         caller pulls the bytes out of this process's memory (RDMA where the NICs have it,
-        UCX's TCP otherwise); only metadata goes through Ray."""
+        UCX's TCP otherwise); only metadata goes through Ray. The caller asks for the
+        transport (``.options(tensor_transport="nixl")``, :class:`~kvray.cluster.paths.NixlPath`):
+        naming it here, with ``@ray.method``, would import torch with this module."""
+        import torch  # here, not with the module: a store without NIXL or a collective never loads it
+
         return torch.from_numpy(self.get_pages(keys))
 
     # -- cross-node data plane: collective -------------------------------------------------
@@ -362,6 +368,7 @@ class NodeStore:
 
         Only a peer's :meth:`pull` calls this, so sends to one peer never interleave.
         """
+        import torch
         from ray.util import collective
 
         pages = self.get_pages(keys)
@@ -386,6 +393,7 @@ class NodeStore:
         One pull per source at a time (a lock per peer): gloo matches sends and receives
         of a pair in order, so two transfers between the same pair must not overlap.
         """
+        import torch
         from ray.util import collective
 
         self._arrived(request)
@@ -458,4 +466,6 @@ class _InjectedFaults:
             raise OSError("injected store fault (test hook)")
 
 
-NodeStoreActor = ray.remote(max_restarts=STORE_RESTARTS, max_task_retries=0, max_concurrency=8)(NodeStore)
+NodeStoreActor = ray.remote(max_restarts=STORE_RESTARTS, max_task_retries=0, max_concurrency=8, enable_tensor_transport=True)(
+    NodeStore
+)

@@ -153,7 +153,7 @@ class NixlPath(StoreCallPath):
     name = "nixl"
 
     def start_load(self, store, keys, run):
-        return store.get_pages_nixl.remote(keys)
+        return store.get_pages_nixl.options(tensor_transport="nixl").remote(keys)
 
     def loaded(self, run, answer):
         self.client.buffer.pages[run.start : run.start + len(answer)] = answer.numpy()

@@ -11,27 +11,37 @@ slice, where torch ops cost several: that keeps per-page overhead small next to 
 from __future__ import annotations
 
 import math
+from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
 
 from kvray.core.config import PageLayout
 from kvray.core.errors import LayoutError
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+if TYPE_CHECKING:
+    import torch
+
+
+@cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Each page dtype's torch dtype; torch is imported here, not with the module, so a
+    process that moves only page bytes (a store actor without an accelerator tier) never
+    pays for it (kvray.lazy)."""
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def torch_dtype(layout: PageLayout) -> torch.dtype:
-    return TORCH_DTYPES[layout.dtype]
+    return torch_dtypes()[layout.dtype]
 
 
 def check_request_kv(layout: PageLayout, kv: torch.Tensor, tokens: int) -> None:
     """Reject KV whose dtype or shape does not match ``layout`` for ``tokens`` tokens."""
+    import torch
+
     if not isinstance(kv, torch.Tensor):
         raise LayoutError(f"KV must be a torch.Tensor, got {type(kv).__name__}")
     if kv.dtype != torch_dtype(layout):
@@ -46,6 +56,8 @@ def request_bytes(kv: torch.Tensor) -> np.ndarray:
 
     A view when ``kv`` is a contiguous CPU tensor (the usual case); a copy otherwise.
     """
+    import torch
+
     host = kv.detach().cpu().contiguous()
     layers, kv_dim, tokens, *row = host.shape
     row_bytes = math.prod(row) * host.element_size() if tokens else 0  # shape arithmetic: no tensor op
@@ -104,6 +116,8 @@ def copy_page(dst: np.ndarray | torch.Tensor, src: np.ndarray | torch.Tensor) ->
     if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
         np.copyto(dst, src)
     else:
+        import torch  # a side is a tensor: torch is loaded already
+
         torch.as_tensor(dst).copy_(torch.as_tensor(src))
 
 

@@ -36,9 +36,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvray.core.config import PageLayout, StoreConfig
 from kvray.core.errors import FingerprintMismatch, LayoutError, RequestError, StorageError
@@ -46,12 +46,15 @@ from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.manager import TIERS, CacheManager
 from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, request_runs, runs, torch_dtype
-from kvray.core.tiers import LOCAL_TIERS, DevicePool, DiskPool, HostPool, Pool, StoredPage, Tier
+from kvray.core.tiers import LOCAL_TIERS, DiskPool, HostPool, Pool, StoredPage, Tier
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 from kvray.core.tiers.disk import verified
 from kvray.core.tiers.memory import resident_empty
 from kvray.policy import PlacementPolicy, make_policy
 from kvray.policy.base import RequestInfo
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made (kvray.lazy)
+    import torch
 
 PageSource = Callable[[int], np.ndarray]
 
@@ -91,6 +94,8 @@ def chunk_buffer(layout: PageLayout, tokens: int) -> torch.Tensor:
     """A host buffer for the KV of ``tokens`` tokens (``[layers, 2, tokens, kv_heads, head_dim]``)
     that pages copy into at memory speed: page-aligned and resident from the start
     (:func:`~kvray.core.tiers.memory.resident_empty`)."""
+    import torch
+
     raw = resident_empty(1, tokens * layout.page_nbytes // layout.page_tokens)
     return torch.from_numpy(raw).view(torch_dtype(layout)).reshape(layout.request_shape(tokens))
 
@@ -114,6 +119,8 @@ class PageStore:
         sizes = config.tiers
         self.pools: dict[Tier, Pool] = {}
         if sizes.device:
+            from kvray.core.tiers.device import DevicePool  # loads torch: only with an accelerator tier
+
             self.pools[Tier.DEVICE] = DevicePool(sizes.device, nbytes, checksum=config.checksum_memory)
         # With a shared host tier, engines on this node read its pages themselves, finding
         # them through the slot directory this store keeps current (kvray.core.tiers.directory).
@@ -234,6 +241,8 @@ class PageStore:
         keys = self.keys(tokens, salt)
         tokens_wanted = len(keys) * self.layout.page_tokens
         if out is None:
+            import torch
+
             out = torch.empty(self.layout.request_shape(tokens_wanted), dtype=torch_dtype(self.layout))
         elif (
             out.dtype != torch_dtype(self.layout)

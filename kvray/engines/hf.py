@@ -34,13 +34,13 @@ import torch
 from kvray.core.config import PageLayout, StoreConfig, TierSizes, validate
 from kvray.core.errors import KvrayError, LayoutError
 from kvray.core.keys import as_token_array
-from kvray.core.pages import TORCH_DTYPES
+from kvray.core.pages import torch_dtypes
 from kvray.core.store import PageStore
 from kvray.engines.runtime import RuntimePages, runtime_target
 
 log = logging.getLogger(__name__)
 
-DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+DTYPE_NAMES = {dtype: name for name, dtype in torch_dtypes().items()}
 
 
 def model_layout(config, dtype: torch.dtype, page_tokens: int) -> PageLayout:
@@ -50,7 +50,7 @@ def model_layout(config, dtype: torch.dtype, page_tokens: int) -> PageLayout:
     if kinds != {"full_attention"}:
         raise LayoutError(f"only full-attention decoders are supported, this model has layers {sorted(kinds)}")
     if dtype not in DTYPE_NAMES:
-        raise LayoutError(f"model dtype {dtype} has no page layout; use one of {sorted(TORCH_DTYPES)}")
+        raise LayoutError(f"model dtype {dtype} has no page layout; use one of {sorted(torch_dtypes())}")
     heads = text.num_attention_heads
     fields = {
         "layers": text.num_hidden_layers,

@@ -306,14 +306,14 @@ def model_page_layout(model: str, block_size: int, dtype: str = "float32"):
     engines will share."""
     from transformers import AutoConfig
 
-    from kvray.core.pages import TORCH_DTYPES
+    from kvray.core.pages import torch_dtypes
     from kvray.engines.hf import model_layout
     from kvray.engines.tiny import model_dir
 
-    if dtype not in TORCH_DTYPES:
-        raise ConfigError(f"dtype {dtype!r} has no kvray page layout; use one of {sorted(TORCH_DTYPES)}")
+    if dtype not in torch_dtypes():
+        raise ConfigError(f"dtype {dtype!r} has no kvray page layout; use one of {sorted(torch_dtypes())}")
     path = Path(model) if Path(model).is_dir() else model_dir(model)
-    return model_layout(AutoConfig.from_pretrained(path), TORCH_DTYPES[dtype], block_size)
+    return model_layout(AutoConfig.from_pretrained(path), torch_dtypes()[dtype], block_size)
 
 
 def run_serve_on_ray(spec: dict) -> dict:

@@ -10,7 +10,7 @@ speak :class:`Pool`, so the store never asks which kind it holds and a new kind 
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -61,12 +61,18 @@ class Pool(Protocol):
 
 
 from kvray.core.tiers.disk import DiskPool, StoredPage  # noqa: E402
-from kvray.core.tiers.memory import DevicePool, HostPool  # noqa: E402
+from kvray.core.tiers.memory import HostPool  # noqa: E402
 from kvray.core.tiers.slots import SlotAllocator  # noqa: E402
+from kvray.lazy import lazy_attributes  # noqa: E402
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from kvray.core.tiers.device import DevicePool
+
+# DevicePool loads torch: imported on first use, so a process without an accelerator tier (a
+# store actor on a CPU node, a controller, the simulator) starts without it (kvray.lazy)
+__getattr__ = lazy_attributes(__name__, {"DevicePool": "kvray.core.tiers.device"})
 
 __all__ = [
     "LOCAL_TIERS", "TIER_BY_LABEL", "TIER_LABELS", "DevicePool", "DiskPool", "HostPool", "Pool",
     "SlotAllocator", "StoredPage", "Tier",
 ]  # fmt: skip
-
-__all__ = ["DevicePool", "DiskPool", "HostPool", "LOCAL_TIERS", "SlotAllocator", "StoredPage", "Tier"]
