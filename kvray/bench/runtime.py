@@ -16,6 +16,11 @@
   object store).
 - ``controller_lookup_vs_empty_call``: lookup + pin of a cached 64-page request against an
   empty call to an actor on the same node.
+- ``runtime_start_vs_empty_actors``: :meth:`Runtime.start` (a controller and a store per
+  node, each a process of its own, ready to serve) and its close, against as many empty
+  actors started on the same nodes and called once: what kvray's own start costs beyond
+  Ray's process start (mostly imports; see docs/design.md on torch), with the collective
+  group (the default) and without.
 - ``controller_memory_per_page``: the controller's index bytes per indexed page (budget 200),
   beside a plain ``dict`` of key -> (node, tier) measured the same way; the second row
   weighs a simulated 64-node cluster's controller holding 1,000,000 pages.
@@ -268,6 +273,40 @@ def controller_lookup(quick: bool) -> list[BenchResult]:
             {"pages": 64, "cached": len(keys)},
         )
     ]
+
+
+@benchmark("runtime_start_vs_empty_actors")
+def runtime_start(quick: bool) -> list[BenchResult]:
+    bench = _Bench.get()
+    names = itertools.count()
+    nodes = list(bench.runtime.stores)
+    homes = [bench.here, *nodes]  # the controller beside the driver, a store on every node
+
+    def start_empty() -> None:
+        actors = [_Empty.options(scheduling_strategy=on_node(node)).remote() for node in homes]
+        ray.get([a.call.remote() for a in actors])
+        for actor in actors:
+            ray.kill(actor)
+
+    results = []
+    for collective in (True, False):  # the collective group loads torch in every store
+        config = bench.config.model_copy(update={"collective": collective})
+
+        def start_runtime() -> None:
+            Runtime.start(config.model_copy(update={"name": f"bench-start-{next(names)}"})).close()
+
+        kvray, base = paired_medians(start_runtime, start_empty, 3 if quick else 7)
+        results.append(
+            BenchResult(
+                f"runtime_start_vs_empty_actors[{len(nodes)} nodes,collective {'on' if collective else 'off'}]",
+                kvray,
+                base,
+                "s",
+                "<= 2.5",
+                {"nodes": len(nodes), "processes": len(homes), "collective": collective},
+            )
+        )
+    return results
 
 
 @benchmark("controller_memory_per_page")
