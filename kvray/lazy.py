@@ -9,12 +9,14 @@ pays for torch only when it touches a tensor.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 
 def lazy_attributes(package: str, where: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` (PEP 562) that imports ``where[name]`` when ``name`` is first read.
+    """A module ``__getattr__`` (PEP 562) that imports ``where[name]`` when ``name`` is first
+    read, and keeps it in the package, so later reads are plain attribute reads.
 
     Example::
 
@@ -27,6 +29,8 @@ def lazy_attributes(package: str, where: Mapping[str, str]) -> Callable[[str], A
     def __getattr__(name: str) -> Any:
         if name not in where:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(where[name]), name)
+        value = getattr(importlib.import_module(where[name]), name)
+        setattr(sys.modules[package], name, value)
+        return value
 
     return __getattr__

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvray.core.config import PageLayout
-from kvray.core.pages import torch_dtypes
+from kvray.core.pages import torch_dtype
 
 TINY = PageLayout(layers=2, kv_heads=2, head_dim=4, page_tokens=4, dtype="float32")
 # What `kvray sim --json` and `kvray run --json` print at least (the interface other tools rely on)
@@ -40,7 +40,7 @@ def prefix_kv(layout: PageLayout, tokens) -> torch.Tensor:
     grid = (state[:, None] * 7 + np.arange(per_token)[None, :]) % 1_000
     kv = torch.from_numpy(grid.astype(np.float32) / 8.0)  # exact in float16 and bfloat16 too
     kv = kv.view(len(tokens), layout.layers, 2, layout.kv_heads, layout.head_dim).permute(1, 2, 0, 3, 4)
-    return kv.contiguous().to(torch_dtypes()[layout.dtype])
+    return kv.contiguous().to(torch_dtype(layout))
 
 
 SHM = Path("/dev/shm")
@@ -90,10 +90,9 @@ def ray_cluster():
     """Three local Ray nodes (separate raylets and object stores), shared by every ``ray`` test.
 
     No dashboard (it costs ~1 GB) and no log monitor (no driver here reads workers' logs;
-    it took ~6% of a core all session); metrics are reported every 5 s, not Ray's 10 s, so
-    Prometheus exports can be checked without long waits (every second cost each node's
-    agent ~5% of a core). Tests that need to lose a node add their own and remove it, so
-    the three stay.
+    it took ~6% of a core all session); metrics are reported every 5 s, so Prometheus
+    exports can be checked without long waits (every second cost each node's agent ~5% of
+    a core). Tests that need to lose a node add their own and remove it, so the three stay.
     """
     import ray
     from ray.cluster_utils import Cluster

@@ -46,4 +46,5 @@ __getattr__ = lazy_attributes(
         "Runtime": "kvray.cluster.runtime",
     },
 )
+
 __all__ = ["KvrayClient", "Loaded", "Plan", "RayConnection", "Runtime", "RuntimeConfig"]

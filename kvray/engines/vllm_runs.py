@@ -310,10 +310,11 @@ def model_page_layout(model: str, block_size: int, dtype: str = "float32"):
     from kvray.engines.hf import model_layout
     from kvray.engines.tiny import model_dir
 
-    if dtype not in torch_dtypes():
-        raise ConfigError(f"dtype {dtype!r} has no kvray page layout; use one of {sorted(torch_dtypes())}")
+    dtypes = torch_dtypes()
+    if dtype not in dtypes:
+        raise ConfigError(f"dtype {dtype!r} has no kvray page layout; use one of {sorted(dtypes)}")
     path = Path(model) if Path(model).is_dir() else model_dir(model)
-    return model_layout(AutoConfig.from_pretrained(path), torch_dtypes()[dtype], block_size)
+    return model_layout(AutoConfig.from_pretrained(path), dtypes[dtype], block_size)
 
 
 def run_serve_on_ray(spec: dict) -> dict:
