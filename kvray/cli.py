@@ -412,17 +412,34 @@ def eval_(
     out: Path = typer.Option(Path("results/eval"), "--out", help="folder for eval.json and plots"),
     card: Path = typer.Option(None, "--card", help="model card whose training curve to plot (default: the rl policy's)"),
     jobs: int = typer.Option(1, "--jobs", min=1, help="replays run at once (worker processes)"),
+    noise: int = typer.Option(
+        0, "--noise", min=0, help="also replay each cell's best heuristic and rl on N copies less one request (noise.md)"
+    ),
 ) -> None:
     """Compare policies over traces and capacities; writes eval.json and plots.
     A trace is PATH, PATH@F (after fraction F of its time) or gen:NAME:SEED (kvray generate's families);
-    --bandwidth-scale evaluates at link bandwidths the policy was not trained at."""
-    from kvray.apps.evaluate import compare, goals, load_trace_spec, markdown_table, plot, targets, write_report
+    --bandwidth-scale evaluates at link bandwidths the policy was not trained at; --noise N
+    says per cell how far one request left out moves the best heuristic, and rl's ratio then."""
+    from kvray.apps.evaluate import (
+        compare,
+        goals,
+        load_trace_spec,
+        markdown_table,
+        noise_counts,
+        noise_floor,
+        noise_table,
+        plot,
+        targets,
+        write_report,
+    )
     from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, decision_time_us, load_scorer
     from kvray.resources import shipped_or_given
     from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 
     if not bandwidth_scale > 0:
         raise typer.BadParameter(f"must be positive, got {bandwidth_scale}", param_hint="--bandwidth-scale")
+    if noise and not any(p.startswith("rl") for p in policy):
+        raise typer.BadParameter("compares rl with the best heuristic: add --policy rl (or rl:PATH)", param_hint="--noise")
     with reported_errors():
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
         if bandwidth_scale != 1.0:
@@ -435,6 +452,12 @@ def eval_(
         learned = next((p for p in policy if p.startswith("rl")), None)
         cells = goals(rows, learned=learned or "rl")
         summary: dict = {"capacity": cells, "targets": targets(cells, learned=learned or "rl")}
+        if noise:
+            copies = len(cells) * noise * 2
+            with progress_bar(copies, "noise") as tick:
+                done = iter(range(copies))
+                floor = noise_floor(traces, cells, spec, noise, learned, progress=lambda what: tick(next(done)), jobs=jobs)
+            summary["noise"] = {"copies": noise, "counts": noise_counts(floor), "cells": floor}
         folder = shipped_or_given(learned[3:] if learned and learned.startswith("rl:") else DEFAULT_POLICY, "policies")
         if learned is not None:
             summary["rl_decision_us_batched"] = decision_time_us(load_scorer(folder)[0])
@@ -442,6 +465,8 @@ def eval_(
         model_card = json.loads(card_path.read_text()) if card_path.is_file() else None
         path = write_report(out, rows, summary)
         (out / "table.md").write_text(markdown_table(cells, policy))
+        if noise:
+            (out / "noise.md").write_text(noise_table(floor))
         plots = plot(rows, out, model_card)
     console.print(f"wrote {path} and {', '.join(p.name for p in plots)}")
     print(json.dumps(summary, indent=2))

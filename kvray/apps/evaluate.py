@@ -11,6 +11,12 @@ Per cell (trace x capacity) the summary names the best heuristic, each policy's 
 over it, and the share of the oracle's (Belady's) gain over the best heuristic that the
 learned policy captures.
 
+A ratio is only as meaningful as the cell is stable, and a cell whose prefill queue runs
+near saturation is not: one request more or less moves a heuristic's own mean TTFT by more
+than the 2% the learned policy's goal allows. :func:`noise_floor` measures that per cell,
+by replaying the best heuristic and the learned policy on copies of the trace with one
+request (a different one per copy) left out.
+
 Example::
 
     rows = compare({"conv": held_out}, ["lru", "arc", "belady", "rl"], [0.05, 0.1], scenario)
@@ -76,6 +82,10 @@ def compare(
     """One row per (trace, capacity fraction, policy): the replay's JSON plus its wall time;
     ``jobs`` replays run at once in worker processes (every replay is independent)."""
     work = [(name, trace, f, p, scenario) for name, trace in traces.items() for f in fractions for p in policies]
+    return _replay_all(work, progress, jobs)
+
+
+def _replay_all(work: list[tuple], progress: Callable[[str], None] | None, jobs: int) -> list[dict]:
     if jobs <= 1:
         rows = []
         for job in work:
@@ -118,6 +128,88 @@ def goals(rows: list[dict], learned: str = "rl") -> dict:
             entry["rl_share_of_oracle_gain"] = (best["mean_ttft_ms"] - at[learned]["mean_ttft_ms"]) / gain if gain > 0 else None
         out[f"{key[0]}@{key[1]:g}"] = entry
     return out
+
+
+def without_one_request(trace: Sequence[TraceRequest], seed: int) -> list[TraceRequest]:
+    """``trace`` less one request drawn by ``seed``: the smallest change to a workload, for
+    telling a policy's effect from the chaos of a saturated prefill queue."""
+    import random
+
+    if len(trace) < 2:
+        raise ConfigError(f"a noise copy leaves one request out; the trace has {len(trace)}")
+    dropped = random.Random(seed).randrange(len(trace))
+    return [r for i, r in enumerate(trace) if i != dropped]
+
+
+def noise_floor(
+    traces: dict[str, Sequence[TraceRequest]],
+    summary: dict,
+    scenario: Scenario,
+    copies: int,
+    learned: str = "rl",
+    progress: Callable[[str], None] | None = None,
+    jobs: int = 1,
+) -> dict:
+    """Per cell of ``summary`` (:func:`goals`): the cell's best heuristic and ``learned``
+    replayed on ``copies`` copies of its trace, each less one request (seeds 0..copies-1).
+
+    ``best_heuristic_moves``: the best heuristic's mean TTFT on each copy over its own on
+    the whole trace (how far the reference moves when nothing but one request changes);
+    ``rl_ttft_vs_best_heuristic``: the learned policy's over the best heuristic's on the
+    same copy, one per copy. A cell where the first spreads wider than 1.02x cannot tell a
+    policy within 1.02x from one outside it."""
+    named = {}
+    for cell, entry in summary.items():
+        trace_name, _, fraction = cell.rpartition("@")
+        named[cell] = (trace_name, float(fraction), entry)
+    work = [
+        (f"{cell}#{k}", without_one_request(traces[name], k), fraction, policy, scenario)
+        for cell, (name, fraction, entry) in named.items()
+        for k in range(copies)
+        for policy in (entry["best_heuristic"], learned)
+    ]
+    rows = _replay_all(work, progress, jobs)
+    out = {}
+    for cell, (_, _, entry) in named.items():
+        mine = [r for r in rows if r["trace"].rpartition("#")[0] == cell]
+        best = [r["mean_ttft_ms"] for r in mine if r["policy"] == entry["best_heuristic"]]
+        rl = [r["mean_ttft_ms"] for r in mine if r["policy"] == learned]
+        out[cell] = {
+            "best_heuristic": entry["best_heuristic"],
+            "best_heuristic_moves": [b / entry["best_heuristic_ttft_ms"] for b in best],
+            "rl_ttft_vs_best_heuristic": [a / b for a, b in zip(rl, best)],
+        }
+    return out
+
+
+def noise_counts(noise: dict) -> dict:
+    """Over the cells of :func:`noise_floor`: where the reference itself moves more than 2%
+    when one request is left out, and where the learned policy is within 1.02x on every
+    copy, on some, and on none."""
+    within = [[r <= 1.02 for r in e["rl_ttft_vs_best_heuristic"]] for e in noise.values()]
+    return {
+        "cells": len(noise),
+        "best_heuristic_moves_over_2pct": sum(max(abs(m - 1) for m in e["best_heuristic_moves"]) > 0.02 for e in noise.values()),
+        "rl_within_1.02_every_copy": sum(all(w) for w in within),
+        "rl_within_1.02_some_copy": sum(any(w) for w in within),
+        "rl_within_1.02_no_copy": sum(not any(w) for w in within),
+    }
+
+
+def noise_table(noise: dict) -> str:
+    """One line per cell: how far the best heuristic moves over the copies, and the
+    learned policy's ratio on each copy (docs/sim-eval)."""
+    lines = [
+        "| cell (trace@capacity) | best heuristic | its mean TTFT, copy / whole trace | rl x on each copy | copies rl within 1.02x |",
+        "|---|---|---|---|---|",
+    ]
+    for cell, entry in noise.items():
+        moves, ratios = entry["best_heuristic_moves"], entry["rl_ttft_vs_best_heuristic"]
+        lines.append(
+            f"| {cell} | {entry['best_heuristic']} | {min(moves):.3f}-{max(moves):.3f} | "
+            f"{' '.join(f'{r:.3f}' for r in ratios)} | {sum(r <= 1.02 for r in ratios)}/{len(ratios)} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], out: Path, card: dict | None = None) -> list[Path]:

@@ -75,6 +75,8 @@ def test_eval_at_another_bandwidth_names_it_in_every_row(tmp_path):
     assert [r["scenario"] for r in rows] == ["h100-llama8b@bandwidth-x0.5"]
     refused = invoke("eval", "--trace", str(TRACE), "--policy", "lru", "--bandwidth-scale", "0", "--out", str(out))
     assert refused.exit_code == 2 and "--bandwidth-scale" in refused.output
+    no_rl = invoke("eval", "--trace", str(TRACE), "--policy", "lru", "--noise", "2", "--out", str(out))
+    assert no_rl.exit_code == 2 and "--noise" in no_rl.output
 
 
 def test_train_refuses_a_trace_with_nothing_before_the_split(tmp_path):

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvray.apps.evaluate import compare, goals, plot, write_report
-from kvray.core.errors import PolicyError
+from kvray.apps.evaluate import compare, goals, noise_counts, noise_floor, noise_table, plot, without_one_request, write_report
+from kvray.core.errors import ConfigError, PolicyError
 from kvray.policy import make_policy
 from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES
 from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, WEIGHTS_FILE, RLPolicy, load_scorer, observation_spec
@@ -121,6 +121,37 @@ def test_eval_compares_policies_and_saves_plots(tiny_policy, tmp_path):
     files = plot(rows, tmp_path, card)
     assert {f.name for f in files} == {"conv_at_0.5.png", "training_curve.png"}
     assert all(f.stat().st_size > 1000 for f in files) and (tmp_path / "eval.json").is_file()
+
+
+def test_a_noise_copy_leaves_out_one_request_chosen_by_its_seed():
+    trace = read_trace("data/traces/conversation_trace_first30min.jsonl", limit=50)
+    copies = [without_one_request(trace, seed) for seed in range(4)]
+    assert all(len(c) == 49 and all(r in trace for r in c) for c in copies)
+    assert without_one_request(trace, 2) == copies[2]
+    assert len({tuple(r.timestamp_ms for r in c) for c in copies}) > 1  # seeds drop different requests
+    with pytest.raises(ConfigError, match="has 1"):
+        without_one_request(trace[:1], 0)
+
+
+def test_noise_floor_replays_the_best_heuristic_and_rl_on_each_copy(tiny_policy):
+    """Each copy's figures are the replays of that copy: the best heuristic's over its own
+    on the whole trace, and rl's over the best heuristic's on the same copy."""
+    out, _ = tiny_policy
+    learned = f"rl:{out}"
+    _, held = split_by_time(read_trace("data/traces/conversation_trace_first30min.jsonl", limit=300), 0.5)
+    traces = {"conv@0.5": held}
+    summary = goals(compare(traces, ["lru", "arc", learned], [0.05], SCENARIO, jobs=2), learned=learned)
+    floor = noise_floor(traces, summary, SCENARIO, copies=2, learned=learned, jobs=2)
+    entry, cell = floor["conv@0.5@0.05"], summary["conv@0.5@0.05"]
+    assert entry["best_heuristic"] == cell["best_heuristic"] and len(entry["rl_ttft_vs_best_heuristic"]) == 2
+    copy = without_one_request(held, 1)
+    best = simulate(copy, cell["best_heuristic"], SCENARIO, capacity_fraction=0.05).mean_ttft_ms
+    rl = simulate(copy, learned, SCENARIO, capacity_fraction=0.05).mean_ttft_ms
+    assert entry["best_heuristic_moves"][1] == pytest.approx(best / cell["best_heuristic_ttft_ms"])
+    assert entry["rl_ttft_vs_best_heuristic"][1] == pytest.approx(rl / best)
+    counts = noise_counts(floor)
+    assert counts["cells"] == 1 and counts["rl_within_1.02_some_copy"] + counts["rl_within_1.02_no_copy"] == 1
+    assert "| conv@0.5@0.05 |" in noise_table(floor)
 
 
 def test_rl_policy_runs_inside_the_runtime_page_store(tiny_layout):
