@@ -62,8 +62,11 @@ class RuntimeConfig(FrozenModel):
     to the peer's page server when ``tcp`` is on (no Ray call on the way), or by NIXL for the
     peers it has moved pages from faster (``nixl``: True tries it wherever the ``nixl``
     package is installed, ``"auto"`` only on nodes with an RDMA NIC, False never); otherwise runs
-    of at least ``collective_min_bytes`` use the collective path (gloo on CPU), smaller
-    ones Ray's object store. A lease (the controller's pins of one request's cached
+    of at least ``collective_min_bytes`` use the collective path (gloo on CPU) where the
+    runtime formed a collective group (``collective``), smaller ones and the rest Ray's object
+    store. ``collective`` is off by default: with TCP on no load takes that path, and Ray's
+    collective loads torch in every store (~2.7 s more per runtime start on 2 cores); a
+    deployment whose clients turn TCP off turns it on. A lease (the controller's pins of one request's cached
     prefix) ends at ``release`` or after ``lease_ttl_s``, whichever comes first; it should
     outlast a client's calls of one request (``KvrayClient`` waits ``timeout_s`` per call).
     The metadata is split over ``controller_shards`` controller actors, each owning the
@@ -85,7 +88,7 @@ class RuntimeConfig(FrozenModel):
     disk_root: Path | None = None
     checksum_memory: bool = False
     tcp: bool = True
-    collective: bool = True
+    collective: bool = False  # a fallback behind TCP that costs every store a torch import
     collective_min_bytes: int = Field(default=1 << 20, ge=0)  # measured: gloo beats the object store from 2 MiB up
     nixl: bool | Literal["auto"] = "auto"  # see kvray.cluster.paths.nixl_wanted; chosen per peer only where it moved pages faster
     local_pages_limit: int | None = Field(default=None, ge=0)

@@ -5,8 +5,9 @@
 raylets and object stores on one machine), or an embedded single-node Ray.
 :class:`Runtime` then places the controller (``controller_shards`` actors, see
 :mod:`kvray.cluster.shards`) and a :class:`~kvray.cluster.node_store.NodeStore` on every
-live node (node affinity, so a store never wanders off the node whose tiers it owns) and
-joins the stores in one collective group for the collective transfer path.
+live node (node affinity, so a store never wanders off the node whose tiers it owns) and,
+with ``collective`` on, joins the stores in one collective group for the collective
+transfer path.
 
 All kvray actors live in the Ray namespace ``kvray`` under names derived from
 ``RuntimeConfig.name``, so a job, an engine or ``kvray status`` finds them by name. A

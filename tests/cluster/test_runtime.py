@@ -34,8 +34,9 @@ def start(**overrides) -> tuple[Runtime, KvrayClient]:
 @pytest.fixture(scope="module")
 def shared(ray_cluster):
     """One runtime for the tests that only read and write distinct keys (starting store
-    actors costs seconds: each is a new process importing torch)."""
-    runtime, client = start(tiers=TierSizes(host=256), local_pages_limit=4, collective_min_bytes=1 << 20)
+    actors costs seconds: each is a new process, importing torch for the collective group
+    that the collective-path tests use)."""
+    runtime, client = start(tiers=TierSizes(host=256), local_pages_limit=4, collective=True, collective_min_bytes=1 << 20)
     yield runtime, client
     client.close()
     runtime.close()
@@ -127,6 +128,25 @@ def test_object_store_path_below_the_collective_threshold(with_paths):
     ray.get(runtime.controller.snapshot.remote())
     _, loaded = roundtrip(client, keys, expected)
     assert loaded.paths == {"object_store": 10}
+
+
+def test_by_default_no_collective_group_so_a_tcp_off_client_uses_the_object_store(ray_cluster):
+    """The group would load torch in every store for a path no TCP client takes; a client
+    that turns TCP off still gets its large runs, exactly, by the object store."""
+    runtime, client = start(tiers=TierSizes(host=64))
+    try:
+        assert ray.get(runtime.controller.members.remote())["ranks"] == {}
+        client.config = client.config.model_copy(update={"tcp": False, "collective_min_bytes": 0})
+        other = next(n for n in runtime.stores if n != client.node_id)
+        keys = client.keys_for_trace(list(range(800, 816)))
+        expected = fill(client, range(0, 16), seed=8)
+        client.store(keys, 0, Plan(0, [], [other] * 16))
+        ray.get(runtime.controller.snapshot.remote())
+        _, loaded = roundtrip(client, keys, expected)
+        assert loaded.pages == 16 and loaded.paths == {"object_store": 16}
+    finally:
+        client.close()
+        runtime.close()
 
 
 def test_evicted_pages_leave_the_index_and_a_stale_location_is_a_miss(ray_cluster):
