@@ -107,26 +107,26 @@ def test_small_request_stays_on_the_engines_node(shared):
     assert plan.targets == [client.node_id] * 3
 
 
+def roundtrip_from_another_node(runtime: Runtime, client: KvrayClient, tokens: range, seed: int):
+    """Store pages of ``tokens`` on a node other than the client's, then load them back."""
+    other = next(n for n in runtime.stores if n != client.node_id)
+    keys = client.keys_for_trace(list(tokens))
+    expected = fill(client, range(0, len(keys)), seed=seed)
+    client.store(keys, 0, Plan(0, [], [other] * len(keys)))  # a plan placing all pages on another node
+    ray.get(runtime.controller.snapshot.remote())  # the commit (fire and forget) has landed
+    return roundtrip(client, keys, expected)
+
+
 def test_collective_path_moves_a_large_run_exactly(with_paths):
     runtime, client = with_paths(tcp=False, collective_min_bytes=1 << 20)
-    other = next(n for n in runtime.stores if n != client.node_id)
-    keys = client.keys_for_trace(list(range(100, 148)))
-    expected = fill(client, range(0, 48), seed=2)
-    client.store(keys, 0, Plan(0, [], [other] * 48))  # a plan placing all pages on another node
-    ray.get(runtime.controller.snapshot.remote())  # the commit (fire and forget) has landed
-    plan, loaded = roundtrip(client, keys, expected)
+    _, loaded = roundtrip_from_another_node(runtime, client, range(100, 148), seed=2)
     assert loaded.pages == 48 and loaded.paths == {"collective": 48}
     assert loaded.bytes_between_nodes == 48 * client.page_nbytes
 
 
 def test_object_store_path_below_the_collective_threshold(with_paths):
     runtime, client = with_paths(tcp=False, collective_min_bytes=64 << 20)
-    other = next(n for n in runtime.stores if n != client.node_id)
-    keys = client.keys_for_trace(list(range(200, 210)))
-    expected = fill(client, range(0, 10), seed=3)
-    client.store(keys, 0, Plan(0, [], [other] * 10))
-    ray.get(runtime.controller.snapshot.remote())
-    _, loaded = roundtrip(client, keys, expected)
+    _, loaded = roundtrip_from_another_node(runtime, client, range(200, 210), seed=3)
     assert loaded.paths == {"object_store": 10}
 
 
@@ -137,12 +137,7 @@ def test_by_default_no_collective_group_so_a_tcp_off_client_uses_the_object_stor
     try:
         assert ray.get(runtime.controller.members.remote())["ranks"] == {}
         client.config = client.config.model_copy(update={"tcp": False, "collective_min_bytes": 0})
-        other = next(n for n in runtime.stores if n != client.node_id)
-        keys = client.keys_for_trace(list(range(800, 816)))
-        expected = fill(client, range(0, 16), seed=8)
-        client.store(keys, 0, Plan(0, [], [other] * 16))
-        ray.get(runtime.controller.snapshot.remote())
-        _, loaded = roundtrip(client, keys, expected)
+        _, loaded = roundtrip_from_another_node(runtime, client, range(800, 816), seed=8)
         assert loaded.pages == 16 and loaded.paths == {"object_store": 16}
     finally:
         client.close()
