@@ -453,10 +453,12 @@ def eval_(
         cells = goals(rows, learned=learned or "rl")
         summary: dict = {"capacity": cells, "targets": targets(cells, learned=learned or "rl")}
         if noise:
-            copies = len(cells) * noise * 2
-            with progress_bar(copies, "noise") as tick:
-                done = iter(range(copies))
-                floor = noise_floor(traces, cells, spec, noise, learned, progress=lambda what: tick(next(done)), jobs=jobs)
+            replays = len(cells) * noise * 2  # the best heuristic and rl on every copy
+            with progress_bar(replays, "noise") as tick:
+                done = iter(range(replays))
+                floor = noise_floor(
+                    traces, fraction, cells, spec, noise, learned, progress=lambda what: tick(next(done)), jobs=jobs
+                )
             summary["noise"] = {"copies": noise, "counts": noise_counts(floor), "cells": floor}
         folder = shipped_or_given(learned[3:] if learned and learned.startswith("rl:") else DEFAULT_POLICY, "policies")
         if learned is not None:

@@ -141,7 +141,7 @@ def test_noise_floor_replays_the_best_heuristic_and_rl_on_each_copy(tiny_policy)
     _, held = split_by_time(read_trace("data/traces/conversation_trace_first30min.jsonl", limit=300), 0.5)
     traces = {"conv@0.5": held}
     summary = goals(compare(traces, ["lru", "arc", learned], [0.05], SCENARIO, jobs=2), learned=learned)
-    floor = noise_floor(traces, summary, SCENARIO, copies=2, learned=learned, jobs=2)
+    floor = noise_floor(traces, [0.05], summary, SCENARIO, copies=2, learned=learned, jobs=2)
     entry, cell = floor["conv@0.5@0.05"], summary["conv@0.5@0.05"]
     assert entry["best_heuristic"] == cell["best_heuristic"] and len(entry["rl_ttft_vs_best_heuristic"]) == 2
     copy = without_one_request(held, 1)
