@@ -25,7 +25,7 @@ export KVRAY_LMCACHE_PYTHON ?= $(abspath $(LMCACHE_VENV))/bin/python
 GPU_VENV ?= .venv-gpu
 GPU_STAMP := $(GPU_VENV)/.kvray-installed
 
-.PHONY: install vllm-env lmcache-env gpu-env gpu-check demo lint test bench soak clean
+.PHONY: install vllm-env lmcache-env gpu-env gpu-check demo lint check test bench soak clean
 
 $(STAMP): pyproject.toml setup.py kvray/core/_tokens.c
 	$(PYTHON) -m venv $(VENV)
@@ -82,8 +82,14 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The fast tier, for the inner loop: no Ray cluster, no vLLM engine, no training, no wheel build
+# (tests/README.md says which tier a test is in); hypothesis draws a fifth of CI's examples.
+check: install
+	$(PY) -m pytest -q -m "not ray and not slow" --durations=10
+
+# Every test, with CI's hypothesis counts; the slowest are printed so a regression shows.
 test: lint vllm-env
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --hypothesis-profile=ci --durations=25
 
 bench: install vllm-env
 	$(VENV)/bin/kvray bench

@@ -11,9 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
 
 from kvray.core.config import PageLayout
 from kvray.core.pages import torch_dtype
+from tests.properties import CI_EXAMPLES
+
+# Hypothesis: CI draws the counts the tests name (``make test`` passes --hypothesis-profile=ci),
+# the inner loop a fifth of them (tests/properties.py scales each count by this profile).
+settings.register_profile("ci", max_examples=CI_EXAMPLES, deadline=None)
+settings.register_profile("dev", max_examples=CI_EXAMPLES // 5, deadline=None)
+settings.load_profile("dev")
 
 TINY = PageLayout(layers=2, kv_heads=2, head_dim=4, page_tokens=4, dtype="float32")
 # What `kvray sim --json` and `kvray run --json` print at least (the interface other tools rely on)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvray.bench.serve import BASE, BASE_AGAIN, CLUSTER, HOST, PAGE, baseline, judge, summarize
 from kvray.bench.serve_workload import ServeRequest, TraceShape, reuse_share, serve_workload, trace_shape
 from kvray.traces import TraceRequest, read_trace
+from tests.properties import examples
 
 SHAPE = TraceShape(
     system_prompts=2,
@@ -46,7 +47,7 @@ def test_shape_of_the_bundled_conversation_trace():
     assert 1.0 < shape.mean_turns < 3.0 and shape.sessions > 1000
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(requests=st.integers(1, 80), max_pages=st.integers(4, 24), turns=st.floats(1.0, 8.0), seed=st.integers(0, 1000))
 def test_equal_block_ids_mean_equal_tokens_and_prompts_fit(requests, max_pages, turns, seed):
     workload = serve_workload(SHAPE, requests, PAGE, max_pages, vocab=8192, mean_turns=turns, seed=seed)

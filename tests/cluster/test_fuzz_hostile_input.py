@@ -22,12 +22,13 @@ from kvray.core.errors import KvrayError
 from kvray.core.pages import torch_dtype
 from kvray.engines.vllm_blocks import BlockCodec
 from kvray.engines.vllm_settings import ConnectorSettings, connector_settings, store_config
+from tests.properties import examples
 
 pytestmark = pytest.mark.fault
 
 CASES = 300
 tried: Counter = Counter()
-FUZZ = settings(max_examples=CASES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=examples(CASES), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 scalars = st.one_of(
     st.none(),

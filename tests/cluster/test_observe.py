@@ -18,6 +18,7 @@ from kvray.core.errors import PolicyError
 from kvray.core.hashring import HashRing
 from kvray.core.tiers import Tier
 from kvray.policy.cluster import ClusterPolicy
+from tests.properties import examples
 
 NIC = LinkSpeeds().nic_gbps * 1e9  # bytes/s
 
@@ -58,7 +59,7 @@ def controller(nodes: list[str], **config) -> Controller:
     return ctrl
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     nodes=st.lists(st.sampled_from(["n0", "n1", "n2", "n3"]), min_size=1, max_size=4, unique=True),
     keys=st.lists(st.integers(0, 2**128 - 1), min_size=1, max_size=40, unique=True),

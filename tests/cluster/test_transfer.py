@@ -33,6 +33,7 @@ from kvray.cluster.transfer import (
 )
 from kvray.core.errors import ClusterError
 from kvray.core.keys import pack_keys
+from tests.properties import examples
 
 PAGE = 4096
 MAX_PAGES = 16
@@ -103,7 +104,7 @@ def served():
     server.close()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(requests=st.lists(st.lists(st.integers(1, 60), max_size=MAX_PAGES), min_size=1, max_size=6))
 def test_pipelined_requests_return_exactly_the_cached_prefixes(requests):
     token = secrets.token_bytes(TOKEN_BYTES)

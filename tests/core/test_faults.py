@@ -22,6 +22,7 @@ from kvray.core.errors import KvrayError
 from kvray.core.store import PageStore
 from kvray.traces import read_trace
 from tests.conftest import TINY, prefix_kv
+from tests.properties import examples
 
 ROOT_DIR = Path(__file__).parents[2]
 pytestmark = pytest.mark.fault
@@ -142,7 +143,7 @@ def test_concurrent_clients_never_see_torn_pages_and_counters_add_up(tmp_path):
 
 
 # -- hostile input: only kvray errors, and stored pages never change ----------------------
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(st.binary(max_size=60) | st.text(max_size=60).map(str.encode), max_size=5))
 def test_fuzzed_trace_files_raise_only_trace_errors(tmp_path, lines):
     path = tmp_path / "fuzz.jsonl"
@@ -162,7 +163,7 @@ LAYOUT_FIELDS = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(doc=JSONISH | LAYOUT_FIELDS.map(lambda layout: {"layout": layout, "tiers": {"host": 1}}))
 def test_fuzzed_config_files_raise_only_config_errors(tmp_path, doc):
     path = tmp_path / "store.yaml"
@@ -174,7 +175,7 @@ def test_fuzzed_config_files_raise_only_config_errors(tmp_path, doc):
     assert isinstance(config.layout, PageLayout)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     tokens=st.lists(st.integers(-(2**33), 2**33) | st.floats(allow_nan=True), max_size=30),
     pages=st.integers(0, 3),

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvray.core.hashring import HashRing
+from tests.properties import examples
 
 KEYS = [(k * 0x9E3779B97F4A7C15 + 12345) % 2**128 for k in range(20_000)]
 
@@ -28,7 +29,7 @@ def test_removing_a_node_moves_only_its_keys():
     assert "c" not in after
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     st.lists(st.integers(0, 2**128 - 1), min_size=1, max_size=50),
     st.sets(st.text("xyz", min_size=1, max_size=3), min_size=1, max_size=5),

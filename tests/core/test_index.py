@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvray.core.index import ROOT, PrefixIndex, parents_first
+from tests.properties import examples
 
 
 class IndexMachine(RuleBasedStateMachine):
@@ -79,7 +80,7 @@ class IndexMachine(RuleBasedStateMachine):
             assert self.index.has_children([handle])[0] == any(p[:-1] == path for p in self.model)
 
 
-IndexMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+IndexMachine.TestCase.settings = settings(max_examples=examples(60), stateful_step_count=30, deadline=None)
 TestIndex = IndexMachine.TestCase
 
 
@@ -100,7 +101,7 @@ def test_add_needs_an_indexed_parent_and_a_new_key():
         index.add(2, 1, 0, 0, parent=root)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 30), st.one_of(st.none(), st.integers(1, 30))), max_size=40, unique_by=lambda link: link[0])
 )

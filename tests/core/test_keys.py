@@ -8,13 +8,14 @@ from hypothesis import strategies as st
 from kvray.core.config import PageLayout
 from kvray.core.errors import RequestError
 from kvray.core.keys import ModelFingerprint, _from_list_array, _tokens, pack_keys, page_keys, unpack_keys
+from tests.properties import examples
 
 LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=4, page_tokens=4, dtype="float32")
 FP = ModelFingerprint.of(LAYOUT, "tiny")
 tokens = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(a=tokens, b=tokens)
 def test_key_i_equal_iff_first_pages_equal(a, b):
     ka, kb = page_keys(a, FP), page_keys(b, FP)
@@ -66,7 +67,7 @@ def test_packed_keys_round_trip_and_a_torn_buffer_is_refused():
         unpack_keys(pack_keys(keys)[:-1])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     a=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=70),
     page=st.sampled_from([1, 3, 4, 16]),
@@ -87,7 +88,7 @@ def test_the_token_extension_is_built():
     assert _tokens is not None, "kvray.core._tokens is not built: make install, or python setup.py build_ext --inplace"
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     a=st.lists(
         st.one_of(

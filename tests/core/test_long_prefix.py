@@ -23,6 +23,7 @@ from kvray.core.errors import RequestError
 from kvray.core.store import PageStore
 from kvray.core.tiers import Tier
 from tests.conftest import TINY, prefix_kv
+from tests.properties import examples
 
 P = TINY.page_tokens
 # Pages of 512 bytes: what is timed is the per-page bookkeeping, not memcpy.
@@ -33,7 +34,7 @@ def _store(tmp: str, host: int, disk: int, layout: PageLayout = TINY) -> PageSto
     return PageStore(StoreConfig(layout=layout, tiers=TierSizes(host=host, disk=disk), disk_dir=tmp, max_request_tokens=1 << 24))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(cached=st.integers(0, 12), asked=st.integers(1, 14), chunk_pages=st.integers(1, 5), host=st.integers(1, 6))
 def test_chunks_add_up_to_the_cached_prefix(cached, asked, chunk_pages, host):
     tokens = list(range(1000, 1000 + asked * P + 2))  # a partial page at the end, never loaded

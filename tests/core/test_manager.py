@@ -16,6 +16,7 @@ from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
 from kvray.core.tiers import Tier
 from kvray.policy.lru import LRUPolicy
+from tests.properties import examples
 
 
 class Mover:
@@ -148,7 +149,7 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(OPS)
 def test_any_sequence_of_verbs_keeps_slots_and_the_prefix_closed_index_consistent(ops):
     manager, mover = CacheManager({Tier.HOST: 3, Tier.DISK: 4}, LRUPolicy()), Mover()

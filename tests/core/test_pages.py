@@ -8,9 +8,10 @@ from hypothesis import strategies as st
 
 from kvray.core.config import PageLayout
 from kvray.core.pages import copy_page, hash_page, request_bytes, request_page, request_runs, runs
+from tests.properties import examples
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     layers=st.integers(1, 3),
     page_tokens=st.integers(1, 5),
@@ -45,7 +46,7 @@ def test_copy_page_round_trips_bit_exact(layers, page_tokens, pages, dtype, tens
     assert hash_page(out_page) == hash_page(page)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     layers=st.integers(1, 3),
     page_tokens=st.integers(1, 5),

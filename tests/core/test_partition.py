@@ -15,6 +15,7 @@ from kvray.core.index import parents_first
 from kvray.core.keys import ModelFingerprint, page_keys
 from kvray.core.partition import Partition, chain_shard, owned_links, shard_of
 from tests.conftest import TINY
+from tests.properties import examples
 
 KEYS = st.integers(min_value=0, max_value=2**128 - 1)
 
@@ -43,7 +44,7 @@ def forest(seed: int, chains: int) -> list[tuple[int, int | None, str]]:
     return links
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(seed=st.integers(0, 2**32), chains=st.integers(1, 40), shards=st.integers(1, 8))
 def test_owned_links_split_every_forest_into_prefix_closed_shares(seed, chains, shards):
     ordered, orphans = parents_first(forest(seed, chains))

@@ -30,6 +30,7 @@ from kvray.core.tiers.directory import (
     retire,
     retire_predecessors,
 )
+from tests.properties import examples
 
 CAPACITY = 6
 # Keys share their low bits in small groups, so probe runs collide, wrap around the table
@@ -41,7 +42,7 @@ def _name() -> str:
     return f"kvt_{secrets.token_hex(6)}"
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, CAPACITY - 1), st.sampled_from(KEYS)), max_size=60))
 def test_the_key_to_slot_table_matches_a_dict_model(ops):
     directory = SlotDirectory.create(_name(), CAPACITY)

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from kvray.core.tiers import DevicePool, DiskPool, HostPool, Pool, SlotAllocator
 from kvray.core.tiers.memory import PAGE_ALIGN
+from tests.properties import examples
 
 
 def longest_free_run(capacity, used):
@@ -17,7 +18,7 @@ def longest_free_run(capacity, used):
     return best
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(capacity=st.integers(0, 24), ops=st.lists(st.integers(-1, 30), max_size=80))
 def test_allocator_matches_set_model(capacity, ops):
     slots = SlotAllocator(capacity)
@@ -45,7 +46,7 @@ def test_with_used_restores_taken_slots():
 
 
 @given(capacity=st.integers(1, 9), page_nbytes=st.sampled_from([1, 64, 4096, 12_288, 1 << 16]))
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 def test_host_pool_slots_are_page_aligned_and_disjoint(capacity, page_nbytes):
     """Slot 0 starts on a 4 KiB boundary (copies from torch tensors stay at memcpy speed),
     and writing one slot never touches another."""

@@ -24,6 +24,7 @@ from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator
 from kvray.traces import TraceRequest
 from tests.conftest import TINY
+from tests.properties import examples
 
 SCENARIO = load_scenario(DEFAULT_SCENARIO)
 SIZES = TierSizes(device=2, host=3, disk=4)  # tight: storing demotes and drops
@@ -93,7 +94,7 @@ def trained(workload: list[list[int]]) -> dict[int, tuple]:
     return index_state(env.sim.manager)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(workloads)
 def test_store_simulator_and_env_leave_the_same_index(workload):
     expected = simulated(workload, "lru")
@@ -102,7 +103,7 @@ def test_store_simulator_and_env_leave_the_same_index(workload):
 
 
 @pytest.mark.parametrize("policy", ["lfu", "arc", "threshold"])
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(workload=workloads)
 def test_store_and_simulator_agree_under_other_policies(policy, workload):
     assert stored(workload, policy) == simulated(workload, policy)

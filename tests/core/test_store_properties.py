@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvray.core.config import StoreConfig, TierSizes
 from kvray.core.store import PageStore
 from tests.conftest import TINY, prefix_kv
+from tests.properties import examples
 
 P = TINY.page_tokens
 # Requests share prefixes: a few page-sized token blocks, combined in short sequences.
@@ -70,7 +71,7 @@ class TightStoreMachine(StoreMachine):
     roomy = False
 
 
-StoreMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
-TightStoreMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+StoreMachine.TestCase.settings = settings(max_examples=examples(40), stateful_step_count=25, deadline=None)
+TightStoreMachine.TestCase.settings = settings(max_examples=examples(60), stateful_step_count=30, deadline=None)
 TestRoomyStore = StoreMachine.TestCase
 TestTightStore = TightStoreMachine.TestCase

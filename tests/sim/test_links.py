@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvray.sim.links import Link, transfer, transfer_ms
+from tests.properties import examples
 
 MB = 1_000_000
 
@@ -79,7 +80,7 @@ def test_advance_forgets_only_what_ended_and_keeps_later_bookings():
     assert transfer((link,), 1000.0, 5 * MB, "load") == pytest.approx(1005.0)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     lanes=st.integers(1, 3),
     jobs=st.lists(st.tuples(st.floats(0, 100), st.integers(1, 20), st.booleans()), min_size=1, max_size=40),

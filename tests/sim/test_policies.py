@@ -20,6 +20,7 @@ from kvray.policy.wfq import WFQPolicy
 from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator
 from kvray.traces import read_trace
+from tests.properties import examples
 
 NO_MOVE = lambda *move: None  # noqa: E731  (a control-plane test: no bytes to move)
 
@@ -56,7 +57,7 @@ class _ShortQueueLFU(LFUPolicy):
     queue_length = 2  # most pages outside the queue: hits must keep it exact
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     st.lists(st.tuples(st.sampled_from(["store", "hit", "pin", "unpin"]), st.integers(0, 40)), max_size=120),
     st.sampled_from([LFUPolicy, _ShortQueueLFU]),
