@@ -1,6 +1,6 @@
 """kvray: KV-cache offload and prefix reuse for LLM inference.
 
-The core (keys, pages, index, tiers, policies, the in-process :class:`PageStore`) imports
+The core (keys, pages, index, tiers, the placement seam, the in-process :class:`PageStore`) imports
 neither Ray nor an inference engine; Ray lives in :mod:`kvray.cluster`, engines in
 :mod:`kvray.engines`.
 

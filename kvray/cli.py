@@ -215,7 +215,7 @@ def sim(
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Replay a trace through the real cache manager and policy with modeled time."""
-    from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+    from kvray.scenario import DEFAULT_SCENARIO, load_scenario
     from kvray.sim.simulator import simulate
     from kvray.traces import read_trace
 
@@ -260,7 +260,7 @@ def cluster_eval(
     from kvray.apps.cluster_eval import evaluate, write_results
     from kvray.policy import make_policy
     from kvray.policy.cluster import make_cluster_policy
-    from kvray.sim.cost import load_scenario
+    from kvray.scenario import load_scenario
     from kvray.sim.workloads import WorkloadSpec, generate
     from kvray.traces import read_trace
 
@@ -334,7 +334,7 @@ def train(
     sources chose (docs/sim-eval).
     Progress and logs go to stderr, so stdout holds only the result."""
     from kvray.rl.train import train as run_training
-    from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+    from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 
     bad_scale = next((b for b in bandwidth_scale if not b > 0), None)
     if bad_scale is not None:
@@ -434,7 +434,7 @@ def eval_(
     )
     from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, decision_time_us, load_scorer
     from kvray.resources import shipped_or_given
-    from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+    from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 
     if not bandwidth_scale > 0:
         raise typer.BadParameter(f"must be positive, got {bandwidth_scale}", param_hint="--bandwidth-scale")

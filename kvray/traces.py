@@ -139,3 +139,16 @@ def write_trace(requests: list[TraceRequest], path: str | Path) -> None:
 
 def unique_blocks(requests: list[TraceRequest]) -> int:
     return len({h for r in requests for h in r.hash_ids})
+
+
+def next_uses(trace: Sequence[TraceRequest]) -> list[np.ndarray]:
+    """For each request and each of its pages, the index of the next request using that
+    page (``inf`` if none): the future that only an offline oracle may see."""
+    seen: dict[int, int] = {}
+    out: list[np.ndarray] = [np.empty(0)] * len(trace)
+    for i in range(len(trace) - 1, -1, -1):
+        ids = trace[i].hash_ids
+        out[i] = np.array([seen.get(h, np.inf) for h in ids], dtype=np.float64)
+        for h in ids:
+            seen[h] = i
+    return out

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from kvray.policy.cluster import make_cluster_policy
 from kvray.report import ReplayResult
+from kvray.scenario import Scenario
 from kvray.sim.cluster import ClusterSimulator, node_capacities
-from kvray.sim.cost import Scenario
 from kvray.sim.oracle import oracle_replay
 from kvray.traces import TraceRequest
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvray.core.errors import ConfigError
-from kvray.sim.cost import Scenario
+from kvray.scenario import Scenario
 from kvray.sim.simulator import simulate
 from kvray.traces import TraceRequest, read_trace
 

@@ -35,7 +35,8 @@ from kvray.core.errors import ClusterError, ConfigError
 from kvray.core.tiers import TIER_BY_LABEL
 from kvray.progress import progress_bar
 from kvray.report import ReplayResult, ReplayTally
-from kvray.sim.cost import CostModel, Scenario, TierSpec
+from kvray.scenario import Scenario, TierSpec
+from kvray.sim.cost import CostModel
 from kvray.sim.simulator import fast_capacity
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
 

@@ -28,8 +28,8 @@ from kvray.core.tiers import Tier
 from kvray.policy import make_policy
 from kvray.policy.cluster import LocalFirstRing
 from kvray.policy.rl import DEFAULT_POLICY, decision_time_us, load_scorer
+from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.cluster import ClusterSimulator, node_capacities
-from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator, fast_capacity
 from kvray.sim.workloads import WorkloadSpec, generate
 from kvray.traces import read_trace

@@ -18,6 +18,7 @@ from kvray.cluster.observe import LinkSpeeds
 from kvray.core.config import FrozenModel, PageLayout, StoreConfig, TierSizes
 from kvray.core.errors import PolicyError
 from kvray.core.keys import ModelFingerprint
+from kvray.core.placement import PlacementPolicy
 from kvray.core.tiers import TIER_BY_LABEL, Tier
 from kvray.policy import make_policy
 from kvray.policy.cluster import ClusterPolicy, make_cluster_policy
@@ -133,12 +134,16 @@ class RuntimeConfig(FrozenModel):
     def local_limit(self) -> int:
         return self.tiers.host if self.local_pages_limit is None else self.local_pages_limit
 
+    def make_placement_policy(self) -> PlacementPolicy:
+        """A node store's placement policy, built from ``policy`` (each store its own)."""
+        return make_policy(self.policy)
+
     def make_cluster_policy(self) -> ClusterPolicy:
         """The controller's cluster policy, keeping requests of up to ``local_limit`` pages local."""
         return make_cluster_policy(self.cluster_policy, local_limit=self.local_limit)
 
     def tier_costs(self) -> dict[Tier, float] | None:
-        """``tier_cost`` by tier, as :class:`~kvray.policy.base.RequestInfo` carries it."""
+        """``tier_cost`` by tier, as :class:`~kvray.core.placement.RequestInfo` carries it."""
         return None if self.tier_cost is None else {TIER_BY_LABEL[t]: c for t, c in self.tier_cost.items()}
 
     def fingerprint(self) -> ModelFingerprint:
@@ -154,7 +159,6 @@ class RuntimeConfig(FrozenModel):
             model_revision=self.model_revision,
             tiers=self.tiers,
             disk_dir=disk_dir,
-            policy=self.policy,
             checksum_memory=self.checksum_memory,
             max_request_tokens=self.max_request_pages * self.layout.page_tokens,
             host_shared_memory=host_shared_memory,

@@ -62,10 +62,10 @@ from kvray.cluster.observe import NodeReport
 from kvray.cluster.shm import LandingBuffer, reap_orphans
 from kvray.cluster.transfer import PageServer
 from kvray.core.keys import unpack_keys
+from kvray.core.placement import RequestInfo
 from kvray.core.store import PageStore
 from kvray.core.tiers import LOCAL_TIERS, Tier
 from kvray.core.tiers.directory import retire_predecessors
-from kvray.policy.base import RequestInfo
 
 if TYPE_CHECKING:
     import torch
@@ -88,7 +88,9 @@ class NodeStore:
         prefix = f"kvray_{config.name}_{node_id[:16]}_"  # one store per runtime and node at a time
         retire_predecessors(prefix)  # an earlier incarnation's segments, killed before it could close them
         self.host_name = prefix + secrets.token_hex(4)  # new per incarnation
-        self.store = PageStore(config.store_config(node_id, self.host_name if config.tiers.host else None))
+        self.store = PageStore(
+            config.store_config(node_id, self.host_name if config.tiers.host else None), config.make_placement_policy()
+        )
         costs = config.tier_costs()
         self.tier_cost = None if costs is None else {t: c for t, c in costs.items() if t in self.store.manager.slots}
         self.page_nbytes = config.layout.page_nbytes

@@ -89,6 +89,7 @@ class StoreConfig(FrozenModel):
     POSIX shared-memory segment, beside a slot directory, so engines on the node copy its
     pages without a call; only on x86-64, whose memory ordering the directory's lock-free
     reads rely on (:mod:`kvray.core.tiers.directory`): elsewhere the tier stays private.
+    The placement policy is not a setting here but an object handed to the store.
     """
 
     layout: PageLayout
@@ -97,7 +98,6 @@ class StoreConfig(FrozenModel):
     tiers: TierSizes = TierSizes(host=1024)
     disk_dir: Path | None = None
     disk_fsync: bool = False
-    policy: str = "lru"
     max_request_tokens: int = Field(default=1 << 20, gt=0)
     checksum_memory: bool = False
     host_shared_memory: str | None = None

@@ -36,8 +36,8 @@ import numpy as np
 from kvray.core.errors import KvrayError
 from kvray.core.index import ROOT, PrefixIndex
 from kvray.core.metrics import CacheMetrics
+from kvray.core.placement import PageContext, PlacementPolicy
 from kvray.core.tiers import SlotAllocator, Tier
-from kvray.policy.base import PageContext, PlacementPolicy
 
 Mover = Callable[[int, Tier, int, Tier, int], int | None]  # returns a checksum it computed, if any
 # (depth, key, tier, slot, parent handle) -> the checksum of the page it wrote into the slot

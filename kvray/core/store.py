@@ -46,12 +46,11 @@ from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.manager import TIERS, CacheManager
 from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, request_runs, runs, torch_dtype
+from kvray.core.placement import LRUPolicy, PlacementPolicy, RequestInfo
 from kvray.core.tiers import LOCAL_TIERS, DiskPool, HostPool, Pool, StoredPage, Tier
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 from kvray.core.tiers.disk import verified
 from kvray.core.tiers.memory import resident_empty
-from kvray.policy import PlacementPolicy, make_policy
-from kvray.policy.base import RequestInfo
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made (kvray.lazy)
     import torch
@@ -103,6 +102,10 @@ def chunk_buffer(layout: PageLayout, tokens: int) -> torch.Tensor:
 class PageStore:
     """Tiered page store for one model layout.
 
+    ``policy`` is the placement policy object the store's manager consults (LRU when none is
+    given). The core never resolves a policy by name: callers that take names build it with
+    :func:`kvray.policy.make_policy` (``PageStore(config, make_policy("arc"))``).
+
     Example::
 
         store = PageStore(StoreConfig(layout=layout, tiers=TierSizes(host=64, disk=1024), disk_dir="kv"))
@@ -139,7 +142,7 @@ class PageStore:
             recovered = disk.scan()
         self.manager = CacheManager(
             {Tier.DEVICE: sizes.device, Tier.HOST: sizes.host, Tier.DISK: sizes.disk},
-            policy or make_policy(config.policy),
+            policy if policy is not None else LRUPolicy(),
             page_nbytes=nbytes,
             used_slots={Tier.DISK: [p.slot for p in recovered]},
         )

@@ -67,6 +67,7 @@ from kvray.engines.revision import checkpoint_revision
 from kvray.engines.runtime import RuntimePages, runtime_target
 from kvray.engines.vllm_blocks import BlockCodec
 from kvray.engines.vllm_settings import ConnectorSettings, connector_settings, store_config
+from kvray.policy import make_policy
 
 LOAD_PATHS = ("mapped", "local", "tcp", "object_store", "collective")  # see kvray.cluster.client
 
@@ -114,7 +115,8 @@ def model_revision(vllm_config: VllmConfig, settings: ConnectorSettings) -> str:
 def open_store(vllm_config: VllmConfig, settings: ConnectorSettings) -> PageStore:
     """The connector's in-process store."""
     name = vllm_config.model_config.served_model_name
-    return PageStore(store_config(settings, page_layout(vllm_config), name, model_revision(vllm_config, settings)))
+    config = store_config(settings, page_layout(vllm_config), name, model_revision(vllm_config, settings))
+    return PageStore(config, make_policy(settings.policy))
 
 
 def open_runtime(vllm_config: VllmConfig, settings: ConnectorSettings) -> RuntimePages | None:

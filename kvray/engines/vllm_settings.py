@@ -80,6 +80,5 @@ def store_config(
         "model_revision": model_revision,
         "tiers": {"device": settings.device_pages, "host": settings.host_pages, "disk": settings.disk_pages},
         "disk_dir": settings.disk_dir,
-        "policy": settings.policy,
     }
     return validate(StoreConfig, config, source=SOURCE)

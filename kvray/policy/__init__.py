@@ -13,13 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvray.core.errors import PolicyError
+from kvray.core.placement import LRUPolicy, PageContext, PlacementPolicy
 from kvray.policy.arc import ARCPolicy
-from kvray.policy.base import PageContext, PlacementPolicy
 from kvray.policy.belady import BeladyPolicy
 from kvray.policy.experts import ExpertsPolicy
 from kvray.policy.lecar import LeCaRPolicy
 from kvray.policy.lfu import LFUPolicy
-from kvray.policy.lru import LRUPolicy
 from kvray.policy.selective import SelectiveWritePolicy
 from kvray.policy.threshold import ThresholdPolicy
 from kvray.policy.wfq import WFQPolicy

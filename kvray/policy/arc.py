@@ -15,8 +15,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from kvray.core.index import PrefixIndex
+from kvray.core.placement import PlacementPolicy
 from kvray.core.tiers import Tier
-from kvray.policy.base import PlacementPolicy
 
 
 class _ArcLists:

@@ -15,8 +15,9 @@ import numpy as np
 
 from kvray.core.errors import PolicyError
 from kvray.core.index import PrefixIndex
+from kvray.core.placement import PageContext, RequestInfo
 from kvray.core.tiers import Tier
-from kvray.policy.base import PageContext, RequestInfo, ScoredPolicy
+from kvray.policy.scored import ScoredPolicy
 
 
 class BeladyPolicy(ScoredPolicy):

@@ -1,7 +1,7 @@
 """Cluster placement: the decisions above one node's tiers, asked by the simulator and the
 controller alike.
 
-:class:`~kvray.policy.base.PlacementPolicy` decides inside a node (which tier a page enters,
+:class:`~kvray.core.placement.PlacementPolicy` decides inside a node (which tier a page enters,
 which page leaves a full tier). A :class:`ClusterPolicy` decides across nodes, at the points
 where a request meets the cluster:
 

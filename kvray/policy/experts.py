@@ -30,7 +30,7 @@ it can only learn deviations that paid in training.
 Example::
     from kvray.core.manager import CacheManager
     from kvray.core.tiers import Tier
-    from kvray.policy.base import RequestInfo
+    from kvray.core.placement import RequestInfo
     from kvray.policy.experts import ExpertsPolicy
 
     policy = ExpertsPolicy()                           # follow the leader
@@ -46,11 +46,17 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from kvray.core.index import PrefixIndex
+from kvray.core.manager import CacheManager
+from kvray.core.placement import LRUPolicy, PageContext, PlacementPolicy, RequestInfo
 from kvray.core.tiers import Tier
-from kvray.policy.base import PageContext, PlacementPolicy, RequestInfo
-from kvray.sim.cost import PrefillQueue
+from kvray.policy.arc import ARCPolicy
+from kvray.policy.threshold import ThresholdPolicy
+from kvray.scenario import PrefillQueue
 
-EXPERTS = ("lru", "arc", "threshold")  # lfu's shadow replays 5x slower than these (docs/sim-eval)
+# The experts, each built fresh per shadow and per real cache; lfu's shadow replays 5x slower
+# than these (docs/sim-eval). A learned selector's features name them (SELECTOR_FEATURES).
+EXPERT_POLICIES: dict[str, Callable[[], PlacementPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy, "threshold": ThresholdPolicy}
+EXPERTS = tuple(EXPERT_POLICIES)
 WINDOW = 32  # requests between two choices of expert
 LONG_HALF_LIFE = 16.0  # windows: the smoothed cost forgets half of its past in this many (4: 1.117x the best heuristic, geomean over the 20 training cells; 16: 1.074x)
 SELECTOR_FEATURES = (
@@ -117,14 +123,12 @@ class ShadowCache:
 
     Example::
 
-        shadow = ShadowCache(make_policy("lru"), {Tier.HOST: 8})
+        shadow = ShadowCache(LRUPolicy(), {Tier.HOST: 8})
         shadow.serve((1, 2, 3), {Tier.HOST: 0.1})   # 3.0: three misses
         shadow.serve((1, 2, 3), {Tier.HOST: 0.1})   # 0.3: three host hits
     """
 
     def __init__(self, expert: PlacementPolicy, capacities: Mapping[Tier, int]) -> None:
-        from kvray.core.manager import CacheManager  # the manager imports the policy package
-
         self.manager = CacheManager(capacities, expert, page_nbytes=1)
 
     def serve(self, keys: Sequence[int], tier_cost: Mapping[Tier, float]) -> tuple[float, int]:
@@ -151,18 +155,23 @@ class ExpertsPolicy(PlacementPolicy):
 
     name = "experts"
 
-    def __init__(self, selector: Selector | None = follow_the_leader, experts: Sequence[str] = EXPERTS) -> None:
+    def __init__(
+        self,
+        selector: Selector | None = follow_the_leader,
+        experts: Mapping[str, Callable[[], PlacementPolicy]] = EXPERT_POLICIES,
+    ) -> None:
+        """``experts``: each expert's name and what builds it (one for the real cache's
+        bookkeeping, one for its shadow)."""
         self.selector = selector
-        self.expert_names = tuple(experts)
+        self.experts = dict(experts)
+        self.expert_names = tuple(self.experts)
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
-        from kvray.policy import make_policy
-
         super().bind(index, capacities)
-        self.advisors = [make_policy(name) for name in self.expert_names]
+        self.advisors = [build() for build in self.experts.values()]
         for advisor in self.advisors:
             advisor.bind(index, capacities)
-        self.shadows = [ShadowCache(make_policy(name), capacities) for name in self.expert_names]
+        self.shadows = [ShadowCache(build(), capacities) for build in self.experts.values()]
         self._prefill_queues: list[PrefillQueue] = []  # one per shadow, once a request tells the engines
         self.tier_cost: dict[Tier, float] = {t: 0.1 * (1 + int(t)) for t in self.tiers}
         self.current = 0

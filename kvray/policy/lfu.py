@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvray.policy.base import ScoredPolicy
+from kvray.policy.scored import ScoredPolicy
 
 
 class LFUPolicy(ScoredPolicy):

@@ -7,10 +7,10 @@ expected base, or the name is refused with a :class:`~kvray.core.errors.PolicyEr
 
 Example::
 
-    from kvray.policy.base import PlacementPolicy
+    from kvray.core.placement import PlacementPolicy
     from kvray.policy.plugin import policy_class
 
-    policy_class("kvray.policy.lru:LRUPolicy", PlacementPolicy)().name   # 'lru'
+    policy_class("kvray.core.placement:LRUPolicy", PlacementPolicy)().name   # 'lru'
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ Example::
 
 from __future__ import annotations
 
+from kvray.core.placement import LRUPolicy
 from kvray.core.tiers import Tier
-from kvray.policy.lru import LRUPolicy
 
 
 class SelectiveWritePolicy(LRUPolicy):

@@ -3,9 +3,8 @@ requests to the device, everything else to host memory; LRU eviction within each
 
 from __future__ import annotations
 
+from kvray.core.placement import LRUPolicy, PageContext
 from kvray.core.tiers import Tier
-from kvray.policy.base import PageContext
-from kvray.policy.lru import LRUPolicy
 
 
 class ThresholdPolicy(LRUPolicy):

@@ -28,7 +28,7 @@ share of the best's, 0.031 against 0.035 with per-window relative regrets capped
 Example::
     from kvray.rl.counterfactual import collect, fit
     from kvray.rl.train import RowScorer
-    from kvray.sim.cost import load_scenario
+    from kvray.scenario import load_scenario
     from kvray.sim.workloads import generate, named_workload
 
     scenario = load_scenario("h100-llama8b")
@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from kvray.policy.experts import ExpertsPolicy, Selector, corrected_scores, follow_the_leader, leader_scores
-from kvray.sim.cost import Scenario
+from kvray.scenario import Scenario
 from kvray.traces import TraceRequest
 
 CLUSTER_POLICY = "cost-router"  # what the policy runs under on a cluster (kvray cluster-eval)

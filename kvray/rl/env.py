@@ -20,7 +20,7 @@ Nothing of the trace's future enters an observation or a reward.
 Example::
     import gymnasium
     import kvray.rl.env  # registers kvray/Placement-v0
-    from kvray.sim.cost import load_scenario
+    from kvray.scenario import load_scenario
     from kvray.traces import read_trace
 
     env = gymnasium.make("kvray/Placement-v0", trace=read_trace("synthetic_trace.jsonl", limit=300),
@@ -40,7 +40,7 @@ import numpy as np
 
 from kvray.core.tiers import Tier
 from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES, WINDOW, ExpertsPolicy
-from kvray.sim.cost import Scenario
+from kvray.scenario import Scenario
 from kvray.sim.simulator import Simulator
 from kvray.traces import TraceRequest, unique_blocks
 

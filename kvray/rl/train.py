@@ -20,7 +20,7 @@ generator configurations, are for evaluation (``kvray eval``).
 Example::
     from pathlib import Path
     from kvray.rl.train import train
-    from kvray.sim.cost import load_scenario
+    from kvray.scenario import load_scenario
     from kvray.resources import bundled
 
     card = train([load_scenario("h100-llama8b")], [bundled("data/traces/synthetic_trace.jsonl")],
@@ -44,7 +44,7 @@ from kvray.core.errors import ConfigError, TraceError
 from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES, corrected_scores, leader_scores
 from kvray.policy.rl import CARD_FILE, WEIGHTS_FILE, observation_spec
 from kvray.progress import progress_bar
-from kvray.sim.cost import Scenario
+from kvray.scenario import Scenario
 from kvray.sim.workloads import FAMILIES
 from kvray.traces import TraceRequest
 
@@ -171,7 +171,7 @@ def train(
 
     Every training trace is replayed at every capacity fraction (of its unique pages) on
     every scenario of ``scenarios`` (one node or a cluster, at the link bandwidths to train
-    over: :meth:`~kvray.sim.cost.Scenario.with_bandwidth`), so the selector learns tight and
+    over: :meth:`~kvray.scenario.Scenario.with_bandwidth`), so the selector learns tight and
     loose caches of every family, fast and slow links, one node's whole stream and a
     cluster node's share of it; the first scenario's tier costs are the policy's default
     where nothing tells it the cost of a load (the runtime without a cost model). First the

@@ -29,7 +29,7 @@ import numpy as np
 import yaml
 
 from kvray.core.config import PageLayout
-from kvray.sim.cost import ComputeSpec, Scenario, TierSpec
+from kvray.scenario import ComputeSpec, Scenario, TierSpec
 
 MIB = 1 << 20
 

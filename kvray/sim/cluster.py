@@ -1,8 +1,8 @@
 """Cluster simulator: N nodes, each the runtime's own cache, with links as queued resources.
 
 Every node is a real :class:`~kvray.core.manager.CacheManager` with its own
-:class:`~kvray.policy.base.PlacementPolicy`, prefill engines (a
-:class:`~kvray.sim.cost.PrefillQueue`) and links (:mod:`kvray.sim.links`): the GPU's memory,
+:class:`~kvray.core.placement.PlacementPolicy`, prefill engines (a
+:class:`~kvray.scenario.PrefillQueue`) and links (:mod:`kvray.sim.links`): the GPU's memory,
 PCIe host-to-device and device-to-host (one lane per engine), NVMe read and write, NIC in
 and out, and optionally one switch all cross-node bytes share. A
 :class:`~kvray.policy.cluster.ClusterPolicy` makes the decisions above the nodes.
@@ -30,7 +30,7 @@ for a seed (the router's).
 Example::
     from kvray.policy.cluster import make_cluster_policy
     from kvray.sim.cluster import ClusterSimulator, node_capacities
-    from kvray.sim.cost import load_scenario
+    from kvray.scenario import load_scenario
     from kvray.sim.workloads import WorkloadSpec, generate
 
     scenario = load_scenario("h100-4node-skewed")          # shipped in simulations/
@@ -51,13 +51,14 @@ import numpy as np
 from kvray.core.errors import ConfigError, PolicyError
 from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
+from kvray.core.placement import PlacementPolicy, RequestInfo
 from kvray.core.tiers import TIER_LABELS, Tier
-from kvray.policy.base import PlacementPolicy, RequestInfo
 from kvray.policy.cluster import ClusterPolicy, ClusterView, NodeView, RequestView
 from kvray.report import ReplayResult, ReplayTally, hit_tokens
-from kvray.sim.cost import CostModel, PrefillQueue, RouterSpec, Scenario
+from kvray.scenario import PrefillQueue, RouterSpec, Scenario
+from kvray.sim.cost import CostModel
 from kvray.sim.links import Link, transfer, transfer_ms
-from kvray.traces import TraceRequest, full_blocks, unique_blocks
+from kvray.traces import TraceRequest, full_blocks, next_uses, unique_blocks
 
 TIERS = tuple(Tier)
 PolicySource = str | Callable[[], PlacementPolicy] | Sequence[PlacementPolicy]
@@ -95,7 +96,7 @@ def node_capacities(
 
 
 class Router:
-    """The scenario's front end (:class:`~kvray.sim.cost.RouterSpec`): a node index per
+    """The scenario's front end (:class:`~kvray.scenario.RouterSpec`): a node index per
     request, or None when the cluster policy alone routes.
 
     Example::
@@ -543,8 +544,6 @@ class ClusterSimulator:
         progress: Callable[[int], None] | None = None,
     ) -> ReplayResult:
         """Serve every request in order; the first ``warmup_requests`` fill the cache unmeasured."""
-        from kvray.sim.simulator import next_uses
-
         needs_future = any(n.policy.needs_future for n in self.nodes)
         futures = next_uses(trace) if needs_future else None
         tally = ReplayTally(self.block_tokens)

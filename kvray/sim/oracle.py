@@ -9,7 +9,7 @@ of the settings searched, so the oracle is never worse than it.
 
 Example::
     from kvray.sim.cluster import node_capacities
-    from kvray.sim.cost import load_scenario
+    from kvray.scenario import load_scenario
     from kvray.sim.oracle import oracle_replay
     from kvray.sim.workloads import WorkloadSpec, generate
 
@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from kvray.core.tiers import Tier
 from kvray.policy.cluster import PrefetchReplicate
 from kvray.report import ReplayResult
+from kvray.scenario import Scenario
 from kvray.sim.cluster import ClusterSimulator
-from kvray.sim.cost import Scenario
 from kvray.traces import TraceRequest
 
 REPLICATION_THRESHOLDS = (None, 2, 8)  # never, or after that many requests for a prefix

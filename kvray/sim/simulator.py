@@ -20,7 +20,7 @@ future before it is served.
 
 Example::
     from kvray.policy import make_policy
-    from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+    from kvray.scenario import DEFAULT_SCENARIO, load_scenario
     from kvray.sim.simulator import Simulator
     from kvray.traces import read_trace
 
@@ -34,28 +34,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-import numpy as np
-
 from kvray.core.errors import ConfigError
+from kvray.core.placement import PlacementPolicy
 from kvray.core.tiers import Tier
-from kvray.policy.base import PlacementPolicy
 from kvray.report import ReplayResult
+from kvray.scenario import Scenario
 from kvray.sim.cluster import ClusterSimulator, node_capacities
-from kvray.sim.cost import Scenario
 from kvray.traces import TraceRequest
-
-
-def next_uses(trace: Sequence[TraceRequest]) -> list[np.ndarray]:
-    """For each request and each of its pages, the index of the next request using that
-    page (``inf`` if none): the future that only an offline oracle may see."""
-    seen: dict[int, int] = {}
-    out: list[np.ndarray] = [np.empty(0)] * len(trace)
-    for i in range(len(trace) - 1, -1, -1):
-        ids = trace[i].hash_ids
-        out[i] = np.array([seen.get(h, np.inf) for h in ids], dtype=np.float64)
-        for h in ids:
-            seen[h] = i
-    return out
 
 
 def fast_capacity(

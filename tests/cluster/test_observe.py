@@ -115,7 +115,7 @@ def test_unknown_cluster_policies_and_tier_costs_are_refused_where_they_enter():
     with pytest.raises(ValueError, match="unknown cluster policy 'nope'; known: .*local-first"):
         RuntimeConfig(cluster_policy="nope")
     with pytest.raises(ValueError, match="is not a ClusterPolicy subclass"):
-        RuntimeConfig(cluster_policy="kvray.policy.lru:LRUPolicy")
+        RuntimeConfig(cluster_policy="kvray.core.placement:LRUPolicy")
     with pytest.raises(ValueError, match="tier_cost: unknown tier"):
         RuntimeConfig(tier_cost={"tape": 1.0})
     assert RuntimeConfig(tier_cost={"host": 0.3}).tier_costs() == {Tier.HOST: 0.3}

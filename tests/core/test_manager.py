@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from kvray.core.errors import StorageError
 from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
+from kvray.core.placement import LRUPolicy
 from kvray.core.tiers import Tier
-from kvray.policy.lru import LRUPolicy
 from tests.properties import examples
 
 

@@ -15,12 +15,12 @@ from kvray.core.config import StoreConfig, TierSizes
 from kvray.core.errors import StorageError
 from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
+from kvray.core.placement import LRUPolicy
 from kvray.core.store import PageStore
 from kvray.core.tiers import Tier
 from kvray.policy import make_policy
-from kvray.policy.lru import LRUPolicy
 from kvray.rl.env import PlacementEnv
-from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator
 from kvray.traces import TraceRequest
 from tests.conftest import TINY

@@ -16,7 +16,7 @@ from kvray.policy.experts import SELECTOR_FEATURES, follow_the_leader
 from kvray.policy.rl import CARD_FILE, WEIGHTS_FILE
 from kvray.rl.counterfactual import collect, correction_size, expected_regret, fit, leave_one_source_out
 from kvray.rl.train import RowScorer, train
-from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.workloads import generate, named_workload
 
 SCENARIO = load_scenario(DEFAULT_SCENARIO)

@@ -40,9 +40,9 @@ from kvray.cluster.config import RuntimeConfig
 from kvray.core.index import ROOT, PrefixIndex
 from kvray.core.keys import trace_page_keys
 from kvray.core.manager import CacheManager
+from kvray.core.placement import RequestInfo
 from kvray.core.tiers import LOCAL_TIERS, Tier
 from kvray.policy import make_policy
-from kvray.policy.base import RequestInfo
 from kvray.policy.cluster import ClusterPolicy, ClusterView, NodeView, RequestView
 from kvray.traces import TraceRequest, full_blocks
 

@@ -14,9 +14,8 @@ import pickle
 from dataclasses import replace
 from pathlib import Path
 
-from kvray.policy.base import RequestInfo
+from kvray.core.placement import LRUPolicy, RequestInfo
 from kvray.policy.cluster import ClusterView, LocalFirstRing, RequestView
-from kvray.policy.lru import LRUPolicy
 
 RECORDS = Path(__file__).resolve().parents[2] / ".pytest_cache" / "kvray-recorded-views"
 

@@ -6,7 +6,8 @@ from typer.testing import CliRunner
 
 from kvray.cli import app
 from kvray.core.tiers import Tier
-from kvray.sim.cost import CostModel, load_scenario
+from kvray.scenario import load_scenario
+from kvray.sim.cost import CostModel
 
 
 def test_calibrate_writes_a_valid_measured_scenario(tmp_path):

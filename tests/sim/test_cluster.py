@@ -10,9 +10,9 @@ import yaml
 
 from kvray.core.errors import ConfigError
 from kvray.core.manager import CacheManager
+from kvray.core.placement import RequestInfo
 from kvray.core.tiers import TIER_LABELS, Tier
 from kvray.policy import make_policy
-from kvray.policy.base import RequestInfo
 from kvray.policy.cluster import (
     AlwaysPrefetch,
     ClusterView,
@@ -26,12 +26,13 @@ from kvray.policy.cluster import (
 )
 from kvray.report import ReplayTally, hit_tokens
 from kvray.resources import shipped_or_given
+from kvray.scenario import PrefillQueue, RouterSpec, Scenario, load_scenario
 from kvray.sim.cluster import ClusterSimulator, Router, node_capacities, session_of
-from kvray.sim.cost import CostModel, PrefillQueue, RouterSpec, Scenario, load_scenario
+from kvray.sim.cost import CostModel
 from kvray.sim.oracle import oracle_replay
-from kvray.sim.simulator import Simulator, fast_capacity, next_uses
+from kvray.sim.simulator import Simulator, fast_capacity
 from kvray.sim.workloads import WorkloadSpec, generate
-from kvray.traces import TraceRequest, full_blocks, read_trace
+from kvray.traces import TraceRequest, full_blocks, next_uses, read_trace
 
 SYNTHETIC = "data/traces/synthetic_trace.jsonl"
 FOUR = "simulations/h100-4node-skewed.yaml"

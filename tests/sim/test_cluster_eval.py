@@ -2,7 +2,7 @@
 the oracle's headroom over the best heuristic, and cells under 10% named."""
 
 from kvray.apps.cluster_eval import evaluate, headroom, write_markdown
-from kvray.sim.cost import load_scenario
+from kvray.scenario import load_scenario
 from kvray.sim.workloads import WorkloadSpec, generate
 
 

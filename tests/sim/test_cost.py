@@ -7,7 +7,8 @@ import yaml
 from kvray.core.errors import ConfigError
 from kvray.core.tiers import Tier
 from kvray.resources import shipped_or_given
-from kvray.sim.cost import DEFAULT_SCENARIO, CostModel, PrefillQueue, Scenario, load_scenario
+from kvray.scenario import DEFAULT_SCENARIO, PrefillQueue, Scenario, load_scenario
+from kvray.sim.cost import CostModel
 
 
 def write(tmp_path, data) -> str:

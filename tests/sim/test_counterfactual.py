@@ -8,8 +8,8 @@ from kvray.policy.cluster import make_cluster_policy
 from kvray.policy.experts import ExpertsPolicy, leader_scores
 from kvray.rl.counterfactual import CLUSTER_POLICY, collect, expected_regret, fit
 from kvray.rl.train import RowScorer
+from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.cluster import ClusterSimulator, node_capacities
-from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator, fast_capacity
 from kvray.sim.workloads import generate, named_workload
 

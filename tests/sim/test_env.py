@@ -9,7 +9,7 @@ from gymnasium.utils.env_checker import check_env
 import kvray.rl.env  # noqa: F401  (registers the id)
 from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES, WINDOW
 from kvray.rl.env import PlacementEnv
-from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator
 from kvray.traces import TraceRequest, read_trace
 

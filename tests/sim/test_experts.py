@@ -6,7 +6,7 @@ import numpy as np
 
 from kvray.policy import make_policy
 from kvray.policy.experts import EXPERTS, ExpertsPolicy, ShadowCache
-from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator, fast_capacity
 from kvray.sim.workloads import FAMILIES, generate
 from kvray.traces import full_blocks

@@ -26,8 +26,8 @@ import pytest
 
 from kvray.apps.replay import replay_on_runtime, settings_from
 from kvray.core.keys import trace_page_keys
-from kvray.policy.base import RequestInfo
-from kvray.sim.cost import load_scenario
+from kvray.core.placement import RequestInfo
+from kvray.scenario import load_scenario
 from kvray.sim.simulator import Simulator
 from kvray.traces import read_trace
 from tests.conftest import extra_nodes

@@ -8,16 +8,15 @@ from hypothesis import strategies as st
 from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
+from kvray.core.placement import LRUPolicy, PageContext, RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy import POLICIES, make_policy
 from kvray.policy.arc import ARCPolicy
-from kvray.policy.base import PageContext, RequestInfo
 from kvray.policy.belady import BeladyPolicy
 from kvray.policy.lfu import LFUPolicy
-from kvray.policy.lru import LRUPolicy
 from kvray.policy.threshold import ThresholdPolicy
 from kvray.policy.wfq import WFQPolicy
-from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator
 from kvray.traces import read_trace
 from tests.properties import examples

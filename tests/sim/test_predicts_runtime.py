@@ -29,7 +29,7 @@ from kvray.apps.replay import replay_on_runtime, settings_from
 from kvray.cluster.runtime import alive_nodes
 from kvray.core.errors import ConfigError
 from kvray.policy.cluster import LocalFirstRing
-from kvray.sim.cost import load_scenario
+from kvray.scenario import load_scenario
 from kvray.sim.simulator import simulate
 from kvray.traces import read_trace
 from tests.conftest import extra_nodes

@@ -17,7 +17,7 @@ from kvray.policy.experts import EXPERTS, SELECTOR_FEATURES
 from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, WEIGHTS_FILE, RLPolicy, load_scorer, observation_spec
 from kvray.resources import shipped_or_given
 from kvray.rl.train import split_by_time, train
-from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
+from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import simulate
 from kvray.traces import read_trace
 

@@ -13,9 +13,9 @@ from kvray.core.manager import CacheManager
 from kvray.policy import make_policy
 from kvray.report import ReplayTally
 from kvray.resources import shipped_or_given
-from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
-from kvray.sim.simulator import Simulator, fast_capacity, next_uses
-from kvray.traces import TraceRequest, read_trace
+from kvray.scenario import DEFAULT_SCENARIO, load_scenario
+from kvray.sim.simulator import Simulator, fast_capacity
+from kvray.traces import TraceRequest, next_uses, read_trace
 from tests.conftest import RESULT_KEYS, RUNTIME_KEYS
 
 TRACE = "data/traces/conversation_trace_first30min.jsonl"

@@ -1,128 +1,22 @@
-"""The placement-policy interface shared by the runtime and the simulator.
+"""Policies that evict by a score: the lowest-scored unpinned page of a tier leaves first.
 
-A policy answers four questions, each at a decision point of the cache manager:
-
-- ``admit``: where does a new page go (a tier, or None: not kept)?
-- ``victim``: a tier is full; which of its pages leaves?
-- ``demote_target``: where does that page go (a lower tier, or None: dropped)?
-- ``promote_target``: a page was hit in a slow tier; should it move up, and where?
-
-It is told about every change (``on_insert``, ``on_access``, ``on_remove``) so that it can
-keep whatever ordering it needs. It reads page state (pins, heat, depth) from the shared
-:class:`~kvray.core.index.PrefixIndex` and never moves bytes: the manager does that, and in the
-simulator a cost model stands in for the bytes (docs/design.md, "One policy, two worlds").
+:class:`ScoredPolicy` keeps each tier's members as a dense array (:class:`TierMembers`) so
+that a subclass scores them vectorised from the index columns (heat, recency, depth), and a
+short queue of each tier's lowest scores so that an eviction does not rescore the tier.
 """
 
 from __future__ import annotations
 
 import bisect
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
 from kvray.core.index import PrefixIndex
+from kvray.core.placement import PageContext, PlacementPolicy
 from kvray.core.tiers import Tier
-
-
-@dataclass(frozen=True)
-class RequestInfo:
-    """What the cache knows as a request arrives, told to the policy before it is served.
-
-    ``tier_cost`` is each tier's time to bring a page to the engine relative to
-    recomputing it (prefill); ``backlog_ms`` the work queued ahead (load). Where the cost
-    of time is known (the simulator), ``arrival_ms``, ``page_prefill_ms`` (recomputing one
-    page) and ``engines`` (prefill engines serving the queue) let a policy model what a
-    choice would have cost in waiting, not only in pages; ``page_prefill_ms`` 0 means
-    unknown. ``future`` is
-    set only by the simulator, only for the offline oracle: per page of the request, the
-    index of the next request that uses it (``inf`` if none).
-    """
-
-    keys: tuple[int, ...]
-    backlog_ms: float = 0.0
-    tier_cost: Mapping[Tier, float] | None = None
-    future: np.ndarray | None = None
-    arrival_ms: float = 0.0
-    page_prefill_ms: float = 0.0
-    engines: int = 1
-
-
-@dataclass(frozen=True)
-class PageContext:
-    """What is known online about a page being stored."""
-
-    depth: int
-    request_pages: int
-    priority: int = 0
-    tenant: str = ""
-
-
-class PlacementPolicy(ABC):
-    """Base class of placement policies.
-
-    Subclasses set ``name`` and implement the ordering hooks and ``victim``; the default
-    admission puts a page in the fastest tier and the default demotion walks down the tiers.
-
-    Example::
-
-        policy = LRUPolicy()
-        policy.bind(index, {Tier.HOST: 128, Tier.DISK: 4096})
-        policy.admit(PageContext(depth=0, request_pages=4))   # Tier.HOST
-    """
-
-    name: ClassVar[str] = "base"
-    needs_future: ClassVar[bool] = False  # an offline oracle: only the simulator can run it
-
-    def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
-        """Attach to the index and tier sizes of the manager that consults this policy."""
-        self.index = index
-        self.tiers = sorted(t for t, cap in capacities.items() if cap > 0)
-        self.capacities = dict(capacities)
-        self._below = {t: next((s for s in self.tiers if s > t), None) for t in Tier}
-
-    def admit(self, ctx: PageContext) -> Tier | None:
-        return self.tiers[0]
-
-    def demote_target(self, handle: int, tier: Tier) -> Tier | None:
-        return self._below[tier]
-
-    def promote_target(self, handle: int, tier: Tier) -> Tier | None:
-        return None
-
-    def on_request(self, info: RequestInfo) -> None:
-        """A request is about to be served (before its lookup)."""
-
-    def on_admitted(self, handle: int, ctx: PageContext) -> None:
-        """A new page was stored with ``ctx`` (after ``on_insert``); policies that keep
-        per-page context (tenant, priority) record it here."""
-
-    def nearest(self, tier: Tier) -> Tier:
-        """The present tier closest to ``tier``: itself, else the next slower, else the slowest."""
-        return next((t for t in self.tiers if t >= tier), self.tiers[-1])
-
-    @abstractmethod
-    def on_insert(self, handle: int, tier: Tier) -> None: ...
-
-    @abstractmethod
-    def on_access(self, handles: np.ndarray) -> None:
-        """Pages of one request were hit, root first."""
-
-    @abstractmethod
-    def on_remove(self, handle: int, tier: Tier) -> None: ...
-
-    @abstractmethod
-    def victim(self, tier: Tier) -> int | None:
-        """An unpinned page of ``tier`` to evict, or None when every page is pinned."""
-
-    def _first_unpinned(self, handles: Iterable[int]) -> int | None:
-        pins = self.index.pins
-        for h in handles:  # a loop, not next(genexpr): this runs once per eviction
-            if pins[h] == 0:
-                return h
-        return None
 
 
 class TierMembers:
