@@ -6,8 +6,8 @@ loads the cached prefix (into its landing buffer), computes the rest (a calibrat
 the time to first token, then stores the new pages and waits until its reports have
 landed (``KvrayClient.settle``, after the time is taken), so the next request, on any
 node, finds the cache as this one left it, as in the simulator. Page bytes are deterministic in the
-page key (a fixed random pattern XOR the key), so every loaded page is checked against
-what it must contain: a wrong page is counted, never silently used.
+page key (:class:`~kvray.cluster.checked.PagePattern`), so every loaded page is checked
+against what it must contain: a wrong page is counted, never silently used.
 
 With ``cache=False`` the engine never looks up or stores pages: it recomputes every
 prompt, as an engine without kvray does, which is the baseline kvray is measured against.
@@ -27,30 +27,9 @@ import ray
 import torch
 
 from kvray.apps.prefill import PrefillWorkload
-from kvray.cluster.client import KvrayClient, Loaded
-from kvray.core.keys import MASK64
+from kvray.cluster.checked import PagePattern
+from kvray.cluster.client import KvrayClient
 from kvray.traces import full_blocks
-
-
-class PagePattern:
-    """The KV bytes a page must hold: one random page XOR the key's low 64 bits.
-
-    Example::
-
-        pattern = PagePattern(page_nbytes=4096)
-        pattern.fill(key, row); pattern.matches(key, row)    # True
-    """
-
-    def __init__(self, page_nbytes: int, seed: int = 0) -> None:
-        self.base = np.random.default_rng(seed).integers(0, 2**63, page_nbytes // 8, dtype=np.uint64)
-        self._scratch = np.empty_like(self.base)
-
-    def fill(self, key: int, row: np.ndarray) -> None:
-        np.bitwise_xor(self.base, np.uint64(key & MASK64), out=row.view(np.uint64))
-
-    def matches(self, key: int, row: np.ndarray) -> bool:
-        np.bitwise_xor(row.view(np.uint64), self.base, out=self._scratch)
-        return bool((self._scratch == np.uint64(key & MASK64)).all())
 
 
 class ReplayEngine:
@@ -86,33 +65,31 @@ class ReplayEngine:
         """Serve one request; returns its measured TTFT and what the cache gave it."""
         t0 = time.perf_counter()
         keys = self.client.keys_for_trace(full_blocks(hash_ids, input_length, self.page_tokens))
-        plan, loaded = None, Loaded(0)
-        try:
-            if keys and self.cache:
-                # The driver sends a request only when the last one is done: nothing queues here.
-                plan = self.client.lookup(keys, backlog_ms=0.0)
-                loaded = self.client.load(keys, plan)
-            hit = loaded.pages
-            rows = self.client.buffer.pages  # after the load: it may have moved to a fresh buffer
-            computing = time.perf_counter()
-            self.prefill.run(input_length - hit * self.page_tokens)
-            for i in range(hit, len(keys)):
-                self.pattern.fill(keys[i], rows[i])
-            done = time.perf_counter()
-            ttft, compute = done - t0, done - computing
-            wrong = sum(not self.pattern.matches(keys[i], rows[i]) for i in range(hit))
-            del rows  # no view of the buffer may outlive a store call (it may move to a fresh one)
-        finally:  # even if the load raised: a lease never released pins its pages until it expires
-            if plan is not None:
-                self.client.release(plan, loaded)
-        if plan is not None:
-            self.client.store(keys, hit, plan)
-            self.client.settle()
+        if not (keys and self.cache):  # nothing to look up: every page computed, none stored
+            ttft, compute, _ = self._compute(keys, 0, self.client.buffer.pages, input_length, t0)
+            return self._served(ttft, compute, input_length, {}, wrong=0)
+        # The driver sends a request only when the last one is done: nothing queues here.
+        with self.client.request(keys, backlog_ms=0.0) as r:
+            ttft, compute, wrong = self._compute(keys, r.hit, r.rows, input_length, t0)
+            r.store()
+        self.client.settle()
+        return self._served(ttft, compute, input_length, r.loaded.by_tier, wrong)
+
+    def _compute(self, keys: list[int], hit: int, rows: np.ndarray, input_length: int, t0: float) -> tuple[float, float, int]:
+        """Prefill the tokens past the ``hit`` pages and write their KV pages into ``rows``;
+        returns (TTFT since ``t0``, compute time, loaded pages with wrong bytes)."""
+        computing = time.perf_counter()
+        self.prefill.run(input_length - hit * self.page_tokens)
+        self.pattern.fill_rows(keys[hit:], rows[hit : len(keys)])
+        done = time.perf_counter()
+        return done - t0, done - computing, self.pattern.wrong(keys[:hit], rows)
+
+    def _served(self, ttft: float, compute: float, tokens: int, hit_pages_by_tier: dict[str, int], wrong: int) -> dict:
         return {
             "ttft_s": ttft,
             "compute_s": compute,
-            "tokens": input_length,
-            "hit_tokens_by_tier": {tier: n * self.page_tokens for tier, n in loaded.by_tier.items()},
+            "tokens": tokens,
+            "hit_tokens_by_tier": {tier: n * self.page_tokens for tier, n in hit_pages_by_tier.items()},
             "wrong_pages": wrong,
         }
 

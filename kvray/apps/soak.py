@@ -4,7 +4,7 @@ Not part of the test suite or CI: it runs for minutes (``make soak SOAK_MINUTES=
 short one). It starts ``nodes`` local Ray nodes (``ray.cluster_utils.Cluster``), a kvray
 runtime, and ``clients`` client processes (Ray actors, spread over the nodes) that serve
 requests on overlapping conversation prefixes for ``minutes``, checking every loaded page
-against the bytes stored for its key (:class:`~kvray.apps.replay_engine.PagePattern`: the key
+against the bytes stored for its key (:class:`~kvray.cluster.checked.PagePattern`: the key
 carries its whole prefix). Meanwhile the driver injects a random fault every
 ``fault_every_s`` seconds on average:
 
@@ -45,8 +45,8 @@ from collections import Counter
 
 import ray
 
-from kvray.apps.replay_engine import PagePattern
-from kvray.cluster.client import KvrayClient, Loaded
+from kvray.cluster.checked import PagePattern, serve_checked
+from kvray.cluster.client import KvrayClient
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.node_store import STORE_RESTARTS
 from kvray.cluster.runtime import RayConnection, Runtime
@@ -81,35 +81,20 @@ class SoakClient:
             conversation, depth = self.rng.randrange(CONVERSATIONS), self.rng.randint(1, MAX_DEPTH)
             keys = self.client.keys_for_trace([conversation * 100 + j for j in range(depth)])
             try:
-                hit, wrong, stored = self._serve(keys)
+                served = serve_checked(self.client, self.pattern, keys)
             except Exception as exc:  # noqa: BLE001 - a cache must never fail a request: count any that did
                 errors[f"{type(exc).__name__}: {str(exc)[:120]}"] += 1
                 tally["requests_failed"] += 1
                 continue
             tally["requests_served"] += 1
             tally["pages_requested"] += len(keys)
-            tally["pages_hit"] += hit
-            tally["wrong_kv_served"] += wrong
-            if stored and stored == len(keys) - hit:
-                acknowledged.update(keys[hit:])
+            tally["pages_hit"] += served.hit
+            tally["wrong_kv_served"] += served.wrong
+            if served.stored and served.stored == len(keys) - served.hit:
+                acknowledged.update(keys[served.hit :])
         tally.update({f"client_{kind}": n for kind, n in self.client.faults.items()})
         tally["buffers_renewed"] += self.client.renewed_buffers
         return {"tally": dict(tally), "errors": dict(errors), "acknowledged": sorted(acknowledged)}
-
-    def _serve(self, keys: list[int]) -> tuple[int, int, int]:
-        """(pages hit, pages hit with wrong bytes, pages stored) of one request."""
-        plan = self.client.lookup(keys)
-        loaded = Loaded(0)
-        try:
-            loaded = self.client.load(keys, plan)
-            rows = self.client.buffer.pages
-            wrong = sum(not self.pattern.matches(keys[i], rows[i]) for i in range(loaded.pages))
-            for i in range(loaded.pages, len(keys)):
-                self.pattern.fill(keys[i], rows[i])
-            del rows
-        finally:
-            self.client.release(plan, loaded)
-        return loaded.pages, wrong, self.client.store(keys, loaded.pages, plan)
 
     def close(self) -> None:
         self.client.close()

@@ -6,8 +6,8 @@ request is an agent's prompt plus one session's history so far. Requests go to t
 that serves their agent (sticky routing, as an agent service's router does), where
 client processes (``PROCESSES_PER_NODE`` actors per node) serve them on threads, each
 thread with its own :class:`~kvray.cluster.client.KvrayClient` (one landing buffer per
-request in flight): lookup, load, check every loaded page's bytes, compute the missing
-pages, release, store.
+request in flight), each request a :func:`~kvray.cluster.checked.serve_checked`: lookup,
+load, check every loaded page's bytes, compute the missing pages, release, store.
 
 - ``concurrency_throughput[N clients]`` / ``concurrency_p50`` / ``concurrency_p99``: the
   same request list served by N clients, each with ``DEPTH`` requests in flight (the
@@ -45,10 +45,10 @@ from pathlib import Path
 
 import ray
 
-from kvray.apps.replay_engine import PagePattern
 from kvray.bench import BenchResult, benchmark
 from kvray.cluster import KvrayClient, RayConnection, Runtime, RuntimeConfig
-from kvray.cluster.controller import new_lease
+from kvray.cluster.checked import PagePattern, serve_checked
+from kvray.cluster.protocol import new_lease
 from kvray.cluster.runtime import alive_nodes, on_node
 from kvray.cluster.shards import ControllerShards
 from kvray.core.config import PageLayout, TierSizes
@@ -113,19 +113,13 @@ class ClientProcess:
                     return seen
                 start = time.time()
                 keys = client.keys_for_trace(requests[i], salt)
-                plan = client.lookup(keys)
-                loaded = client.load(keys, plan)
-                rows = client.buffer.pages  # after the load: a timed-out call moves to a fresh buffer
-                seen["wrong_pages"] += sum(not pattern.matches(keys[r], rows[r]) for r in range(loaded.pages))
-                for r in range(loaded.pages, len(keys)):
-                    pattern.fill(keys[r], rows[r])
-                del rows
-                client.release(plan, loaded)
-                seen["stored_pages"] += client.store(keys, loaded.pages, plan)
+                served = serve_checked(client, pattern, keys)
                 spans[i] = (start, time.time())
+                seen["wrong_pages"] += served.wrong
+                seen["stored_pages"] += served.stored
                 seen["requests"] += 1
                 seen["lookup_pages"] += len(keys)
-                seen["hit_pages"] += loaded.pages
+                seen["hit_pages"] += served.hit
 
         faults_before = sum(sum(c.faults.values()) for c in self.clients)
         with ThreadPoolExecutor(max_workers=threads) as pool:

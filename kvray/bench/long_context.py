@@ -260,8 +260,7 @@ def _cross_node_rows(tokens: int, directory: str, quick: bool) -> list[BenchResu
 
     from kvray.bench.runtime import _LoopbackTCP
     from kvray.cluster import KvrayClient, RayConnection, Runtime, RuntimeConfig
-    from kvray.cluster.client import Loaded
-    from kvray.cluster.controller import Plan
+    from kvray.cluster.protocol import Loaded, Plan
 
     pages = tokens // LAYOUT.page_tokens
     host = pages // 4
@@ -284,7 +283,7 @@ def _cross_node_rows(tokens: int, directory: str, quick: bool) -> list[BenchResu
                 for start, stop in _chunks(pages):
                     client.buffer.pages[: stop - start] = _stamped(block, start, stop)
                     parent = keys[start - 1] if start else None
-                    client.store(keys[start:stop], 0, Plan(0, [], [there] * (stop - start)), parent_key=parent)
+                    client.store(keys[start:stop], 0, Plan.placing([there] * (stop - start)), parent_key=parent)
                     tick(stop - 1)
             ray.get(runtime.controller.snapshot.remote())  # every commit has landed
 

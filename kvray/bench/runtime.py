@@ -39,8 +39,9 @@ import ray
 
 from kvray.bench import BenchResult, alternating_medians, benchmark, paired_medians
 from kvray.cluster import KvrayClient, RayConnection, Runtime, RuntimeConfig
-from kvray.cluster.controller import Controller, Plan
+from kvray.cluster.controller import Controller
 from kvray.cluster.paths import NIXL_IMPORTABLE
+from kvray.cluster.protocol import Plan
 from kvray.cluster.runtime import on_node
 from kvray.core.config import PageLayout, TierSizes
 from kvray.core.errors import ClusterError
@@ -93,7 +94,7 @@ class _Bench:
     def _cached_request(self, node: str, seed: int) -> list[int]:
         keys = self.client.keys_for_trace(list(range(seed * 1000, seed * 1000 + REQUEST_PAGES)))
         self.client.buffer.pages[:] = np.random.default_rng(seed).integers(0, 256, self.client.buffer.pages.shape, dtype=np.uint8)
-        self.client.store(keys, 0, Plan(0, [], [node] * REQUEST_PAGES))
+        self.client.store(keys, 0, Plan.placing([node] * REQUEST_PAGES))
         ray.get(self.runtime.controller.snapshot.remote())  # the commit has landed
         return keys
 
@@ -110,10 +111,8 @@ class _Bench:
     def load(self, keys: list[int], mapped_reads: bool = True) -> None:
         """What an engine does on a hit: lookup (+ pin), load, release."""
         self.client.mapped_reads = mapped_reads
-        plan = self.client.lookup(keys)
-        loaded = self.client.load(keys, plan)
-        self.client.release(plan, loaded)
-        assert loaded.pages == len(keys), loaded
+        with self.client.request(keys) as r:
+            assert r.hit == len(keys), r.loaded
 
     def transfer(self, keys: list[int], plan: Plan) -> None:
         """The move alone: load the pages of a plan already pinned."""
@@ -223,7 +222,7 @@ def cross_node_store(quick: bool) -> list[BenchResult]:
         def store() -> None:
             first = next(rounds)
             keys = bench.client.keys_for_trace(list(range(first, first + pages)))
-            assert bench.client.store(keys, 0, Plan(0, [], [bench.there] * pages)) == pages
+            assert bench.client.store(keys, 0, Plan.placing([bench.there] * pages)) == pages
 
         for path in ("tcp", "object_store"):
             bench.use_path(path)

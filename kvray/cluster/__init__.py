@@ -9,8 +9,11 @@ The only part of kvray that imports Ray. The pieces, from the bottom:
   larger than a node keeps). No page byte passes through it.
 - :mod:`~kvray.cluster.shards`: the controller split into ``controller_shards`` actors,
   each owning the chains whose root page hashes to it; routing and merged snapshots.
+- :mod:`~kvray.cluster.protocol`: the request protocol's types (plans, leases, what a
+  load delivered, the handle of one request).
 - :mod:`~kvray.cluster.client`: what engines and jobs call, one round trip per request:
-  lookup + pin, load, store, release. Same-node bytes move through shared memory
+  ``with client.request(keys) as r:`` (lookup + pin and load on entry, release and store
+  on exit), or those verbs one by one. Same-node bytes move through shared memory
   (:mod:`~kvray.cluster.shm`), cross-node bytes through Ray's object store or a
   collective (gloo on CPU, NCCL on GPU), chosen by size.
 - :mod:`~kvray.cluster.runtime`: starting or joining Ray and placing the actors.
@@ -28,11 +31,11 @@ Example::
 from typing import TYPE_CHECKING
 
 from kvray.cluster.config import RuntimeConfig
-from kvray.cluster.controller import Plan
+from kvray.cluster.protocol import Loaded, Plan, Request
 from kvray.lazy import lazy_attributes
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from kvray.cluster.client import KvrayClient, Loaded
+    from kvray.cluster.client import KvrayClient
     from kvray.cluster.runtime import RayConnection, Runtime
 
 # The client and the runtime (which places the store actors) load torch: imported on first
@@ -41,10 +44,9 @@ __getattr__ = lazy_attributes(
     __name__,
     {
         "KvrayClient": "kvray.cluster.client",
-        "Loaded": "kvray.cluster.client",
         "RayConnection": "kvray.cluster.runtime",
         "Runtime": "kvray.cluster.runtime",
     },
 )
 
-__all__ = ["KvrayClient", "Loaded", "Plan", "RayConnection", "Runtime", "RuntimeConfig"]
+__all__ = ["KvrayClient", "Loaded", "Plan", "RayConnection", "Request", "Runtime", "RuntimeConfig"]

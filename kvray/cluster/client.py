@@ -1,16 +1,19 @@
-"""The client API engines and jobs call: lookup + pin, load, store, release.
+"""The client API engines and jobs call: a request (lookup + pin, load, release, store).
 
-Each verb covers a whole request with one controller round trip at most, and none when
-this node's host tier holds the whole request. With several controller shards, a
-request's calls all go to the shard owning its chain (:mod:`kvray.cluster.shards`), so
-that is still one round trip:
+A request is ``with client.request(keys) as r:`` (:meth:`KvrayClient.request`): lookup
+and load on entry, release and store on exit, the landing buffer's rows readable only
+inside the block. It runs four verbs, which callers that split a request (vLLM's
+scheduler looks up, its worker loads) call themselves. Each covers a whole request with
+one controller round trip at most, and none when this node's host tier holds the whole
+request. With several controller shards, a request's calls all go to the shard owning
+its chain (:mod:`kvray.cluster.shards`), so that is still one round trip:
 
 - ``lookup(keys, backlog_ms)``: if every page is published in this node's shared host tier (its
   :class:`~kvray.core.tiers.directory.SlotDirectory`, mapped into this process), the answer is
   a local plan (lease ``LOCAL_LEASE``) made without any Ray call: nothing is pinned, the
   load validates each page itself. Otherwise the controller pins the cached prefix under
   a lease and says where each cached page is and where each missing page should go
-  (:class:`~kvray.cluster.controller.Plan`, by the cluster policy, which also hears the
+  (:class:`~kvray.cluster.protocol.Plan`, by the cluster policy, which also hears the
   engine's ``backlog_ms``). The client names the lease, so when the
   answer does not come in time it still ends the pins the call may have taken; a lease
   never released (the client died) expires.
@@ -61,17 +64,17 @@ too. A call given up on may still be running in the store, copying into or out o
 landing buffer; so the client never uses that buffer again: at the end of that ``load``
 or ``store`` it moves to a fresh one (the rows loaded so far copied over), and the late
 copy touches memory no request reads. Hence ``client.buffer`` is read anew after each
-``load`` and ``store``, never kept across them.
+``load`` and ``store``, never kept across them; ``request`` enforces it (``r.rows`` raise
+after the block).
 
 Example::
 
     client = KvrayClient.connect("kvray")
     keys = client.keys_for_trace(request.hash_ids)
-    plan = client.lookup(keys)
-    loaded = client.load(keys, plan)            # client.buffer.pages[:loaded.pages] hold the KV
-    ... compute the KV of the rest into client.buffer.pages[loaded.pages:len(keys)] ...
-    client.release(plan, loaded)
-    client.store(keys, loaded.pages, plan)
+    with client.request(keys) as r:             # lookup + load
+        ... use the KV in r.rows[:r.hit], compute the rest into r.rows[r.hit:] ...
+        r.store()                               # on exit: release, then store rows r.hit..
+    r.stored                                    # pages stored
     client.settle()                             # optional: wait until the reports have landed
 """
 
@@ -83,13 +86,12 @@ import itertools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import ray
 
 from kvray.cluster.config import RuntimeConfig
-from kvray.cluster.controller import LOCAL_LEASE, NO_LEASE, Plan, new_lease
-from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathSpeeds, StoreCallPath, nixl_wanted
+from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathContext, PathSpeeds, StoreCallPath, nixl_wanted
+from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Request, Run, new_lease, runs_of
 from kvray.cluster.shards import ControllerShards
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks
@@ -105,56 +107,6 @@ MEMBERS_CHECK_S = 5.0  # how often a client re-reads the stores and their page s
 UNSETTLED_KEPT = 64  # calls sent without waiting kept for ``settle`` before the finished ones are let go
 
 
-@dataclass
-class Loaded:
-    """What ``load`` delivered: the first ``pages`` rows of the buffer, by tier and path."""
-
-    pages: int
-    by_tier: dict[str, int] = field(default_factory=dict)
-    lost: dict[str, list[int]] = field(default_factory=dict)
-    bytes_between_nodes: int = 0
-    paths: dict[str, int] = field(default_factory=dict)  # transfer path -> pages
-    mapped: list[int] = field(default_factory=list)  # keys copied from the mapped host tier
-
-    def merge(self, other: Loaded) -> None:
-        """Count ``other`` (a later chunk of the same request) in this one."""
-        for path, n in other.paths.items():
-            self.paths[path] = self.paths.get(path, 0) + n
-        for tier, n in other.by_tier.items():
-            self.by_tier[tier] = self.by_tier.get(tier, 0) + n
-        for node, keys in other.lost.items():
-            self.lost.setdefault(node, []).extend(keys)
-        self.pages += other.pages
-        self.bytes_between_nodes += other.bytes_between_nodes
-        self.mapped.extend(other.mapped)
-
-    def add(self, path: str, pages: int, by_tier: dict[str, int], between_nodes: int) -> None:
-        if not pages:
-            return
-        self.pages += pages
-        self.paths[path] = self.paths.get(path, 0) + pages
-        for tier, n in by_tier.items():
-            self.by_tier[tier] = self.by_tier.get(tier, 0) + n
-        self.bytes_between_nodes += between_nodes
-
-
-@dataclass(frozen=True)
-class _Run:
-    node: str
-    start: int
-    stop: int
-
-
-def _runs(nodes: Sequence[str], start: int) -> list[_Run]:
-    """Maximal runs of consecutive pages on one node, numbered from row ``start``."""
-    runs, row = [], start
-    for node, group in itertools.groupby(nodes):
-        n = sum(1 for _ in group)
-        runs.append(_Run(node, row, row + n))
-        row += n
-    return runs
-
-
 class KvrayClient:
     """Per-process handle on a kvray runtime; see the module docstring.
 
@@ -162,6 +114,10 @@ class KvrayClient:
     as before the host tier was mapped; benchmarks compare the two. ``faults`` counts the
     calls that became misses: ``timeout`` (no answer in ``timeout_s``), ``unavailable``
     (the actor died or is restarting), ``store_error`` (the store raised).
+
+    What the transfer paths see of the client (the landing buffer, the routes to the
+    stores, where faults are counted) lives in ``context`` (:class:`~kvray.cluster.paths.PathContext`);
+    the properties below read it.
     """
 
     def __init__(
@@ -179,24 +135,19 @@ class KvrayClient:
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
         self.fingerprint = config.fingerprint()
         self.page_nbytes = config.layout.page_nbytes
-        self.buffer = LandingBuffer.create(buffer_pages or config.max_request_pages, self.page_nbytes)
         self.timeout_s = timeout_s
-        self.links: PeerLinks | None = None
+        self.context = PathContext(LandingBuffer.create(buffer_pages or config.max_request_pages, self.page_nbytes), timeout_s)
         self.mapped_reads = mapped_reads
-        self.faults: Counter[str] = Counter()
         self.renewed_buffers = 0
-        self._stale = False  # a call given up on may still copy into or out of ``buffer``
         self._retired: list[LandingBuffer] = []  # old buffers a caller still held a view of
         self._host: SharedHostTier | None = None  # this node's store's host tier, mapped
         self._host_info = None  # ref: the local store's ``host_tier`` answer, while awaited
         self._next_check = 0.0  # when to ask the store again which segment it serves
         self._members = None  # ref: the controller's ``members`` answer, while awaited
         self._next_members = time.monotonic() + MEMBERS_CHECK_S
-        self._arrival: tuple[bytes, float] | None = None  # the request's, until this node's store has it
         self._touched = None  # ref: the latest ``touch``, which the next write here waits for
         self._unsettled: list = []  # refs of the calls sent without waiting, since the last ``settle``
-        self.paths: dict[str, StoreCallPath] = {path.name: path(self) for path in PATHS}
-        self.speeds = PathSpeeds()
+        self.paths: dict[str, StoreCallPath] = {path.name: path(self.context) for path in PATHS}
         self.refresh()
 
     @classmethod
@@ -218,10 +169,37 @@ class KvrayClient:
 
     def _route(self, members: dict) -> None:
         self.stores: dict[str, ray.actor.ActorHandle] = members["stores"]
-        self.ranks: dict[str, int] = members["ranks"]
-        self.servers: dict[str, tuple[str, int]] = members["servers"]
-        if self.links is None and members["token"] is not None:
-            self.links = PeerLinks(members["token"], self.page_nbytes, self.timeout_s)
+        context = self.context
+        context.local_store = self.stores.get(self.node_id)
+        context.ranks, context.servers = members["ranks"], members["servers"]
+        if context.links is None and members["token"] is not None:
+            context.links = PeerLinks(members["token"], self.page_nbytes, self.timeout_s)
+
+    # -- what the transfer paths see, read here too -------------------------------------------
+    @property
+    def buffer(self) -> LandingBuffer:
+        """The landing buffer: read it anew after each ``load`` and ``store`` (it may be a fresh one)."""
+        return self.context.buffer
+
+    @property
+    def local_store(self) -> ray.actor.ActorHandle | None:
+        return self.context.local_store
+
+    @property
+    def servers(self) -> dict[str, tuple[str, int]]:
+        return self.context.servers
+
+    @property
+    def links(self) -> PeerLinks | None:
+        return self.context.links
+
+    @property
+    def speeds(self) -> PathSpeeds:
+        return self.context.speeds
+
+    @property
+    def faults(self) -> Counter[str]:
+        return self.context.faults
 
     def _poll_members(self) -> None:
         """Every ``MEMBERS_CHECK_S`` ask the controller (without waiting) who serves where,
@@ -268,10 +246,6 @@ class KvrayClient:
             self._host.close()
         self._host = None
 
-    @property
-    def local_store(self):
-        return self.stores.get(self.node_id)
-
     def keys_for_trace(self, hash_ids: Sequence[int], salt: str = "") -> list[int]:
         """Page keys of a trace request: its prefix-chained block ids bound to this model."""
         return trace_page_keys(self.fingerprint, hash_ids, salt)
@@ -284,6 +258,32 @@ class KvrayClient:
         if len(keys) > limit:
             raise RequestError(f"request of {len(keys)} pages exceeds max_request_pages={limit}")
 
+    # -- a whole request ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def request(self, keys: Sequence[int], backlog_ms: float = 0.0) -> Iterator[Request]:
+        """``with client.request(keys) as r:``: look up and load the cached prefix of ``keys``
+        on entry; the block reads ``r.rows[:r.hit]``, computes the rest into ``r.rows[r.hit:]``
+        and calls ``r.store()`` to have it stored; on exit the lease is released (whether
+        the block raised or not) and then, if asked and nothing raised, the rows stored
+        (``r.stored`` pages). ``r.rows`` are valid inside the block only
+        (:class:`~kvray.cluster.protocol.Request`), so no caller keeps the landing buffer
+        across calls that may replace it. The verbs below stay for callers that split a
+        request (vLLM's scheduler looks up, its worker loads) or test one step of it.
+        """
+        self._check(keys)  # before anything is pinned: the rows must fit the landing buffer
+        plan = self.lookup(keys, backlog_ms)
+        loaded, request = Loaded(0), None
+        try:
+            loaded = self.load(keys, plan)
+            request = Request(keys, plan, loaded, self.buffer.pages[: len(keys)])
+            yield request
+        finally:  # a lease never released would pin its pages until it expires
+            if request is not None:
+                request.close()
+            self.release(plan, loaded)
+        if request.store_wanted:
+            request.stored = self.store(keys, loaded.pages, plan)
+
     # -- lookup + pin ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int], backlog_ms: float = 0.0) -> Plan:
         """Where the cached prefix of ``keys`` is (pinned) and where the rest goes; a request
@@ -292,7 +292,7 @@ class KvrayClient:
         controller's and this node's policies are told."""
         self._check(keys, max(self.buffer.capacity, self.config.max_request_pages))
         self._poll_members()
-        self._arrival = (pack_keys(keys), float(backlog_ms))
+        self.context.arrival = (pack_keys(keys), float(backlog_ms))
         shard = self.shards.of(keys)
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):
@@ -303,17 +303,12 @@ class KvrayClient:
             ref = controller.lookup_pin.remote(list(keys), self.node_id, lease, float(backlog_ms))
             plan = ray.get(ref, timeout=self.timeout_s)
         except ACTOR_ERRORS as exc:
-            self.count_fault(exc)
+            self.context.count_fault(exc)
             # The pin may still happen (or have happened) after we stopped waiting: end it by
             # its id. The controller runs one caller's calls in order, so this comes after it.
             controller.release.remote(lease, {}, {})
             return Plan(NO_LEASE, [], [], shard)  # the controller is restarting or slow: a miss, nothing placed
         return dataclasses.replace(plan, shard=shard)
-
-    def take_arrival(self) -> tuple[bytes, float] | None:
-        """The request's arrival, for the first call to this node's store to carry (once)."""
-        arrival, self._arrival = self._arrival, None
-        return arrival
 
     def settle(self) -> None:
         """Wait (at most ``timeout_s``) until the calls sent without waiting have run: the
@@ -329,15 +324,6 @@ class KvrayClient:
         if len(self._unsettled) >= UNSETTLED_KEPT:
             _, self._unsettled = ray.wait(self._unsettled, num_returns=len(self._unsettled), timeout=0)
         return ref
-
-    def count_fault(self, exc: Exception) -> None:
-        """A call that became a miss, by cause (see ``faults``)."""
-        if isinstance(exc, ray.exceptions.GetTimeoutError):
-            self.faults["timeout"] += 1
-        elif isinstance(exc, ray.exceptions.RayTaskError):
-            self.faults["store_error"] += 1
-        else:
-            self.faults["unavailable"] += 1
 
     # -- load -----------------------------------------------------------------------------------
     def load(self, keys: Sequence[int], plan: Plan) -> Loaded:
@@ -371,7 +357,7 @@ class KvrayClient:
                 return
 
     def _load(self, keys: Sequence[int], plan: Plan) -> Loaded:
-        runs = _runs(plan.hit_nodes, 0)
+        runs = runs_of(plan.hit_nodes, 0)
         host = self._mapped_host() if self.mapped_reads else None
         # Transfers from the store actors first, so they move while this thread copies mapped pages.
         started = {run: self._start_run(keys, run) for run in runs if not (host and run.node == self.node_id)}
@@ -394,14 +380,14 @@ class KvrayClient:
                 loaded.lost.setdefault(run.node, []).extend(keys[run.start + got : run.stop])
         return loaded
 
-    def _read_mapped(self, host: SharedHostTier, keys: Sequence[int], run: _Run) -> list[tuple[str, int, dict[str, int]]]:
+    def _read_mapped(self, host: SharedHostTier, keys: Sequence[int], run: Run) -> list[tuple[str, int, dict[str, int]]]:
         """Copy a same-node run out of the mapped host tier; the rest of it (pages on the
         local disk tier, or freed meanwhile) through the store actor."""
         sub = list(keys[run.start : run.stop])
         got = host.read(sub, self.buffer.pages[run.start : run.stop], verify=self.config.checksum_memory)
         parts = [("mapped", got, {HOST: got} if got else {})]
         if got < len(sub):
-            rest = _Run(run.node, run.start + got, run.stop)
+            rest = Run(run.node, run.start + got, run.stop)
             path, pending, t0 = self._start_run(keys, rest)
             parts.append((path.name, *self._finish_run(rest, path, pending, t0)))
         return parts
@@ -419,7 +405,8 @@ class KvrayClient:
         direct = self.direct_paths(node, config)
         if direct:
             return self.speeds.pick(node, direct, nbytes)
-        collective_ok = config.collective and node in self.ranks and self.node_id in self.ranks
+        ranks = self.context.ranks
+        collective_ok = config.collective and node in ranks and self.node_id in ranks
         return "collective" if collective_ok and nbytes >= config.collective_min_bytes else "object_store"
 
     def direct_paths(self, node: str, config: RuntimeConfig | None = None) -> list[str]:
@@ -428,14 +415,14 @@ class KvrayClient:
         direct = ["tcp"] if config.tcp and self.links is not None and node in self.servers else []
         return direct + (["nixl"] if nixl_wanted(config.nixl) else [])
 
-    def _start_run(self, keys: Sequence[int], run: _Run) -> tuple[StoreCallPath, object, float]:
+    def _start_run(self, keys: Sequence[int], run: Run) -> tuple[StoreCallPath, object, float]:
         """Launch one run's load on its path; returns (path, pending transfer or None, start time)."""
         path = self.paths[self.path_for(run.node, (run.stop - run.start) * self.page_nbytes)]
         store = self.stores.get(run.node)
         t0 = time.perf_counter()
         return path, None if store is None else path.start_load(store, list(keys[run.start : run.stop]), run), t0
 
-    def _finish_run(self, run: _Run, path: StoreCallPath, pending, t0: float) -> tuple[int, dict[str, int]]:
+    def _finish_run(self, run: Run, path: StoreCallPath, pending, t0: float) -> tuple[int, dict[str, int]]:
         """A run's pages in the buffer (count, by tier); 0 on any failure (the peer died
         mid-transfer, its store raised or is gone, or it took too long): misses. How fast
         it came is what :class:`~kvray.cluster.paths.PathSpeeds` chooses by."""
@@ -446,11 +433,6 @@ class KvrayClient:
             self.speeds.record(run.node, path.name, got * self.page_nbytes, time.perf_counter() - t0)
         return got, by_tier
 
-    def buffer_may_be_in_use(self) -> None:
-        """A store call given up on may still copy into or out of ``buffer``: the request
-        in progress ends on a fresh one (:meth:`_renew_if_stale`)."""
-        self._stale = True
-
     def _renew_if_stale(self, keep: int) -> None:
         """Move to a fresh landing buffer if a call given up on may still use this one;
         rows ``0..keep`` (loaded, and out of every late call's reach) come along.
@@ -460,12 +442,13 @@ class KvrayClient:
         would compute into memory no store call reads: that fails loudly (RequestError),
         and that buffer stays mapped until ``close``.
         """
-        if not self._stale:
+        context = self.context
+        if not context.stale:
             return
-        old, name = self.buffer, self.buffer.name
-        self.buffer = LandingBuffer.create(old.capacity, self.page_nbytes)
-        self.buffer.pages[:keep] = old.pages[:keep]
-        self._stale = False
+        old, name = context.buffer, context.buffer.name
+        context.buffer = LandingBuffer.create(old.capacity, self.page_nbytes)
+        context.buffer.pages[:keep] = old.pages[:keep]
+        context.stale = False
         self.renewed_buffers += 1
         held = old.views_out > 0
         if held:
@@ -493,10 +476,12 @@ class KvrayClient:
         # The request's arrival goes with this touch unless a write here will carry it.
         writes_here = plan.hit_pages > loaded.pages or self.node_id in plan.targets
         if store is not None and plan.lease == LOCAL_LEASE:
-            self._touched = self._sent(store.touch.remote(pack_keys(loaded.mapped), report, self.take_arrival(), plan.shard))
+            self._touched = self._sent(
+                store.touch.remote(pack_keys(loaded.mapped), report, self.context.take_arrival(), plan.shard)
+            )
             return
-        if store is not None and (loaded.mapped or (self._arrival is not None and not writes_here)):
-            self._touched = self._sent(store.touch.remote(pack_keys(loaded.mapped), None, self.take_arrival()))
+        if store is not None and (loaded.mapped or (self.context.arrival is not None and not writes_here)):
+            self._touched = self._sent(store.touch.remote(pack_keys(loaded.mapped), None, self.context.take_arrival()))
         self._sent(self.shards.handles[plan.shard].release.remote(*report))
 
     # -- store --------------------------------------------------------------------------------------
@@ -522,7 +507,7 @@ class KvrayClient:
     def _store(self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None) -> int:
         # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
         targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
-        runs = _runs(targets, start)
+        runs = runs_of(targets, start)
         if self._touched is not None and any(run.node == self.node_id for run in runs):
             ray.wait([self._touched], timeout=self.timeout_s)  # the policy sees the hits before the new pages
             self._touched = None

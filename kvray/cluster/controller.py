@@ -30,7 +30,7 @@ over its :class:`~kvray.core.partition.Partition` (the chains whose root page ha
 with every store registered at each; clients route each request to its chain's shard
 (:mod:`kvray.cluster.shards`), and a restarted shard rebuilds only the chains it owns.
 
-Leases are named by the client (:func:`new_lease`), so a client whose ``lookup_pin``
+Leases are named by the client (:func:`~kvray.cluster.protocol.new_lease`), so a client whose ``lookup_pin``
 timed out can still end the pins that call may have taken, and every lease expires after
 ``RuntimeConfig.lease_ttl_s``: a client that dies between ``lookup_pin`` and ``release``
 holds its pages for that long at most. A page dropped while pinned waits, invisible to
@@ -49,11 +49,9 @@ Example::
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import ray
@@ -61,36 +59,14 @@ import ray
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, store_name
 from kvray.cluster.metrics import export_cluster_stats
 from kvray.cluster.observe import ClusterObservations, NodeReport
+from kvray.cluster.protocol import LOCAL_LEASE, Plan, new_lease
 from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT, PrefixIndex, parents_first
 from kvray.core.partition import Partition, owned_links
 from kvray.policy.cluster import ClusterView, RequestView
 
 NO_NODE = -1
-NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
-LOCAL_LEASE = -1  # a plan the client answered from its node's host tier alone: nothing pinned here
 REBUILD_WAIT_S = 10.0  # how long a restarted controller waits for each store's holdings
-
-
-def new_lease() -> int:
-    """A fresh lease id, drawn by the client so it knows the id even if ``lookup_pin``'s
-    answer never arrives. Random, so no two clients (or a client across a controller
-    restart) collide in practice; never ``NO_LEASE`` or ``LOCAL_LEASE``."""
-    return secrets.randbits(62) + 1
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The controller's answer to one request."""
-
-    lease: int
-    hit_nodes: list[str]
-    targets: list[str]
-    shard: int = 0  # the controller shard that made it (and holds its lease), set by the client
-
-    @property
-    def hit_pages(self) -> int:
-        return len(self.hit_nodes)
 
 
 class Controller:

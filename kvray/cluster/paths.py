@@ -6,7 +6,9 @@ buffer rows to a store. Starting returns a pending transfer without waiting, so 
 different nodes move concurrently; finishing waits for it and turns every failure (the
 store raised, died, or did not answer in time) into a miss. The client picks a path for a
 run with one rule (:meth:`KvrayClient.path_for`) and calls the handler registered under
-that name; adding a transport is a handler and a line in that rule.
+that name; adding a transport is a handler and a line in that rule. A handler sees its
+client through a :class:`PathContext` (the landing buffer, the peers' addresses, where to
+count a fault), never the client itself.
 
 - ``local``: the node's own store actor copies between its tiers and the buffer (shared
   memory it maps); used for what the mapped host tier cannot serve (disk pages) and for
@@ -20,7 +22,7 @@ that name; adding a transport is a handler and a line in that rule.
 - ``object_store``: pages as Ray objects, returned or passed to the peer store's method.
 
 Same-node host pages bypass all of these: the client copies them out of its mapped host
-tier itself (path ``mapped`` in :class:`~kvray.cluster.client.Loaded`).
+tier itself (path ``mapped`` in :class:`~kvray.cluster.protocol.Loaded`).
 """
 
 from __future__ import annotations
@@ -30,16 +32,15 @@ import importlib.util
 import os
 from abc import ABC, abstractmethod
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
 from kvray.cluster.observe import NodeReport
-from kvray.cluster.transfer import PendingLoad, PendingStore
+from kvray.cluster.protocol import Run
+from kvray.cluster.shm import LandingBuffer
+from kvray.cluster.transfer import PeerLinks, PendingLoad, PendingStore
 from kvray.core.tiers import Tier
-
-if TYPE_CHECKING:
-    from kvray.cluster.client import KvrayClient, _Run
 
 REMOTE = Tier.REMOTE.label
 ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
@@ -48,6 +49,49 @@ STORE_ERRORS = (*ACTOR_ERRORS, ray.exceptions.RayTaskError)
 # A call that ended (it raised, or its process died) can no longer touch the landing buffer;
 # one given up on (timeout) or unanswered (the actor unavailable) may still.
 ENDED = (ray.exceptions.RayTaskError, ray.exceptions.ActorDiedError)
+
+
+class PathContext:
+    """What a transfer path sees of the client it moves pages for: the landing buffer, the
+    routes to the stores (this node's store actor, the peers' collective ranks and page
+    servers, the TCP links), how long to wait, and where to say what went wrong (a call
+    that became a miss, a buffer a call given up on may still use). The client owns one and
+    keeps it current (a fresh buffer, new routes); the paths read and report through it,
+    and nothing else of the client is theirs to touch.
+    """
+
+    def __init__(self, buffer: LandingBuffer, timeout_s: float) -> None:
+        self.buffer = buffer
+        self.timeout_s = timeout_s
+        self.speeds = PathSpeeds()
+        self.links: PeerLinks | None = None
+        self.local_store: ray.actor.ActorHandle | None = None
+        self.ranks: dict[str, int] = {}
+        self.servers: dict[str, tuple[str, int]] = {}
+        # Calls that became misses, by cause: ``timeout`` (no answer in ``timeout_s``),
+        # ``unavailable`` (the actor died or is restarting), ``store_error`` (the store raised).
+        self.faults: Counter[str] = Counter()
+        self.stale = False  # a call given up on may still copy into or out of ``buffer``
+        self.arrival: tuple[bytes, float] | None = None  # the request's, until this node's store has it
+
+    def take_arrival(self) -> tuple[bytes, float] | None:
+        """The request's arrival, for the first call to this node's store to carry (once)."""
+        arrival, self.arrival = self.arrival, None
+        return arrival
+
+    def count_fault(self, exc: Exception) -> None:
+        """A call that became a miss, by cause (see ``faults``)."""
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            self.faults["timeout"] += 1
+        elif isinstance(exc, ray.exceptions.RayTaskError):
+            self.faults["store_error"] += 1
+        else:
+            self.faults["unavailable"] += 1
+
+    def buffer_may_be_in_use(self) -> None:
+        """A store call given up on may still copy into or out of ``buffer``: the request
+        in progress ends on a fresh one (the client renews it at the end of the load or store)."""
+        self.stale = True
 
 
 class StoreCallPath(ABC):
@@ -67,21 +111,21 @@ class StoreCallPath(ABC):
     load_maps_buffer = False
     store_maps_buffer = False
 
-    def __init__(self, client: KvrayClient) -> None:
-        self.client = client
+    def __init__(self, context: PathContext) -> None:
+        self.context = context
 
     @abstractmethod
-    def start_load(self, store, keys: list[int], run: _Run) -> Any:
+    def start_load(self, store, keys: list[int], run: Run) -> Any:
         """Ask for ``keys`` (run ``run`` of a request) without waiting; a pending transfer."""
 
     @abstractmethod
-    def loaded(self, run: _Run, answer: Any) -> tuple[int, dict[str, int]]:
+    def loaded(self, run: Run, answer: Any) -> tuple[int, dict[str, int]]:
         """A finished load's answer as (pages now in the buffer, pages by tier)."""
 
-    def start_store(self, store, keys: list[int], run: _Run, parent: int | None) -> Any:
-        return store.put_pages.remote(keys, self.client.buffer.pages[run.start : run.stop], parent)
+    def start_store(self, store, keys: list[int], run: Run, parent: int | None) -> Any:
+        return store.put_pages.remote(keys, self.context.buffer.pages[run.start : run.stop], parent)
 
-    def finish_load(self, run: _Run, pending: Any) -> tuple[int, dict[str, int]]:
+    def finish_load(self, run: Run, pending: Any) -> tuple[int, dict[str, int]]:
         answer = self._answer(pending, self.load_maps_buffer)
         return (0, {}) if answer is None else self.loaded(run, answer)
 
@@ -91,11 +135,11 @@ class StoreCallPath(ABC):
 
     def _answer(self, ref, maps_buffer: bool) -> Any:
         try:
-            return ray.get(ref, timeout=self.client.timeout_s)
+            return ray.get(ref, timeout=self.context.timeout_s)
         except STORE_ERRORS as exc:
-            self.client.count_fault(exc)
+            self.context.count_fault(exc)
             if maps_buffer and not isinstance(exc, ENDED):
-                self.client.buffer_may_be_in_use()
+                self.context.buffer_may_be_in_use()
             return None
 
 
@@ -105,15 +149,15 @@ class LocalPath(StoreCallPath):
     load_maps_buffer = store_maps_buffer = True
 
     def start_load(self, store, keys, run):
-        buffer = self.client.buffer
-        return store.read_into.remote(keys, buffer.name, buffer.capacity, run.start, self.client.take_arrival())
+        buffer = self.context.buffer
+        return store.read_into.remote(keys, buffer.name, buffer.capacity, run.start, self.context.take_arrival())
 
     def loaded(self, run, answer):
         return answer  # the store copied the pages and says how many, by tier
 
     def start_store(self, store, keys, run, parent):
-        buffer = self.client.buffer
-        return store.write_from.remote(keys, buffer.name, buffer.capacity, run.start, parent, self.client.take_arrival())
+        buffer = self.context.buffer
+        return store.write_from.remote(keys, buffer.name, buffer.capacity, run.start, parent, self.context.take_arrival())
 
 
 class ObjectStorePath(StoreCallPath):
@@ -123,7 +167,7 @@ class ObjectStorePath(StoreCallPath):
         return store.get_pages.remote(keys)
 
     def loaded(self, run, answer):
-        self.client.buffer.pages[run.start : run.start + len(answer)] = answer
+        self.context.buffer.pages[run.start : run.start + len(answer)] = answer
         return len(answer), {REMOTE: len(answer)}
 
 
@@ -134,9 +178,9 @@ class CollectivePath(StoreCallPath):
     load_maps_buffer = True  # this node's store writes the received pages into the buffer
 
     def start_load(self, store, keys, run):
-        client = self.client
-        return client.local_store.pull.remote(
-            keys, store, client.ranks[run.node], client.buffer.name, client.buffer.capacity, run.start, client.take_arrival()
+        context = self.context
+        return context.local_store.pull.remote(
+            keys, store, context.ranks[run.node], context.buffer.name, context.buffer.capacity, run.start, context.take_arrival()
         )
 
     def loaded(self, run, answer):
@@ -156,15 +200,15 @@ class NixlPath(StoreCallPath):
         return store.get_pages_nixl.options(tensor_transport="nixl").remote(keys)
 
     def loaded(self, run, answer):
-        self.client.buffer.pages[run.start : run.start + len(answer)] = answer.numpy()
+        self.context.buffer.pages[run.start : run.start + len(answer)] = answer.numpy()
         return len(answer), {REMOTE: len(answer)}
 
     def finish_load(self, run, pending):
         try:
             return super().finish_load(run, pending)
         except Exception as exc:  # noqa: BLE001 - the transport's own errors (NIXL, UCX) are not Ray's
-            self.client.count_fault(exc)
-            self.client.speeds.failed(run.node, self.name)
+            self.context.count_fault(exc)
+            self.context.speeds.failed(run.node, self.name)
             return 0, {}
 
 
@@ -178,15 +222,15 @@ class TcpPath(StoreCallPath):
         return answer  # finish_load receives straight into the buffer
 
     def start_load(self, store, keys, run) -> PendingLoad:
-        return self.client.links.load(self.client.servers[run.node], keys)
+        return self.context.links.load(self.context.servers[run.node], keys)
 
     def finish_load(self, run, pending: PendingLoad):
-        got = pending.receive(self.client.buffer.pages[run.start : run.stop])
+        got = pending.receive(self.context.buffer.pages[run.start : run.stop])
         return got, {REMOTE: got}
 
     def start_store(self, store, keys, run, parent) -> PendingStore:
-        client = self.client
-        return client.links.store(client.servers[run.node], keys, client.buffer.pages[run.start : run.stop], parent)
+        context = self.context
+        return context.links.store(context.servers[run.node], keys, context.buffer.pages[run.start : run.stop], parent)
 
     def finish_store(self, pending: PendingStore):
         return pending.receive()

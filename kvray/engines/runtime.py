@@ -131,22 +131,22 @@ class RuntimePages:
     # -- the split verbs (vLLM: scheduler looks up, worker reads) ------------------------------
     def lookup(self, keys: Sequence[int]):
         """Pin the runtime's cached prefix of ``keys`` (at most :attr:`capacity` of them) and
-        return the :class:`~kvray.cluster.controller.Plan`; a controller that does not
+        return the :class:`~kvray.cluster.protocol.Plan`; a controller that does not
         answer is a miss."""
         return self.client.lookup(list(keys[: self.capacity]))
 
     def release(self, plan) -> None:
         """End a plan's pins without loading anything (the request went away)."""
-        from kvray.cluster.client import Loaded
+        from kvray.cluster.protocol import Loaded
 
         self.client.release(plan, Loaded(0))
 
     def read(self, keys: Sequence[int], plan) -> tuple[object, np.ndarray]:
         """Bring ``plan``'s cached pages of ``keys`` here, then end its pins. Returns the
-        :class:`~kvray.cluster.client.Loaded` record and ``[loaded.pages, page_nbytes]``
+        :class:`~kvray.cluster.protocol.Loaded` record and ``[loaded.pages, page_nbytes]``
         uint8 rows, valid until the next call on this instance. A page that did not arrive
         ends the prefix there."""
-        from kvray.cluster.client import Loaded
+        from kvray.cluster.protocol import Loaded
 
         loaded = self.client.load(list(keys[: plan.hit_pages]), plan) if plan.hit_pages else Loaded(0)
         self.client.release(plan, loaded)
@@ -176,7 +176,7 @@ class RuntimePages:
     def put_pages(self, keys: Sequence[int], pages: np.ndarray, fingerprint: bytes, parent_key: int | None = None) -> int:
         """Store ``pages`` (``[n, page_nbytes]`` uint8) of one chain on this node, continuing
         ``parent_key``'s chain; returns pages stored (a store that fails stores fewer)."""
-        from kvray.cluster.controller import NO_LEASE, Plan
+        from kvray.cluster.protocol import NO_LEASE, Plan
 
         if fingerprint != self.fingerprint.digest:
             raise ConfigError("pages of another model fingerprint cannot be stored under this engine's keys")

@@ -298,7 +298,7 @@ class KVRayConnector(KVConnectorBase_V1):
         if n == 0:
             self.runtime.release(plan)
             return
-        from kvray.cluster.controller import Plan
+        from kvray.cluster.protocol import Plan
 
         tracked = self._requests[request.request_id]
         block_ids = blocks.get_block_ids()[0][first : first + n]

@@ -99,11 +99,10 @@ def test_a_restarted_store_recovers_its_disk_tier(ray_cluster, tmp_path, shards)
     try:
         keys = client.keys_for_trace(list(range(9000, 9012)))
         expected = np.random.default_rng(7).integers(0, 256, (12, client.page_nbytes), dtype=np.uint8)
-        plan = client.lookup(keys)
-        assert plan.targets == [client.node_id] * 12
-        client.buffer.pages[:12] = expected
-        client.release(plan, client.load(keys, plan))
-        client.store(keys, 0, plan)  # 12 pages, 4 host slots: the oldest 8 are demoted to disk
+        with client.request(keys) as r:
+            assert r.plan.targets == [client.node_id] * 12
+            r.rows[:] = expected
+            r.store()  # 12 pages, 4 host slots: the oldest 8 are demoted to disk
         store = runtime.stores[client.node_id]
         assert len(ray.get(store.info.remote())["keys"]) == 12
 
@@ -112,12 +111,10 @@ def test_a_restarted_store_recovers_its_disk_tier(ray_cluster, tmp_path, shards)
         assert len(info["keys"]) == 8  # the disk tier came back, the host tier did not
 
         client.buffer.pages[:] = 0
-        plan = client.lookup(keys)
-        assert plan.hit_pages == 8  # the controller dropped the 4 lost host pages
-        loaded = client.load(keys, plan)
-        client.release(plan, loaded)
-        assert loaded.pages == 8 and loaded.by_tier == {"disk": 8}
-        assert np.array_equal(client.buffer.pages[:8], expected[:8])
+        with client.request(keys) as r:
+            assert r.plan.hit_pages == 8  # the controller dropped the 4 lost host pages
+            assert r.hit == 8 and r.loaded.by_tier == {"disk": 8}
+            assert np.array_equal(r.rows[:8], expected[:8])
     finally:
         client.close()
         runtime.close()

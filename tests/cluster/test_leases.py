@@ -22,9 +22,9 @@ import time
 import pytest
 import ray
 
-from kvray.apps.replay_engine import PagePattern
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
-from kvray.cluster.controller import new_lease
+from kvray.cluster.checked import PagePattern
+from kvray.cluster.protocol import new_lease
 from kvray.core.config import PageLayout, TierSizes
 from tests.cluster.test_faults import SHARDS
 from tests.cluster.test_reliability_runtime import report, serve
@@ -166,15 +166,12 @@ def test_a_store_call_finishing_after_the_clients_timeout_causes_no_wrong_kv(ray
         assert serve(client, pattern, first) == (0, 0)
         assert client.faults["timeout"] >= 1 and client.renewed_buffers == 1
         # The next request fills its rows while the late copy is still running.
-        plan = client.lookup(second)
-        rows = client.buffer.pages
-        for i, key in enumerate(second):
-            pattern.fill(key, rows[i])
-        time.sleep(max(late_done - time.monotonic(), 0) + 1.0)  # the late copy is done
-        wrong += sum(not pattern.matches(key, rows[i]) for i, key in enumerate(second))
-        del rows
-        client.release(plan, client.load(second, plan))
-        assert client.store(second, 0, plan) == 3
+        with client.request(second) as r:
+            pattern.fill_rows(second, r.rows)
+            time.sleep(max(late_done - time.monotonic(), 0) + 1.0)  # the late copy is done
+            wrong += pattern.wrong(second, r.rows)
+            r.store()
+        assert r.stored == 3
         # What the store holds under the first request's keys is that request's KV (or nothing).
         held = ray.get(store.get_pages.remote(first))
         wrong += sum(not pattern.matches(key, page) for key, page in zip(first, held))

@@ -9,8 +9,7 @@ import pytest
 import ray
 
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
-from kvray.cluster.client import Loaded
-from kvray.cluster.controller import Plan
+from kvray.cluster.protocol import Loaded, Plan
 from kvray.core.config import PageLayout, TierSizes
 from kvray.core.errors import RequestError
 
@@ -42,7 +41,7 @@ def _store_in_parts(client: KvrayClient, keys: list[int], data: np.ndarray, node
         part = keys[start : start + BUFFER]
         client.buffer.pages[: len(part)] = data[start : start + len(part)]
         parent = keys[start - 1] if start else None
-        assert client.store(part, 0, Plan(0, [], [node] * len(part)), parent_key=parent) == len(part)
+        assert client.store(part, 0, Plan.placing([node] * len(part)), parent_key=parent) == len(part)
 
 
 def test_a_prefix_six_buffers_long_streams_back_exact(runtime_and_client):

@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
-from kvray.cluster.controller import LOCAL_LEASE, Plan
+from kvray.cluster.protocol import LOCAL_LEASE, Plan
 from kvray.core.config import PageLayout, TierSizes
 from kvray.core.tiers.directory import SHM_DIR, directory_name
 from tests.cluster.test_faults import restarted_info
@@ -44,7 +44,7 @@ def put_local(client: KvrayClient, keys: list[int], seed: int) -> np.ndarray:
     """Store ``keys`` on the client's node; returns the pages."""
     pages = np.random.default_rng(seed).integers(0, 256, (len(keys), client.page_nbytes), dtype=np.uint8)
     client.buffer.pages[: len(keys)] = pages
-    client.store(keys, 0, Plan(0, [], [client.node_id] * len(keys)))
+    client.store(keys, 0, Plan.placing([client.node_id] * len(keys)))
     return pages
 
 
@@ -61,11 +61,11 @@ def eventually(condition, timeout_s: float = 30.0) -> None:
 
 
 def load(client: KvrayClient, keys: list[int]):
+    """One request for ``keys``: its plan, its load's record, and a copy of the rows it loaded."""
     client.buffer.pages[:] = 0
-    plan = client.lookup(keys)
-    loaded = client.load(keys, plan)
-    client.release(plan, loaded)
-    return plan, loaded
+    with client.request(keys) as r:
+        rows = r.rows[: r.hit].copy()
+    return r.plan, r.loaded, rows
 
 
 def test_a_fully_local_hit_makes_no_controller_call_and_is_exact(local):
@@ -77,10 +77,10 @@ def test_a_fully_local_hit_makes_no_controller_call_and_is_exact(local):
     put_local(client, old, seed=2)  # the 8 host slots now hold ``keys``, then ``old``: LRU order
     before, store_before = controller(runtime), ray.get(store.stats.remote())
 
-    plan, loaded = load(client, keys)
+    plan, loaded, rows = load(client, keys)
     assert plan.lease == LOCAL_LEASE and plan.hit_nodes == [client.node_id] * 6 and plan.targets == []
     assert loaded.pages == 6 and loaded.paths == {"mapped": 6} and loaded.by_tier == {"host": 6}
-    assert np.array_equal(client.buffer.pages[:6], pages)
+    assert np.array_equal(rows, pages)
     store_hits = store_before["hit_pages_by_tier"].get("host", 0)
     eventually(lambda: ray.get(store.stats.remote())["hit_pages_by_tier"].get("host", 0) == store_hits + 6)
     eventually(lambda: controller(runtime)["local_lookups"] == before["local_lookups"] + 1)
@@ -101,10 +101,10 @@ def test_a_partly_local_request_asks_the_controller_and_copies_its_local_run(loc
     pages = put_local(client, keys, seed=4)
     wanted = keys + client.keys_for_trace([2400])  # one page nobody holds
     before = controller(runtime)["lookups"]
-    plan, loaded = load(client, wanted)
+    plan, loaded, rows = load(client, wanted)
     assert plan.lease != LOCAL_LEASE and controller(runtime)["lookups"] == before + 1
     assert loaded.pages == 4 and loaded.paths == {"mapped": 4}
-    assert np.array_equal(client.buffer.pages[:4], pages)
+    assert np.array_equal(rows, pages)
 
 
 def test_eviction_between_lookup_and_load_is_a_miss_not_wrong_kv(local):
@@ -129,11 +129,11 @@ def test_the_actor_path_still_serves_when_mapped_reads_are_off(local):
     pages = put_local(client, keys, seed=7)
     client.mapped_reads = False
     try:
-        plan, loaded = load(client, keys)
+        plan, loaded, rows = load(client, keys)
     finally:
         client.mapped_reads = True
     assert plan.lease != LOCAL_LEASE and loaded.paths == {"local": 3}
-    assert np.array_equal(client.buffer.pages[:3], pages)
+    assert np.array_equal(rows, pages)
 
 
 def test_a_restarted_store_is_remapped_and_never_yields_wrong_kv(own_runtime):
@@ -151,15 +151,15 @@ def test_a_restarted_store_is_remapped_and_never_yields_wrong_kv(own_runtime):
     assert not (SHM_DIR / first).exists() and not (SHM_DIR / directory_name(first)).exists()
     deadline = time.monotonic() + 30
     while client._host is None or client._host.name != second:  # noticed through the touch reply
-        _, loaded = load(client, keys)
-        assert np.array_equal(client.buffer.pages[: loaded.pages], pages[: loaded.pages])
+        _, loaded, rows = load(client, keys)
+        assert np.array_equal(rows, pages[: loaded.pages])
         assert time.monotonic() < deadline, "the client never mapped the new store's host tier"
 
     fresh = client.keys_for_trace(list(range(60, 63)))
     fresh_pages = put_local(client, fresh, seed=9)
-    plan, loaded = load(client, fresh)
+    plan, loaded, rows = load(client, fresh)
     assert plan.lease == LOCAL_LEASE and loaded.paths == {"mapped": 3}
-    assert np.array_equal(client.buffer.pages[:3], fresh_pages)
+    assert np.array_equal(rows, fresh_pages)
 
 
 def test_a_run_half_on_host_half_on_disk_is_copied_then_read_through_the_store(ray_cluster, tmp_path):
@@ -176,11 +176,11 @@ def test_a_run_half_on_host_half_on_disk_is_copied_then_read_through_the_store(r
         eventually(lambda: ray.get(store.stats.remote())["hit_pages_by_tier"].get("host", 0) == 2)
         put_local(client, client.keys_for_trace([7000, 7001]), seed=11)  # demotes keys[2:] to disk
 
-        plan, loaded = load(client, keys)
+        plan, loaded, rows = load(client, keys)
         assert plan.lease != LOCAL_LEASE  # not all on the host tier: the controller answers
         assert loaded.pages == 4 and loaded.paths == {"mapped": 2, "local": 2}
         assert loaded.by_tier == {"host": 2, "disk": 2}
-        assert np.array_equal(client.buffer.pages[:4], pages)
+        assert np.array_equal(rows, pages)
     finally:
         client.close()
         runtime.close()

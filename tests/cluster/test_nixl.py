@@ -10,8 +10,8 @@ import pytest
 import ray
 
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
-from kvray.cluster.controller import Plan
 from kvray.cluster.paths import MEASURED_BYTES, PathSpeeds
+from kvray.cluster.protocol import Plan
 from kvray.core.config import PageLayout, TierSizes
 
 LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=16, page_tokens=512, dtype="float16")  # 128 KiB pages
@@ -31,32 +31,26 @@ def test_pages_cross_nodes_by_nixl_exactly_and_the_faster_path_is_kept(ray_clust
         keys = client.keys_for_trace(list(range(32)))
         data = np.random.default_rng(3).integers(0, 256, (32, client.page_nbytes), dtype=np.uint8)
         client.buffer.pages[:] = data
-        assert client.store(keys, 0, Plan(0, [], [other] * 32)) == 32
+        assert client.store(keys, 0, Plan.placing([other] * 32)) == 32
         ray.get(runtime.controller.snapshot.remote())
 
         client.config = config.model_copy(update={"tcp": False})  # NIXL the only direct path
         seen = set()
         for _ in range(2):
             client.buffer.pages[:] = 0
-            plan = client.lookup(keys)
-            loaded = client.load(keys, plan)
-            client.release(plan, loaded)
-            assert loaded.paths == {"nixl": 32} and loaded.by_tier == {"remote": 32}
-            assert np.array_equal(client.buffer.pages, data)
-            seen.update(loaded.paths)
+            with client.request(keys) as r:
+                assert r.loaded.paths == {"nixl": 32} and r.loaded.by_tier == {"remote": 32}
+                assert np.array_equal(r.rows, data)
+            seen.update(r.loaded.paths)
         partial = keys[:5] + client.keys_for_trace([999])  # a miss after 5 pages: the prefix only
-        plan = client.lookup(partial)
-        loaded = client.load(partial, plan)
-        client.release(plan, loaded)
-        assert loaded.pages == 5 and np.array_equal(client.buffer.pages[:5], data[:5])
+        with client.request(partial) as r:
+            assert r.hit == 5 and np.array_equal(r.rows[:5], data[:5])
 
         client.config = config  # both on: each is tried on a large load, then the faster one kept
         for _ in range(3):
-            plan = client.lookup(keys)
-            loaded = client.load(keys, plan)
-            client.release(plan, loaded)
-            assert loaded.pages == 32 and np.array_equal(client.buffer.pages, data)
-            seen.update(loaded.paths)
+            with client.request(keys) as r:
+                assert r.hit == 32 and np.array_equal(r.rows, data)
+            seen.update(r.loaded.paths)
         assert seen == {"nixl", "tcp"}
         best = client.speeds.best(other, ["tcp", "nixl"])
         assert client.path_for(other, 32 * client.page_nbytes) == best

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import ray
 
-from kvray.apps.replay_engine import PagePattern
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
+from kvray.cluster.checked import PagePattern, serve_checked
 from kvray.cluster.controller import REBUILD_WAIT_S
 from kvray.core.config import PageLayout, TierSizes
 from kvray.core.partition import shard_of
@@ -67,18 +67,9 @@ def start(**overrides) -> tuple[RuntimeConfig, Runtime]:
 
 
 def serve(client: KvrayClient, pattern: PagePattern, keys: list[int]) -> tuple[int, int]:
-    """One engine request (lookup, load, check, compute the rest, release, store); returns
-    (pages hit, pages whose bytes were wrong)."""
-    plan = client.lookup(keys)
-    loaded = client.load(keys, plan)
-    rows = client.buffer.pages
-    wrong = sum(not pattern.matches(keys[i], rows[i]) for i in range(loaded.pages))
-    for i in range(loaded.pages, len(keys)):
-        pattern.fill(keys[i], rows[i])
-    del rows
-    client.release(plan, loaded)
-    client.store(keys, loaded.pages, plan)
-    return loaded.pages, wrong
+    """One checked engine request; returns (pages hit, pages whose bytes were wrong)."""
+    served = serve_checked(client, pattern, keys)
+    return served.hit, served.wrong
 
 
 @SHARDS
@@ -109,10 +100,8 @@ def test_a_killed_controller_is_restarted_and_rebuilds_its_index_from_the_stores
         try:  # a request during the outage (to the killed shard): a miss, never an error
             requests = (client.keys_for_trace(list(r.hash_ids[:4])) for r in trace)
             keys = next(k for k in requests if runtime.shards.of(k) == victim)
-            plan = client.lookup(keys)
-            loaded = client.load(keys, plan)
-            client.release(plan, loaded)
-            client.store(keys, loaded.pages, plan)
+            with client.request(keys) as r:
+                r.store()
         finally:
             client.close()
         while True:
@@ -275,20 +264,14 @@ def client_process(runtime_name: str, worker: int, requests: int) -> dict:
         for _ in range(requests):
             conversation, depth = rng.randrange(6), rng.randint(1, 8)
             keys = client.keys_for_trace([conversation * 100 + j for j in range(depth)])
-            plan = client.lookup(keys)
-            loaded = client.load(keys, plan)
-            rows = client.buffer.pages  # after the load: a timed-out call moves the client to a fresh buffer
-            seen["wrong_pages"] += sum(not pattern.matches(keys[i], rows[i]) for i in range(loaded.pages))
-            for i in range(loaded.pages, len(keys)):
-                pattern.fill(keys[i], rows[i])
-            del rows
-            client.release(plan, loaded)
-            seen["stored_pages"] += client.store(keys, loaded.pages, plan)
+            served = serve_checked(client, pattern, keys)
+            seen["wrong_pages"] += served.wrong
+            seen["stored_pages"] += served.stored
             seen["requests"] += 1
             seen["lookup_pages"] += len(keys)
-            seen["hit_pages"] += loaded.pages
-            seen["remote_pages"] += sum(n for path, n in loaded.paths.items() if path not in ("local", "mapped"))
-            seen["bytes_between_nodes"] += loaded.bytes_between_nodes
+            seen["hit_pages"] += served.hit
+            seen["remote_pages"] += sum(n for path, n in served.loaded.paths.items() if path not in ("local", "mapped"))
+            seen["bytes_between_nodes"] += served.loaded.bytes_between_nodes
     finally:
         client.close()
     return seen
@@ -342,19 +325,17 @@ def test_a_tenant_never_hits_another_tenants_pages_through_the_client(ray_cluste
     try:
         keys_a = client.keys_for_trace(ids, salt="tenant-a")
         expected = np.random.default_rng(3).integers(0, 256, (4, client.page_nbytes), dtype=np.uint8)
-        plan = client.lookup(keys_a)
-        client.buffer.pages[:4] = expected
-        client.release(plan, client.load(keys_a, plan))
-        assert client.store(keys_a, 0, plan) == 4
+        with client.request(keys_a) as r:
+            r.rows[:] = expected
+            r.store()
+        assert r.stored == 4
 
         for salt, hits in (("tenant-b", 0), ("", 0), ("tenant-a", 4)):
             keys = client.keys_for_trace(ids, salt=salt)
             client.buffer.pages[:] = 0
-            plan = client.lookup(keys)
-            loaded = client.load(keys, plan)
-            client.release(plan, loaded)
-            assert plan.hit_pages == loaded.pages == hits, salt
-        assert np.array_equal(client.buffer.pages[:4], expected)  # tenant A's own pages, intact
+            with client.request(keys) as r:
+                assert r.plan.hit_pages == r.hit == hits, salt
+                assert np.array_equal(r.rows[:hits], expected[:hits])  # tenant A's own pages, intact
     finally:
         client.close()
         runtime.close()
@@ -372,9 +353,9 @@ class StoringEngine:
         import os
 
         keys = self.client.keys_for_trace([9100, 9101])
-        plan = self.client.lookup(keys)
-        self.client.release(plan, self.client.load(keys, plan))
-        assert self.client.store(keys, plan.hit_pages, plan) == 2 - plan.hit_pages
+        with self.client.request(keys) as r:
+            r.store()
+        assert r.stored == 2 - r.hit
         return self.client.node_id, self.client.buffer.name, os.getpid()
 
 

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
-from kvray.cluster.controller import Plan
+from kvray.cluster.protocol import Plan
 from kvray.cluster.transfer import TOKEN_BYTES, PeerLinks
 from kvray.core.config import PageLayout, TierSizes
 
@@ -56,19 +56,18 @@ def with_paths(shared):
     client.config = original
 
 
-def fill(client: KvrayClient, rows: range, seed: int) -> np.ndarray:
-    data = np.random.default_rng(seed).integers(0, 256, (len(rows), client.page_nbytes), dtype=np.uint8)
-    client.buffer.pages[rows.start : rows.stop] = data
+def fill(rows: np.ndarray, seed: int) -> np.ndarray:
+    """Random pages into ``rows``; returns them."""
+    data = np.random.default_rng(seed).integers(0, 256, rows.shape, dtype=np.uint8)
+    rows[:] = data
     return data
 
 
 def roundtrip(client: KvrayClient, keys: list[int], expected: np.ndarray):
     client.buffer.pages[:] = 0
-    plan = client.lookup(keys)
-    loaded = client.load(keys, plan)
-    client.release(plan, loaded)
-    assert np.array_equal(client.buffer.pages[: loaded.pages], expected[: loaded.pages])
-    return plan, loaded
+    with client.request(keys) as r:
+        assert np.array_equal(r.rows[: r.hit], expected[: r.hit])
+    return r.plan, r.loaded
 
 
 def test_a_store_actor_runs_on_every_node_with_node_affinity(shared):
@@ -82,13 +81,13 @@ def test_pages_spread_by_hash_ring_come_back_exact_from_every_node(with_paths):
     runtime, client = with_paths()  # defaults: other nodes' pages come by direct TCP
     before = ray.get(runtime.controller.snapshot.remote())
     keys = client.keys_for_trace(list(range(40)))
-    plan = client.lookup(keys)
-    assert plan.hit_pages == 0 and len(set(plan.targets)) == 3  # 40 pages > 4: spread over all nodes
-    expected = fill(client, range(0, 40), seed=1)
-    client.release(plan, client.load(keys, plan))
-    assert client.store(keys, 0, plan) == 40
+    with client.request(keys) as r:
+        assert r.hit == 0 and len(set(r.plan.targets)) == 3  # 40 pages > 4: spread over all nodes
+        expected = fill(r.rows, seed=1)
+        r.store()
+    assert r.stored == 40
 
-    placed = plan.targets
+    placed = r.plan.targets
     plan, loaded = roundtrip(client, keys, expected)
     assert loaded.pages == 40 and plan.hit_nodes == placed
     assert loaded.by_tier["host"] + loaded.by_tier["remote"] == 40 and loaded.by_tier["remote"] > 0
@@ -102,17 +101,17 @@ def test_pages_spread_by_hash_ring_come_back_exact_from_every_node(with_paths):
 def test_small_request_stays_on_the_engines_node(shared):
     runtime, client = shared
     keys = client.keys_for_trace([700, 701, 702])
-    plan = client.lookup(keys)
-    client.release(plan, client.load(keys, plan))
-    assert plan.targets == [client.node_id] * 3
+    with client.request(keys) as r:
+        pass
+    assert r.plan.targets == [client.node_id] * 3
 
 
 def roundtrip_from_another_node(runtime: Runtime, client: KvrayClient, tokens: range, seed: int):
     """Store pages of ``tokens`` on a node other than the client's, then load them back."""
     other = next(n for n in runtime.stores if n != client.node_id)
     keys = client.keys_for_trace(list(tokens))
-    expected = fill(client, range(0, len(keys)), seed=seed)
-    client.store(keys, 0, Plan(0, [], [other] * len(keys)))  # a plan placing all pages on another node
+    expected = fill(client.buffer.pages[: len(keys)], seed=seed)
+    client.store(keys, 0, Plan.placing([other] * len(keys)))
     ray.get(runtime.controller.snapshot.remote())  # the commit (fire and forget) has landed
     return roundtrip(client, keys, expected)
 
@@ -157,14 +156,12 @@ def _evictions_and_stale_locations(runtime: Runtime, client: KvrayClient) -> Non
     first = client.keys_for_trace(list(range(300, 306)))
     second = client.keys_for_trace(list(range(400, 406)))
     for keys, seed in ((first, 4), (second, 5)):
-        plan = client.lookup(keys)
-        fill(client, range(0, 6), seed)
-        client.release(plan, client.load(keys, plan))
-        client.store(keys, 0, plan)  # the second request evicts the first from the node's host tier
+        with client.request(keys) as r:
+            fill(r.rows, seed)
+            r.store()  # the second request evicts the first from the node's host tier
     ray.get(runtime.controller.snapshot.remote())
-    plan = client.lookup(first)
-    assert plan.hit_pages == 0  # the store reported the evictions with its write
-    client.release(plan, client.load(first, plan))
+    with client.request(first) as r:
+        assert r.plan.hit_pages == 0  # the store reported the evictions with its write
 
     # A location the controller believes but the store no longer has: a miss, reported, dropped.
     third = client.keys_for_trace(list(range(500, 506)))
@@ -179,9 +176,8 @@ def test_one_controller_call_answers_a_whole_request(shared):
     runtime, client = shared
     before = ray.get(runtime.controller.snapshot.remote())["lookups"]
     keys = client.keys_for_trace(list(range(600, 664)))
-    plan = client.lookup(keys)
-    assert len(plan.targets) == 64 and plan.hit_pages == 0  # placement for all 64 pages at once
-    client.release(plan, client.load(keys, plan))
+    with client.request(keys) as r:
+        assert len(r.plan.targets) == 64 and r.hit == 0  # placement for all 64 pages at once
     assert ray.get(runtime.controller.snapshot.remote())["lookups"] == before + 1
 
 
@@ -189,8 +185,8 @@ def test_page_servers_serve_only_this_runtimes_token_holders(shared):
     runtime, client = shared
     other = next(n for n in runtime.stores if n != client.node_id)
     keys = client.keys_for_trace(list(range(600, 603)))
-    expected = fill(client, range(0, 3), seed=6)
-    client.store(keys, 0, Plan(0, [], [other] * 3))
+    expected = fill(client.buffer.pages[:3], seed=6)
+    client.store(keys, 0, Plan.placing([other] * 3))
     ray.get(runtime.controller.snapshot.remote())
     rows = np.zeros((3, client.page_nbytes), dtype=np.uint8)
     assert client.links.load(client.servers[other], keys).receive(rows) == 3

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
-from kvray.cluster.controller import LOCAL_LEASE
+from kvray.cluster.protocol import LOCAL_LEASE
 from kvray.core.config import PageLayout, TierSizes
 
 pytestmark = pytest.mark.ray
@@ -30,11 +30,9 @@ def busy_runtime(ray_cluster):
     client = KvrayClient.connect("status", buffer_pages=8)
     keys = client.keys_for_trace([1, 2, 3, 4])
     for _ in range(2):
-        plan = client.lookup(keys)
-        loaded = client.load(keys, plan)
-        client.release(plan, loaded)
-        client.buffer.pages[loaded.pages : 4] = np.arange(4 - loaded.pages, dtype=np.uint8)[:, None]
-        client.store(keys, loaded.pages, plan)
+        with client.request(keys) as r:
+            r.rows[r.hit :] = np.arange(4 - r.hit, dtype=np.uint8)[:, None]
+            r.store()
     yield runtime
     client.close()
     runtime.close()
@@ -107,15 +105,13 @@ def test_kvray_status_shows_every_controller_shard(ray_cluster):
     try:
         for tenant in range(8):
             keys = client.keys_for_trace([1, 2], salt=f"tenant-{tenant}")
-            plan = client.lookup(keys)
-            client.release(plan, client.load(keys, plan))
-            client.store(keys, 0, plan)
+            with client.request(keys) as r:
+                r.store()
         runtime.shards.snapshot()  # the commits have landed
         for tenant in range(8):
             keys = client.keys_for_trace([1, 2], salt=f"tenant-{tenant}")
-            plan = client.lookup(keys)
-            assert plan.lease == LOCAL_LEASE  # no controller call
-            client.release(plan, client.load(keys, plan))
+            with client.request(keys) as r:
+                assert r.plan.lease == LOCAL_LEASE  # no controller call
         deadline = time.monotonic() + 30
         while runtime.shards.snapshot()["local_lookups"] < 8:  # forwarded by the store, unawaited
             assert time.monotonic() < deadline, "the local requests' reports never reached their shards"

@@ -1,0 +1,169 @@
+"""The request protocol's types: plans, leases, runs of pages, what a load delivered, and
+the handle of one request.
+
+An engine's request goes through the cache in one pattern: look up the cached prefix
+(pinned under a lease), load it into the landing buffer, compute the rest into the rows
+after it, release the lease, store the computed rows. :meth:`KvrayClient.request
+<kvray.cluster.client.KvrayClient.request>` runs that pattern around a ``with`` block and
+hands the block a :class:`Request`; the types here are what the client, the controller,
+the transfer paths and the engines exchange on the way, and import from here.
+
+- :class:`Plan`: the controller's answer to a lookup (where each cached page is, where
+  each missing one goes), under a lease: ``NO_LEASE`` (the controller was unreachable:
+  nothing pinned, nothing placed), ``LOCAL_LEASE`` (the client answered from its node's
+  host tier: nothing pinned), or an id from :func:`new_lease` (pins at one controller shard).
+- :class:`Run`: consecutive pages of a request on one node, which move together.
+- :class:`Loaded`: what a load delivered: the first ``pages`` rows, by tier and path.
+- :class:`Request`: one request inside its ``with`` block; its rows are the landing
+  buffer's, so they are readable only there.
+
+Example::
+
+    with client.request(keys) as r:
+        use(r.rows[: r.hit])                    # the cached prefix's KV
+        compute_into(r.rows[r.hit :])           # the rest
+        r.store()                               # stored on exit, after the release
+    r.stored                                    # pages stored; r.rows now raises
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvray.core.errors import RequestError
+
+NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
+LOCAL_LEASE = -1  # a plan the client answered from its node's host tier alone: nothing pinned at a controller
+
+
+def new_lease() -> int:
+    """A fresh lease id, drawn by the client so it knows the id even if ``lookup_pin``'s
+    answer never arrives. Random, so no two clients (or a client across a controller
+    restart) collide in practice; never ``NO_LEASE`` or ``LOCAL_LEASE``."""
+    return secrets.randbits(62) + 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The controller's answer to one request."""
+
+    lease: int
+    hit_nodes: list[str]
+    targets: list[str]
+    shard: int = 0  # the controller shard that made it (and holds its lease), set by the client
+
+    @property
+    def hit_pages(self) -> int:
+        return len(self.hit_nodes)
+
+    @classmethod
+    def placing(cls, targets: Sequence[str]) -> Plan:
+        """A plan with nothing cached or pinned that stores page ``i`` on ``targets[i]``:
+        for writing pages where the caller chooses (a benchmark's or a test's placement)."""
+        return cls(NO_LEASE, [], list(targets))
+
+
+@dataclass(frozen=True)
+class Run:
+    """Pages ``start..stop`` of a request (its rows in the landing buffer), all on ``node``."""
+
+    node: str
+    start: int
+    stop: int
+
+
+def runs_of(nodes: Sequence[str], start: int) -> list[Run]:
+    """Maximal runs of consecutive pages on one node, numbered from row ``start``."""
+    runs, row = [], start
+    for node, group in itertools.groupby(nodes):
+        n = sum(1 for _ in group)
+        runs.append(Run(node, row, row + n))
+        row += n
+    return runs
+
+
+@dataclass
+class Loaded:
+    """What ``load`` delivered: the first ``pages`` rows of the buffer, by tier and path."""
+
+    pages: int
+    by_tier: dict[str, int] = field(default_factory=dict)
+    lost: dict[str, list[int]] = field(default_factory=dict)
+    bytes_between_nodes: int = 0
+    paths: dict[str, int] = field(default_factory=dict)  # transfer path -> pages
+    mapped: list[int] = field(default_factory=list)  # keys copied from the mapped host tier
+
+    def merge(self, other: Loaded) -> None:
+        """Count ``other`` (a later chunk of the same request) in this one."""
+        for path, n in other.paths.items():
+            self.paths[path] = self.paths.get(path, 0) + n
+        for tier, n in other.by_tier.items():
+            self.by_tier[tier] = self.by_tier.get(tier, 0) + n
+        for node, keys in other.lost.items():
+            self.lost.setdefault(node, []).extend(keys)
+        self.pages += other.pages
+        self.bytes_between_nodes += other.bytes_between_nodes
+        self.mapped.extend(other.mapped)
+
+    def add(self, path: str, pages: int, by_tier: dict[str, int], between_nodes: int) -> None:
+        if not pages:
+            return
+        self.pages += pages
+        self.paths[path] = self.paths.get(path, 0) + pages
+        for tier, n in by_tier.items():
+            self.by_tier[tier] = self.by_tier.get(tier, 0) + n
+        self.bytes_between_nodes += between_nodes
+
+
+class Request:
+    """One request inside ``with client.request(keys) as r:`` (made by the client).
+
+    ``rows`` are the request's rows of the client's landing buffer: ``rows[:hit]`` hold the
+    cached prefix's KV, ``rows[hit:len(keys)]`` are the caller's to compute into. They are
+    readable only inside the block: after it the client may reuse or replace the buffer
+    (the next request, or a fresh buffer after a call given up on), so ``rows`` raises and
+    the view handed out is made read-only. :meth:`store` asks for the computed rows to be
+    stored when the block ends (only if it ends without an exception: half-computed rows
+    are never stored). What the request got (``hit``, ``loaded``, ``plan``, ``stored``)
+    stays readable after the block.
+    """
+
+    def __init__(self, keys: Sequence[int], plan: Plan, loaded: Loaded, rows: np.ndarray) -> None:
+        self.keys = keys
+        self.plan = plan
+        self.loaded = loaded
+        self.stored: int | None = None  # pages stored on exit; None: not asked, or the block raised
+        self.store_wanted = False
+        self._rows: np.ndarray | None = rows
+
+    @property
+    def hit(self) -> int:
+        """Leading pages of the request loaded from the cache (``rows[:hit]``)."""
+        return self.loaded.pages
+
+    @property
+    def rows(self) -> np.ndarray:
+        """``[len(keys), page_nbytes]`` uint8 rows of the landing buffer, valid inside the block only."""
+        if self._rows is None:
+            raise RequestError(
+                "Request.rows read after its `with client.request(...)` block: the landing buffer belongs "
+                "to the client's next request now; copy what you need inside the block"
+            )
+        return self._rows
+
+    def store(self) -> None:
+        """Store rows ``hit..len(keys)`` (computed by the caller) where the plan says, when the block ends."""
+        if self._rows is None:
+            raise RequestError("Request.store() called after its `with client.request(...)` block: call it inside")
+        self.store_wanted = True
+
+    def close(self) -> None:
+        """End the rows' validity (the client calls this as the block ends)."""
+        if self._rows is not None:
+            self._rows.flags.writeable = False  # a view a caller kept can no longer write the next request's rows
+            self._rows = None
