@@ -74,12 +74,9 @@ RAY_EDGES = frozenset(
 TORCH_AT_IMPORT_IN_CORE = frozenset({"kvray.core.tiers.device"})
 # Known breaks being removed by other slices of issue 33; the lead empties these after merging.
 CYCLES_BEING_REMOVED = {
-    frozenset({"kvray.cluster.client", "kvray.cluster.paths"}): "protocol slice: paths get a narrow context, not the client",
     frozenset({"kvray.engines.vllm_runs", "kvray.engines.vllm_serve"}): "vllm slice: the test harness in its own package",
 }
-IMPORTS_BEING_REMOVED = {
-    ("kvray.bench.concurrency", "kvray.apps.replay_engine"): "protocol slice: the page pattern leaves apps/replay_engine",
-}
+IMPORTS_BEING_REMOVED: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
