@@ -9,6 +9,7 @@ import pytest
 from rich.console import Console
 
 from kvray.apps.results import print_results
+from kvray.apps.status import print_status
 from kvray.report import ReplayResult, format_bytes, format_duration, print_table
 
 
@@ -78,3 +79,29 @@ def test_replay_results_print_whole_and_scaled_at_80_columns():
     text = printed(80, lambda console: print_results({"lru / local-first": replay_result()}, console, title="kvray sim"))
     assert shows_whole(text, "10332672", "9.9 TiB", "25.5 min", "50.0 us", "1000000000"), text
     assert "MiB" not in text
+
+
+def test_status_scales_bytes_and_latency_and_shows_every_store_figure():
+    node = "f2b393d49185b80ecc2144c23cb463b440d2bf89eb7e0406c65c7a49"
+    store = {
+        "hit_pages": 599,
+        "swap_latency": {"load": {"count": 599, "mean_s": 2e-4, "p50_s": 1.28e-4, "p99_s": 0.002048, "max_s": 0.003}},
+        "bytes_loaded": 599 * 524288,
+        "bytes_stored": 15781 * 524288,
+        "bytes_moved": 0,
+        "sent_bytes": 0,
+        "received_bytes": 3 * 2**30,
+        "tiers": {"host": {"used": 439, "capacity": 512, "occupancy": 0.857, "fragmentation": 0.466}},
+    }
+    cluster = {
+        "nodes": [node],
+        "shards": [{"shard": 0}],
+        "indexed_pages": 439,
+        "page_hit_rate": 0.037,
+        "hit_pages_by_tier": {"host": 599},
+        "bytes_between_nodes": 5 * 2**40,
+        "lost_pages": 0,
+    }
+    text = printed(60, lambda console: print_status({"cluster": cluster, "stores": {node: store}}, console))
+    assert shows_whole(text, "f2b393d49185", "599", "2.0 ms", "299.5 MiB", "7.7 GiB", "0 B / 3.0 GiB", "439 / 512"), text
+    assert "bytes between nodes 5.0 TiB" in " ".join(text.split())

@@ -115,6 +115,7 @@ class Loaded:
     bytes_between_nodes: int = 0
     paths: dict[str, int] = field(default_factory=dict)  # transfer path -> pages
     mapped: list[int] = field(default_factory=list)  # keys copied from the mapped host tier
+    mapped_s: float = 0.0  # how long those copies took (the store counts them as its loads)
 
     def merge(self, other: Loaded) -> None:
         """Count ``other`` (a later chunk of the same request) in this one."""
@@ -127,6 +128,7 @@ class Loaded:
         self.pages += other.pages
         self.bytes_between_nodes += other.bytes_between_nodes
         self.mapped.extend(other.mapped)
+        self.mapped_s += other.mapped_s
 
     def add(self, path: str, pages: int, by_tier: dict[str, int], between_nodes: int) -> None:
         if not pages:
@@ -381,7 +383,8 @@ class KvrayClient:
                 path, pending, t0 = started[run]
                 parts = [(path.name, *self._finish_run(run, path, pending, t0))]
             else:
-                parts = self._read_mapped(host, keys, run)
+                parts, seconds = self._read_mapped(host, keys, run)
+                loaded.mapped_s += seconds
             got = 0
             for name, n, by_tier in parts:
                 if loaded.pages == run.start + got:  # the prefix is unbroken so far
@@ -394,17 +397,22 @@ class KvrayClient:
                 loaded.lost.setdefault(run.node, []).extend(keys[run.start + got : run.stop])
         return loaded
 
-    def _read_mapped(self, host: SharedHostTier, keys: Sequence[int], run: _Run) -> list[tuple[str, int, dict[str, int]]]:
+    def _read_mapped(
+        self, host: SharedHostTier, keys: Sequence[int], run: _Run
+    ) -> tuple[list[tuple[str, int, dict[str, int]]], float]:
         """Copy a same-node run out of the mapped host tier; the rest of it (pages on the
-        local disk tier, or freed meanwhile) through the store actor."""
+        local disk tier, or freed meanwhile) through the store actor. Also returns how long
+        the mapped copy took (the store times its own)."""
         sub = list(keys[run.start : run.stop])
+        t0 = time.perf_counter()
         got = host.read(sub, self.buffer.pages[run.start : run.stop], verify=self.config.checksum_memory)
+        seconds = time.perf_counter() - t0
         parts = [("mapped", got, {HOST: got} if got else {})]
         if got < len(sub):
             rest = _Run(run.node, run.start + got, run.stop)
             path, pending, t0 = self._start_run(keys, rest)
             parts.append((path.name, *self._finish_run(rest, path, pending, t0)))
-        return parts
+        return parts, seconds
 
     def path_for(self, node: str, nbytes: int, config: RuntimeConfig | None = None) -> str:
         """The one rule that picks a transfer path (:mod:`kvray.cluster.paths`) for
@@ -493,10 +501,14 @@ class KvrayClient:
         # The request's arrival goes with this touch unless a write here will carry it.
         writes_here = plan.hit_pages > loaded.pages or self.node_id in plan.targets
         if store is not None and plan.lease == LOCAL_LEASE:
-            self._touched = self._sent(store.touch.remote(pack_keys(loaded.mapped), report, self.take_arrival(), plan.shard))
+            self._touched = self._sent(
+                store.touch.remote(pack_keys(loaded.mapped), report, self.take_arrival(), plan.shard, loaded.mapped_s)
+            )
             return
         if store is not None and (loaded.mapped or (self._arrival is not None and not writes_here)):
-            self._touched = self._sent(store.touch.remote(pack_keys(loaded.mapped), None, self.take_arrival()))
+            self._touched = self._sent(
+                store.touch.remote(pack_keys(loaded.mapped), None, self.take_arrival(), 0, loaded.mapped_s)
+            )
         self._sent(self.shards.handles[plan.shard].release.remote(*report))
 
     # -- store --------------------------------------------------------------------------------------
