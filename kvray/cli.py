@@ -118,7 +118,7 @@ def run(
                 "capacity": capacity,
             },
         )
-        result = run_replay(trace, settings, address=address, progress=not json_out, runtime_name=name)
+        result = run_replay(trace, settings, address, not json_out, runtime_name=name, notify=console.print)
     if result.wrong_pages:
         console.print(f"[red]{result.wrong_pages} pages came back with wrong KV[/]")
         raise typer.Exit(2)

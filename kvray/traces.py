@@ -139,3 +139,9 @@ def write_trace(requests: list[TraceRequest], path: str | Path) -> None:
 
 def unique_blocks(requests: list[TraceRequest]) -> int:
     return len({h for r in requests for h in r.hash_ids})
+
+
+def cacheable_pages(requests: Sequence[TraceRequest], block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> int:
+    """Distinct full blocks of ``requests`` (:func:`full_blocks`): the most pages a replay of
+    them can keep, which a cache must hold for a second replay to find every one of them."""
+    return len({h for r in requests for h in full_blocks(r.hash_ids, r.input_length, block_tokens)})
