@@ -118,7 +118,7 @@ def run(
                 "capacity": capacity,
             },
         )
-        result = run_replay(trace, settings, address=address, progress=not json_out, runtime_name=name)
+        result = run_replay(trace, settings, address, not json_out, runtime_name=name, notify=console.print)
     if result.wrong_pages:
         console.print(f"[red]{result.wrong_pages} pages came back with wrong KV[/]")
         raise typer.Exit(2)
@@ -228,14 +228,15 @@ def sim(
         print(result.as_json())
     else:
         from kvray.apps.results import print_results
+        from kvray.report import format_duration
 
         out = Console()
         label = result.policy if cluster_policy is None else f"{result.policy} / {cluster_policy}"
         print_results({label: result}, out, title=f"kvray sim: modeled replay on scenario {result.scenario}")
         capacity = ", ".join(f"{tier} {pages}" for tier, pages in result.extra["capacity_pages"].items())
         out.print(
-            f"capacity (pages): {capacity}; warm-up requests {warmup_requests}; "
-            f"moves between tiers {result.extra['background_move_ms']:.1f} ms (off the TTFT path)"
+            f"capacity (pages): {capacity}; warm-up requests {warmup_requests}; time links spent moving pages between tiers "
+            f"{format_duration(result.extra['background_move_ms'] / 1e3)} (summed over the moves, off the TTFT path)"
         )
         busiest = sorted(result.extra["link_utilisation"].items(), key=lambda item: -item[1])[:6]
         out.print("busiest links (busy share over the replay): " + ", ".join(f"{n} {u:.3f}" for n, u in busiest))

@@ -8,8 +8,12 @@ Token accounting follows the trace: request ``r`` has ``r.input_length`` prompt 
 ``len(r.hash_ids)`` blocks of ``block_tokens`` (the last one may be partial); a hit on the
 first ``n`` blocks saves ``min(n * block_tokens, r.input_length)`` tokens.
 
+Every table kvray prints goes through :func:`print_table`, and every byte count and time in
+one through :func:`format_bytes` and :func:`format_duration`: a figure is never cut to fit a
+terminal, and reads in the unit that suits it (``9.9 TiB``, not ``10332672.0 MiB``).
+
 Example::
-    from kvray.report import ReplayTally
+    from kvray.report import ReplayTally, format_bytes, format_duration
     from kvray.traces import TraceRequest
 
     request = TraceRequest(timestamp_ms=0, input_length=1500, output_length=10, hash_ids=(1, 2, 3))
@@ -18,6 +22,7 @@ Example::
     result = tally.result(policy="lru", scenario="h100-llama8b", bytes_moved=0)
     assert result.hit_tokens == 1024
     print(result.as_json())        # requests, tokens, hit_tokens, token_hit_rate, ...
+    assert format_bytes(10332672 * 2**20) == "9.9 TiB" and format_duration(1527.3167) == "25.5 min"
 """
 
 from __future__ import annotations
@@ -25,10 +30,80 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvray.traces import TraceRequest
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB")
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` in the largest binary unit (B up to TiB) that keeps the figure at least 1."""
+    unit = "B"
+    for larger in BYTE_UNITS:
+        if abs(nbytes) < 1024:
+            break
+        nbytes, unit = nbytes / 1024, larger
+    return f"{nbytes:.0f} B" if unit == "B" else f"{nbytes:.1f} {unit}"
+
+
+def format_duration(seconds: float) -> str:
+    """A duration in the unit that reads best: us below 1 ms, ms below 1 s, s below 1 min, min above."""
+    size = abs(seconds)
+    if size < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    if size < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    if size < 60:
+        return f"{seconds:.2f} s"
+    return f"{seconds / 60:.1f} min"
+
+
+def print_table(
+    console: Console, title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], text: Sequence[str] = ()
+) -> None:
+    """Print a table whose cells (rich markup) are never cut, whatever the terminal's width.
+
+    Columns named in ``text`` hold words: left-aligned, they may wrap between words. The
+    others hold figures: right-aligned, each kept on one line. Headers wrap between words.
+    Rich would squeeze a table wider than the terminal by cutting cells (``1033267…``), so
+    the widths are chosen here: as wide as every line when that fits the terminal; else the
+    headers wrap first, then the text cells, down to their longest word; and past the
+    terminal's width when even that does not fit (the terminal then folds the lines).
+    """
+    from rich.cells import cell_len
+    from rich.table import Table
+    from rich.text import Text
+
+    def widest(lines: Sequence[str]) -> int:
+        return max([cell_len(line) for line in lines] + [1])
+
+    words, cells, headers = [], [], []  # per column: the narrowest it may be, its cells' width, its header's
+    for i, name in enumerate(columns):
+        lines = [line for row in rows for line in Text.from_markup(row[i]).plain.splitlines()]
+        figures = [] if name in text else lines
+        words.append(widest([word for line in [name, *lines] for word in line.split()] + figures))
+        cells.append(max(words[-1], widest(lines)))
+        headers.append(max(cells[-1], cell_len(name)))
+    borders = 3 * len(columns) + 1  # a space each side of a cell, a rule between and around columns
+    room = console.width - borders
+    widths = words
+    for narrow, wide in ((cells, headers), (words, cells)):
+        if sum(narrow) <= room:
+            share = (room - sum(narrow)) / max(sum(wide) - sum(narrow), 1)
+            widths = [n + min(w - n, int((w - n) * share)) for n, w in zip(narrow, wide)]
+            break
+    table = Table(title=title, width=sum(widths) + borders)
+    for name, width in zip(columns, widths):
+        table.add_column(name, width=width, justify="left" if name in text else "right", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table, crop=False)
 
 
 def hit_tokens(request: TraceRequest, hit_pages: int, block_tokens: int) -> int:

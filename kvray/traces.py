@@ -152,3 +152,9 @@ def next_uses(trace: Sequence[TraceRequest]) -> list[np.ndarray]:
         for h in ids:
             seen[h] = i
     return out
+
+
+def cacheable_pages(requests: Sequence[TraceRequest], block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> int:
+    """Distinct full blocks of ``requests`` (:func:`full_blocks`): the most pages a replay of
+    them can keep, which a cache must hold for a second replay to find every one of them."""
+    return len({h for r in requests for h in full_blocks(r.hash_ids, r.input_length, block_tokens)})

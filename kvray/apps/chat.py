@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from kvray.core.config import StoreConfig, TierSizes
 from kvray.core.store import PageStore
 from kvray.engines.hf import CachedCausalLM, greedy_decode, model_layout
 from kvray.engines.timing import torch_threads
 from kvray.engines.tiny import tiny_llama
+from kvray.report import format_duration, print_table
 
 
 @torch.inference_mode()
@@ -100,20 +100,20 @@ def speed_up(row: dict) -> str:
 
 
 def _print(rows: list[dict], model_name: str, console: Console) -> None:
-    table = Table(title=f"Multi-turn conversation on {model_name}: time to first token per turn")
-    for column in ("turn", "prompt tokens", "from kvray", "TTFT recompute", "TTFT kvray", "speed-up", "same reply"):
-        table.add_column(column, justify="right")
-    for row in rows:
-        table.add_row(
+    columns = ("turn", "prompt tokens", "from kvray", "TTFT recompute", "TTFT kvray", "speed-up", "same reply")
+    cells = [
+        (
             str(row["turn"]),
             str(row["prompt_tokens"]),
             str(row["cached_tokens"]),
-            f"{row['ttft_recompute_ms']:.1f} ms",
-            f"{row['ttft_kvray_ms']:.1f} ms",
+            format_duration(row["ttft_recompute_ms"] / 1e3),
+            format_duration(row["ttft_kvray_ms"] / 1e3),
             speed_up(row),
             "[green]yes[/]" if row["same_reply"] else "[red]NO[/]",
         )
-    console.print(table)
+        for row in rows
+    ]
+    print_table(console, f"Multi-turn conversation on {model_name}: time to first token per turn", columns, cells)
 
 
 def _plot(rows: list[dict], model_name: str, path: Path) -> None:

@@ -29,7 +29,7 @@ from pydantic import Field, model_validator
 
 from kvray.apps.replay_engine import ReplayEngineActor
 from kvray.cluster.config import RuntimeConfig
-from kvray.cluster.runtime import RayConnection, Runtime, alive_nodes, on_node
+from kvray.cluster.runtime import RayConnection, Runtime, alive_nodes, free_name, on_node
 from kvray.core.config import FrozenModel, read_yaml, validate
 from kvray.core.errors import ClusterError, ConfigError
 from kvray.core.tiers import TIER_BY_LABEL
@@ -38,7 +38,7 @@ from kvray.report import ReplayResult, ReplayTally
 from kvray.scenario import Scenario, TierSpec
 from kvray.sim.cost import CostModel
 from kvray.sim.simulator import fast_capacity
-from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, read_trace
+from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, cacheable_pages, read_trace
 
 ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 # Bounds on waiting for an actor: a request (its engine's client waits at most its own
@@ -215,8 +215,23 @@ def _bounded(refs, timeout_s: float, what: str):
         raise ClusterError(f"{what}: no answer within {timeout_s:g} s") from None
 
 
-def replay_on_runtime(trace: list[TraceRequest], settings: ReplaySettings, progress: bool = True) -> ReplayResult:
-    """Start a runtime on the connected Ray, replay ``trace`` on it, and tear it down."""
+def replay_on_runtime(
+    trace: list[TraceRequest], settings: ReplaySettings, progress: bool = True, notify: Callable[[str], None] | None = None
+) -> ReplayResult:
+    """Start a runtime on the connected Ray, replay ``trace`` on it, and tear it down.
+
+    A runtime of the settings' name already up on the cluster (``kvray up``'s default is
+    ``kvray`` too) is left alone: this one takes the first free name beside it and tells
+    ``notify`` which, so ``kvray run`` works on a cluster that also keeps a runtime up.
+    """
+    name = free_name(settings.runtime.name)
+    if name != settings.runtime.name:
+        if notify is not None:
+            notify(
+                f"a kvray runtime named {settings.runtime.name!r} is up on this cluster (`kvray run --name "
+                f"{settings.runtime.name}` replays on it); this replay starts its own as {name!r}"
+            )
+        settings = settings.model_copy(update={"runtime": settings.runtime.model_copy(update={"name": name})})
     runtime = Runtime.start(settings.runtime)
     try:
         return replay_with(runtime, trace, settings, progress)
@@ -231,6 +246,23 @@ def replay_with(runtime: Runtime, trace: list[TraceRequest], settings: ReplaySet
         return replay.run(trace, progress=progress)
     finally:
         replay.close()
+
+
+def capacity_warning(runtime: Runtime, trace: list[TraceRequest]) -> str | None:
+    """What to say when ``trace`` has more distinct pages than ``runtime`` holds on all its
+    nodes (None when they fit): replayed again, it finds only the pages still cached, and
+    under LRU, which keeps the last requests' pages, the first requests evict them before
+    they are reached."""
+    tiers = runtime.config.tiers
+    held = (tiers.device + tiers.host + tiers.disk) * len(runtime.stores)
+    pages = cacheable_pages(trace, runtime.config.layout.page_tokens)
+    if pages <= held:
+        return None
+    return (
+        f"this trace has {pages} distinct pages and runtime {runtime.config.name!r} holds {held} "
+        f"({len(runtime.stores)} node{'' if len(runtime.stores) == 1 else 's'}): a run after this one finds only "
+        "the pages still cached, not all of this run's (`kvray up --host-pages` sizes a runtime)"
+    )
 
 
 def sized_for(settings: ReplaySettings, trace: list[TraceRequest]) -> ReplaySettings:
@@ -255,11 +287,16 @@ def run_replay(
     address: str | None = None,
     progress: bool = True,
     runtime_name: str | None = None,
+    notify: Callable[[str], None] | None = None,
 ) -> ReplayResult:
     """``kvray run``: read the trace, connect to (or start) Ray, replay, report.
 
     With ``runtime_name`` the replay uses that runtime, already up on the cluster
-    (``kvray up``), with its own settings, and leaves it running and warm.
+    (``kvray up``), with its own settings, and leaves it running and warm; ``notify`` is
+    told when the trace has more distinct pages than the runtime holds, since a second
+    run then finds only the pages still cached, not all of the first run's. Without
+    ``runtime_name`` it replays on a runtime of its own (:func:`replay_on_runtime`: ``notify``
+    hears which name that took when the settings' one was taken).
     """
     trace = read_trace(trace_path, limit=settings.limit)
     settings = sized_for(settings, trace)
@@ -269,6 +306,8 @@ def run_replay(
         address = address or "auto"
     with RayConnection(address=address, nodes=settings.nodes, object_store_mb=settings.object_store_mb):
         if runtime_name is None:
-            return replay_on_runtime(trace, settings, progress=progress)
+            return replay_on_runtime(trace, settings, progress=progress, notify=notify)
         runtime = Runtime.attach(runtime_name)
+        if notify is not None and (warning := capacity_warning(runtime, trace)):
+            notify(warning)
         return replay_with(runtime, trace, settings.model_copy(update={"runtime": runtime.config}), progress)

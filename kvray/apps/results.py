@@ -1,5 +1,5 @@
 """One table for replay results, so ``kvray run``, ``kvray sim`` and ``kvray demo`` print
-the same columns in the same units (MiB, ms) whether the times were measured or modeled.
+the same columns in the same units whether the times were measured or modeled.
 
 Example::
 
@@ -9,30 +9,28 @@ Example::
 from __future__ import annotations
 
 from rich.console import Console
-from rich.table import Table
 
 from kvray.core.tiers import TIER_LABELS
-from kvray.report import ReplayResult
+from kvray.report import ReplayResult, format_bytes, format_duration, print_table
 
 TIER_ORDER = TIER_LABELS  # fastest first
 COLUMNS = ("policy", "requests", "token hit rate", "hit tokens by tier", "mean TTFT", "p99 TTFT", "bytes moved")
 
 
 def print_results(results: dict[str, ReplayResult], console: Console, title: str) -> None:
-    """One row per labelled result."""
-    table = Table(title=title)
-    for col in COLUMNS:
-        table.add_column(col, justify="left" if col in ("policy", "hit tokens by tier") else "right")
+    """One row per labelled result; each tier's hit tokens on a line of their own."""
+    rows = []
     for label, result in results.items():
-        r = result.as_dict()
-        tiers = ", ".join(f"{t} {r['hit_tokens_by_tier'][t]}" for t in TIER_ORDER if t in r["hit_tokens_by_tier"])
-        table.add_row(
-            label,
-            str(r["requests"]),
-            f"{r['token_hit_rate']:.3f}",
-            tiers or "-",
-            f"{r['mean_ttft_ms']:.1f} ms",
-            f"{r['p99_ttft_ms']:.1f} ms",
-            f"{r['bytes_moved'] / 2**20:.1f} MiB",
+        by_tier = result.hit_tokens_by_tier
+        rows.append(
+            (
+                label,
+                str(result.requests),
+                f"{result.token_hit_rate:.3f}",
+                "\n".join(f"{t} {by_tier[t]}" for t in TIER_ORDER if t in by_tier) or "-",
+                format_duration(result.mean_ttft_ms / 1e3),
+                format_duration(result.p99_ttft_ms / 1e3),
+                format_bytes(result.bytes_moved),
+            )
         )
-    console.print(table)
+    print_table(console, title, COLUMNS, rows, text=("policy", "hit tokens by tier"))

@@ -1,5 +1,9 @@
 """``kvray status``: the metrics of a running kvray runtime, read through its controller.
 
+Each store's loads count every page it handed out, including those an engine on its node
+copied out of the shared host tier itself and reported afterwards (with the copy's time):
+most same-node hits never reach the store as a call.
+
 The same figures are exported to Prometheus by the actors (:mod:`kvray.cluster.metrics`);
 this reads them directly so a user needs no scraper to look.
 """
@@ -8,11 +12,11 @@ from __future__ import annotations
 
 import ray
 from rich.console import Console
-from rich.table import Table
 
 from kvray.cluster.runtime import CALL_TIMEOUT_S, RayConnection
 from kvray.cluster.shards import ControllerShards, merge_snapshots
 from kvray.core.errors import ClusterError
+from kvray.report import format_bytes, format_duration, print_table
 
 
 def fetch_status(address: str | None, name: str) -> dict:
@@ -44,37 +48,54 @@ def resolve_status(status: dict, timeout_s: float = 10.0) -> dict:
 
 
 def print_status(snapshot: dict, console: Console) -> None:
+    """The cluster's figures on one line, then a table of each store's traffic (hits, the
+    latency and bytes of its loads, its stores and moves between tiers), a table of the tiers'
+    occupancy and, with several controller shards, one of the shards."""
     c = snapshot["cluster"]
     hits = ", ".join(f"{t} {n}" for t, n in sorted(c["hit_pages_by_tier"].items())) or "-"
     console.print(
         f"nodes {len(c['nodes'])}  controller shards {len(c['shards'])}  indexed pages {c['indexed_pages']}  page hit rate {c['page_hit_rate']:.3f}  "
-        f"hits per tier: {hits}  bytes between nodes {c['bytes_between_nodes']}  lost pages {c['lost_pages']}"
+        f"hits per tier: {hits}  bytes between nodes {format_bytes(c['bytes_between_nodes'])}  lost pages {c['lost_pages']}"
     )
-    table = Table(title="kvray stores")
-    for col in ("node", "tier", "used / capacity", "occupancy", "fragmentation", "load p99 ms", "bytes moved"):
-        table.add_column(col)
+    traffic, tiers = [], []
     for node, stats in snapshot["stores"].items():
         if "error" in stats:
-            table.add_row(node[:12], "-", stats["error"], "", "", "", "")
+            traffic.append((node[:12], stats["error"], *["-"] * 5))
             continue
-        p99 = stats["swap_latency"].get("load", {}).get("p99_s", 0.0) * 1e3
-        for tier, occ in stats["tiers"].items():
-            table.add_row(
+        load = stats["swap_latency"].get("load")
+        traffic.append(
+            (
                 node[:12],
-                tier,
-                f"{occ['used']} / {occ['capacity']}",
-                f"{occ['occupancy']:.2f}",
-                f"{occ['fragmentation']:.2f}",
-                f"{p99:.2f}",
-                str(stats["bytes_moved"]),
+                str(stats["hit_pages"]),
+                format_duration(load["p99_s"]) if load else "-",
+                format_bytes(stats["bytes_loaded"]),
+                format_bytes(stats["bytes_stored"]),
+                format_bytes(stats["bytes_moved"]),
+                f"{format_bytes(stats['sent_bytes'])} / {format_bytes(stats['received_bytes'])}",
             )
-    console.print(table)
+        )
+        for tier, occ in stats["tiers"].items():
+            tiers.append(
+                (node[:12], tier, f"{occ['used']} / {occ['capacity']}", f"{occ['occupancy']:.2f}", f"{occ['fragmentation']:.2f}")
+            )
+    print_table(
+        console,
+        "kvray stores: traffic since they started",
+        ("node", "hit pages", "load p99", "loaded", "stored", "between tiers", "to / from other nodes"),
+        traffic,
+        text=("node",),
+    )
+    print_table(
+        console, "kvray tiers", ("node", "tier", "used / capacity", "occupancy", "fragmentation"), tiers, text=("node", "tier")
+    )
     if len(c["shards"]) > 1:
-        shards = Table(title="kvray controller shards")
-        for col in ("shard", "indexed pages", "index bytes", "lookups", "open leases", "rebuilt pages"):
-            shards.add_column(col)
-        for s in c["shards"]:
-            shards.add_row(
-                *map(str, (s["shard"], s["indexed_pages"], s["index_bytes"], s["lookups"], s["open_leases"], s["rebuilt_pages"]))
-            )
-        console.print(shards)
+        print_table(
+            console,
+            "kvray controller shards",
+            ("shard", "indexed pages", "index bytes", "lookups", "open leases", "rebuilt pages"),
+            [
+                (str(s["shard"]), str(s["indexed_pages"]), format_bytes(s["index_bytes"]), str(s["lookups"]))
+                + (str(s["open_leases"]), str(s["rebuilt_pages"]))
+                for s in c["shards"]
+            ],
+        )

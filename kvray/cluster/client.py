@@ -367,7 +367,8 @@ class KvrayClient:
                 path, pending, t0 = started[run]
                 parts = [(path.name, *self._finish_run(run, path, pending, t0))]
             else:
-                parts = self._read_mapped(host, keys, run)
+                parts, seconds = self._read_mapped(host, keys, run)
+                loaded.mapped_s += seconds
             got = 0
             for name, n, by_tier in parts:
                 if loaded.pages == run.start + got:  # the prefix is unbroken so far
@@ -380,17 +381,22 @@ class KvrayClient:
                 loaded.lost.setdefault(run.node, []).extend(keys[run.start + got : run.stop])
         return loaded
 
-    def _read_mapped(self, host: SharedHostTier, keys: Sequence[int], run: Run) -> list[tuple[str, int, dict[str, int]]]:
+    def _read_mapped(
+        self, host: SharedHostTier, keys: Sequence[int], run: Run
+    ) -> tuple[list[tuple[str, int, dict[str, int]]], float]:
         """Copy a same-node run out of the mapped host tier; the rest of it (pages on the
-        local disk tier, or freed meanwhile) through the store actor."""
+        local disk tier, or freed meanwhile) through the store actor. Also returns how long
+        the mapped copy took (the store times its own)."""
         sub = list(keys[run.start : run.stop])
+        t0 = time.perf_counter()
         got = host.read(sub, self.buffer.pages[run.start : run.stop], verify=self.config.checksum_memory)
+        seconds = time.perf_counter() - t0
         parts = [("mapped", got, {HOST: got} if got else {})]
         if got < len(sub):
             rest = Run(run.node, run.start + got, run.stop)
             path, pending, t0 = self._start_run(keys, rest)
             parts.append((path.name, *self._finish_run(rest, path, pending, t0)))
-        return parts
+        return parts, seconds
 
     def path_for(self, node: str, nbytes: int, config: RuntimeConfig | None = None) -> str:
         """The one rule that picks a transfer path (:mod:`kvray.cluster.paths`) for
@@ -477,11 +483,13 @@ class KvrayClient:
         writes_here = plan.hit_pages > loaded.pages or self.node_id in plan.targets
         if store is not None and plan.lease == LOCAL_LEASE:
             self._touched = self._sent(
-                store.touch.remote(pack_keys(loaded.mapped), report, self.context.take_arrival(), plan.shard)
+                store.touch.remote(pack_keys(loaded.mapped), report, self.context.take_arrival(), plan.shard, loaded.mapped_s)
             )
             return
         if store is not None and (loaded.mapped or (self.context.arrival is not None and not writes_here)):
-            self._touched = self._sent(store.touch.remote(pack_keys(loaded.mapped), None, self.context.take_arrival()))
+            self._touched = self._sent(
+                store.touch.remote(pack_keys(loaded.mapped), None, self.context.take_arrival(), 0, loaded.mapped_s)
+            )
         self._sent(self.shards.handles[plan.shard].release.remote(*report))
 
     # -- store --------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ DEFAULT_LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=64, page_tokens=512, 
 
 
 NAMESPACE = "kvray"  # the Ray namespace of every kvray actor
+NAME_CHARS = 40  # the longest a runtime name (RuntimeConfig.name) may be
 
 
 def controller_name(name: str, shard: int = 0) -> str:
@@ -74,7 +75,7 @@ class RuntimeConfig(FrozenModel):
     chains whose root page hashes to it (:mod:`kvray.cluster.shards`; README: sizing shards).
     """
 
-    name: str = Field(default="kvray", pattern=r"^[A-Za-z0-9_-]{1,40}$")
+    name: str = Field(default="kvray", pattern=rf"^[A-Za-z0-9_-]{{1,{NAME_CHARS}}}$")
     layout: PageLayout = DEFAULT_LAYOUT
     model_name: str = "kvray-replay"
     model_revision: str | None = Field(default=None, min_length=1, max_length=256)  # see StoreConfig

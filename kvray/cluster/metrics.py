@@ -22,7 +22,10 @@ _SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "kvray_hit_rate": ("Fraction of looked-up pages served from a cache tier", ("shard",)),
     "kvray_hit_pages": ("Pages served per tier (remote = from another node)", ("tier", "shard")),
     "kvray_lookup_pages": ("Pages looked up by requests", ("shard",)),
-    "kvray_bytes_moved": ("Bytes moved between tiers of a node or between nodes", ("node", "path")),
+    "kvray_bytes_moved": (
+        "Bytes moved between tiers of a node (path tiers), out of them to engines (loads), into them (stores), between nodes",
+        ("node", "path"),
+    ),
     "kvray_occupancy": ("Used fraction of a tier's page slots", ("node", "tier")),
     "kvray_fragmentation": ("1 - longest free run / free slots of a tier", ("node", "tier")),
     "kvray_swap_latency_seconds": ("Latency of page loads, stores and tier moves", ("node", "op", "stat")),
@@ -38,7 +41,8 @@ def _gauge(name: str) -> Gauge:
 
 def export_store_stats(node: str, stats: dict) -> None:
     """Publish one store actor's :meth:`PageStore.stats` snapshot."""
-    _gauge("kvray_bytes_moved").set(stats["bytes_moved"], {"node": node, "path": "tiers"})
+    for path, key in (("tiers", "bytes_moved"), ("loads", "bytes_loaded"), ("stores", "bytes_stored")):
+        _gauge("kvray_bytes_moved").set(stats[key], {"node": node, "path": path})
     for tier, occ in stats["tiers"].items():
         _gauge("kvray_occupancy").set(occ["occupancy"], {"node": node, "tier": tier})
         _gauge("kvray_fragmentation").set(occ["fragmentation"], {"node": node, "tier": tier})

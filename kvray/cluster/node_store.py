@@ -287,13 +287,21 @@ class NodeStore:
             return None
         return {"name": self.host_name, "capacity": self.config.tiers.host, "page_nbytes": self.page_nbytes}
 
-    def touch(self, keys: bytes, report: tuple | None = None, request: tuple[bytes, float] | None = None, shard: int = 0) -> None:
+    def touch(
+        self,
+        keys: bytes,
+        report: tuple | None = None,
+        request: tuple[bytes, float] | None = None,
+        shard: int = 0,
+        load_s: float | None = None,
+    ) -> None:
         """An engine copied the prefix ``keys`` (:func:`~kvray.core.keys.pack_keys`) out of the shared
-        host tier: count the hits (recency, heat, promotions), and pass ``report`` (the
-        arguments of the controller's ``release``) on to controller shard ``shard``. ``request``: see :meth:`_arrived`."""
+        host tier in ``load_s`` seconds: count the hits (recency, heat, promotions) and the
+        load (bytes, latency), and pass ``report`` (the arguments of the controller's
+        ``release``) on to controller shard ``shard``. ``request``: see :meth:`_arrived`."""
         self._arrived(request)
         if keys:
-            self.store.touch_pages(unpack_keys(keys))
+            self.store.touch_pages(unpack_keys(keys), load_s)
         if report is not None:
             self._controller(shard).release.remote(*report)
 

@@ -97,6 +97,7 @@ class Loaded:
     bytes_between_nodes: int = 0
     paths: dict[str, int] = field(default_factory=dict)  # transfer path -> pages
     mapped: list[int] = field(default_factory=list)  # keys copied from the mapped host tier
+    mapped_s: float = 0.0  # how long those copies took (the store counts them as its loads)
 
     def merge(self, other: Loaded) -> None:
         """Count ``other`` (a later chunk of the same request) in this one."""
@@ -109,6 +110,7 @@ class Loaded:
         self.pages += other.pages
         self.bytes_between_nodes += other.bytes_between_nodes
         self.mapped.extend(other.mapped)
+        self.mapped_s += other.mapped_s
 
     def add(self, path: str, pages: int, by_tier: dict[str, int], between_nodes: int) -> None:
         if not pages:

@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import socket
@@ -32,7 +33,7 @@ import socket
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name, store_name
+from kvray.cluster.config import NAME_CHARS, NAMESPACE, RuntimeConfig, controller_name, store_name
 from kvray.cluster.controller import ControllerActor
 from kvray.cluster.node_store import NodeStoreActor
 from kvray.cluster.shards import ControllerShards
@@ -129,6 +130,26 @@ class RayConnection:
             self.cluster = None
 
 
+def name_taken(name: str) -> bool:
+    """Whether a kvray runtime named ``name`` runs on the connected cluster (its controller does)."""
+    try:
+        ray.get_actor(controller_name(name), namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+def free_name(name: str) -> str:
+    """``name`` if no runtime on the connected cluster has it, else the first of ``name-2``,
+    ``name-3``, ... that none has (shortened to fit the 40 characters a name may have)."""
+    suffixes = (f"-{n}" for n in itertools.count(2))
+    candidate = name
+    while name_taken(candidate):
+        suffix = next(suffixes)
+        candidate = name[: NAME_CHARS - len(suffix)] + suffix
+    return candidate
+
+
 def alive_nodes(resources: dict[str, float] | None = None) -> list[str]:
     """Ids of live nodes that offer ``resources``."""
     needed = resources or {}
@@ -158,11 +179,7 @@ class Runtime:
         nodes = alive_nodes(config.store_resources)
         if not nodes:
             raise ClusterError(f"no live Ray node offers {config.store_resources or 'any resources'} for a store")
-        try:
-            ray.get_actor(controller_name(config.name), namespace=NAMESPACE)
-        except ValueError:
-            pass  # the name is free
-        else:
+        if name_taken(config.name):
             raise ClusterError(
                 f"a kvray runtime named {config.name!r} is already running on this Ray cluster "
                 f"(stop it with `kvray down --name {config.name}`, or pick another --name)"

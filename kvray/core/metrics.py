@@ -1,5 +1,9 @@
 """Counters every cache manager keeps: hits per tier, misses, bytes moved, swap latency.
 
+Bytes are counted where they cross: ``bytes_moved`` between a node's tiers, ``bytes_loaded``
+out of the tiers to readers (the bytes behind the hits, including those an engine copied out
+of a shared host tier itself and reported), ``bytes_stored`` into them from writers.
+
 The same :class:`CacheMetrics` is filled by the runtime (measured times) and by the
 simulator (modeled times), so their reports compare field by field. ``snapshot()`` gives a
 plain dict (what ``--json`` prints and what the Ray runtime exports to Prometheus).
@@ -61,6 +65,7 @@ class CacheMetrics:
     lookup_pages: int = 0
     hit_pages: Counter = field(default_factory=Counter)  # tier label -> pages hit
     stored_pages: int = 0
+    loaded_pages: int = 0  # pages copied out to readers (by the store, or by a reader that reported it)
     stored_by_tier: Counter = field(default_factory=Counter)  # tier label -> pages stored there
     evicted_pages: int = 0
     moved_pages: Counter = field(default_factory=Counter)  # "src->dst" -> pages
@@ -94,6 +99,8 @@ class CacheMetrics:
             "evicted_pages": self.evicted_pages,
             "moved_pages": dict(self.moved_pages),
             "bytes_moved": self.bytes_moved,
+            "bytes_loaded": self.loaded_pages * self.page_nbytes,
+            "bytes_stored": self.stored_pages * self.page_nbytes,
             "corrupt_pages": self.corrupt_pages,
             "swap_latency": {op: h.summary() for op, h in self.swap_latency.items()},
         }

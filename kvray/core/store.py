@@ -400,6 +400,7 @@ class PageStore:
                 self.metrics.corrupt_pages += 1
                 self.manager.drop(int(match.handles[delivered]))
             self._hit(match.handles[:delivered])
+            self.metrics.loaded_pages += delivered
             self.metrics.observe("load", time.perf_counter() - t0)
         return delivered, {TIERS[t].label: n for t, n in sorted(Counter(tiers[:delivered]).items())}
 
@@ -433,12 +434,16 @@ class PageStore:
         chunks = page_runs(wanted[-1] + 1)
         return disk.read_many([(slots[i], chunks[i]) for i in wanted])
 
-    def touch_pages(self, keys: Sequence[int]) -> int:
+    def touch_pages(self, keys: Sequence[int], load_s: float | None = None) -> int:
         """Count a hit on the cached prefix of ``keys`` that a reader copied out of the shared
-        host tier itself (no bytes move here); returns pages touched."""
+        host tier itself (no bytes move here): its pages as loaded, and ``load_s``, the time
+        the reader's copy took, as a load's latency; returns pages touched."""
         with self._lock:
             match = self.manager.lookup(keys)
             self._hit(match.handles)
+            self.metrics.loaded_pages += len(match)
+            if load_s is not None:
+                self.metrics.observe("load", load_s)
         return len(match)
 
     def _hit(self, handles: np.ndarray) -> None:

@@ -1,4 +1,5 @@
-"""``ray job submit --working-dir . -- python -m kvray run ...`` against a real Ray head.
+"""``ray job submit --working-dir . -- python -m kvray run ...`` against a real Ray head,
+beside a runtime ``kvray up`` keeps under the default name.
 
 This starts its own head (the session cluster has no dashboard, and job submission goes
 through the dashboard's job server, ~1 GB), with token authentication on as Ray 2.60 does
@@ -119,9 +120,17 @@ def submit_a_job(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+    kvray = [sys.executable, "-m", "kvray"]
+    where = ["--address", f"127.0.0.1:{port}"]
     try:
         wait_for_dashboard(dashboard)
         wait_for_job_server(ray_bin, dashboard, env)
+        # A runtime kept up under the default name, as README's "Keeping a runtime up" leaves
+        # one: the job's `kvray run` must start its own beside it.
+        up = subprocess.run(
+            [*kvray, "up", *where, "--host-pages", "16"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+        )
+        assert up.returncode == 0, up.stderr[-3000:]
         job = submit_when_an_agent_is_up(
             [
                 str(ray_bin),
@@ -148,6 +157,8 @@ def submit_a_job(tmp_path: Path) -> None:
             ],
             env,
         )
+        down = subprocess.run([*kvray, "down", *where], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert down.returncode == 0, down.stderr[-3000:]
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         stop_own_ray(head, str(tmp_path / "ray"))
@@ -155,3 +166,4 @@ def submit_a_job(tmp_path: Path) -> None:
     result = json.loads(next(line for line in job.stdout.splitlines() if line.startswith('{"requests"')))
     assert result["requests"] == 12 and result["policy"] == "lru" and result["tokens"] > 0
     assert "succeeded" in job.stdout
+    assert "this replay starts its own as 'kvray-2'" in " ".join(job.stdout.split())

@@ -6,13 +6,15 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import ray
 
 from kvray.apps.replay import ReplaySettings, replay_on_runtime
-from kvray.cluster import RuntimeConfig
+from kvray.cluster import Runtime, RuntimeConfig
+from kvray.cluster.runtime import name_taken
 from kvray.core.config import PageLayout, TierSizes
 from kvray.traces import read_trace
 from tests.conftest import RESULT_KEYS, RUNTIME_KEYS
@@ -93,3 +95,31 @@ def test_kvray_run_joins_a_running_cluster_and_prints_json(ray_cluster, tmp_path
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(out) == RESULT_KEYS | RUNTIME_KEYS and out["requests"] == 15 and out["scenario"] == "cli"
     assert ray.get_actor  # the session connection is untouched by the CLI's own driver
+
+
+def test_kvray_run_takes_a_free_name_beside_a_runtime_kept_up(ray_cluster, tmp_path):
+    """A plain ``kvray run`` on a cluster where ``kvray up`` keeps its default runtime
+    (``kvray``): the replay starts its own beside it under a free name, says which, and
+    leaves the other one up."""
+    kept = Runtime.start(RuntimeConfig(tiers=TierSizes(host=16)))  # named kvray, as `kvray up` names it
+    try:
+        trace = tmp_path / "slice.jsonl"
+        trace.write_text("".join(TRACE.read_text().splitlines(keepends=True)[1000:1006]))
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvray", "run", "--trace", str(trace), "--address", ray_cluster.address]
+            + ["--host-pages", "32", "--prefill-us-per-token", "1", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["requests"] == 6
+        assert "this replay starts its own as 'kvray-2'" in " ".join(proc.stderr.split()), proc.stderr[-3000:]
+        deadline = time.monotonic() + 30  # the replay's own runtime is gone (its names freed a moment after it exits)
+        while name_taken("kvray-2"):
+            assert time.monotonic() < deadline, "the replay left its runtime 'kvray-2' up"
+            time.sleep(0.5)
+        assert name_taken("kvray")
+    finally:
+        kept.close()

@@ -49,23 +49,27 @@ def test_up_status_run_down(address):
     again = kvray("up", *where)
     assert again.returncode == 2 and "already running" in " ".join(again.stderr.split())
 
-    replays = []
-    for _ in range(2):
+    def replay(limit: int) -> tuple[dict, str]:
         run = kvray(
             "run",
             *where,
             "--trace",
             "data/traces/conversation_trace_first30min.jsonl",
             "--limit",
-            "8",
+            str(limit),
             "--prefill-us-per-token",
             "1",
             "--json",
         )
         assert run.returncode == 0, run.stderr[-3000:]
-        replays.append(json.loads(run.stdout.strip().splitlines()[-1]))
-    assert replays[0]["requests"] == 8 and replays[0]["wrong_pages"] == 0
-    assert replays[1]["hit_tokens"] > replays[0]["hit_tokens"]  # the same requests again, on the warm runtime
+        return json.loads(run.stdout.strip().splitlines()[-1]), " ".join(run.stderr.split())
+
+    replays = [replay(8), replay(8)]  # 157 distinct pages, and the runtime holds 3 x 64
+    assert replays[0][0]["requests"] == 8 and replays[0][0]["wrong_pages"] == 0
+    assert replays[1][0]["hit_tokens"] > replays[0][0]["hit_tokens"]  # the same requests again, on the warm runtime
+    assert not any("distinct pages" in said for _, said in replays)
+    _, said = replay(20)  # 540 distinct pages: a run after it would find only some of them
+    assert f"this trace has 540 distinct pages and runtime '{NAME}' holds 192 (3 nodes)" in said, said
 
     status = kvray("status", *where, "--json")
     assert status.returncode == 0, status.stderr[-3000:]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ import ray
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.cluster.protocol import LOCAL_LEASE
 from kvray.core.config import PageLayout, TierSizes
+from tests.test_report import shows_whole
 
 pytestmark = pytest.mark.ray
 
@@ -56,6 +59,28 @@ def test_kvray_status_prints_the_metrics_of_a_running_cluster(busy_runtime, ray_
         assert {"occupancy", "fragmentation"} <= set(stats["tiers"]["host"])
         assert "bytes_moved" in stats and "swap_latency" in stats
     assert sum(s["tiers"]["host"]["used"] for s in status["stores"].values()) == 4
+    # The hit was copied out of the mapped host tier, with no call to the store: the store
+    # still counts its bytes and its latency, reported by the client afterwards.
+    page_bytes = LAYOUT.page_nbytes
+    assert sum(s["bytes_loaded"] for s in status["stores"].values()) == 4 * page_bytes
+    assert sum(s["bytes_stored"] for s in status["stores"].values()) == 4 * page_bytes
+    loads = [s["swap_latency"]["load"] for s in status["stores"].values() if "load" in s["swap_latency"]]
+    assert len(loads) == 1 and loads[0]["count"] == 1 and loads[0]["p99_s"] > 0
+
+
+def test_kvray_status_table_shows_whole_scaled_figures_on_a_narrow_terminal(busy_runtime, ray_cluster):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvray", "status", "--address", ray_cluster.address, "--name", "status"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "40"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = f"{4 * LAYOUT.page_nbytes / 2**10:.1f} KiB"  # the hit's 4 pages, and the 4 stored
+    assert shows_whole(proc.stderr, loaded, "4 / 16"), proc.stderr
+    assert proc.stderr.count(loaded) == 2 and re.search(r"│ +[\d.]+ (us|ms) │", proc.stderr), proc.stderr
 
 
 def test_status_of_an_unknown_runtime_is_a_clear_error(ray_cluster):

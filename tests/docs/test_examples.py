@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvray.engines.vllm_runs import vllm_python
+from kvray.traces import cacheable_pages, read_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 NEEDS_RAY_OR_VLLM = ("kvray/cluster/", "kvray/apps/", "kvray/bench/", "kvray/engines/vllm")
@@ -64,3 +65,16 @@ def test_readme_python_block_runs(block, tmp_path, monkeypatch):
 @pytest.mark.parametrize("module", sorted(module_examples()))
 def test_module_docstring_example_runs(module, tmp_path, monkeypatch):
     run_example(module_examples()[module], tmp_path, monkeypatch)
+
+
+def test_readme_runtime_kept_up_holds_the_replay_it_runs_twice():
+    """README's "Keeping a runtime up" replays the same requests twice on a one-node runtime
+    and says the second run finds the first one's pages: its ``kvray up`` must hold every
+    distinct page of that replay, or LRU has evicted them by the time the second run asks."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("### Keeping a runtime up", 1)[1].split("### As a Ray job", 1)[0]
+    host_pages = int(re.search(r"^kvray up .*--host-pages (\d+)", block, flags=re.M)[1])
+    runs = re.findall(r"^kvray run .*--name kvray --trace (\S+) --limit (\d+)", block, flags=re.M)
+    assert len(runs) == 2 and runs[0] == runs[1], runs
+    trace, limit = runs[0]
+    assert cacheable_pages(read_trace(ROOT / trace, limit=int(limit))) <= host_pages
