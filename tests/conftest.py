@@ -135,3 +135,12 @@ def extra_nodes(cluster, *resources: dict[str, float]) -> Iterator[None]:
     finally:
         for node in added:
             cluster.remove_node(node)
+
+
+# -- Tiers (tests/README.md) ---------------------------------------------------------------------
+def pytest_collection_modifyitems(config, items):
+    """A test that uses the session's Ray cluster is in the ``ray`` tier whether or not its
+    module says so, so the fast tier (``make check``: not ray, not slow) never starts one."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)

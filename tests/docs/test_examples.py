@@ -57,7 +57,9 @@ def test_there_are_examples_to_run():
     assert len(module_examples()) >= 10
 
 
-@pytest.mark.parametrize("block", range(len(readme_blocks())))
+@pytest.mark.parametrize(
+    "block", [pytest.param(i, marks=[pytest.mark.slow] if "from vllm" in code else []) for i, code in enumerate(readme_blocks())]
+)
 def test_readme_python_block_runs(block, tmp_path, monkeypatch):
     run_example(readme_blocks()[block], tmp_path, monkeypatch)
 
