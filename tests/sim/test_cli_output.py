@@ -161,7 +161,7 @@ def test_one_capacity_is_drawn_as_bars_and_several_as_lines():
 
 @pytest.mark.parametrize(
     ("command", "default"),
-    [("sim", "[default: lru]"), ("train", "[default: 0.6]"), ("status", "[default: kvray]"), ("run", None)],
+    [("sim", "[default: 0]"), ("train", "[default: 0.6]"), ("status", "[default: kvray]"), ("run", None)],
 )
 def test_help_shows_flags_as_flags_and_defaults(command, default):
     result = invoke(command, "--help")
