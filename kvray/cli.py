@@ -1,5 +1,9 @@
-"""The ``kvray`` command line: demo, run, up/status/down, sim, train, eval, calibrate, bench.
+"""The ``kvray`` command line: demo, run, up/status/down, sim, train, eval, cluster-eval,
+calibrate, generate, bench.
 
+Each command parses its flags (numbers checked against their ranges as they are parsed,
+:mod:`kvray.flags`) and calls what does the work, in :mod:`kvray.apps` (one module per
+command) or the package it runs; bad input ends it with one line and exit code 2.
 Help is rendered by click's plain formatter (``rich_markup_mode=None``): it shows flags as
 flags and every default, where typer's rich panels print a ``<bool>`` after each flag.
 """

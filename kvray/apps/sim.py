@@ -23,7 +23,7 @@ from kvray.sim.cost import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import ORACLE, simulate
 from kvray.traces import read_trace
 
-DEFAULT_POLICY = "lru"
+DEFAULT_NODE_POLICY = "lru"
 
 
 def run_sim(
@@ -42,7 +42,7 @@ def run_sim(
         raise ConfigError(f"--cluster-policy {ORACLE} runs Belady on every node: leave out --policy {policy}")
     requests = read_trace(trace, limit=limit)
     spec = load_scenario(scenario or DEFAULT_SCENARIO)
-    node_policy = policy or DEFAULT_POLICY
+    node_policy = policy or ("belady" if cluster_policy == ORACLE else DEFAULT_NODE_POLICY)
     with progress_bar(len(requests), f"sim {node_policy}", enabled=progress) as tick:
         return simulate(requests, node_policy, spec, warmup_requests, capacity_fraction, capacity, tick, cluster_policy)
 
