@@ -1,5 +1,9 @@
-"""The ``kvray`` command line: demo, run, up/status/down, sim, train, eval, calibrate, bench.
+"""The ``kvray`` command line: demo, run, up/status/down, sim, train, eval, cluster-eval,
+calibrate, generate, bench.
 
+Each command parses its flags (numbers checked against their ranges as they are parsed,
+:mod:`kvray.flags`) and calls what does the work, in :mod:`kvray.apps` (one module per
+command) or the package it runs; bad input ends it with one line and exit code 2.
 Help is rendered by click's plain formatter (``rich_markup_mode=None``): it shows flags as
 flags and every default, where typer's rich panels print a ``<bool>`` after each flag.
 """
@@ -7,7 +11,6 @@ flags and every default, where typer's rich panels print a ``<bool>`` after each
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,13 +18,16 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kvray.core.errors import ConfigError, KvrayError
-from kvray.progress import progress_bar
+from kvray.bench import NAMES as BENCHMARKS
+from kvray.core.errors import KvrayError
+from kvray.flags import CAPACITY_FRACTION, COUNT, NON_NEGATIVE, POSITIVE, TIME_FRACTION, in_range
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="kvray: tiered KV-cache offload and reuse"
 )
 console = Console(stderr=True)
+MAX_NODES = 16  # ReplaySettings.nodes: local Ray nodes one machine starts
+MAX_CONTROLLER_SHARDS = 256  # RuntimeConfig.controller_shards
 
 
 @contextmanager
@@ -37,14 +43,19 @@ def reported_errors() -> Iterator[None]:
 @app.command()
 def bench(
     json_out: bool = typer.Option(False, "--json", help="print a JSON list instead of a table"),
-    only: list[str] = typer.Option([], "--only", help="run only benchmarks whose name contains this"),
+    only: list[str] = typer.Option(
+        [],
+        "--only",
+        help="run only benchmarks whose name contains this (repeat for several); the benchmarks: " + ", ".join(BENCHMARKS),
+    ),
     quick: bool = typer.Option(False, "--quick", help="fewer repetitions and smaller sizes"),
     out: Path | None = typer.Option(None, "--out", help="also save the results as this JSON file, and a plot beside it (.png)"),
 ) -> None:
     """Run the side-by-side benchmarks: kvray's figure, a baseline's, and their ratio."""
     from kvray.bench import run_benchmarks
 
-    results = run_benchmarks(only=only, quick=quick, progress=not json_out)
+    with reported_errors():
+        results = run_benchmarks(only=only, quick=quick, progress=not json_out)
     if out is not None:
         from kvray.bench.report import save
 
@@ -59,10 +70,12 @@ def bench(
 
 @app.command()
 def demo(
-    requests: int = typer.Option(400, "--requests", help="requests of the bundled conversation trace to replay"),
-    nodes: int = typer.Option(2, "--nodes", min=2, help="local Ray nodes to start"),
+    requests: int = typer.Option(400, "--requests", callback=COUNT, help="requests of the bundled conversation trace to replay"),
+    nodes: int = typer.Option(2, "--nodes", callback=in_range(2, MAX_NODES), help="local Ray nodes to start"),
     out: str = typer.Option("results", "--out", help="directory for the JSON and the plots"),
-    chat_turns: int = typer.Option(4, "--chat-turns", min=0, help="turns of the real-model conversation (0: skip)"),
+    chat_turns: int = typer.Option(
+        4, "--chat-turns", callback=NON_NEGATIVE, help="turns of the real-model conversation (0: skip)"
+    ),
 ) -> None:
     """Replay a slice of the real conversation trace on local Ray nodes without and with kvray;
     then serve a multi-turn conversation on a real (random-weight) Llama, with and without kvray."""
@@ -83,7 +96,9 @@ def run(
     cluster_policy: str | None = typer.Option(
         None, "--cluster-policy", help="which node keeps each new page (default local-first)"
     ),
-    nodes: int | None = typer.Option(None, "--nodes", help="local Ray nodes to start (ignored with --address)"),
+    nodes: int | None = typer.Option(
+        None, "--nodes", callback=in_range(1, MAX_NODES), help="local Ray nodes to start (ignored with --address)"
+    ),
     scenario: str | None = typer.Option(
         None, "--scenario", help="YAML file of replay settings, or a kvray sim scenario (one node)"
     ),
@@ -91,15 +106,21 @@ def run(
     name: str | None = typer.Option(
         None, "--name", help="replay on this runtime, up on the cluster (kvray up), with its own tiers and policy; it stays up"
     ),
-    limit: int | None = typer.Option(None, "--limit", help="replay only the first N requests"),
-    host_pages: int | None = typer.Option(None, "--host-pages", help="host-tier pages per node"),
-    disk_pages: int | None = typer.Option(None, "--disk-pages", help="disk-tier pages per node (needs --disk-root)"),
-    disk_root: str | None = typer.Option(None, "--disk-root", help="directory for the nodes' disk tiers"),
-    prefill_us: float | None = typer.Option(None, "--prefill-us-per-token", help="calibrated prefill cost"),
-    capacity_fraction: float | None = typer.Option(
-        None, "--capacity-fraction", help="per node, device+host = F x unique pages (as kvray sim)"
+    limit: int | None = typer.Option(None, "--limit", callback=COUNT, help="replay only the first N requests"),
+    host_pages: int | None = typer.Option(None, "--host-pages", callback=NON_NEGATIVE, help="host-tier pages per node"),
+    disk_pages: int | None = typer.Option(
+        None, "--disk-pages", callback=NON_NEGATIVE, help="disk-tier pages per node (needs --disk-root)"
     ),
-    capacity: int | None = typer.Option(None, "--capacity", help="per node, device+host pages (other tiers keep their ratio)"),
+    disk_root: str | None = typer.Option(None, "--disk-root", help="directory for the nodes' disk tiers"),
+    prefill_us: float | None = typer.Option(
+        None, "--prefill-us-per-token", callback=NON_NEGATIVE, help="calibrated prefill cost"
+    ),
+    capacity_fraction: float | None = typer.Option(
+        None, "--capacity-fraction", callback=CAPACITY_FRACTION, help="per node, device+host = F x unique pages (as kvray sim)"
+    ),
+    capacity: int | None = typer.Option(
+        None, "--capacity", callback=COUNT, help="per node, device+host pages (other tiers keep their ratio)"
+    ),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Replay a trace on the Ray runtime with real page bytes; report measured TTFT and hits."""
@@ -158,11 +179,18 @@ def up(
     name: str = typer.Option("kvray", "--name", help="kvray runtime name"),
     scenario: str | None = typer.Option(None, "--scenario", help="YAML file of runtime settings, as for kvray run"),
     policy: str | None = typer.Option(None, "--policy", help="placement policy of every node's tiers (default lru)"),
-    host_pages: int | None = typer.Option(None, "--host-pages", help="host-tier pages per node (default 256)"),
-    disk_pages: int | None = typer.Option(None, "--disk-pages", help="disk-tier pages per node (needs --disk-root)"),
+    host_pages: int | None = typer.Option(
+        None, "--host-pages", callback=NON_NEGATIVE, help="host-tier pages per node (default 256)"
+    ),
+    disk_pages: int | None = typer.Option(
+        None, "--disk-pages", callback=NON_NEGATIVE, help="disk-tier pages per node (needs --disk-root)"
+    ),
     disk_root: str | None = typer.Option(None, "--disk-root", help="directory for the nodes' disk tiers"),
     controller_shards: int | None = typer.Option(
-        None, "--controller-shards", help="controller actors sharing the metadata (default 1; README: sizing shards)"
+        None,
+        "--controller-shards",
+        callback=in_range(1, MAX_CONTROLLER_SHARDS),
+        help="controller actors sharing the metadata (default 1; README: sizing shards)",
     ),
 ) -> None:
     """Start a kvray runtime on a Ray cluster that stays up after this command (until kvray down)."""
@@ -201,55 +229,55 @@ def down(
 @app.command()
 def sim(
     trace: Path = typer.Option(..., "--trace", help="Mooncake JSONL or Parquet trace"),
-    policy: str = typer.Option("lru", "--policy", help="each node's policy (kvray.policy.POLICIES), rl:PATH"),
-    cluster_policy: str = typer.Option(
+    policy: str | None = typer.Option(
+        None,
+        "--policy",
+        help="each node's policy (kvray.policy.POLICIES), rl:PATH; default lru (belady under --cluster-policy oracle)",
+    ),
+    cluster_policy: str | None = typer.Option(
         None,
         "--cluster-policy",
-        help="local-first, cost-router, always-prefetch, replicate-hot, or oracle (Belady, searched prefetch/replication)",
+        help="on a cluster scenario: local-first (the default), cost-router, always-prefetch, replicate-hot, "
+        "or oracle (Belady on every node, searched prefetch/replication)",
     ),
-    scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
-    warmup_requests: int = typer.Option(0, "--warmup-requests", help="requests that fill the cache unmeasured"),
-    capacity_fraction: float = typer.Option(None, "--capacity-fraction", help="device+host = F x unique pages"),
-    capacity: int = typer.Option(None, "--capacity", help="device+host pages (other tiers keep their ratio)"),
-    limit: int = typer.Option(None, "--limit", help="replay only the first N requests"),
+    scenario: Path | None = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
+    warmup_requests: int = typer.Option(
+        0, "--warmup-requests", callback=NON_NEGATIVE, help="requests that fill the cache unmeasured"
+    ),
+    capacity_fraction: float | None = typer.Option(
+        None, "--capacity-fraction", callback=CAPACITY_FRACTION, help="device+host = F x unique pages"
+    ),
+    capacity: int | None = typer.Option(
+        None, "--capacity", callback=COUNT, help="device+host pages (other tiers keep their ratio)"
+    ),
+    limit: int | None = typer.Option(None, "--limit", callback=COUNT, help="replay only the first N requests"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Replay a trace through the real cache manager and policy with modeled time."""
-    from kvray.scenario import DEFAULT_SCENARIO, load_scenario
-    from kvray.sim.simulator import simulate
-    from kvray.traces import read_trace
+    from kvray.apps.sim import print_sim, run_sim
 
     with reported_errors():
-        requests = read_trace(trace, limit=limit)
-        spec = load_scenario(scenario or DEFAULT_SCENARIO)
-        with progress_bar(len(requests), f"sim {policy}", enabled=not json_out) as tick:
-            result = simulate(requests, policy, spec, warmup_requests, capacity_fraction, capacity, tick, cluster_policy)
+        result = run_sim(
+            trace, policy, cluster_policy, scenario, warmup_requests, capacity_fraction, capacity, limit, not json_out
+        )
     if json_out:
         print(result.as_json())
     else:
-        from kvray.apps.results import print_results
-        from kvray.report import format_duration
-
-        out = Console()
-        label = result.policy if cluster_policy is None else f"{result.policy} / {cluster_policy}"
-        print_results({label: result}, out, title=f"kvray sim: modeled replay on scenario {result.scenario}")
-        capacity = ", ".join(f"{tier} {pages}" for tier, pages in result.extra["capacity_pages"].items())
-        out.print(
-            f"capacity (pages): {capacity}; warm-up requests {warmup_requests}; time links spent moving pages between tiers "
-            f"{format_duration(result.extra['background_move_ms'] / 1e3)} (summed over the moves, off the TTFT path)"
-        )
-        busiest = sorted(result.extra["link_utilisation"].items(), key=lambda item: -item[1])[:6]
-        out.print("busiest links (busy share over the replay): " + ", ".join(f"{n} {u:.3f}" for n, u in busiest))
+        print_sim(result, cluster_policy, warmup_requests, Console())
 
 
 @app.command(name="cluster-eval")
 def cluster_eval(
     scenario: list[Path] = typer.Option(..., "--scenario", help="cluster scenario YAML (repeat for several)"),
     trace: list[Path] = typer.Option([], "--trace", help="trace file (repeat for several)"),
-    generated: int = typer.Option(0, "--generated", help="also a generated chat workload of about N requests"),
-    limit: int = typer.Option(None, "--limit", help="replay only the first N requests of each trace"),
-    capacity_fraction: float = typer.Option(0.05, "--capacity-fraction", help="cluster device+host = F x unique pages"),
-    out: Path = typer.Option(Path("docs/sim-eval"), "--out", help="folder for cluster.md, cluster.json, cluster.png"),
+    generated: int = typer.Option(
+        0, "--generated", callback=NON_NEGATIVE, help="also a generated chat workload of about N requests"
+    ),
+    limit: int | None = typer.Option(None, "--limit", callback=COUNT, help="replay only the first N requests of each trace"),
+    capacity_fraction: float = typer.Option(
+        0.05, "--capacity-fraction", callback=CAPACITY_FRACTION, help="cluster device+host = F x unique pages"
+    ),
+    out: Path = typer.Option(Path("results/cluster"), "--out", help="folder for cluster.md, cluster.json, cluster.png"),
     policy: list[str] = typer.Option(
         [], "--policy", help="also NODE_POLICY+CLUSTER_POLICY (e.g. rl+cost-router), reported against the best heuristic"
     ),
@@ -258,36 +286,14 @@ def cluster_eval(
     import shlex
     import sys
 
-    from kvray.apps.cluster_eval import evaluate, write_results
-    from kvray.policy import make_policy
-    from kvray.policy.cluster import make_cluster_policy
-    from kvray.scenario import load_scenario
-    from kvray.sim.workloads import WorkloadSpec, generate
-    from kvray.traces import read_trace
+    from kvray.apps.cluster_eval import run_cluster_eval
 
-    with reported_errors():
-        scenarios = {load_scenario(s).name: load_scenario(s) for s in scenario}
-        traces = {t.stem: read_trace(t, limit=limit) for t in trace}
-        if generated:
-            spec = WorkloadSpec(sessions=max(1, generated // 4), system_prompt_pages=1, document_probability=0.5)
-            traces[f"generated-{generated}"] = generate(spec, seed=0)
-        if not traces:
-            raise ConfigError("give at least one --trace or --generated N")
-        candidates = []
-        for pair in policy:
-            node_policy, plus, cluster_policy = pair.partition("+")
-            if not plus or not node_policy or not cluster_policy:
-                raise ConfigError(f"--policy {pair!r}: expected NODE_POLICY+CLUSTER_POLICY, e.g. rl+cost-router")
-            make_policy(node_policy), make_cluster_policy(cluster_policy)  # unknown names fail before any replay
-            candidates.append((node_policy, cluster_policy))
-        total = len(scenarios) * len(traces)
-        with console.status("replaying") as status:
-            rows = evaluate(
-                scenarios, traces, capacity_fraction, progress=lambda what: status.update(what), candidates=candidates
-            )
-        command = "kvray " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        paths = write_results(rows, out, command)
-    console.print(f"{total} tables; wrote {', '.join(str(p) for p in paths)}")
+    command = "kvray " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    with reported_errors(), console.status("replaying") as status:
+        tables, paths = run_cluster_eval(
+            scenario, trace, generated, limit, capacity_fraction, out, policy, command, progress=status.update
+        )
+    console.print(f"{tables} tables; wrote {', '.join(str(p) for p in paths)}")
 
 
 @app.command()
@@ -296,36 +302,49 @@ def train(
         [], "--scenario", help="training scenario YAML(s), one node or a cluster (default simulations/h100-llama8b.yaml)"
     ),
     bandwidth_scale: list[float] = typer.Option(
-        [1.0], "--bandwidth-scale", help="link bandwidths trained over: each scenario with every link this many times as fast"
+        [1.0],
+        "--bandwidth-scale",
+        callback=POSITIVE,
+        help="link bandwidths trained over: each scenario with every link this many times as fast",
     ),
     trace: list[Path] = typer.Option(..., "--trace", help="training trace(s); each is split by time"),
-    timesteps: int = typer.Option(50_000, "--timesteps", min=0, help="PPO steps after the counterfactual fit (0: none)"),
-    horizon: int = typer.Option(
-        8, "--counterfactual-horizon", min=0, help="windows of every expert's future cost the scorer is first fitted to (0: none)"
+    timesteps: int = typer.Option(
+        50_000, "--timesteps", callback=NON_NEGATIVE, help="PPO steps after the counterfactual fit (0: none)"
     ),
-    epochs: int = typer.Option(300, "--counterfactual-epochs", min=1, help="full-batch epochs of that fit"),
+    horizon: int = typer.Option(
+        8,
+        "--counterfactual-horizon",
+        callback=NON_NEGATIVE,
+        help="windows of every expert's future cost the scorer is first fitted to (0: none)",
+    ),
+    epochs: int = typer.Option(300, "--counterfactual-epochs", callback=COUNT, help="full-batch epochs of that fit"),
     correction_decay: float = typer.Option(
         0.0,
         "--correction-decay",
-        min=0.0,
+        callback=NON_NEGATIVE,
         help="penalty on the size of the fitted correction to follow-the-leader (0: none; docs/sim-eval)",
     ),
     out: Path = typer.Option(..., "--out", help="policy folder, e.g. policies/mine"),
-    seed: int = typer.Option(0, "--seed"),
-    train_fraction: float = typer.Option(0.6, "--train-fraction", help="first part of each trace (by time) trained on"),
+    seed: int = typer.Option(0, "--seed", callback=NON_NEGATIVE),
+    train_fraction: float = typer.Option(
+        0.6, "--train-fraction", callback=TIME_FRACTION, help="first part of each trace (by time) trained on"
+    ),
     family: list[str] = typer.Option(
         ["chat", "document", "agent", "bursty", "phase"],
         "--family",
         help="generated workload families trained on (kvray generate)",
     ),
     fraction: list[float] = typer.Option(
-        [0.02, 0.05, 0.10, 0.25], "--capacity-fraction", help="cache sizes trained on: device+host = F x unique pages"
+        [0.02, 0.05, 0.10, 0.25],
+        "--capacity-fraction",
+        callback=CAPACITY_FRACTION,
+        help="cache sizes trained on: device+host = F x unique pages",
     ),
     holdout: list[Path] = typer.Option([], "--holdout", help="traces held out whole, evaluated in the card"),
     evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="score the policy on held-out data"),
-    tensorboard: Path = typer.Option(None, "--tensorboard", help="TensorBoard log folder (default OUT/tensorboard)"),
+    tensorboard: Path | None = typer.Option(None, "--tensorboard", help="TensorBoard log folder (default OUT/tensorboard)"),
     json_out: bool = typer.Option(False, "--json", help="print the model card as one JSON object"),
-    jobs: int = typer.Option(1, "--jobs", min=1, help="counterfactual replays run at once (worker processes)"),
+    jobs: int = typer.Option(1, "--jobs", callback=COUNT, help="counterfactual replays run at once (worker processes)"),
 ) -> None:
     """Train the RL placement policy (the selector of the adaptive expert policy): fitted to every expert's
     counterfactual cost, then PPO, on generated workload families and the first part of each trace, replayed on
@@ -334,67 +353,34 @@ def train(
     correction to follow-the-leader; 0 by default, as leave-one-source-out cross-validation over the training
     sources chose (docs/sim-eval).
     Progress and logs go to stderr, so stdout holds only the result."""
-    from kvray.rl.train import train as run_training
-    from kvray.scenario import DEFAULT_SCENARIO, load_scenario
+    from kvray.apps.train import TrainRequest, summary_line, train_policy
 
-    bad_scale = next((b for b in bandwidth_scale if not b > 0), None)
-    if bad_scale is not None:
-        raise typer.BadParameter(f"must be positive, got {bad_scale}", param_hint="--bandwidth-scale")
-    with reported_errors():
-        bases = [load_scenario(path) for path in scenario or [DEFAULT_SCENARIO]]
-        nearest_first = sorted(bandwidth_scale, key=lambda b: abs(math.log(b)))  # the first scenario gives the default tier costs
-        scenarios = [s if b == 1.0 else s.with_bandwidth(b) for s in bases for b in nearest_first]
-        spec = bases[0]
-
-        def score(folder: Path, held_out: list) -> dict:
-            from kvray.apps.evaluate import HEURISTICS, compare, goals
-            from kvray.traces import read_trace
-
-            sets = {f"{t.stem}@{train_fraction:g}": h for t, h in zip(trace, held_out)}
-            sets.update({t.stem: read_trace(t) for t in holdout})
-            rows = compare(
-                sets,
-                [*HEURISTICS, "belady", f"rl:{folder}"],
-                [0.05, 0.10],
-                spec,
-                progress=lambda what: console.print(f"evaluating {what}"),
-            )
-            for row in rows:
-                row["policy"] = "rl" if row["policy"].startswith("rl:") else row["policy"]
-            return {"goals": goals(rows), "rows": [{k: r[k] for k in _CARD_KEYS} for r in rows]}
-
-        card = run_training(
-            scenarios,
-            trace,
-            timesteps,
-            out,
-            seed,
-            train_fraction,
-            capacity_fractions=fraction,
-            families=family,
-            counterfactual_horizon=horizon,
-            counterfactual_epochs=epochs,
-            correction_decay=correction_decay,
-            progress=True,
-            evaluate=score if evaluate else None,
-            tensorboard=tensorboard or out / "tensorboard",
-            jobs=jobs,
-        )
-    fitted = card["training"]["counterfactual"]
-    fit_line = (
-        f"fitted to {fitted['choices']} counterfactual choices in {fitted['wall_s']} s (expected regret "
-        f"{fitted['fitted_expected_regret']}, follow-the-leader {fitted['follow_the_leader_regret']}); "
-        if fitted
-        else ""
+    request = TrainRequest(
+        traces=trace,
+        out=out,
+        scenarios=scenario,
+        bandwidth_scales=bandwidth_scale,
+        timesteps=timesteps,
+        counterfactual_horizon=horizon,
+        counterfactual_epochs=epochs,
+        correction_decay=correction_decay,
+        seed=seed,
+        train_fraction=train_fraction,
+        families=family,
+        capacity_fractions=fraction,
+        holdout=holdout,
+        evaluate=evaluate,
+        tensorboard=tensorboard,
+        jobs=jobs,
+        progress=console.print,
     )
-    console.print(f"wrote {out}: {fit_line}{card['training']['timesteps']} PPO steps in {card['training']['wall_s']} s")
+    with reported_errors():
+        card = train_policy(request)
+    console.print(summary_line(card, out))
     if json_out:
         print(json.dumps(card))
     elif "evaluation" in card:
         print(json.dumps(card["evaluation"]["goals"], indent=2))
-
-
-_CARD_KEYS = ("trace", "capacity_fraction", "policy", "token_hit_rate", "mean_ttft_ms", "p99_ttft_ms")
 
 
 @app.command(name="eval")
@@ -406,81 +392,43 @@ def eval_(
         help="policies to compare (rl: the shipped one, rl:PATH: a trained one; several rl:PATH are seeds)",
     ),
     fraction: list[float] = typer.Option(
-        [0.02, 0.05, 0.10, 0.25], "--capacity-fraction", help="device+host = F x unique pages; one value draws bars"
+        [0.02, 0.05, 0.10, 0.25],
+        "--capacity-fraction",
+        callback=CAPACITY_FRACTION,
+        help="device+host = F x unique pages; one value draws bars",
     ),
-    scenario: Path = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
-    bandwidth_scale: float = typer.Option(1.0, "--bandwidth-scale", help="every link of the scenario this many times as fast"),
+    scenario: Path | None = typer.Option(None, "--scenario", help="scenario YAML (default simulations/h100-llama8b.yaml)"),
+    bandwidth_scale: float = typer.Option(
+        1.0, "--bandwidth-scale", callback=POSITIVE, help="every link of the scenario this many times as fast"
+    ),
     out: Path = typer.Option(Path("results/eval"), "--out", help="folder for eval.json and plots"),
-    card: Path = typer.Option(None, "--card", help="model card whose training curve to plot (default: the rl policy's)"),
-    jobs: int = typer.Option(1, "--jobs", min=1, help="replays run at once (worker processes)"),
+    card: Path | None = typer.Option(None, "--card", help="model card whose training curve to plot (default: the rl policy's)"),
+    jobs: int = typer.Option(1, "--jobs", callback=COUNT, help="replays run at once (worker processes)"),
     noise: int = typer.Option(
-        0, "--noise", min=0, help="also replay each cell's best heuristic and rl on N copies less one request (noise.md)"
+        0,
+        "--noise",
+        callback=NON_NEGATIVE,
+        help="also replay each cell's best heuristic and rl on N copies less one request (noise.md)",
     ),
 ) -> None:
     """Compare policies over traces and capacities; writes eval.json and plots.
     A trace is PATH, PATH@F (after fraction F of its time) or gen:NAME:SEED (kvray generate's families);
     --bandwidth-scale evaluates at link bandwidths the policy was not trained at; --noise N
     says per cell how far one request left out moves the best heuristic, and rl's ratio then."""
-    from kvray.apps.evaluate import (
-        compare,
-        goals,
-        load_trace_spec,
-        markdown_table,
-        noise_counts,
-        noise_floor,
-        noise_table,
-        plot,
-        targets,
-        write_report,
-    )
-    from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, decision_time_us, load_scorer
-    from kvray.resources import shipped_or_given
-    from kvray.scenario import DEFAULT_SCENARIO, load_scenario
+    from kvray.apps.evaluate import run_eval
 
-    if not bandwidth_scale > 0:
-        raise typer.BadParameter(f"must be positive, got {bandwidth_scale}", param_hint="--bandwidth-scale")
-    if noise and not any(p.startswith("rl") for p in policy):
-        raise typer.BadParameter("compares rl with the best heuristic: add --policy rl (or rl:PATH)", param_hint="--noise")
     with reported_errors():
-        spec = load_scenario(scenario or DEFAULT_SCENARIO)
-        if bandwidth_scale != 1.0:
-            spec = spec.with_bandwidth(bandwidth_scale)
-        traces = dict(load_trace_spec(t) for t in trace)
-        total = len(traces) * len(policy) * len(fraction)
-        with progress_bar(total, "eval") as tick:
-            done = iter(range(total))
-            rows = compare(traces, policy, fraction, spec, progress=lambda what: tick(next(done)), jobs=jobs)
-        learned = next((p for p in policy if p.startswith("rl")), None)
-        cells = goals(rows, learned=learned or "rl")
-        summary: dict = {"capacity": cells, "targets": targets(cells, learned=learned or "rl")}
-        if noise:
-            replays = len(cells) * noise * 2  # the best heuristic and rl on every copy
-            with progress_bar(replays, "noise") as tick:
-                done = iter(range(replays))
-                floor = noise_floor(
-                    traces, fraction, cells, spec, noise, learned, progress=lambda what: tick(next(done)), jobs=jobs
-                )
-            summary["noise"] = {"copies": noise, "counts": noise_counts(floor), "cells": floor}
-        folder = shipped_or_given(learned[3:] if learned and learned.startswith("rl:") else DEFAULT_POLICY, "policies")
-        if learned is not None:
-            summary["rl_decision_us_batched"] = decision_time_us(load_scorer(folder)[0])
-        card_path = card or folder / CARD_FILE
-        model_card = json.loads(card_path.read_text()) if card_path.is_file() else None
-        path = write_report(out, rows, summary)
-        (out / "table.md").write_text(markdown_table(cells, policy))
-        if noise:
-            (out / "noise.md").write_text(noise_table(floor))
-        plots = plot(rows, out, model_card)
-    console.print(f"wrote {path} and {', '.join(p.name for p in plots)}")
+        summary, (report, *plots) = run_eval(trace, policy, fraction, scenario, bandwidth_scale, out, card, jobs, noise)
+    console.print(f"wrote {report} and {', '.join(p.name for p in plots)}")
     print(json.dumps(summary, indent=2))
 
 
 @app.command()
 def calibrate(
     out: Path = typer.Option(Path("simulations/this-machine.yaml"), "--out"),
-    disk_dir: Path = typer.Option(None, "--disk-dir", help="where to measure the disk (default: the temp dir)"),
-    repeats: int = typer.Option(3, "--repeats", min=1),
-    size_mib: int = typer.Option(64, "--size-mib", min=1, help="bytes per copy, disk and socket run"),
+    disk_dir: Path | None = typer.Option(None, "--disk-dir", help="where to measure the disk (default: the temp dir)"),
+    repeats: int = typer.Option(3, "--repeats", callback=COUNT),
+    size_mib: int = typer.Option(64, "--size-mib", callback=COUNT, help="bytes per copy, disk and socket run"),
 ) -> None:
     """Measure memcpy, disk, loopback and a small Llama's prefill here; write a scenario."""
     from kvray.sim.calibrate import calibrate as measure
@@ -496,37 +444,25 @@ def calibrate(
 @app.command()
 def generate(
     out: Path = typer.Option(..., "--out", help="trace file to write (.jsonl or .parquet)"),
-    family: str = typer.Option(
+    family: str | None = typer.Option(
         None, "--family", help="chat, document, agent, bursty, phase, or a held-out configuration (kvray.sim.workloads)"
     ),
-    sessions: int = typer.Option(None, "--sessions", min=1, help="sessions (default: the family's or 500)"),
-    seed: int = typer.Option(0, "--seed"),
-    spec: Path = typer.Option(None, "--spec", help="WorkloadSpec YAML (fields of kvray.sim.workloads)"),
+    sessions: int | None = typer.Option(None, "--sessions", callback=COUNT, help="sessions (default: the family's or 500)"),
+    seed: int = typer.Option(0, "--seed", callback=NON_NEGATIVE),
+    spec: Path | None = typer.Option(None, "--spec", help="WorkloadSpec YAML (fields of kvray.sim.workloads)"),
 ) -> None:
     """Generate a seeded workload (a family, or a spec's sessions over shared prompts and documents) as a trace."""
-    from kvray.core.config import load_yaml
-    from kvray.core.errors import ConfigError
-    from kvray.sim.workloads import PhasedWorkload, WorkloadSpec, named_workload
-    from kvray.sim.workloads import generate as make
-    from kvray.traces import write_trace
+    from kvray.apps.generate import generate_trace
 
     with reported_errors():
-        if family and spec:
-            raise ConfigError("give --family or --spec, not both")
-        shape = named_workload(family) if family else load_yaml(spec, WorkloadSpec) if spec else WorkloadSpec()
-        if sessions is not None:
-            if isinstance(shape, PhasedWorkload):
-                raise ConfigError(f"--sessions does not apply to the phased workload {family!r}")
-            shape = shape.model_copy(update={"sessions": sessions})
-        trace = make(shape, seed)
-        write_trace(trace, out)
-    console.print(f"wrote {len(trace)} requests to {out}")
+        requests = generate_trace(out, family, sessions, seed, spec)
+    console.print(f"wrote {requests} requests to {out}")
 
 
 @app.command("chat-demo")
 def chat_demo(
     model: str = typer.Option("tiny-llama", help="model config under data/models/ (random weights)"),
-    turns: int = typer.Option(6, min=1, help="conversation turns"),
+    turns: int = typer.Option(6, callback=COUNT, help="conversation turns"),
     plot: Path | None = typer.Option(None, help="also save TTFT per turn as a chart (PNG) here"),
 ) -> None:
     """A multi-turn conversation on a real Llama: TTFT per turn, recomputing vs with kvray."""

@@ -13,7 +13,7 @@ bar plot.
 Example::
 
     rows = evaluate({"h100-4node-skewed": scenario}, {"synthetic": trace}, fraction=0.05)
-    write_markdown(rows, Path("docs/sim-eval/cluster.md"), command="kvray cluster-eval ...")
+    write_markdown(rows, Path("results/cluster/cluster.md"), command="kvray cluster-eval ...")
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from kvray.core.errors import ConfigError
 from kvray.policy.cluster import make_cluster_policy
 from kvray.report import ReplayResult
 from kvray.scenario import Scenario
@@ -208,3 +209,48 @@ def write_results(rows: Sequence[dict], out: Path, command: str) -> list[Path]:
     fig.savefig(plot, dpi=110)
     plt.close(fig)
     return [data, table, plot]
+
+
+def run_cluster_eval(
+    scenario_paths: Sequence[Path],
+    trace_paths: Sequence[Path],
+    generated: int,
+    limit: int | None,
+    fraction: float,
+    out: Path,
+    pairs: Sequence[str],
+    command: str,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[int, list[Path]]:
+    """What ``kvray cluster-eval`` does: every cluster scenario x trace (the files, and a
+    generated chat workload of about ``generated`` requests), the ``pairs``
+    (``NODE_POLICY+CLUSTER_POLICY``) beside the heuristics; returns the number of tables
+    and the files written into ``out``. Every name is checked before any replay."""
+    from kvray.policy import make_policy
+    from kvray.scenario import load_scenario
+    from kvray.sim.workloads import WorkloadSpec, generate
+    from kvray.traces import read_trace
+
+    scenarios = {}
+    for path in scenario_paths:
+        scenario = load_scenario(path)
+        if len(scenario.node_scenarios()) == 1:
+            raise ConfigError(
+                f"--scenario {path}: scenario {scenario.name!r} has one node; cluster-eval compares cluster policies"
+            )
+        scenarios[scenario.name] = scenario
+    traces = {t.stem: read_trace(t, limit=limit) for t in trace_paths}
+    if generated:
+        spec = WorkloadSpec(sessions=max(1, generated // 4), system_prompt_pages=1, document_probability=0.5)
+        traces[f"generated-{generated}"] = generate(spec, seed=0)
+    if not traces:
+        raise ConfigError("give at least one --trace or --generated N")
+    candidates = []
+    for pair in pairs:
+        node_policy, plus, cluster_policy = pair.partition("+")
+        if not plus or not node_policy or not cluster_policy:
+            raise ConfigError(f"--policy {pair!r}: expected NODE_POLICY+CLUSTER_POLICY, e.g. rl+cost-router")
+        make_policy(node_policy), make_cluster_policy(cluster_policy)  # unknown names fail before any replay
+        candidates.append((node_policy, cluster_policy))
+    rows = evaluate(scenarios, traces, fraction, progress=progress, candidates=candidates)
+    return len(scenarios) * len(traces), write_results(rows, out, command)

@@ -320,3 +320,55 @@ def write_report(out: Path, rows: list[dict], summary: dict) -> Path:
     path = out / "eval.json"
     path.write_text(json.dumps({"goals": summary, "rows": rows}, indent=2) + "\n")
     return path
+
+
+def run_eval(
+    trace_specs: Sequence[str],
+    policies: Sequence[str],
+    fractions: Sequence[float],
+    scenario: Path | None,
+    bandwidth_scale: float,
+    out: Path,
+    card: Path | None = None,
+    jobs: int = 1,
+    noise: int = 0,
+) -> tuple[dict, list[Path]]:
+    """What ``kvray eval`` does: every policy over every trace (:func:`load_trace_spec`) and
+    capacity fraction on ``scenario`` at ``bandwidth_scale``; writes eval.json, table.md (and
+    noise.md with ``noise`` copies per cell, :func:`noise_floor`) and the plots (with the
+    training curve of ``card``, by default the learned policy's) into ``out``. Returns the
+    summary and the files written."""
+    from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, decision_time_us, load_scorer
+    from kvray.progress import progress_bar
+    from kvray.resources import shipped_or_given
+    from kvray.scenario import DEFAULT_SCENARIO, load_scenario
+
+    learned = next((p for p in policies if p.startswith("rl")), None)
+    if noise and learned is None:
+        raise ConfigError("--noise compares rl with the best heuristic: add --policy rl (or rl:PATH)")
+    spec = load_scenario(scenario or DEFAULT_SCENARIO)
+    if bandwidth_scale != 1.0:
+        spec = spec.with_bandwidth(bandwidth_scale)
+    traces = dict(load_trace_spec(t) for t in trace_specs)
+    total = len(traces) * len(policies) * len(fractions)
+    with progress_bar(total, "eval") as tick:
+        done = iter(range(total))
+        rows = compare(traces, policies, fractions, spec, progress=lambda what: tick(next(done)), jobs=jobs)
+    cells = goals(rows, learned=learned or "rl")
+    summary: dict = {"capacity": cells, "targets": targets(cells, learned=learned or "rl")}
+    if noise:
+        replays = len(cells) * noise * 2  # the best heuristic and rl on every copy
+        with progress_bar(replays, "noise") as tick:
+            done = iter(range(replays))
+            floor = noise_floor(traces, fractions, cells, spec, noise, learned, progress=lambda what: tick(next(done)), jobs=jobs)
+        summary["noise"] = {"copies": noise, "counts": noise_counts(floor), "cells": floor}
+    folder = shipped_or_given(learned[3:] if learned and learned.startswith("rl:") else DEFAULT_POLICY, "policies")
+    if learned is not None:
+        summary["rl_decision_us_batched"] = decision_time_us(load_scorer(folder)[0])
+    card_path = card or folder / CARD_FILE
+    model_card = json.loads(card_path.read_text()) if card_path.is_file() else None
+    written = [write_report(out, rows, summary)]
+    (out / "table.md").write_text(markdown_table(cells, policies))
+    if noise:
+        (out / "noise.md").write_text(noise_table(floor))
+    return summary, written + plot(rows, out, model_card)

@@ -185,20 +185,81 @@ def train(
     ``tensorboard`` is a folder for SB3's TensorBoard logs (losses, entropy, the mean
     reward per rollout), so a long run can be watched while it trains. ``jobs`` replays of
     the counterfactual collection run at once.
+
+    The steps, in this order (the order fixes what the seed reproduces): the training sets,
+    PPO and its environments (which draw the scorer's first weights), the counterfactual fit
+    of that scorer, PPO's steps, the scorer and its card written out, the held-out scores.
     """
+    torch.set_num_threads(1)
+    single = _one_node_scenarios(scenarios)
+    train_sets, held_out, sources = training_sets(traces, train_fraction, families, family_seed)
+    model = _ppo(single, list(train_sets.values()), capacity_fractions, episode_windows, timesteps, gamma, seed, tensorboard)
+    scorer = model.policy.mlp_extractor.scorer
+    counterfactual = None
+    if counterfactual_horizon > 0:
+        counterfactual = _fit_to_counterfactual(
+            scorer,
+            list(train_sets.values()),
+            capacity_fractions,
+            scenarios,
+            horizon=counterfactual_horizon,
+            epochs=counterfactual_epochs,
+            correction_decay=correction_decay,
+            seed=seed,
+            jobs=jobs,
+        )
+    started = time.time()
+    curve = _run_ppo(model, timesteps, progress)
+    out.mkdir(parents=True, exist_ok=True)
+    export_scorer(scorer, out)
+    training = {
+        "scenarios": [{"name": s.name, "nodes": len(s.node_scenarios())} for s in scenarios],
+        "traces": sources,
+        "train_fraction_by_time": train_fraction,
+        "capacity_fractions": list(capacity_fractions),
+        "episode_windows": episode_windows,
+        "gamma": gamma,
+        "counterfactual": counterfactual,
+        "timesteps": int(model.num_timesteps),
+        "seed": seed,
+        "wall_s": round(time.time() - started, 1),
+        "curve": curve,
+    }
+    card = _model_card(out.name, scenarios[0], training)
+    _write_card(out, card)
+    if evaluate is not None:
+        card["evaluation"] = evaluate(out, held_out)
+        _write_card(out, card)
+    return card
+
+
+def _one_node_scenarios(scenarios: Sequence[Scenario]) -> list[Scenario]:
+    """The scenarios PPO's environments replay: the environment replays one node."""
+    single = [s for s in scenarios if len(s.node_scenarios()) == 1]
+    if not single:
+        raise ConfigError("give at least one one-node training scenario: the training environment replays one node")
+    return single
+
+
+def _ppo(
+    scenarios: Sequence[Scenario],
+    train_sets: Sequence[list[TraceRequest]],
+    capacity_fractions: Sequence[float],
+    episode_windows: int,
+    timesteps: int,
+    gamma: float,
+    seed: int,
+    tensorboard: Path | None,
+):
+    """PPO over one environment per one-node scenario x training trace x capacity fraction,
+    its actor the row scorer (:class:`_ScorerExtractor`)."""
     import gymnasium as gym
     from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.vec_env import DummyVecEnv
 
     import kvray.rl.env  # noqa: F401  (registers kvray/Placement-v0)
     from kvray.sim.simulator import fast_capacity
 
-    torch.set_num_threads(1)
-    single = [s for s in scenarios if len(s.node_scenarios()) == 1]
-    if not single:
-        raise ConfigError("give at least one one-node training scenario: the training environment replays one node")
-    train_sets, held_out, sources = training_sets(traces, train_fraction, families, family_seed)
     makers = [
         (
             lambda t=t, f=f, s=s: gym.make(
@@ -209,14 +270,14 @@ def train(
                 episode_windows=episode_windows,
             )
         )
-        for s in single
-        for t in train_sets.values()
+        for s in scenarios
+        for t in train_sets
         for f in capacity_fractions
     ]
     env = DummyVecEnv(makers)
     env.seed(seed)
     n_steps = max(4, min(16, timesteps // len(makers)))
-    model = PPO(
+    return PPO(
         _scorer_policy_class(),
         env,
         n_steps=n_steps,
@@ -232,72 +293,79 @@ def train(
         tensorboard_log=None if tensorboard is None else str(tensorboard),
     )
 
-    counterfactual = None
-    if counterfactual_horizon > 0:
-        from kvray.rl.counterfactual import collect, fit
 
-        started = time.time()
-        rows, regret = collect(list(train_sets.values()), capacity_fractions, scenarios, counterfactual_horizon, jobs=jobs)
-        leader = np.argmax(leader_scores(rows), axis=1)
-        fitted = fit(
-            model.policy.mlp_extractor.scorer, rows, regret, counterfactual_epochs, seed, correction_decay=correction_decay
-        )
-        counterfactual = {
-            "horizon_windows": counterfactual_horizon,
-            "epochs": counterfactual_epochs,
-            "correction_decay": correction_decay,
-            "choices": len(rows),
-            "follow_the_leader_regret": round(float(regret[np.arange(len(rows)), leader].mean()), 4),
-            "fitted_expected_regret": round(fitted[-1], 4),
-            "wall_s": round(time.time() - started, 1),
-        }
+def _fit_to_counterfactual(
+    scorer: RowScorer,
+    train_sets: Sequence[list[TraceRequest]],
+    capacity_fractions: Sequence[float],
+    scenarios: Sequence[Scenario],
+    *,
+    horizon: int,
+    epochs: int,
+    correction_decay: float,
+    seed: int,
+    jobs: int,
+) -> dict:
+    """Fit ``scorer`` to every expert's counterfactual regret over the next ``horizon``
+    windows, replayed on every scenario; returns the card's account of the fit."""
+    from kvray.rl.counterfactual import collect, fit
 
+    started = time.time()
+    rows, regret = collect(train_sets, capacity_fractions, scenarios, horizon, jobs=jobs)
+    leader = np.argmax(leader_scores(rows), axis=1)
+    fitted = fit(scorer, rows, regret, epochs, seed, correction_decay=correction_decay)
+    return {
+        "horizon_windows": horizon,
+        "epochs": epochs,
+        "correction_decay": correction_decay,
+        "choices": len(rows),
+        "follow_the_leader_regret": round(float(regret[np.arange(len(rows)), leader].mean()), 4),
+        "fitted_expected_regret": round(fitted[-1], 4),
+        "wall_s": round(time.time() - started, 1),
+    }
+
+
+def _run_ppo(model, timesteps: int, progress: bool) -> list[dict]:
+    """``timesteps`` PPO steps (0: none); returns the mean reward of each rollout."""
     curve: list[dict] = []
+    if timesteps > 0:
+        with progress_bar(timesteps, "train", enabled=progress) as tick:  # on stderr: stdout stays for --json
+            model.learn(total_timesteps=timesteps, callback=_reward_curve(curve, tick))
+    return curve
 
-    class Curve(BaseCallback):
+
+def _reward_curve(curve: list[dict], tick: Callable[[int], None] | None):
+    """An SB3 callback appending each rollout's mean reward to ``curve`` and logging it to
+    TensorBoard (episodes are long: SB3's ep_rew_mean lags), ticking the progress bar per step."""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class RewardCurve(BaseCallback):
         def _on_rollout_end(self) -> None:
             mean_reward = float(np.mean(self.model.rollout_buffer.rewards))
             curve.append({"timesteps": int(self.num_timesteps), "mean_reward": mean_reward})
-            self.logger.record("rollout/mean_reward", mean_reward)  # episodes are long: SB3's ep_rew_mean lags
+            self.logger.record("rollout/mean_reward", mean_reward)
 
         def _on_step(self) -> bool:
             if tick:
                 tick(self.num_timesteps - 1)
             return True
 
-    started = time.time()
-    if timesteps > 0:
-        with progress_bar(timesteps, "train", enabled=progress) as tick:  # on stderr: stdout stays for --json
-            model.learn(total_timesteps=timesteps, callback=Curve())
-    out.mkdir(parents=True, exist_ok=True)
-    export_scorer(model.policy.mlp_extractor.scorer, out)
-    card = {
-        "name": out.name,
+    return RewardCurve()
+
+
+def _model_card(name: str, scenario: Scenario, training: dict) -> dict:
+    """The card written beside the weights: what the policy is, what it observes, its
+    default tier costs (from ``scenario``, the first trained on) and how it was trained."""
+    return {
+        "name": name,
         "algorithm": "a shared row scorer corrects the follow-the-leader ranking of the expert heuristics, one "
         "choice per window; fitted to the counterfactual regret of every expert over the next windows (their "
         "shadow caches' modeled TTFT), then PPO (stable-baselines3) on the realised modeled TTFT of the window",
         "observation": observation_spec(),
-        "scenario": scenarios[0].name,
-        "tier_cost": tier_costs(scenarios[0]),
-        "training": {
-            "scenarios": [{"name": s.name, "nodes": len(s.node_scenarios())} for s in scenarios],
-            "traces": sources,
-            "train_fraction_by_time": train_fraction,
-            "capacity_fractions": list(capacity_fractions),
-            "episode_windows": episode_windows,
-            "gamma": gamma,
-            "counterfactual": counterfactual,
-            "timesteps": int(model.num_timesteps),
-            "seed": seed,
-            "wall_s": round(time.time() - started, 1),
-            "curve": curve,
-        },
+        "scenario": scenario.name,
+        "tier_cost": tier_costs(scenario),
+        "training": training,
     }
-    _write_card(out, card)
-    if evaluate is not None:
-        card["evaluation"] = evaluate(out, held_out)
-        _write_card(out, card)
-    return card
 
 
 def tier_costs(scenario: Scenario) -> dict[str, float]:

@@ -53,7 +53,7 @@ from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
 from kvray.core.placement import PlacementPolicy, RequestInfo
 from kvray.core.tiers import TIER_LABELS, Tier
-from kvray.policy.cluster import ClusterPolicy, ClusterView, NodeView, RequestView
+from kvray.policy.cluster import ClusterPolicy, ClusterView, LocalFirstRing, NodeView, RequestView
 from kvray.report import ReplayResult, ReplayTally, hit_tokens
 from kvray.scenario import PrefillQueue, RouterSpec, Scenario
 from kvray.sim.cost import CostModel
@@ -234,7 +234,8 @@ class ClusterSimulator:
     """One replay over a cluster scenario: a :class:`SimNode` per node, the scenario's
     router and a cluster policy.
 
-    ``policy`` is a policy name (one instance per node), a factory, or one instance per node.
+    ``policy`` is a policy name (one instance per node), a factory, or one instance per node;
+    without a ``cluster_policy`` the runtime's default, ``local-first``, decides across nodes.
 
     Example::
 
@@ -263,7 +264,7 @@ class ClusterSimulator:
         if len(policies) != len(specs) or (capacities is not None and len(capacities) != len(specs)):
             raise ConfigError(f"scenario {scenario.name!r} has {len(specs)} node(s): give a policy and sizes for each")
         self.scenario = scenario
-        self.cluster_policy = cluster_policy or ClusterPolicy()
+        self.cluster_policy = cluster_policy or LocalFirstRing()  # the runtime's default (RuntimeConfig)
         queued, window = scenario.links_queued, scenario.window_ms
         self.nodes = [
             SimNode(i, spec, p, capacities[i] if capacities else None, queued, window)

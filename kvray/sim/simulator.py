@@ -34,9 +34,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from kvray.core.errors import ConfigError
+from kvray.core.errors import ConfigError, PolicyError
 from kvray.core.placement import PlacementPolicy
 from kvray.core.tiers import Tier
+from kvray.policy.cluster import CLUSTER_POLICIES, make_cluster_policy
+from kvray.policy.plugin import is_import_path
 from kvray.report import ReplayResult
 from kvray.scenario import Scenario
 from kvray.sim.cluster import ClusterSimulator, node_capacities
@@ -76,6 +78,10 @@ class Simulator(ClusterSimulator):
         return self.node.background_ms
 
 
+ORACLE = "oracle"  # the simulator's own cluster policy (kvray.sim.oracle): Belady on every node, the best settings searched
+SIM_CLUSTER_POLICIES = (*CLUSTER_POLICIES, ORACLE)
+
+
 def simulate(
     trace: Sequence[TraceRequest],
     policy: str,
@@ -88,17 +94,33 @@ def simulate(
 ) -> ReplayResult:
     """One replay from command-line style options (what ``kvray sim`` and ``kvray eval`` run):
     ``policy`` on every node, ``cluster_policy`` (a name of
-    :data:`~kvray.policy.cluster.CLUSTER_POLICIES`, or ``oracle``) above them."""
-    from kvray.policy.cluster import make_cluster_policy
-
+    :data:`~kvray.policy.cluster.CLUSTER_POLICIES`, or ``oracle``: Belady on every node, in
+    place of ``policy``, under the best routing, prefetch and replication found) above them
+    on a scenario of several nodes; none gives the runtime's default, ``local-first``."""
     if warmup_requests < 0 or warmup_requests >= len(trace):
         raise ConfigError(f"--warmup-requests must be in [0, {len(trace)}) for this trace, got {warmup_requests}")
+    if cluster_policy is not None:
+        _check_cluster_policy(cluster_policy, scenario)
     capacities = node_capacities(scenario, trace, capacity_fraction, capacity)
-    if cluster_policy == "oracle":
+    if cluster_policy == ORACLE:
         from kvray.sim.oracle import oracle_replay
 
-        return oracle_replay(trace, scenario, capacities, warmup_requests, progress)
+        result = oracle_replay(trace, scenario, capacities, warmup_requests, progress)
+        result.policy = "belady"  # what every node ran; the cluster policy stays "oracle"
+        return result
     cluster = make_cluster_policy(cluster_policy) if cluster_policy else None
     result = ClusterSimulator(scenario, policy, cluster, capacities).replay(trace, warmup_requests, progress)
     result.policy = policy
     return result
+
+
+def _check_cluster_policy(name: str, scenario: Scenario) -> None:
+    """A cluster policy decides across nodes: one named for a one-node scenario, or a name
+    the simulator does not know, is refused naming the flag."""
+    if len(scenario.node_scenarios()) == 1:
+        raise ConfigError(
+            f"--cluster-policy {name}: scenario {scenario.name!r} has one node, and a cluster policy decides "
+            "across nodes; give a scenario of several (--scenario, e.g. simulations/h100-4node-skewed.yaml)"
+        )
+    if name not in SIM_CLUSTER_POLICIES and not is_import_path(name):
+        raise PolicyError(f"unknown cluster policy {name!r}; known: {', '.join(sorted(SIM_CLUSTER_POLICIES))}")

@@ -123,3 +123,70 @@ def test_kvray_bench_skips_what_needs_ray_and_runs_the_rest(monkeypatch, capsys)
         "controller_memory_per_page_vs_dict[64 nodes,100000 pages]",
     ]
     assert "kvray bench: controller_lookup_vs_empty_call skipped: Ray did not start:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "refusal"),
+    [
+        (["run", "--trace", str(TRACE), "--nodes", "0"], "'--nodes': must be in [1, 16], got 0"),
+        (["run", "--trace", str(TRACE), "--nodes", "17"], "'--nodes': must be in [1, 16], got 17"),
+        (["run", "--trace", str(TRACE), "--limit", "-3"], "'--limit': must be >= 1, got -3"),
+        (["run", "--trace", str(TRACE), "--host-pages", "-1"], "'--host-pages': must be >= 0, got -1"),
+        (["run", "--trace", str(TRACE), "--capacity", "0"], "'--capacity': must be >= 1, got 0"),
+        (["run", "--trace", str(TRACE), "--prefill-us-per-token", "-1"], "'--prefill-us-per-token': must be >= 0, got -1"),
+        (["up", "--controller-shards", "0"], "'--controller-shards': must be in [1, 256], got 0"),
+        (["up", "--disk-pages", "-2"], "'--disk-pages': must be >= 0, got -2"),
+        (["demo", "--requests", "0"], "'--requests': must be >= 1, got 0"),
+        (["demo", "--nodes", "1"], "'--nodes': must be in [2, 16], got 1"),
+    ],
+    ids=lambda v: " ".join([v[0], *v[-2:]]) if isinstance(v, list) else None,
+)
+def test_a_count_out_of_range_names_the_flag_not_a_settings_model(command, refusal):
+    """Refused as parsed (exit 2, no Ray started), where `--nodes 0` used to read
+    `invalid ReplaySettings: nodes: ...`."""
+    started = time.monotonic()
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 2
+    assert f"Invalid value for {refusal}" in result.output and "ReplaySettings" not in result.output
+    assert time.monotonic() - started < 5
+
+
+def test_the_flags_ranges_are_the_settings_ranges():
+    """The command line checks --nodes and --controller-shards against the same bounds the
+    settings models hold for a scenario file."""
+    from annotated_types import Le
+
+    from kvray.apps.replay import ReplaySettings
+    from kvray.cli import MAX_CONTROLLER_SHARDS, MAX_NODES
+    from kvray.cluster.config import RuntimeConfig
+
+    def most(model, field: str) -> int:
+        return next(m.le for m in model.model_fields[field].metadata if isinstance(m, Le))
+
+    assert (most(ReplaySettings, "nodes"), most(RuntimeConfig, "controller_shards")) == (MAX_NODES, MAX_CONTROLLER_SHARDS)
+
+
+def test_kvray_bench_help_lists_what_only_takes_and_refuses_what_matches_nothing():
+    from kvray.bench import NAMES
+
+    help_text = CliRunner().invoke(app, ["bench", "--help"]).output
+    assert all(name in help_text.split() or f"{name}," in help_text.split() for name in NAMES)
+    refused = CliRunner().invoke(app, ["bench", "--only", "no_such_bench"])
+    assert refused.exit_code == 2 and "--only 'no_such_bench' matches no benchmark; names: host_tier_vs_memcpy" in message(
+        refused
+    )
+
+
+def test_the_listed_benchmarks_are_the_registered_ones():
+    """kvray.bench.BENCHMARKS (what --help lists without importing the modules) names what
+    each module registers, and nothing else is registered."""
+    import importlib
+
+    from kvray.bench import BENCHMARKS, NAMES, REGISTRY, benchmark
+
+    for module in BENCHMARKS:
+        importlib.import_module(module)
+    assert sorted(REGISTRY) == sorted(NAMES)
+    assert all(REGISTRY[name].__module__ == module for module, names in BENCHMARKS.items() for name in names)
+    with pytest.raises(ValueError, match="not listed in kvray.bench.BENCHMARKS"):
+        benchmark("unlisted")

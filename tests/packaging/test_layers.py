@@ -36,7 +36,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "engines": ("kvray.engines",),
     "apps": ("kvray.apps",),
     "bench": ("kvray.bench",),
-    "cli": ("kvray.cli", "kvray.__main__"),
+    "cli": ("kvray.cli", "kvray.flags", "kvray.__main__"),
 }
 # Layer -> the layers it may import besides itself; and, through them, what they may.
 MAY_IMPORT: dict[str, tuple[str, ...]] = {

@@ -174,7 +174,7 @@ def test_one_capacity_is_drawn_as_bars_and_several_as_lines():
 
 @pytest.mark.parametrize(
     ("command", "default"),
-    [("sim", "[default: lru]"), ("train", "[default: 0.6]"), ("status", "[default: kvray]"), ("run", None)],
+    [("sim", "[default: 0]"), ("train", "[default: 0.6]"), ("status", "[default: kvray]"), ("run", None)],
 )
 def test_help_shows_flags_as_flags_and_defaults(command, default):
     result = invoke(command, "--help")
@@ -182,3 +182,108 @@ def test_help_shows_flags_as_flags_and_defaults(command, default):
     json_flag = next(line.split() for line in result.stdout.splitlines() if line.strip().startswith("--json"))
     assert json_flag[1] != "<bool>" and "<bool>" not in result.stdout
     assert default is None or default in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "refusal"),
+    [
+        (["sim", "--trace", "{trace}", "--limit", "-3"], "'--limit': must be >= 1, got -3"),
+        (["sim", "--trace", "{trace}", "--limit", "0"], "'--limit': must be >= 1, got 0"),
+        (["sim", "--trace", "{trace}", "--warmup-requests", "-1"], "'--warmup-requests': must be >= 0, got -1"),
+        (["sim", "--trace", "{trace}", "--capacity-fraction", "0"], "'--capacity-fraction': must be in (0, 100], got 0"),
+        (["sim", "--trace", "{trace}", "--capacity", "0"], "'--capacity': must be >= 1, got 0"),
+        (
+            ["cluster-eval", "--scenario", "{cluster}", "--trace", "{trace}", "--limit", "-3", "--out", "{out}"],
+            "'--limit': must be >= 1, got -3",
+        ),
+        (
+            ["cluster-eval", "--scenario", "{cluster}", "--generated", "-1", "--out", "{out}"],
+            "'--generated': must be >= 0, got -1",
+        ),
+        (["train", "--trace", "{trace}", "--out", "{out}", "--jobs", "0"], "'--jobs': must be >= 1, got 0"),
+        (
+            ["train", "--trace", "{trace}", "--out", "{out}", "--train-fraction", "0"],
+            "'--train-fraction': must be in (0, 1], got 0",
+        ),
+        (
+            ["train", "--trace", "{trace}", "--out", "{out}", "--capacity-fraction", "0.1", "--capacity-fraction", "-2"],
+            "'--capacity-fraction': must be in (0, 100], got -2",
+        ),
+        (["train", "--trace", "{trace}", "--out", "{out}", "--seed", "-1"], "'--seed': must be >= 0, got -1"),
+        (
+            ["eval", "--trace", "{trace}", "--out", "{out}", "--capacity-fraction", "200"],
+            "'--capacity-fraction': must be in (0, 100], got 200",
+        ),
+        (["eval", "--trace", "{trace}", "--out", "{out}", "--noise", "-1"], "'--noise': must be >= 0, got -1"),
+        (["eval", "--trace", "{trace}", "--out", "{out}", "--jobs", "0"], "'--jobs': must be >= 1, got 0"),
+        (["generate", "--out", "{out}", "--sessions", "0"], "'--sessions': must be >= 1, got 0"),
+        (["calibrate", "--out", "{out}", "--repeats", "0"], "'--repeats': must be >= 1, got 0"),
+        (["chat-demo", "--turns", "0"], "'--turns': must be >= 1, got 0"),
+    ],
+    ids=lambda v: " ".join(v[:1] + v[-2:]) if isinstance(v, list) else None,
+)
+def test_a_count_out_of_range_is_refused_naming_the_flag(command, refusal, tmp_path):
+    """Checked as the flags are parsed: exit 2 before anything is read, replayed or written,
+    where `sim --limit -3` used to replay all but the last three requests."""
+    cluster = ROOT / "simulations" / "h100-4node-skewed.yaml"
+    args = [a.format(trace=TRACE, cluster=cluster, out=tmp_path / "out") for a in command]
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert f"Invalid value for {refusal}" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def sim_json(*args: str) -> dict:
+    result = invoke("sim", "--trace", str(TRACE), "--limit", "40", "--json", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+CLUSTER = str(ROOT / "simulations" / "h100-4node-skewed.yaml")
+
+
+def test_the_default_cluster_policy_is_named_as_the_user_names_it():
+    """`local-first`, the runtime's default too, on one node and on a cluster (not `base`)."""
+    assert sim_json()["cluster_policy"] == "local-first"
+    assert sim_json("--scenario", CLUSTER)["cluster_policy"] == "local-first"
+    assert sim_json("--scenario", CLUSTER, "--cluster-policy", "cost-router")["cluster_policy"] == "cost-router"
+
+
+def test_a_cluster_policy_on_one_node_is_refused_naming_the_flag_and_the_scenario():
+    result = invoke("sim", "--trace", str(TRACE), "--limit", "40", "--cluster-policy", "cost-router")
+    assert result.exit_code == 2
+    line = " ".join(result.stderr.split())
+    assert "--cluster-policy cost-router: scenario 'h100-llama8b' has one node" in line
+
+
+def test_the_oracle_runs_belady_and_says_so():
+    """`--policy lru --cluster-policy oracle` printed `oracle / oracle`: the oracle runs Belady
+    on every node, so a --policy beside it is refused and the row reads `belady / oracle`."""
+    refused = invoke("sim", "--trace", str(TRACE), "--scenario", CLUSTER, "--policy", "lru", "--cluster-policy", "oracle")
+    assert refused.exit_code == 2 and "--cluster-policy oracle runs Belady on every node: leave out --policy lru" in " ".join(
+        refused.stderr.split()
+    )
+    result = invoke("sim", "--trace", str(TRACE), "--limit", "40", "--scenario", CLUSTER, "--cluster-policy", "oracle")
+    assert result.exit_code == 0, result.output
+    assert "belady /" in result.stdout and "oracle /" not in result.stdout
+    record = sim_json("--scenario", CLUSTER, "--cluster-policy", "oracle")
+    assert (record["policy"], record["cluster_policy"]) == ("belady", "oracle")
+
+
+def test_an_unknown_cluster_policy_lists_every_one_the_simulator_takes():
+    result = invoke("sim", "--trace", str(TRACE), "--scenario", CLUSTER, "--cluster-policy", "nope")
+    assert result.exit_code == 2
+    assert "unknown cluster policy 'nope'; known: always-prefetch, cost-router, local-first, oracle, replicate-hot" in (
+        " ".join(result.stderr.split())
+    )
+
+
+def test_cluster_eval_writes_under_results_by_default_and_refuses_one_node(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    one_node = ROOT / "simulations" / "h100-llama8b.yaml"
+    refused = invoke("cluster-eval", "--scenario", str(one_node), "--generated", "20")
+    assert refused.exit_code == 2 and "scenario 'h100-llama8b' has one node" in " ".join(refused.stderr.split())
+    result = invoke("cluster-eval", "--scenario", CLUSTER, "--generated", "20")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "results" / "cluster").iterdir()) == ["cluster.json", "cluster.md", "cluster.png"]
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]
