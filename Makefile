@@ -85,7 +85,7 @@ lint: install
 # The fast tier, for the inner loop: no Ray cluster, no vLLM engine, no training, no wheel build
 # (tests/README.md says which tier a test is in); hypothesis draws a fifth of CI's examples.
 check: install
-	$(PY) -m pytest -q -m "not ray and not slow" --durations=10
+	$(PY) -m pytest -q -m "not ray and not slow and not train" --durations=10
 
 # Every test, with CI's hypothesis counts; the slowest are printed so a regression shows.
 test: lint vllm-env

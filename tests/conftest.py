@@ -138,9 +138,16 @@ def extra_nodes(cluster, *resources: dict[str, float]) -> Iterator[None]:
 
 
 # -- Tiers (tests/README.md) ---------------------------------------------------------------------
+TRAINING_FIXTURES = {"tiny_policy"}  # fixtures that train a policy when first used
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test that uses the session's Ray cluster is in the ``ray`` tier whether or not its
-    module says so, so the fast tier (``make check``: not ray, not slow) never starts one."""
+    """A test that uses the session's Ray cluster is in the ``ray`` tier, and one that uses a
+    trained policy fixture in the ``train`` tier, whether or not its module says so, so the
+    fast tier (``make check``: not ray, not slow, not train) never starts or trains one."""
     for item in items:
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if "ray_cluster" in fixtures:
             item.add_marker(pytest.mark.ray)
+        if TRAINING_FIXTURES & set(fixtures):
+            item.add_marker(pytest.mark.train)

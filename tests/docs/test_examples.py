@@ -64,7 +64,12 @@ def test_readme_python_block_runs(block, tmp_path, monkeypatch):
     run_example(readme_blocks()[block], tmp_path, monkeypatch)
 
 
-@pytest.mark.parametrize("module", sorted(module_examples()))
+TRAINS = ("kvray/rl/train.py",)  # examples that train a policy: the train tier
+
+
+@pytest.mark.parametrize(
+    "module", [pytest.param(m, marks=[pytest.mark.train] if m in TRAINS else []) for m in sorted(module_examples())]
+)
 def test_module_docstring_example_runs(module, tmp_path, monkeypatch):
     run_example(module_examples()[module], tmp_path, monkeypatch)
 

@@ -19,6 +19,8 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,6 +30,7 @@ def run(*args: str | Path, cwd: Path, env: dict | None = None) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_wheel_installed_outside_the_checkout_runs_the_shipped_policy(tmp_path):
     # build from a copy: setuptools' build/ folder keeps modules removed since the last build
     source = tmp_path / "source"

@@ -19,6 +19,8 @@ from kvray.rl.train import RowScorer, train
 from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.workloads import generate, named_workload
 
+pytestmark = pytest.mark.train
+
 SCENARIO = load_scenario(DEFAULT_SCENARIO)
 TRACE = generate(named_workload("phase"), 5)[:640]
 

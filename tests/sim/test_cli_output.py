@@ -120,6 +120,7 @@ def test_sim_scales_its_figures_and_says_what_its_move_time_is():
     assert re.search(r"time links spent moving pages between tiers \d+\.\d (min|s) \(summed over the moves", text), text
 
 
+@pytest.mark.train
 def test_train_json_leaves_stdout_to_the_card(tmp_path):
     """In a process of its own, so anything written to the real stdout (progress bars,
     library logs) would show."""

@@ -175,6 +175,7 @@ def test_rl_policy_runs_inside_the_runtime_page_store(tiny_layout):
     assert hit_tokens == [16] * 5  # what was just stored is served from the tiers, bit-exact
 
 
+@pytest.mark.train
 def test_kvray_train_writes_tensorboard_events(tmp_path):
     """`kvray train` logs to TensorBoard under the policy folder by default."""
     from typer.testing import CliRunner
