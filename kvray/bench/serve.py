@@ -55,9 +55,10 @@ from kvray.bench.serve_workload import ServeRequest, reuse_share, serve_workload
 from kvray.cluster import RayConnection, Runtime, RuntimeConfig
 from kvray.cluster.runtime import alive_nodes, on_node
 from kvray.core.config import TierSizes
+from kvray.engines.hf import checkpoint_layout
 from kvray.engines.tiny import model_dir
 from kvray.engines.vllm_replay import ReplayEngine
-from kvray.engines.vllm_runs import model_page_layout, vllm_python
+from kvray.engines.vllm_runs import vllm_python
 from kvray.traces import read_trace
 
 MODEL = "bench-llama"
@@ -147,7 +148,7 @@ def start_engines(nodes: list[str], size: Size, kvray_settings: dict | None) -> 
     spec = {
         "model": MODEL,
         "block_size": PAGE,
-        "kv_cache_bytes": vllm_kv_pages(size) * model_page_layout(MODEL, PAGE).page_nbytes,
+        "kv_cache_bytes": vllm_kv_pages(size) * checkpoint_layout(model_dir(MODEL), PAGE).page_nbytes,
         "max_model_len": (size.max_pages + 1) * PAGE,
         "prefix_caching": True,
         "kvray": kvray_settings,
@@ -295,7 +296,7 @@ def run_serve(size: Size, out_dir: Path) -> dict:
                 runtime = Runtime.start(
                     RuntimeConfig(
                         name=RUNTIME_NAME,
-                        layout=model_page_layout(MODEL, PAGE),
+                        layout=checkpoint_layout(model_dir(MODEL), PAGE),
                         model_name=str(model_dir(MODEL)),
                         tiers=TierSizes(host=HOST_PAGES, disk=DISK_PAGES),
                         disk_root=disk_root,

@@ -34,6 +34,11 @@ def model_dir(name: str) -> Path:
     return path
 
 
+def model_path(model: str | Path) -> Path:
+    """``model`` if it is a directory (a checkpoint), else the data/models/ config it names."""
+    return Path(model) if Path(model).is_dir() else model_dir(str(model))
+
+
 def tiny_llama(name: str = "tiny-llama", dtype: torch.dtype = torch.float32, seed: int = 0):
     """A ``LlamaForCausalLM`` of the named config, random weights from ``seed``, in eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM

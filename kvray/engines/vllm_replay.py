@@ -34,9 +34,9 @@ def kvray_hits(llm, connector) -> tuple[dict[str, int], Counter]:
     this node's mapped host tier, from its store actor, from another node)."""
     if connector is None:
         return {}, Counter()
-    counters = counters_of(llm)
-    if connector.store is not None:
-        return counters, Counter(connector.store.stats().get("hit_pages_by_tier", {}))
+    counters, store = counters_of(llm), connector.scheduler.store
+    if store is not None:
+        return counters, Counter(store.stats().get("hit_pages_by_tier", {}))
     tiers: Counter = Counter()
     for path, tier in PATH_TIERS.items():
         tiers[tier] += counters.get(f"{path}_pages", 0)

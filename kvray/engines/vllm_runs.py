@@ -75,9 +75,9 @@ def engine_args(
     such as :func:`kvray.engines.tiny.seeded_checkpoint` writes (its weights are loaded).
     ``kv_cache_bytes`` is vLLM's own KV space (its running requests and prefix cache).
     """
-    from kvray.engines.tiny import model_dir
+    from kvray.engines.tiny import model_path
 
-    path = Path(model) if Path(model).is_dir() else model_dir(model)
+    path = model_path(model)
     return {
         "model": str(path),
         "load_format": "safetensors" if any(path.glob("*.safetensors")) else "dummy",
@@ -104,22 +104,16 @@ def make_llm(
     """A vLLM engine of :func:`engine_args` with ``KVRayConnector`` when ``kvray`` is given."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
-    from vllm.config import KVTransferConfig
 
-    transfer = None
-    if kvray is not None:
-        transfer = KVTransferConfig(
-            kv_connector="KVRayConnector",
-            kv_connector_module_path="kvray.engines.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=kvray,
-        )
+    from kvray.engines.vllm.connector import kv_transfer_config
+
+    transfer = None if kvray is None else kv_transfer_config(kvray)
     args = engine_args(model, prefix_caching, block_size, dtype, kv_cache_bytes, max_model_len)
     return LLM(**args, kv_transfer_config=transfer)
 
 
 def connector_of(llm):
-    """The scheduler-side ``KVRayConnector`` of an in-process engine (for counters and faults)."""
+    """The scheduler's ``KVRayConnector`` of an in-process engine (for counters and faults)."""
     return llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
 
 
@@ -166,7 +160,7 @@ def counters_of(llm) -> dict[str, int]:
     its loads and stores in flight have ended."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    scheduler, worker = connector_of(llm), get_kv_transfer_group()
+    scheduler, worker = connector_of(llm).scheduler, get_kv_transfer_group().worker
     worker.flush()
     return {k: v + worker.counters[k] for k, v in scheduler.counters.items()}
 
@@ -178,15 +172,15 @@ def serve_prompts(spec: dict, engine: dict) -> dict:
         llm = make_llm(spec["model"], engine.get("kvray"), False, spec["block_size"])
     except Exception as exc:  # reported to the caller, who asserts on bad settings
         return {"error": f"{type(exc).__name__}: {exc}"}
-    connector = connector_of(llm) if engine.get("kvray") is not None else None
-    recovered = len(connector.store) if connector and connector.store else 0
+    scheduler = connector_of(llm).scheduler if engine.get("kvray") is not None else None
+    recovered = len(scheduler.store) if scheduler and scheduler.store else 0
     results = []
     for i, prompt in enumerate(engine["prompts"]):
         if fault := engine.get("faults", {}).get(str(i)):
-            break_store(connector.store, fault)
-        before = counters_of(llm) if connector else {}
+            break_store(scheduler.store, fault)
+        before = counters_of(llm) if scheduler else {}
         tokens, seconds = generate(llm, prompt, spec["max_tokens"])
-        counters = {k: v - before[k] for k, v in counters_of(llm).items()} if connector else {}
+        counters = {k: v - before[k] for k, v in counters_of(llm).items()} if scheduler else {}
         results.append({"tokens": tokens, "seconds": seconds, "counters": counters})
     close_llm(llm)
     return {"results": results, "recovered_pages": recovered}
@@ -258,6 +252,8 @@ def run_on_ray_nodes(spec: dict) -> dict:
     from kvray.cluster.runtime import on_node
     from kvray.core.config import TierSizes
     from kvray.engines import vllm_runs  # by name, not __main__, so Ray workers import it
+    from kvray.engines.hf import checkpoint_layout
+    from kvray.engines.tiny import model_path
 
     cluster = Cluster(initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False})
     cluster.add_node(**NODE_ARGS)
@@ -265,7 +261,7 @@ def run_on_ray_nodes(spec: dict) -> dict:
     ray.init(address=cluster.address, log_to_driver=False)
     runtime = None
     try:
-        layout = model_page_layout(spec["model"], spec["block_size"])
+        layout = checkpoint_layout(model_path(spec["model"]), spec["block_size"])
         runtime = Runtime.start(RuntimeConfig(name=spec["runtime"], layout=layout, tiers=TierSizes(host=spec["host_pages"])))
         nodes = sorted(runtime.stores, key=lambda n: n != ray.get_runtime_context().get_node_id())  # head first
         engine_host = ray.remote(num_cpus=0)(vllm_runs.EngineHost)
@@ -300,25 +296,8 @@ class EngineHost:
         return {"node": ray.get_runtime_context().get_node_id(), "engines": [serve_prompts(spec, e) for e in engines]}
 
 
-def model_page_layout(model: str, block_size: int, dtype: str = "float32"):
-    """kvray's page layout of a model directory or data/models/ name served in ``dtype``
-    (``float32``, ``float16``, ``bfloat16``), without starting vLLM: for the runtime the
-    engines will share."""
-    from transformers import AutoConfig
-
-    from kvray.core.pages import torch_dtypes
-    from kvray.engines.hf import model_layout
-    from kvray.engines.tiny import model_dir
-
-    dtypes = torch_dtypes()
-    if dtype not in dtypes:
-        raise ConfigError(f"dtype {dtype!r} has no kvray page layout; use one of {sorted(dtypes)}")
-    path = Path(model) if Path(model).is_dir() else model_dir(model)
-    return model_layout(AutoConfig.from_pretrained(path), dtypes[dtype], block_size)
-
-
 def run_serve_on_ray(spec: dict) -> dict:
-    """The Ray Serve deployment of :mod:`kvray.engines.vllm_serve` on a local Ray with a
+    """The Ray Serve deployment of :mod:`kvray.engines.vllm.serve` on a local Ray with a
     kvray runtime: ``spec["prompts"]`` POSTed one after another to its HTTP endpoint
     (``spec["replicas"]`` replicas; vLLM's prefix cache off, so every reused token is
     kvray's). Reports each answer. The worker stores pages on its I/O thread, off the
@@ -331,7 +310,7 @@ def run_serve_on_ray(spec: dict) -> dict:
     import ray
     from ray import serve
 
-    from kvray.engines.vllm_serve import start_runtime_for, vllm_app
+    from kvray.engines.vllm.serve import start_runtime_for, vllm_app
 
     with socket.socket() as probe:  # a free port: other Serve instances may hold 8000
         probe.bind(("127.0.0.1", 0))
@@ -339,10 +318,10 @@ def run_serve_on_ray(spec: dict) -> dict:
     ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False)
     runtime = None
     try:
-        runtime = start_runtime_for(spec["model"], spec["block_size"], name=spec["runtime"], host_pages=64, detached=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = engine_args(spec["model"], False, spec["block_size"])
         model, block_size, dtype = args.pop("model"), args.pop("block_size"), args.pop("dtype")
+        runtime = start_runtime_for(model, block_size, dtype, name=spec["runtime"], host_pages=64, detached=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = vllm_app(
             model,
             block_size,
