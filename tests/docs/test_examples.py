@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvray.engines.vllm_runs import vllm_python
+from kvray.harness.vllm_env import vllm_python
 
 ROOT = Path(__file__).resolve().parents[2]
 NEEDS_RAY_OR_VLLM = ("kvray/cluster/", "kvray/apps/", "kvray/bench/", "kvray/engines/vllm")

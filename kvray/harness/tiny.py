@@ -6,7 +6,7 @@ grouped-query attention. vLLM reads the same ``config.json`` with ``load_format=
 
 Example::
     import tempfile, torch
-    from kvray.engines.tiny import seeded_checkpoint, tiny_llama
+    from kvray.harness.tiny import seeded_checkpoint, tiny_llama
 
     model = tiny_llama()                                  # 2 layers, 4 heads / 2 KV heads
     bench = tiny_llama("bench-llama", torch.bfloat16)
