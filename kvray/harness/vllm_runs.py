@@ -87,8 +87,9 @@ def run_on_ray_nodes(spec: dict) -> dict:
     step after the other; ``close_store_of`` first closes that node's
     store (its page server stops answering; the controller is not told, so its index still
     promises those pages). An engine's ``kvray`` settings name the runtime with
-    ``kvray_runtime``; the actor is connected to Ray already. Reports each step's node and
-    engine results.
+    ``kvray_runtime``; the actor is connected to Ray already. The runtime has
+    ``spec["controller_shards"]`` controller shards (default 1). Reports each step's node
+    and engine results, and each shard's lookups and leases still open at the end.
     """
     import ray
     from ray.cluster_utils import Cluster
@@ -106,7 +107,13 @@ def run_on_ray_nodes(spec: dict) -> dict:
     runtime = None
     try:
         layout = checkpoint_layout(model_path(spec["model"]), spec["block_size"])
-        runtime = Runtime.start(RuntimeConfig(name=spec["runtime"], layout=layout, tiers=TierSizes(host=spec["host_pages"])))
+        config = RuntimeConfig(
+            name=spec["runtime"],
+            layout=layout,
+            tiers=TierSizes(host=spec["host_pages"]),
+            controller_shards=spec.get("controller_shards", 1),
+        )
+        runtime = Runtime.start(config)
         nodes = sorted(runtime.stores, key=lambda n: n != ray.get_runtime_context().get_node_id())  # head first
         engine_host = ray.remote(num_cpus=0)(vllm_runs.EngineHost)
         hosts: dict[int, ray.actor.ActorHandle] = {}  # one per node, kept across steps: vLLM's import is the slow part
@@ -120,7 +127,9 @@ def run_on_ray_nodes(spec: dict) -> dict:
             steps.append(ray.get(serving, timeout=spec.get("timeout_s", 600)))
         for host in hosts.values():
             ray.kill(host)
-        return {"nodes": nodes, "steps": steps}
+        snapshots = ray.get([shard.snapshot.remote() for shard in runtime.shards.handles], timeout=60)
+        shards = [{"lookups": s["lookups"], "open_leases": s["open_leases"]} for s in snapshots]
+        return {"nodes": nodes, "steps": steps, "shards": shards}
     finally:
         if runtime is not None:
             runtime.close()

@@ -22,6 +22,7 @@ equal KV.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -178,9 +179,8 @@ class ConnectorScheduler:
             return
         first, keys = pinned.first_page, self._requests[request.request_id].keys
         block_ids = blocks.get_block_ids()[0][first : first + taken]
-        from kvray.cluster.controller import Plan
-
-        sub = Plan(pinned.plan.lease, pinned.plan.hit_nodes[first : first + taken], [])  # the worker ends the whole lease
+        # the worker ends the whole lease, on the controller shard that holds it
+        sub = dataclasses.replace(pinned.plan, hit_nodes=pinned.plan.hit_nodes[first : first + taken], targets=[])
         self._runtime_loads.append(RuntimeLoad(request.request_id, keys[first : first + taken], block_ids, sub))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVRayMetadata:
