@@ -30,7 +30,7 @@ from kvray.core.config import StoreConfig, TierSizes
 from kvray.core.store import PageStore
 from kvray.engines.hf import CachedCausalLM, greedy_decode, model_layout
 from kvray.engines.timing import torch_threads
-from kvray.engines.tiny import tiny_llama
+from kvray.harness.tiny import tiny_llama
 from kvray.report import format_duration, print_table
 
 

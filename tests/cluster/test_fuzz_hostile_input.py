@@ -20,8 +20,8 @@ from kvray.cluster.config import RuntimeConfig
 from kvray.core.config import PageLayout, StoreConfig
 from kvray.core.errors import KvrayError
 from kvray.core.pages import torch_dtype
-from kvray.engines.vllm_blocks import BlockCodec
-from kvray.engines.vllm_settings import ConnectorSettings, connector_settings, store_config
+from kvray.engines.vllm.codec import BlockCodec
+from kvray.engines.vllm.settings import ConnectorSettings, connector_settings, store_config
 from tests.properties import examples
 
 pytestmark = pytest.mark.fault

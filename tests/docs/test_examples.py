@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvray.engines.vllm_runs import vllm_python
+from kvray.harness.vllm_env import vllm_python
 from kvray.traces import cacheable_pages, read_trace
 
 ROOT = Path(__file__).resolve().parents[2]

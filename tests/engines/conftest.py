@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvray.engines.tiny import tiny_llama
+from kvray.harness.tiny import tiny_llama
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from kvray import PageStore, StoreConfig, TierSizes
 from kvray.core.errors import LayoutError, RequestError
 from kvray.core.tiers import Tier
 from kvray.engines.hf import CachedCausalLM, model_layout
-from kvray.engines.vllm_runs import break_store
+from kvray.harness.faults import break_store
 
 PAGE = 16
 FP32_TOL = 1e-4

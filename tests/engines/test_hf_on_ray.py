@@ -22,7 +22,7 @@ from kvray.core.config import TierSizes
 from kvray.core.store import PageStore
 from kvray.engines.hf import CachedCausalLM, model_layout
 from kvray.engines.runtime import ADDRESS_ENV, RUNTIME_ENV, RuntimePages, RuntimeTarget, runtime_target
-from kvray.engines.tiny import tiny_llama
+from kvray.harness.tiny import tiny_llama
 
 PAGE = 16
 FP32_TOL = 1e-4
@@ -106,7 +106,7 @@ def test_settings_win_over_environment(monkeypatch):
 READER = """
 import json, sys
 from kvray.engines.hf import CachedCausalLM
-from kvray.engines.tiny import tiny_llama
+from kvray.harness.tiny import tiny_llama
 
 lm = CachedCausalLM.open(tiny_llama(), "tiny-llama", page_tokens=int(sys.argv[1]))  # the runtime comes from the environment
 result = lm.prefill(json.loads(sys.argv[2]))

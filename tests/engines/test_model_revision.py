@@ -12,7 +12,7 @@ from kvray.core.config import StoreConfig, TierSizes
 from kvray.core.keys import ModelFingerprint
 from kvray.core.store import PageStore
 from kvray.engines.revision import checkpoint_revision
-from kvray.engines.vllm_settings import connector_settings, store_config
+from kvray.engines.vllm.settings import connector_settings, store_config
 from tests.conftest import TINY, prefix_kv
 
 

@@ -5,12 +5,13 @@ that GPUs use. Runs without vLLM installed."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvray import PageLayout
 from kvray.core.errors import ConfigError
-from kvray.engines.vllm_blocks import BlockCodec
+from kvray.engines.vllm.codec import BlockCodec
 
 LAYOUT = PageLayout(layers=3, kv_heads=2, head_dim=8, page_tokens=32, dtype="float32")
 BLOCKS = 10
@@ -52,6 +53,20 @@ def test_written_pages_are_what_the_backend_reads_and_read_back_exactly(backend,
         untouched = [b for b in range(BLOCKS) if b not in (7, 3)]
         assert torch.equal(cache[untouched], before[layer][untouched])
     assert torch.equal(codec.read([7, 3]), pages)
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASH_ATTN"])
+def test_page_bytes_as_kvray_stores_them_round_trip_through_blocks(backend):
+    codec = BlockCodec(backend, caches(backend), LAYOUT)
+    pages = torch.randn(2, *LAYOUT.page_shape)
+    rows = pages.view(torch.uint8).reshape(2, -1).numpy()  # [n, page_nbytes], a store's rows
+    assert rows.shape == (2, LAYOUT.page_nbytes)
+    codec.write_bytes([4, 9], rows)
+    assert torch.equal(codec.read([4, 9]), pages)
+    back = codec.read_bytes([4, 9])
+    assert back.dtype == np.uint8 and np.array_equal(back, rows)
+    codec.write([4], torch.zeros(1, *LAYOUT.page_shape))  # the copy handed out is the caller's own
+    assert np.array_equal(back, rows)
 
 
 def test_unsupported_backend_and_mismatched_cache_are_refused():

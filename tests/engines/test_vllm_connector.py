@@ -2,7 +2,7 @@
 
 vLLM lives in its own environment (``make vllm-env`` creates .venv-vllm; the variable
 KVRAY_VLLM_PYTHON may name another interpreter), so each engine runs in a subprocess of
-that interpreter and reports back JSON (see kvray.engines.vllm_runs). Without that
+that interpreter and reports back JSON (see kvray.harness.vllm_runs). Without that
 environment these tests fail with a message saying how to create it; they never skip.
 
 The model is the tiny Llama config (2 layers, 4 heads / 2 KV heads) with seeded
@@ -18,8 +18,8 @@ import random
 
 import pytest
 
-from kvray.engines.tiny import seeded_checkpoint
-from kvray.engines.vllm_runs import run_in_vllm_env
+from kvray.harness.tiny import seeded_checkpoint
+from kvray.harness.vllm_env import run_in_vllm_env
 
 BLOCK = 64
 PREFIX = 1024

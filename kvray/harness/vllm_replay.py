@@ -22,7 +22,7 @@ import os
 import time
 from collections import Counter, deque
 
-from kvray.engines.vllm_runs import close_llm, connector_of, counters_of, make_llm
+from kvray.harness.vllm_engine import close_llm, connector_of, counters_of, make_llm
 
 # where a runtime connector's pages came from (its load paths, kvray.cluster.client) -> tier label
 PATH_TIERS = {"mapped": "host", "local": "local store", "tcp": "remote", "collective": "remote", "object_store": "remote"}
@@ -34,9 +34,9 @@ def kvray_hits(llm, connector) -> tuple[dict[str, int], Counter]:
     this node's mapped host tier, from its store actor, from another node)."""
     if connector is None:
         return {}, Counter()
-    counters = counters_of(llm)
-    if connector.store is not None:
-        return counters, Counter(connector.store.stats().get("hit_pages_by_tier", {}))
+    counters, store = counters_of(llm), connector.scheduler.store
+    if store is not None:
+        return counters, Counter(store.stats().get("hit_pages_by_tier", {}))
     tiers: Counter = Counter()
     for path, tier in PATH_TIERS.items():
         tiers[tier] += counters.get(f"{path}_pages", 0)

@@ -1,10 +1,9 @@
 """The vLLM connector's ``kv_connector_extra_config``: parsed and turned into a
 :class:`~kvray.core.config.StoreConfig` without importing vLLM.
 
-Kept apart from :mod:`kvray.engines.vllm` (which needs vLLM installed) so that the one
-place untrusted engine settings enter kvray is testable, and fuzzed, anywhere: whatever
-the user writes there, the outcome is a valid store config or a
-:class:`~kvray.core.errors.ConfigError` naming the field.
+Imports no vLLM, so that the one place untrusted engine settings enter kvray is testable,
+and fuzzed, anywhere: whatever the user writes there, the outcome is a valid store config
+or a :class:`~kvray.core.errors.ConfigError` naming the field.
 
 Example::
 

@@ -6,7 +6,7 @@ grouped-query attention. vLLM reads the same ``config.json`` with ``load_format=
 
 Example::
     import tempfile, torch
-    from kvray.engines.tiny import seeded_checkpoint, tiny_llama
+    from kvray.harness.tiny import seeded_checkpoint, tiny_llama
 
     model = tiny_llama()                                  # 2 layers, 4 heads / 2 KV heads
     bench = tiny_llama("bench-llama", torch.bfloat16)
@@ -32,6 +32,11 @@ def model_dir(name: str) -> Path:
         known = sorted(p.name for p in models.iterdir() if (p / "config.json").is_file())
         raise ConfigError(f"no model config {path / 'config.json'}; known models: {known}")
     return path
+
+
+def model_path(model: str | Path) -> Path:
+    """``model`` if it is a directory (a checkpoint), else the data/models/ config it names."""
+    return Path(model) if Path(model).is_dir() else model_dir(str(model))
 
 
 def tiny_llama(name: str = "tiny-llama", dtype: torch.dtype = torch.float32, seed: int = 0):

@@ -1,7 +1,7 @@
 """vLLM with kvray served by Ray Serve: every replica's connector on one kvray runtime.
 
 A plain Ray Serve deployment wrapping a vLLM engine (``vllm.LLM``, in the replica's
-process) whose :class:`~kvray.engines.vllm.KVRayConnector` names a kvray runtime, so
+process) whose :class:`~kvray.engines.vllm.connector.KVRayConnector` names a kvray runtime, so
 replicas on every node of the cluster share one KV cache: a prefix one replica computed
 is loaded by the others from its node. Ray Serve LLM (``ray.serve.llm``) is not used:
 ``ray[llm]==2.60.0`` pins ``vllm[audio]==0.29.0`` and ``nixl-cu13``, which conflict with
@@ -17,7 +17,7 @@ Example::
 
     import ray
     from ray import serve
-    from kvray.engines.vllm_serve import start_runtime_for, vllm_app
+    from kvray.engines.vllm.serve import start_runtime_for, vllm_app
 
     ray.init()                                            # or ray.init("auto") on a cluster
     start_runtime_for("/models/my-llama", block_size=16, dtype="bfloat16")  # once per cluster
@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -36,22 +37,22 @@ DEFAULT_RUNTIME = "kvray"
 
 
 def start_runtime_for(
-    model: str,
+    model: str | Path,
     block_size: int,
     dtype: str = "float32",
     name: str = DEFAULT_RUNTIME,
     host_pages: int = 4096,
     detached: bool = True,
 ):
-    """Start a kvray runtime whose pages fit ``model`` served in ``dtype`` with
-    ``block_size`` tokens per block (one page per vLLM block), a store of ``host_pages``
-    on every node; ``detached`` keeps it up after this driver exits (stop it with
-    ``kvray down --name``)."""
+    """Start a kvray runtime whose pages fit ``model`` (a checkpoint directory) served in
+    ``dtype`` with ``block_size`` tokens per block (one page per vLLM block), a store of
+    ``host_pages`` on every node; ``detached`` keeps it up after this driver exits (stop it
+    with ``kvray down --name``)."""
     from kvray.cluster import Runtime, RuntimeConfig
     from kvray.core.config import TierSizes
-    from kvray.engines.vllm_runs import model_page_layout
+    from kvray.engines.hf import checkpoint_layout
 
-    config = RuntimeConfig(name=name, layout=model_page_layout(model, block_size, dtype), tiers=TierSizes(host=host_pages))
+    config = RuntimeConfig(name=name, layout=checkpoint_layout(model, block_size, dtype), tiers=TierSizes(host=host_pages))
     return Runtime.start(config, detached=detached)
 
 
@@ -69,15 +70,10 @@ class KvrayVllmServer:
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this replica's process
         from vllm import LLM
-        from vllm.config import KVTransferConfig
 
-        transfer = KVTransferConfig(
-            kv_connector="KVRayConnector",
-            kv_connector_module_path="kvray.engines.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=kvray,
-        )
-        self.llm = LLM(model=model, kv_transfer_config=transfer, **engine)
+        from kvray.engines.vllm.connector import kv_transfer_config
+
+        self.llm = LLM(model=model, kv_transfer_config=kv_transfer_config(kvray), **engine)
         self.detokenize = not self.llm.llm_engine.model_config.skip_tokenizer_init
 
     async def __call__(self, request: Request) -> dict:

@@ -1,0 +1,175 @@
+"""The connector's worker side: pages into and out of vLLM's paged KV cache.
+
+With an **in-process store** this side never talks to the store: it copies the pages the
+scheduler side staged into the request's blocks before the forward pass, and copies newly
+computed full blocks out after it; the copies go up in the step's output
+(:mod:`kvray.engines.vllm.metadata`).
+
+On a **kvray runtime** it moves the bytes itself, on one background I/O thread:
+
+- it reads the pages of each plan the scheduler side made (from its node's mapped host
+  tier, or by TCP from a peer node's page server) straight into the request's blocks, and
+  reports the request in ``get_finished``. A page that does not arrive is reported with its
+  block in ``get_block_ids_with_load_errors``, and vLLM (with
+  ``kv_load_failure_policy="recompute"``, which the connector sets) recomputes from there:
+  a shorter hit, never a failed request or wrong KV;
+- it stores newly computed full blocks on its node's store.
+
+Pages hold K and V as ``[layers, 2, block_size, kv_heads, head_dim]`` whatever the
+attention backend's physical block layout; :class:`~kvray.engines.vllm.codec.BlockCodec`
+converts.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvray.core.config import PageLayout
+from kvray.core.errors import ConfigError
+from kvray.engines.runtime import RuntimePages
+from kvray.engines.vllm.codec import BlockCodec
+from kvray.engines.vllm.metadata import KVRayMetadata, KVRayWorkerMetadata, PageSave, RuntimeLoad, SavedPages, new_counters
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadInFlight:
+    """A request's runtime load on the I/O thread: the blocks it fills, and how many leading
+    ones got their page once it ends."""
+
+    block_ids: list[int]
+    loaded: Future  # -> int
+
+
+class ConnectorWorker:
+    """The worker side (see the module docstring); ``runtime``: the kvray runtime this
+    worker reached, ``None`` with an in-process store (or when the runtime was not
+    reachable from here: every page it is asked to read is then a miss).
+
+    Example::
+
+        worker = ConnectorWorker(vllm_config, layout, runtime=None)
+        worker.register_kv_caches(kv_caches)
+        worker.start_load_kv(metadata)            # before the forward pass
+        worker.wait_for_save(metadata)            # after it
+    """
+
+    def __init__(self, vllm_config: VllmConfig, layout: PageLayout, runtime: RuntimePages | None) -> None:
+        self.vllm_config = vllm_config
+        self.layout = layout
+        self.runtime = runtime
+        self.counters = new_counters()
+        self.codec: BlockCodec | None = None
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvray-io") if runtime is not None else None
+        self._saved: list[SavedPages] = []
+        self._loading: dict[str, LoadInFlight] = {}
+        self._storing: list[Future] = []
+        self._failed_blocks: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        context = self.vllm_config.compilation_config.static_forward_context
+        backends = {context[name].attn_backend.get_name() for name in kv_caches}
+        if len(backends) != 1:
+            raise ConfigError(f"KVRayConnector needs one attention backend for all layers, got {sorted(backends)}")
+        self.codec = BlockCodec(backends.pop(), list(kv_caches.values()), self.layout)
+
+    def start_load_kv(self, meta: KVRayMetadata) -> None:
+        """Copy staged pages into their blocks now; start the step's runtime loads."""
+        for load in meta.loads:
+            self.codec.write_bytes(load.block_ids, load.pages)
+        for load in meta.runtime_loads:
+            if self._io is None:  # this worker could not reach the runtime: every page is a miss
+                self._loading[load.req_id] = LoadInFlight(load.block_ids, _done(0))
+            else:
+                self._loading[load.req_id] = LoadInFlight(load.block_ids, self._io.submit(self._load_from_runtime, load))
+
+    def _load_from_runtime(self, load: RuntimeLoad) -> int:
+        """On the I/O thread: read the plan's pages (mapped host tier, or TCP from a peer)
+        straight into the request's blocks; returns how many leading blocks hold their page."""
+        loaded, pages = self.runtime.read(load.keys, load.plan)
+        if loaded.pages:
+            self.codec.write_bytes(load.block_ids[: loaded.pages], pages)
+        self.counters["loaded_pages"] += loaded.pages
+        self.counters["lost_pages"] += len(load.keys) - loaded.pages
+        for path, n in loaded.paths.items():
+            self.counters[f"{path}_pages"] += n
+        return loaded.pages
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose runtime load ended; the blocks of pages that did not arrive are
+        reported by ``get_block_ids_with_load_errors`` in the same step."""
+        done = set()
+        for req_id, load in list(self._loading.items()):
+            if not load.loaded.done():
+                continue
+            try:
+                loaded = load.loaded.result()
+            except Exception as exc:  # a cache must never fail a request: the blocks are recomputed
+                self.counters["failures"] += 1
+                log.warning("kvray load for request %s failed, it recomputes: %r", req_id, exc)
+                loaded = 0
+            self._failed_blocks.update(load.block_ids[loaded:])
+            del self._loading[req_id]
+            done.add(req_id)
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def wait_for_save(self, meta: KVRayMetadata) -> None:
+        """Copy the step's completed prompt blocks out (all layers are written by now): up to
+        the scheduler side with the step's output, or onto the runtime by the I/O thread."""
+        for save in meta.saves:
+            pages = self.codec.read_bytes(save.block_ids)
+            if not meta.on_runtime:
+                self._saved.append(SavedPages(save, pages))
+            elif self._io is not None:  # the copy above is the worker's own: blocks may be reused now
+                self._storing = [f for f in self._storing if not f.done()]
+                self._storing.append(self._io.submit(self._store_on_runtime, save, pages))
+
+    def _store_on_runtime(self, save: PageSave, pages: np.ndarray) -> None:
+        """On the I/O thread: keep computed pages on this node's store (best effort)."""
+        try:
+            self.counters["saved_pages"] += self.runtime.put_pages(
+                save.keys, pages, self.runtime.fingerprint.digest, save.parent_key
+            )
+        except Exception as exc:  # storing is best effort: the pages are simply not cached
+            self.counters["failures"] += 1
+            log.warning("kvray could not store %d pages on the runtime: %r", len(save.keys), exc)
+
+    def flush(self) -> None:
+        """Wait for this worker's loads and stores in flight (tests, benchmarks, shutdown)."""
+        for future in [*self._storing, *(load.loaded for load in self._loading.values())]:
+            future.exception()
+        self._storing = []
+
+    def build_connector_worker_meta(self) -> KVRayWorkerMetadata | None:
+        if not self._saved:
+            return None
+        meta, self._saved = KVRayWorkerMetadata(self._saved), []
+        return meta
+
+    def shutdown(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)  # pending loads and stores finish first
+            self._io = None
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
+
+
+def _done(result: int) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future

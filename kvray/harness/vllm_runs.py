@@ -1,0 +1,218 @@
+"""Real vLLM engine runs with and without ``KVRayConnector``: what the engine tests and the
+TTFT benchmark ask of vLLM's environment (:func:`kvray.harness.vllm_env.run_in_vllm_env`
+starts this module there). Inside the vLLM environment::
+
+    python -m kvray.harness.vllm_runs '{"run": "serve", "model": "tiny-llama", "block_size": 64, "max_tokens": 8,
+                                        "engines": [{"kvray": {"host_pages": 256}, "prompts": [[1, 2, 3]]}]}'
+
+Each run (:data:`RUNS`) takes a JSON spec and prints one JSON object; its engines are made
+by :mod:`kvray.harness.vllm_engine`, and faults are injected with
+:mod:`kvray.harness.faults`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from kvray.harness.faults import break_store
+from kvray.harness.tiny import model_path
+from kvray.harness.vllm_engine import close_llm, connector_of, counters_of, engine_args, generate, make_llm
+
+
+def serve_prompts(spec: dict, engine: dict) -> dict:
+    """Serve ``engine["prompts"]`` in order on one engine, with optional faults before some
+    of them; report each prompt's output tokens and the connector's counters for it."""
+    try:
+        llm = make_llm(spec["model"], engine.get("kvray"), False, spec["block_size"])
+    except Exception as exc:  # reported to the caller, who asserts on bad settings
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    scheduler = connector_of(llm).scheduler if engine.get("kvray") is not None else None
+    recovered = len(scheduler.store) if scheduler and scheduler.store else 0
+    results = []
+    for i, prompt in enumerate(engine["prompts"]):
+        if fault := engine.get("faults", {}).get(str(i)):
+            break_store(scheduler.store, fault)
+        before = counters_of(llm) if scheduler else {}
+        tokens, seconds = generate(llm, prompt, spec["max_tokens"])
+        counters = {k: v - before[k] for k, v in counters_of(llm).items()} if scheduler else {}
+        results.append({"tokens": tokens, "seconds": seconds, "counters": counters})
+    close_llm(llm)
+    return {"results": results, "recovered_pages": recovered}
+
+
+def run_serve(spec: dict) -> dict:
+    """Several engines one after another in this process (vLLM's import is the slow part)."""
+    return {"engines": [serve_prompts(spec, engine) for engine in spec["engines"]]}
+
+
+def run_ttft(spec: dict) -> dict:
+    """TTFT (one output token) of a kvray hit and of a vLLM prefix-cache hit, paired
+    request by request in one engine so that both see the same machine load.
+
+    The engine has vLLM's prefix caching on and the connector attached. A warm-up prompt
+    puts the shared prefix in both caches. Then, for each pair of suffixes: one prompt
+    hits vLLM's own cache (the connector finds nothing beyond it), and, after
+    ``reset_prefix_cache()`` empties vLLM's cache (untimed), the other loads the prefix
+    from kvray. Which goes first alternates.
+    """
+    if "omp_threads_bind" in spec:  # read by vLLM's CPU worker when the engine starts
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec["omp_threads_bind"]
+    llm = make_llm(spec["model"], spec["kvray"], True, spec["block_size"], spec.get("dtype", "float32"))
+    connector = connector_of(llm)
+    prefix, suffixes = spec["prefix"], spec["suffixes"]
+    generate(llm, prefix + suffixes[0], 1)
+    times: dict[str, list[float]] = {"vllm": [], "kvray": []}
+    for i in range(1, len(suffixes) - 1, 2):
+        order = ["vllm", "kvray"] if i % 4 == 1 else ["kvray", "vllm"]
+        for kind, suffix in zip(order, suffixes[i : i + 2]):
+            if kind == "kvray":
+                llm.reset_prefix_cache()
+            times[kind].append(generate(llm, prefix + suffix, 1)[1])
+    counters = dict(connector.counters)
+    close_llm(llm)
+    return {"times_s": times, "counters": counters}
+
+
+def run_on_ray_nodes(spec: dict) -> dict:
+    """Engines on two Ray nodes sharing one kvray runtime.
+
+    Starts two local Ray nodes (``ray.cluster_utils.Cluster``: separate raylets and object
+    stores) from this vLLM environment, so that their workers run its interpreter, and a
+    kvray runtime whose layout is the model's. Then each of ``spec["steps"]`` runs its
+    ``engines`` (as ``run_serve`` takes them) in a Ray actor pinned to node ``node``
+    (0: the head; one actor per node, reused by its later steps, each engine new), one
+    step after the other; ``close_store_of`` first closes that node's
+    store (its page server stops answering; the controller is not told, so its index still
+    promises those pages). An engine's ``kvray`` settings name the runtime with
+    ``kvray_runtime``; the actor is connected to Ray already. The runtime has
+    ``spec["controller_shards"]`` controller shards (default 1). Reports each step's node
+    and engine results, and each shard's lookups and leases still open at the end.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from kvray.cluster import Runtime, RuntimeConfig
+    from kvray.cluster.runtime import on_node
+    from kvray.core.config import TierSizes
+    from kvray.engines.hf import checkpoint_layout
+    from kvray.harness import vllm_runs  # by name, not __main__, so Ray workers import it
+
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False})
+    cluster.add_node(**NODE_ARGS)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    runtime = None
+    try:
+        layout = checkpoint_layout(model_path(spec["model"]), spec["block_size"])
+        config = RuntimeConfig(
+            name=spec["runtime"],
+            layout=layout,
+            tiers=TierSizes(host=spec["host_pages"]),
+            controller_shards=spec.get("controller_shards", 1),
+        )
+        runtime = Runtime.start(config)
+        nodes = sorted(runtime.stores, key=lambda n: n != ray.get_runtime_context().get_node_id())  # head first
+        engine_host = ray.remote(num_cpus=0)(vllm_runs.EngineHost)
+        hosts: dict[int, ray.actor.ActorHandle] = {}  # one per node, kept across steps: vLLM's import is the slow part
+        steps = []
+        for step in spec["steps"]:
+            if "close_store_of" in step:
+                ray.get(runtime.stores[nodes[step["close_store_of"]]].close.remote(), timeout=60)
+            if step["node"] not in hosts:
+                hosts[step["node"]] = engine_host.options(scheduling_strategy=on_node(nodes[step["node"]])).remote()
+            serving = hosts[step["node"]].serve.remote(spec, step["engines"])
+            steps.append(ray.get(serving, timeout=spec.get("timeout_s", 600)))
+        for host in hosts.values():
+            ray.kill(host)
+        snapshots = ray.get([shard.snapshot.remote() for shard in runtime.shards.handles], timeout=60)
+        shards = [{"lookups": s["lookups"], "open_leases": s["open_leases"]} for s in snapshots]
+        return {"nodes": nodes, "steps": steps, "shards": shards}
+    finally:
+        if runtime is not None:
+            runtime.close()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+NODE_ARGS = {"num_cpus": 1, "object_store_memory": 100 << 20}
+
+
+class EngineHost:
+    """A Ray actor's body: vLLM engines served one after another on its node."""
+
+    def serve(self, spec: dict, engines: list[dict]) -> dict:
+        import ray
+
+        return {"node": ray.get_runtime_context().get_node_id(), "engines": [serve_prompts(spec, e) for e in engines]}
+
+
+def run_serve_on_ray(spec: dict) -> dict:
+    """The Ray Serve deployment of :mod:`kvray.engines.vllm.serve` on a local Ray with a
+    kvray runtime: ``spec["prompts"]`` POSTed one after another to its HTTP endpoint
+    (``spec["replicas"]`` replicas; vLLM's prefix cache off, so every reused token is
+    kvray's). Reports each answer. The worker stores pages on its I/O thread, off the
+    request's path, so an answer can arrive before its pages are stored: the next prompt is
+    sent once the runtime holds every full block before the last token of the prompts so
+    far (or after 60 s), so that the run measures reuse, not that race."""
+    import socket
+    import urllib.request
+
+    import ray
+    from ray import serve
+
+    from kvray.engines.vllm.serve import start_runtime_for, vllm_app
+
+    with socket.socket() as probe:  # a free port: other Serve instances may hold 8000
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False)
+    runtime = None
+    try:
+        args = engine_args(spec["model"], False, spec["block_size"])
+        model, block_size, dtype = args.pop("model"), args.pop("block_size"), args.pop("dtype")
+        runtime = start_runtime_for(model, block_size, dtype, name=spec["runtime"], host_pages=64, detached=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = vllm_app(
+            model,
+            block_size,
+            dtype,
+            runtime=spec["runtime"],
+            num_replicas=spec.get("replicas", 1),
+            kvray={"host_pages": 0},
+            engine=args,
+        )
+        serve.run(app, name="kvray-vllm")
+        answers = []
+        blocks: set[tuple[int, ...]] = set()  # distinct full blocks before each prompt's last token
+        for prompt in spec["prompts"]:
+            body = json.dumps({"prompt_token_ids": prompt, "max_tokens": spec["max_tokens"]}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=300) as response:
+                answers.append(json.loads(response.read()))
+            blocks.update(tuple(prompt[:end]) for end in range(block_size, len(prompt), block_size))
+            deadline = time.monotonic() + 60
+            while sum(s["pages"] for s in runtime.store_stats().values()) < len(blocks) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return {"answers": answers}
+    finally:
+        serve.shutdown()
+        if runtime is not None:
+            runtime.close()
+        ray.shutdown()
+
+
+RUNS = {"serve": run_serve, "ttft": run_ttft, "ray_nodes": run_on_ray_nodes, "serve_on_ray": run_serve_on_ray}
+
+
+def main(argv: list[str]) -> None:
+    spec = json.loads(argv[1])
+    result = RUNS[spec["run"]](spec)
+    sys.stdout.flush()
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
