@@ -20,8 +20,10 @@ and receives them straight into its engine's landing buffer).
 
 Every page that leaves this store (evicted past the last tier, corrupt) is remembered and
 reported with the next write, so the controller's index never keeps it for long; every
-write also answers with the node's :class:`~kvray.cluster.observe.NodeReport` (free slots
-per tier, bytes per link), which the controller's cluster policy decides from. The first
+write also answers how much of its run the store holds (a store out of room keeps a
+prefix, and the client commits only that) and the node's
+:class:`~kvray.cluster.observe.NodeReport` (free slots per tier, bytes per link), which
+the controller's cluster policy decides from. The first
 call an engine on this node makes for a request (``read_into``, ``write_from``, ``pull``
 or ``touch``) carries the request's arrival (its keys and the engine's backlog), and the
 store tells its placement policy (``on_request``) before anything else of that request. A store
@@ -59,6 +61,7 @@ import ray
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.metrics import export_store_stats
 from kvray.cluster.observe import NodeReport
+from kvray.cluster.protocol import Stored
 from kvray.cluster.shm import LandingBuffer, reap_orphans
 from kvray.cluster.transfer import PageServer
 from kvray.core.keys import unpack_keys
@@ -150,12 +153,24 @@ class NodeStore:
             self._dropped.append(key)
             self._run_parents.pop(key, None)
 
-    def _stored(self, keys: Sequence[int], stored: int, parent: int | None) -> tuple[int, list[int], NodeReport]:
+    def _stored(self, keys: Sequence[int], stored: int, parent: int | None) -> Stored:
         """Remember the chain parent of a run that landed; the reply of a write."""
         if stored:
             with self._dropped_lock:
                 self._run_parents[keys[0]] = parent
-        return stored, self._take_dropped(), self.report()
+        return Stored(stored, self._held_prefix(keys), self._take_dropped(), self.report())
+
+    def _held_prefix(self, keys: Sequence[int]) -> int:
+        """How many leading ``keys`` of a run just written this store holds: the part of the
+        run the client may commit. Counted page by page, not by the index's binary search:
+        a page past one that was refused may be held as the root of an earlier run, so the
+        pages held need not be prefix-closed within this run."""
+        held = 0
+        for key in keys:
+            if key not in self.store:
+                break
+            held += 1
+        return held
 
     def report(self) -> NodeReport:
         """Free and total slots per tier, and the bytes each link carried so far."""
@@ -261,10 +276,11 @@ class NodeStore:
         row: int,
         parent: int | None = None,
         request: tuple[bytes, float] | None = None,
-    ) -> tuple[int, list[int], NodeReport]:
+    ) -> Stored:
         """Store buffer rows ``row..`` as one chain under ``keys`` (``parent``: the key before
-        ``keys[0]`` in the request, None at its start); returns (stored, keys dropped since
-        the last report, this node's report). ``request``: see :meth:`_arrived`."""
+        ``keys[0]`` in the request, None at its start); returns what was stored and is held
+        of it, the keys dropped since the last report and this node's report
+        (:class:`~kvray.cluster.protocol.Stored`). ``request``: see :meth:`_arrived`."""
         self._arrived(request)
         with self._mapped(buffer, capacity) as pages:
             return self._put(keys, pages[row : row + len(keys)], parent)
@@ -335,11 +351,11 @@ class NodeStore:
         self._count_bytes(sent=got * self.page_nbytes)
         return pages[:got]
 
-    def put_pages(self, keys: Sequence[int], pages: np.ndarray, parent: int | None = None) -> tuple[int, list[int], NodeReport]:
+    def put_pages(self, keys: Sequence[int], pages: np.ndarray, parent: int | None = None) -> Stored:
         self._count_bytes(received=pages.nbytes)
         return self._put(keys, pages, parent)
 
-    def _put(self, keys: Sequence[int], pages: np.ndarray, parent: int | None) -> tuple[int, list[int], NodeReport]:
+    def _put(self, keys: Sequence[int], pages: np.ndarray, parent: int | None) -> Stored:
         """Store one run. It joins its parent's chain when that page is here, so evicting the
         parent drops the run too (as in the simulator and a single PageStore); otherwise it
         starts a root here."""

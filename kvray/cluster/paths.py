@@ -36,8 +36,7 @@ from typing import Any
 
 import ray
 
-from kvray.cluster.observe import NodeReport
-from kvray.cluster.protocol import Run
+from kvray.cluster.protocol import Run, Stored
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks, PendingLoad, PendingStore
 from kvray.core.tiers import Tier
@@ -129,8 +128,9 @@ class StoreCallPath(ABC):
         answer = self._answer(pending, self.load_maps_buffer)
         return (0, {}) if answer is None else self.loaded(run, answer)
 
-    def finish_store(self, pending: Any) -> tuple[int, list[int], NodeReport] | None:
-        """(pages stored, keys the store dropped meanwhile, its report), or None if it was not kept."""
+    def finish_store(self, pending: Any) -> Stored | None:
+        """The store's answer (what it stored and holds of the run, the keys it dropped
+        meanwhile, its report), or None if nothing was kept."""
         return self._answer(pending, self.store_maps_buffer)
 
     def _answer(self, ref, maps_buffer: bool) -> Any:
@@ -232,7 +232,7 @@ class TcpPath(StoreCallPath):
         context = self.context
         return context.links.store(context.servers[run.node], keys, context.buffer.pages[run.start : run.stop], parent)
 
-    def finish_store(self, pending: PendingStore):
+    def finish_store(self, pending: PendingStore) -> Stored | None:
         return pending.receive()
 
 

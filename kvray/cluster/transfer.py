@@ -8,8 +8,10 @@ address with one thread per connection. A client keeps one connection per peer n
 length of the cached, verified prefix it holds and those pages, which the client receives
 straight into its landing buffer. Stores go the same way: the client sends a run of
 pages with their keys and chain parent, the server keeps them and answers how many it
-stored, which pages it dropped meanwhile and its state after the write (free slots per
-tier and bytes per link, :class:`~kvray.cluster.observe.NodeReport`). Nothing is pickled and no actor method runs.
+stored, how many leading pages of the run it holds (``landed``: a store out of room keeps
+a prefix, and the client commits only that), which pages it dropped meanwhile and its
+state after the write (free slots per tier and bytes per link,
+:class:`~kvray.cluster.observe.NodeReport`). Nothing is pickled and no actor method runs.
 
 Both ends prove they hold the runtime's secret token (32 random bytes made when the
 runtime starts and handed by the controller to its stores and clients only) before a key
@@ -40,7 +42,8 @@ Wire format, little-endian, requests pipelined on a connection, answers in order
                                     STORE: u8 has_parent, 16-byte parent key, n x 16-byte keys,
                                            n x page_nbytes bytes, n x u64 xxh3-64 of them
     answers    server -> client   LOAD:  u32 got (<= n), got x page_nbytes bytes, got x u64 xxh3-64
-                                  STORE: u32 stored (<= n), u32 d (<= MAX_DROPPED), d x 16-byte keys dropped,
+                                  STORE: u32 stored (<= n), u32 landed (<= n), u32 d (<= MAX_DROPPED),
+                                         d x 16-byte keys dropped,
                                          11 x u64 NodeReport (free, capacity per tier; bytes per link)
 
 Example::
@@ -49,7 +52,7 @@ Example::
                         token=token, host="127.0.0.1", max_pages=256)
     links = PeerLinks(token, page_nbytes=4096, timeout_s=10)
     got = links.load(server.address, keys).receive(buffer_rows)   # rows [0, got) hold the pages
-    stored, dropped, report = links.store(server.address, keys, rows, parent=None).receive()
+    answer = links.store(server.address, keys, rows, parent=None).receive()   # a Stored, or None: not kept
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ import numpy as np
 import xxhash
 
 from kvray.cluster.observe import NodeReport
+from kvray.cluster.protocol import Stored
 from kvray.core.errors import ClusterError
 from kvray.core.keys import KEY_BYTES, pack_keys, unpack_keys
 
@@ -92,9 +96,7 @@ WARN_EVERY_S = 10.0
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 PageReader = Callable[[Sequence[int], np.ndarray], int]  # (keys, out rows) -> pages written
-PageWriter = Callable[
-    [Sequence[int], np.ndarray, "int | None"], tuple[int, list[int], NodeReport]
-]  # -> (stored, dropped, report)
+PageWriter = Callable[[Sequence[int], np.ndarray, "int | None"], Stored]  # (keys, rows, parent) -> its answer
 
 
 class WireError(OSError):
@@ -210,8 +212,9 @@ class PageServer:
 
     ``read(keys, out)`` writes the cached, verified prefix of ``keys`` into rows of ``out``
     and returns how many; the server never sends a page it did not get from it.
-    ``write(keys, pages, parent)`` keeps a run of pages and returns (stored, keys dropped);
-    it only ever sees pages that passed their checksum.
+    ``write(keys, pages, parent)`` keeps a run of pages and returns its
+    :class:`~kvray.cluster.protocol.Stored` answer; it only ever sees pages that passed
+    their checksum.
     """
 
     def __init__(
@@ -406,9 +409,10 @@ class PageServer:
             self.received_bytes += rows.nbytes
             self.corrupt += int(good < n)
         # Even with no good page: the answer carries the store's report.
-        stored, dropped, report = self._write(keys[:good], rows[:good], int.from_bytes(parent, "little") if has_parent else None)
-        dropped = self._reportable(dropped)
-        conn.sendall(COUNT.pack(stored) + COUNT.pack(len(dropped)) + pack_keys(dropped) + REPORT.pack(*report.flat()))
+        answer = self._write(keys[:good], rows[:good], int.from_bytes(parent, "little") if has_parent else None)
+        dropped = self._reportable(answer.dropped)
+        counts = COUNT.pack(answer.stored) + COUNT.pack(answer.landed) + COUNT.pack(len(dropped))
+        conn.sendall(counts + pack_keys(dropped) + REPORT.pack(*answer.report.flat()))
         return True
 
     def _reportable(self, dropped: list[int]) -> list[int]:
@@ -492,21 +496,23 @@ class PendingLoad(_Pending):
 
 
 class PendingStore(_Pending):
-    def receive(self) -> tuple[int, list[int], NodeReport] | None:
-        """(pages stored, keys the peer dropped meanwhile, its report), or None if the peer failed."""
+    def receive(self) -> Stored | None:
+        """The peer's answer (what it stored and holds of the run, the keys it dropped
+        meanwhile, its report), or None if the peer failed."""
 
-        def read(sock: socket.socket) -> tuple[int, list[int], NodeReport]:
-            stored = _count(sock)
-            if stored > self.pages:
-                raise WireError(f"peer stored {stored} pages of {self.pages}")
+        def read(sock: socket.socket) -> Stored:
+            stored, landed = _count(sock), _count(sock)
+            if stored > self.pages or landed > self.pages:
+                raise WireError(f"peer stored {stored} and holds {landed} pages of a run of {self.pages}")
             dropped = _count(sock)
             if dropped > MAX_DROPPED:
                 raise WireError(f"peer reported {dropped} dropped keys, more than an answer carries ({MAX_DROPPED})")
             raw = _recv_bytes(sock, dropped * KEY_BYTES + REPORT.size)
             if raw is None:
                 raise OSError("peer closed the connection")
-            return (
+            return Stored(
                 stored,
+                landed,
                 unpack_keys(raw[: dropped * KEY_BYTES]),
                 NodeReport.from_flat(REPORT.unpack(raw[dropped * KEY_BYTES :])),
             )
