@@ -72,6 +72,12 @@ class RuntimeConfig(FrozenModel):
     outlast a client's calls of one request (``KvrayClient`` waits ``timeout_s`` per call).
     The metadata is split over ``controller_shards`` controller actors, each owning the
     chains whose root page hashes to it (:mod:`kvray.cluster.shards`; README: sizing shards).
+
+    No wait of the runtime is unbounded. :meth:`Runtime.start <kvray.cluster.runtime.Runtime.start>`
+    gives up after ``start_timeout_s`` (a store that cannot be placed, say: its node's
+    ``store_resources`` are taken), naming the stores that did not come up. A store waits at
+    most ``peer_timeout_s`` for another kvray process: an actor's answer, a peer's send or
+    receive on the collective path.
     """
 
     name: str = Field(default="kvray", pattern=r"^[A-Za-z0-9_-]{1,40}$")
@@ -97,6 +103,8 @@ class RuntimeConfig(FrozenModel):
     lease_ttl_s: float = Field(default=120.0, gt=0)
     controller_shards: int = Field(default=1, ge=1, le=256)
     store_resources: dict[str, float] = {}
+    start_timeout_s: float = Field(default=120.0, gt=0)
+    peer_timeout_s: float = Field(default=60.0, gt=0)
 
     @model_validator(mode="after")
     def _known_policies(self) -> RuntimeConfig:

@@ -52,8 +52,9 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import ray
@@ -76,7 +77,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 COLLECTIVE_GROUP = "kvray-pages"
 STORE_RESTARTS = 3  # how often Ray restarts a store actor that died
-CALL_TIMEOUT_S = 60.0  # how long a store waits for another actor's answer
+T = TypeVar("T")
 
 
 class NodeStore:
@@ -106,6 +107,7 @@ class NodeStore:
         self._released: dict[str, LandingBuffer] = {}  # released by their engine while a copy still ran
         self._faults = _InjectedFaults()
         self._rank: int | None = None
+        self._broken_ranks: set[int] = set()  # peers whose collective receive timed out: their pairs are out of step
         self._run_parents: dict[int, int | None] = {}  # first key of a run -> the key before it in its chain
         self._peer_locks: dict[int, threading.Lock] = {}
         # shard 0's name (``controller``), then the other shards' (kvray.cluster.shards)
@@ -140,7 +142,7 @@ class NodeStore:
             try:
                 ray.get(
                     self._controller(shard).register_store.remote(self.node_id, me, None, kept, self.server_address()),
-                    timeout=CALL_TIMEOUT_S,
+                    timeout=self.config.peer_timeout_s,
                 )
             except (ValueError, ray.exceptions.RayError) as exc:
                 logger.warning(
@@ -377,12 +379,16 @@ class NodeStore:
     def init_collective(self, world_size: int, rank: int, backend: str = "gloo") -> int:
         from ray.util import collective
 
-        collective.init_collective_group(world_size, rank, backend=backend, group_name=COLLECTIVE_GROUP)
+        gloo_timeout_ms = int(self.config.start_timeout_s * 1000)  # the rendezvous; the runtime's start bounds the rest
+        collective.init_collective_group(
+            world_size, rank, backend=backend, group_name=COLLECTIVE_GROUP, gloo_timeout=gloo_timeout_ms
+        )
         self._rank = rank
         return rank
 
     def send_pages(self, keys: Sequence[int], dst_rank: int) -> int:
-        """Send the cached prefix of ``keys`` to ``dst_rank``: a page count, then the pages.
+        """Send the cached prefix of ``keys`` to ``dst_rank``: a page count, then the pages
+        (waiting at most ``peer_timeout_s`` for the peer to take them).
 
         Only a peer's :meth:`pull` calls this, so sends to one peer never interleave.
         """
@@ -390,9 +396,13 @@ class NodeStore:
         from ray.util import collective
 
         pages = self.get_pages(keys)
-        collective.send(torch.tensor([len(pages)], dtype=torch.int64), dst_rank, COLLECTIVE_GROUP)
-        if len(pages):
-            collective.send(torch.from_numpy(pages), dst_rank, COLLECTIVE_GROUP)
+
+        def send() -> None:
+            collective.send(torch.tensor([len(pages)], dtype=torch.int64), dst_rank, COLLECTIVE_GROUP)
+            if len(pages):
+                collective.send(torch.from_numpy(pages), dst_rank, COLLECTIVE_GROUP)
+
+        _within(self.config.peer_timeout_s, f"the collective send to rank {dst_rank}", send)
         return len(pages)
 
     def pull(
@@ -409,23 +419,52 @@ class NodeStore:
         ``offset..`` (``request``: see :meth:`_arrived`).
 
         One pull per source at a time (a lock per peer): gloo matches sends and receives
-        of a pair in order, so two transfers between the same pair must not overlap.
+        of a pair in order, so two transfers between the same pair must not overlap. The
+        receive waits at most ``peer_timeout_s`` (a TimeoutError naming the peer); one that
+        failed leaves the pair out of step (a send may still arrive for it), so pulls from
+        that peer take the object store from then on.
         """
+        self._arrived(request)
+        with self._peer_locks.setdefault(src_rank, threading.Lock()):
+            if src_rank in self._broken_ranks:
+                return self._pull_by_object_store(keys, source, buffer, capacity, offset)
+            sent = source.send_pages.remote(list(keys), self._rank)
+            try:
+                n = _within(
+                    self.config.peer_timeout_s,
+                    f"the collective receive from rank {src_rank}",
+                    lambda: self._receive(src_rank, buffer, capacity, offset),
+                )
+            except BaseException:
+                self._broken_ranks.add(src_rank)
+                raise
+            ray.get(sent, timeout=self.config.peer_timeout_s)
+        self._count_bytes(received=n * self.page_nbytes)
+        return n
+
+    def _receive(self, src_rank: int, buffer: str, capacity: int, offset: int) -> int:
+        """The receiving half of :meth:`pull`: a page count from ``src_rank``, then that many
+        pages into buffer rows ``offset..``. On a thread of its own (:func:`_within`), which
+        holds the buffer mapped from the start, however late the pages come."""
         import torch
         from ray.util import collective
 
-        self._arrived(request)
-        with self._peer_locks.setdefault(src_rank, threading.Lock()):
-            sent = source.send_pages.remote(list(keys), self._rank)
+        with self._mapped(buffer, capacity) as pages:
             count = torch.zeros(1, dtype=torch.int64)
             collective.recv(count, src_rank, COLLECTIVE_GROUP)
             n = int(count.item())
             if n:
-                with self._mapped(buffer, capacity) as pages:
-                    collective.recv(torch.from_numpy(pages[offset : offset + n]), src_rank, COLLECTIVE_GROUP)
-            ray.get(sent, timeout=CALL_TIMEOUT_S)
-        self._count_bytes(received=n * self.page_nbytes)
+                collective.recv(torch.from_numpy(pages[offset : offset + n]), src_rank, COLLECTIVE_GROUP)
         return n
+
+    def _pull_by_object_store(self, keys: Sequence[int], source, buffer: str, capacity: int, offset: int) -> int:
+        """:meth:`pull` from a peer whose collective pair is out of step: the pages come by
+        the object store instead."""
+        pages = ray.get(source.get_pages.remote(list(keys)), timeout=self.config.peer_timeout_s)
+        with self._mapped(buffer, capacity) as rows:
+            rows[offset : offset + len(pages)] = pages
+        self._count_bytes(received=pages.nbytes)
+        return len(pages)
 
     # -- state ----------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -458,6 +497,33 @@ class NodeStore:
         self._buffers.clear()
         self._released.clear()
         self.store.close()
+
+
+def _within(timeout_s: float, what: str, work: Callable[[], T]) -> T:
+    """``work()``, waited for at most ``timeout_s``, then a TimeoutError naming ``what`` and
+    the setting that bounds it.
+
+    For the collective's send and receive, which take no timeout (gloo's own is 30
+    minutes): ``work`` runs on a thread of its own, which a timeout leaves blocked until
+    gloo gives up, so ``work`` must keep alive whatever memory it reads or writes.
+    """
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # handed to the waiting caller
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="kvray-collective", daemon=True).start()
+    try:
+        return future.result(timeout=timeout_s)
+    except TimeoutError:
+        if future.done():
+            raise  # ``work`` itself timed out
+        raise TimeoutError(
+            f"{what} did not finish within peer_timeout_s={timeout_s:g} s (RuntimeConfig.peer_timeout_s)"
+        ) from None
 
 
 class _InjectedFaults:
