@@ -175,7 +175,7 @@ class KvrayClient:
         context.local_store = self.stores.get(self.node_id)
         context.ranks, context.servers = members["ranks"], members["servers"]
         if context.links is None and members["token"] is not None:
-            context.links = PeerLinks(members["token"], self.page_nbytes, self.timeout_s)
+            context.links = PeerLinks(members["token"], self.page_nbytes, self.timeout_s, self.config.keepalive)
 
     # -- what the transfer paths see, read here too -------------------------------------------
     @property

@@ -125,6 +125,8 @@ class NodeStore:
                 token,
                 ray.util.get_node_ip_address(),
                 config.max_request_pages,
+                keepalive=config.keepalive,
+                request_s=config.peer_timeout_s,
             )
         context = ray.get_runtime_context()
         self.restarted = context.was_current_actor_reconstructed
