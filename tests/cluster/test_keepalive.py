@@ -3,7 +3,9 @@
 An authenticated connection idles between requests for as long as its client lives. A
 client whose host dies (powered off, cut off) sends no FIN and no RST, so without
 keepalive the server would hold that connection, its thread and its descriptor until the
-store restarts. Both ends now turn keepalive on (``RuntimeConfig.keepalive``).
+store restarts. Both ends now turn keepalive on (``RuntimeConfig.keepalive``; a runtime's
+stores and clients are checked here too), and within a request every wait of the server
+is bounded.
 
 On loopback a killed process is no dead host: its kernel closes its sockets and the
 server reads the FIN at once. So the dead host is made in a network namespace of its own
@@ -27,8 +29,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 
+from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
+from kvray.cluster.protocol import Plan
 from kvray.cluster.transfer import TOKEN_BYTES, Keepalive, PageServer, PeerLinks
+from kvray.core.config import PageLayout, TierSizes
 from tests.cluster.test_transfer import MAX_PAGES, PAGE, DictStore, eventually, page_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +43,7 @@ SLACK_S = 10.0  # thread wake-ups on a loaded 2-core machine
 
 
 def options(sock: socket.socket) -> tuple[int, int, int, int, int]:
+    """The socket's keepalive settings (a store reads its own with the same calls)."""
     return (
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
         sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
@@ -62,6 +69,41 @@ def test_keepalive_is_on_at_both_ends_of_a_page_link():
     finally:
         links.close()
         server.close()
+
+
+@pytest.mark.ray
+def test_a_runtimes_keepalive_reaches_its_page_servers_and_clients(ray_cluster):
+    """``RuntimeConfig.keepalive`` is what a store's page server and a client's links set."""
+    keepalive = Keepalive(idle_s=11, interval_s=2, probes=5)
+    config = RuntimeConfig(
+        name="keepalive",
+        layout=PageLayout(layers=2, kv_heads=2, head_dim=16, page_tokens=512, dtype="float16"),
+        tiers=TierSizes(host=8),
+        keepalive=keepalive,
+    )
+    runtime = Runtime.start(config)
+    client = KvrayClient.connect(config.name, buffer_pages=4)
+    try:
+        peer = next(n for n in runtime.stores if n != client.node_id)
+        keys = client.keys_for_trace([1, 2])
+        assert client.store(keys, 0, Plan.placing([peer, peer])) == 2  # by TCP: a link to the peer's page server
+        expected = (1, 11, 2, 5, (11 + 2 * 5) * 1000)
+        assert options(client.links._links[client.servers[peer]].sock) == expected
+
+        def server_side(store) -> list[tuple[int, ...]]:
+            import socket
+
+            def read(sock):
+                tcp = socket.IPPROTO_TCP
+                names = (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT, socket.TCP_USER_TIMEOUT)
+                return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE), *(sock.getsockopt(tcp, n) for n in names))
+
+            return [read(conn) for conn in store._server._conns]
+
+        assert ray.get(runtime.stores[peer].__ray_call__.remote(server_side), timeout=60) == [expected]
+    finally:
+        client.close()
+        runtime.close()
 
 
 def namespaces_available() -> bool:
