@@ -29,7 +29,9 @@ its chain (:mod:`kvray.cluster.shards`), so that is still one round trip:
   concurrently. Each path is a handler in :mod:`kvray.cluster.paths`, picked by :meth:`KvrayClient.path_for`.
 - ``store(keys, start, plan)``: rows ``start..`` of the buffer go to the nodes the plan
   chose (same-node by shared memory, others by direct TCP or, with ``tcp`` off, the
-  object store), then the controller is told, without waiting.
+  object store), then the controller is told, without waiting, of the pages the stores
+  hold: each store answers how much of its run it kept (``Stored.landed``), and a run
+  kept in part ends the chain the controller learns there.
 - ``release(plan, loaded)``: unpins, reports hits per tier and any page the index promised
   that a store no longer had (that page is a miss, never wrong KV: every store verifies
   its checksums and ends the prefix at the first bad page), without waiting. The store
@@ -91,7 +93,7 @@ import ray
 
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathContext, PathSpeeds, StoreCallPath, nixl_wanted
-from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Request, Run, new_lease, runs_of
+from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Request, Run, Stored, new_lease, runs_of
 from kvray.cluster.shards import ControllerShards
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks
@@ -173,7 +175,7 @@ class KvrayClient:
         context.local_store = self.stores.get(self.node_id)
         context.ranks, context.servers = members["ranks"], members["servers"]
         if context.links is None and members["token"] is not None:
-            context.links = PeerLinks(members["token"], self.page_nbytes, self.timeout_s)
+            context.links = PeerLinks(members["token"], self.page_nbytes, self.timeout_s, self.config.keepalive)
 
     # -- what the transfer paths see, read here too -------------------------------------------
     @property
@@ -502,9 +504,10 @@ class KvrayClient:
         Each maximal run of pages bound for one node goes as one chain (same-node by shared
         memory, others by direct TCP to their page server, or the object store with ``tcp``
         off); the controller then learns the longest chain that landed, continuing the
-        cached prefix. The stores' reports of pages they evicted meanwhile (from any chain)
-        go with it, and to every other controller shard: which shard indexes an evicted
-        page is not known here. If a same-node write was given up on, ``buffer`` is a fresh
+        cached prefix: up to the first page a store did not keep (it ran out of room, say),
+        so the index never names a page no store holds. The stores' reports of pages they
+        evicted meanwhile (from any chain) go with it, and to every other controller shard:
+        which shard indexes an evicted page is not known here. If a same-node write was given up on, ``buffer`` is a fresh
         one afterwards (see the module docstring).
         """
         self._check(keys)
@@ -522,7 +525,7 @@ class KvrayClient:
         # Runs to one node land in request order (the store's policy sees the chain in order):
         # a path that may run two calls at once waits for the node's previous run first.
         pending: list = []
-        results: dict[int, tuple | None] = {}
+        results: dict[int, Stored | None] = {}
         unordered: dict[str, int] = {}  # node -> its latest run on such a path
         for j, run in enumerate(runs):
             store = self.stores.get(run.node)
@@ -539,11 +542,11 @@ class KvrayClient:
         for j, run in enumerate(runs):
             result = results[j] if j in results else _finished(*pending[j])
             if result is not None:
-                stored += result[0]
-                dropped[run.node].extend(result[1])
-                reports[run.node] = result[2]
-                if landed == run.start:
-                    landed = run.stop
+                stored += result.stored
+                dropped[run.node].extend(result.dropped)
+                reports[run.node] = result.report
+                if landed == run.start:  # the chain is unbroken up to this run: it goes on as far as the store kept
+                    landed = run.start + result.landed
         parent = keys[start - 1] if start else parent_key
         owner, evicted = self.shards.of(keys), {node: gone for node, gone in dropped.items() if gone}
         args = (parent, list(keys[start:landed]), targets[: landed - start], start, evicted, reports)
@@ -564,7 +567,7 @@ class KvrayClient:
             buf.close()
 
 
-def _finished(path: StoreCallPath, transfer) -> tuple | None:
+def _finished(path: StoreCallPath, transfer) -> Stored | None:
     """A store transfer's answer (None: never started, or failed)."""
     return None if transfer is None else path.finish_store(transfer)
 

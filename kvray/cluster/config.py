@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kvray.cluster.observe import LinkSpeeds
+from kvray.cluster.transfer import Keepalive
 from kvray.core.config import FrozenModel, PageLayout, StoreConfig, TierSizes
 from kvray.core.errors import PolicyError
 from kvray.core.keys import ModelFingerprint
@@ -73,6 +74,14 @@ class RuntimeConfig(FrozenModel):
     outlast a client's calls of one request (``KvrayClient`` waits ``timeout_s`` per call).
     The metadata is split over ``controller_shards`` controller actors, each owning the
     chains whose root page hashes to it (:mod:`kvray.cluster.shards`; README: sizing shards).
+
+    No wait of the runtime is unbounded. :meth:`Runtime.start <kvray.cluster.runtime.Runtime.start>`
+    gives up after ``start_timeout_s`` (a store that cannot be placed, say: its node's
+    ``store_resources`` are taken), naming the stores that did not come up. A store waits at
+    most ``peer_timeout_s`` for another kvray process: an actor's answer, a peer's send or
+    receive on the collective path, a page-server client in the middle of a request.
+    ``keepalive`` probes idle page-server connections, so one whose client host died is
+    closed (:class:`~kvray.cluster.transfer.Keepalive`).
     """
 
     name: str = Field(default="kvray", pattern=rf"^[A-Za-z0-9_-]{{1,{NAME_CHARS}}}$")
@@ -98,6 +107,9 @@ class RuntimeConfig(FrozenModel):
     lease_ttl_s: float = Field(default=120.0, gt=0)
     controller_shards: int = Field(default=1, ge=1, le=256)
     store_resources: dict[str, float] = {}
+    start_timeout_s: float = Field(default=120.0, gt=0)
+    peer_timeout_s: float = Field(default=60.0, gt=0)
+    keepalive: Keepalive = Keepalive()
 
     @model_validator(mode="after")
     def _known_policies(self) -> RuntimeConfig:

@@ -20,8 +20,10 @@ and receives them straight into its engine's landing buffer).
 
 Every page that leaves this store (evicted past the last tier, corrupt) is remembered and
 reported with the next write, so the controller's index never keeps it for long; every
-write also answers with the node's :class:`~kvray.cluster.observe.NodeReport` (free slots
-per tier, bytes per link), which the controller's cluster policy decides from. The first
+write also answers how much of its run the store holds (a store out of room keeps a
+prefix, and the client commits only that) and the node's
+:class:`~kvray.cluster.observe.NodeReport` (free slots per tier, bytes per link), which
+the controller's cluster policy decides from. The first
 call an engine on this node makes for a request (``read_into``, ``write_from``, ``pull``
 or ``touch``) carries the request's arrival (its keys and the engine's backlog), and the
 store tells its placement policy (``on_request``) before anything else of that request. A store
@@ -50,8 +52,9 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import ray
@@ -59,6 +62,7 @@ import ray
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.metrics import export_store_stats
 from kvray.cluster.observe import NodeReport
+from kvray.cluster.protocol import Stored
 from kvray.cluster.shm import LandingBuffer, reap_orphans
 from kvray.cluster.transfer import PageServer
 from kvray.core.keys import unpack_keys
@@ -73,7 +77,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 COLLECTIVE_GROUP = "kvray-pages"
 STORE_RESTARTS = 3  # how often Ray restarts a store actor that died
-CALL_TIMEOUT_S = 60.0  # how long a store waits for another actor's answer
+T = TypeVar("T")
 
 
 class NodeStore:
@@ -103,6 +107,7 @@ class NodeStore:
         self._released: dict[str, LandingBuffer] = {}  # released by their engine while a copy still ran
         self._faults = _InjectedFaults()
         self._rank: int | None = None
+        self._broken_ranks: set[int] = set()  # peers whose collective receive timed out: their pairs are out of step
         self._run_parents: dict[int, int | None] = {}  # first key of a run -> the key before it in its chain
         self._peer_locks: dict[int, threading.Lock] = {}
         # shard 0's name (``controller``), then the other shards' (kvray.cluster.shards)
@@ -120,6 +125,8 @@ class NodeStore:
                 token,
                 ray.util.get_node_ip_address(),
                 config.max_request_pages,
+                keepalive=config.keepalive,
+                request_s=config.peer_timeout_s,
             )
         context = ray.get_runtime_context()
         self.restarted = context.was_current_actor_reconstructed
@@ -137,7 +144,7 @@ class NodeStore:
             try:
                 ray.get(
                     self._controller(shard).register_store.remote(self.node_id, me, None, kept, self.server_address()),
-                    timeout=CALL_TIMEOUT_S,
+                    timeout=self.config.peer_timeout_s,
                 )
             except (ValueError, ray.exceptions.RayError) as exc:
                 logger.warning(
@@ -150,12 +157,24 @@ class NodeStore:
             self._dropped.append(key)
             self._run_parents.pop(key, None)
 
-    def _stored(self, keys: Sequence[int], stored: int, parent: int | None) -> tuple[int, list[int], NodeReport]:
+    def _stored(self, keys: Sequence[int], stored: int, parent: int | None) -> Stored:
         """Remember the chain parent of a run that landed; the reply of a write."""
         if stored:
             with self._dropped_lock:
                 self._run_parents[keys[0]] = parent
-        return stored, self._take_dropped(), self.report()
+        return Stored(stored, self._held_prefix(keys), self._take_dropped(), self.report())
+
+    def _held_prefix(self, keys: Sequence[int]) -> int:
+        """How many leading ``keys`` of a run just written this store holds: the part of the
+        run the client may commit. Counted page by page, not by the index's binary search:
+        a page past one that was refused may be held as the root of an earlier run, so the
+        pages held need not be prefix-closed within this run."""
+        held = 0
+        for key in keys:
+            if key not in self.store:
+                break
+            held += 1
+        return held
 
     def report(self) -> NodeReport:
         """Free and total slots per tier, and the bytes each link carried so far."""
@@ -261,10 +280,11 @@ class NodeStore:
         row: int,
         parent: int | None = None,
         request: tuple[bytes, float] | None = None,
-    ) -> tuple[int, list[int], NodeReport]:
+    ) -> Stored:
         """Store buffer rows ``row..`` as one chain under ``keys`` (``parent``: the key before
-        ``keys[0]`` in the request, None at its start); returns (stored, keys dropped since
-        the last report, this node's report). ``request``: see :meth:`_arrived`."""
+        ``keys[0]`` in the request, None at its start); returns what was stored and is held
+        of it, the keys dropped since the last report and this node's report
+        (:class:`~kvray.cluster.protocol.Stored`). ``request``: see :meth:`_arrived`."""
         self._arrived(request)
         with self._mapped(buffer, capacity) as pages:
             return self._put(keys, pages[row : row + len(keys)], parent)
@@ -343,11 +363,11 @@ class NodeStore:
         self._count_bytes(sent=got * self.page_nbytes)
         return pages[:got]
 
-    def put_pages(self, keys: Sequence[int], pages: np.ndarray, parent: int | None = None) -> tuple[int, list[int], NodeReport]:
+    def put_pages(self, keys: Sequence[int], pages: np.ndarray, parent: int | None = None) -> Stored:
         self._count_bytes(received=pages.nbytes)
         return self._put(keys, pages, parent)
 
-    def _put(self, keys: Sequence[int], pages: np.ndarray, parent: int | None) -> tuple[int, list[int], NodeReport]:
+    def _put(self, keys: Sequence[int], pages: np.ndarray, parent: int | None) -> Stored:
         """Store one run. It joins its parent's chain when that page is here, so evicting the
         parent drops the run too (as in the simulator and a single PageStore); otherwise it
         starts a root here."""
@@ -369,12 +389,16 @@ class NodeStore:
     def init_collective(self, world_size: int, rank: int, backend: str = "gloo") -> int:
         from ray.util import collective
 
-        collective.init_collective_group(world_size, rank, backend=backend, group_name=COLLECTIVE_GROUP)
+        gloo_timeout_ms = int(self.config.start_timeout_s * 1000)  # the rendezvous; the runtime's start bounds the rest
+        collective.init_collective_group(
+            world_size, rank, backend=backend, group_name=COLLECTIVE_GROUP, gloo_timeout=gloo_timeout_ms
+        )
         self._rank = rank
         return rank
 
     def send_pages(self, keys: Sequence[int], dst_rank: int) -> int:
-        """Send the cached prefix of ``keys`` to ``dst_rank``: a page count, then the pages.
+        """Send the cached prefix of ``keys`` to ``dst_rank``: a page count, then the pages
+        (waiting at most ``peer_timeout_s`` for the peer to take them).
 
         Only a peer's :meth:`pull` calls this, so sends to one peer never interleave.
         """
@@ -382,9 +406,13 @@ class NodeStore:
         from ray.util import collective
 
         pages = self.get_pages(keys)
-        collective.send(torch.tensor([len(pages)], dtype=torch.int64), dst_rank, COLLECTIVE_GROUP)
-        if len(pages):
-            collective.send(torch.from_numpy(pages), dst_rank, COLLECTIVE_GROUP)
+
+        def send() -> None:
+            collective.send(torch.tensor([len(pages)], dtype=torch.int64), dst_rank, COLLECTIVE_GROUP)
+            if len(pages):
+                collective.send(torch.from_numpy(pages), dst_rank, COLLECTIVE_GROUP)
+
+        _within(self.config.peer_timeout_s, f"the collective send to rank {dst_rank}", send)
         return len(pages)
 
     def pull(
@@ -401,23 +429,52 @@ class NodeStore:
         ``offset..`` (``request``: see :meth:`_arrived`).
 
         One pull per source at a time (a lock per peer): gloo matches sends and receives
-        of a pair in order, so two transfers between the same pair must not overlap.
+        of a pair in order, so two transfers between the same pair must not overlap. The
+        receive waits at most ``peer_timeout_s`` (a TimeoutError naming the peer); one that
+        failed leaves the pair out of step (a send may still arrive for it), so pulls from
+        that peer take the object store from then on.
         """
+        self._arrived(request)
+        with self._peer_locks.setdefault(src_rank, threading.Lock()):
+            if src_rank in self._broken_ranks:
+                return self._pull_by_object_store(keys, source, buffer, capacity, offset)
+            sent = source.send_pages.remote(list(keys), self._rank)
+            try:
+                n = _within(
+                    self.config.peer_timeout_s,
+                    f"the collective receive from rank {src_rank}",
+                    lambda: self._receive(src_rank, buffer, capacity, offset),
+                )
+            except BaseException:
+                self._broken_ranks.add(src_rank)
+                raise
+            ray.get(sent, timeout=self.config.peer_timeout_s)
+        self._count_bytes(received=n * self.page_nbytes)
+        return n
+
+    def _receive(self, src_rank: int, buffer: str, capacity: int, offset: int) -> int:
+        """The receiving half of :meth:`pull`: a page count from ``src_rank``, then that many
+        pages into buffer rows ``offset..``. On a thread of its own (:func:`_within`), which
+        holds the buffer mapped from the start, however late the pages come."""
         import torch
         from ray.util import collective
 
-        self._arrived(request)
-        with self._peer_locks.setdefault(src_rank, threading.Lock()):
-            sent = source.send_pages.remote(list(keys), self._rank)
+        with self._mapped(buffer, capacity) as pages:
             count = torch.zeros(1, dtype=torch.int64)
             collective.recv(count, src_rank, COLLECTIVE_GROUP)
             n = int(count.item())
             if n:
-                with self._mapped(buffer, capacity) as pages:
-                    collective.recv(torch.from_numpy(pages[offset : offset + n]), src_rank, COLLECTIVE_GROUP)
-            ray.get(sent, timeout=CALL_TIMEOUT_S)
-        self._count_bytes(received=n * self.page_nbytes)
+                collective.recv(torch.from_numpy(pages[offset : offset + n]), src_rank, COLLECTIVE_GROUP)
         return n
+
+    def _pull_by_object_store(self, keys: Sequence[int], source, buffer: str, capacity: int, offset: int) -> int:
+        """:meth:`pull` from a peer whose collective pair is out of step: the pages come by
+        the object store instead."""
+        pages = ray.get(source.get_pages.remote(list(keys)), timeout=self.config.peer_timeout_s)
+        with self._mapped(buffer, capacity) as rows:
+            rows[offset : offset + len(pages)] = pages
+        self._count_bytes(received=pages.nbytes)
+        return len(pages)
 
     # -- state ----------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -450,6 +507,33 @@ class NodeStore:
         self._buffers.clear()
         self._released.clear()
         self.store.close()
+
+
+def _within(timeout_s: float, what: str, work: Callable[[], T]) -> T:
+    """``work()``, waited for at most ``timeout_s``, then a TimeoutError naming ``what`` and
+    the setting that bounds it.
+
+    For the collective's send and receive, which take no timeout (gloo's own is 30
+    minutes): ``work`` runs on a thread of its own, which a timeout leaves blocked until
+    gloo gives up, so ``work`` must keep alive whatever memory it reads or writes.
+    """
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # handed to the waiting caller
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="kvray-collective", daemon=True).start()
+    try:
+        return future.result(timeout=timeout_s)
+    except TimeoutError:
+        if future.done():
+            raise  # ``work`` itself timed out
+        raise TimeoutError(
+            f"{what} did not finish within peer_timeout_s={timeout_s:g} s (RuntimeConfig.peer_timeout_s)"
+        ) from None
 
 
 class _InjectedFaults:

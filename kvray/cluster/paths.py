@@ -36,8 +36,7 @@ from typing import Any
 
 import ray
 
-from kvray.cluster.observe import NodeReport
-from kvray.cluster.protocol import Run
+from kvray.cluster.protocol import Run, Stored
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks, PendingLoad, PendingStore
 from kvray.core.tiers import Tier
@@ -46,8 +45,9 @@ REMOTE = Tier.REMOTE.label
 ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
 # A store's call that raised (disk full, an OSError of its disk tier) is a miss too.
 STORE_ERRORS = (*ACTOR_ERRORS, ray.exceptions.RayTaskError)
-# A call that ended (it raised, or its process died) can no longer touch the landing buffer;
-# one given up on (timeout) or unanswered (the actor unavailable) may still.
+# A call that ended (it raised, or its process died) can no longer touch the landing buffer,
+# unless it raised because a wait of its own timed out (a collective receive it gave up on
+# may still land); one given up on (timeout) or unanswered (the actor unavailable) may still.
 ENDED = (ray.exceptions.RayTaskError, ray.exceptions.ActorDiedError)
 
 
@@ -68,8 +68,9 @@ class PathContext:
         self.local_store: ray.actor.ActorHandle | None = None
         self.ranks: dict[str, int] = {}
         self.servers: dict[str, tuple[str, int]] = {}
-        # Calls that became misses, by cause: ``timeout`` (no answer in ``timeout_s``),
-        # ``unavailable`` (the actor died or is restarting), ``store_error`` (the store raised).
+        # Calls that became misses, by cause: ``timeout`` (no answer in ``timeout_s``, or the
+        # store's own wait on a peer timed out), ``unavailable`` (the actor died or is
+        # restarting), ``store_error`` (the store raised).
         self.faults: Counter[str] = Counter()
         self.stale = False  # a call given up on may still copy into or out of ``buffer``
         self.arrival: tuple[bytes, float] | None = None  # the request's, until this node's store has it
@@ -81,7 +82,7 @@ class PathContext:
 
     def count_fault(self, exc: Exception) -> None:
         """A call that became a miss, by cause (see ``faults``)."""
-        if isinstance(exc, ray.exceptions.GetTimeoutError):
+        if isinstance(exc, TimeoutError):  # Ray's GetTimeoutError, or a store's TimeoutError passed on
             self.faults["timeout"] += 1
         elif isinstance(exc, ray.exceptions.RayTaskError):
             self.faults["store_error"] += 1
@@ -129,8 +130,9 @@ class StoreCallPath(ABC):
         answer = self._answer(pending, self.load_maps_buffer)
         return (0, {}) if answer is None else self.loaded(run, answer)
 
-    def finish_store(self, pending: Any) -> tuple[int, list[int], NodeReport] | None:
-        """(pages stored, keys the store dropped meanwhile, its report), or None if it was not kept."""
+    def finish_store(self, pending: Any) -> Stored | None:
+        """The store's answer (what it stored and holds of the run, the keys it dropped
+        meanwhile, its report), or None if nothing was kept."""
         return self._answer(pending, self.store_maps_buffer)
 
     def _answer(self, ref, maps_buffer: bool) -> Any:
@@ -138,7 +140,7 @@ class StoreCallPath(ABC):
             return ray.get(ref, timeout=self.context.timeout_s)
         except STORE_ERRORS as exc:
             self.context.count_fault(exc)
-            if maps_buffer and not isinstance(exc, ENDED):
+            if maps_buffer and (not isinstance(exc, ENDED) or isinstance(exc, TimeoutError)):
                 self.context.buffer_may_be_in_use()
             return None
 
@@ -232,7 +234,7 @@ class TcpPath(StoreCallPath):
         context = self.context
         return context.links.store(context.servers[run.node], keys, context.buffer.pages[run.start : run.stop], parent)
 
-    def finish_store(self, pending: PendingStore):
+    def finish_store(self, pending: PendingStore) -> Stored | None:
         return pending.receive()
 
 

@@ -14,6 +14,7 @@ the transfer paths and the engines exchange on the way, and import from here.
   host tier: nothing pinned), or an id from :func:`new_lease` (pins at one controller shard).
 - :class:`Run`: consecutive pages of a request on one node, which move together.
 - :class:`Loaded`: what a load delivered: the first ``pages`` rows, by tier and path.
+- :class:`Stored`: a store's answer to the write of one run: what the client commits.
 - :class:`Request`: one request inside its ``with`` block; its rows are the landing
   buffer's, so they are readable only there.
 
@@ -32,10 +33,14 @@ import itertools
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from kvray.core.errors import RequestError
+
+if TYPE_CHECKING:
+    from kvray.cluster.observe import NodeReport
 
 NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
 LOCAL_LEASE = -1  # a plan the client answered from its node's host tier alone: nothing pinned at a controller
@@ -85,6 +90,25 @@ def runs_of(nodes: Sequence[str], start: int) -> list[Run]:
         runs.append(Run(node, row, row + n))
         row += n
     return runs
+
+
+class Stored(NamedTuple):
+    """A store's answer to the write of one run, on every path (shared memory, TCP, the
+    object store).
+
+    ``landed`` is what the client commits to the controller: the leading pages of the run
+    the store holds once the write is done. A store out of room, or whose policy refused a
+    page, keeps a prefix of the run, and an index naming the rest would send later loads to
+    pages that are not there. ``stored`` counts the pages the write added (the request's
+    ``r.stored``): fewer than ``landed`` where the store held some already, more where a
+    concurrent write evicted some meanwhile. ``dropped``: keys the store let go of since its
+    last answer, from any chain; ``report``: its state after the write.
+    """
+
+    stored: int
+    landed: int
+    dropped: list[int]
+    report: NodeReport
 
 
 @dataclass

@@ -29,6 +29,7 @@ import itertools
 import os
 import secrets
 import socket
+import time
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -175,7 +176,9 @@ class Runtime:
         (Ray's ``lifetime="detached"``) until :meth:`close`, otherwise they end with it.
         The controller shards all run beside the driver (on a cluster: the head node, whose
         loss ends the cluster anyway, never a worker node that may leave); every store is
-        registered at every shard."""
+        registered at every shard. All of it within ``config.start_timeout_s``, or a
+        ClusterError names the stores that did not come up and every actor started is
+        stopped again."""
         nodes = alive_nodes(config.store_resources)
         if not nodes:
             raise ClusterError(f"no live Ray node offers {config.store_resources or 'any resources'} for a store")
@@ -184,6 +187,7 @@ class Runtime:
                 f"a kvray runtime named {config.name!r} is already running on this Ray cluster "
                 f"(stop it with `kvray down --name {config.name}`, or pick another --name)"
             )
+        deadline = time.monotonic() + config.start_timeout_s
         here = ray.get_runtime_context().get_node_id()
         token = secrets.token_bytes(TOKEN_BYTES)
         home = here if here in alive_nodes() else nodes[0]
@@ -199,18 +203,28 @@ class Runtime:
                 for shard in range(config.controller_shards)
             ]
         )
-        stores = {node: spawn_store(config, node, token, detached) for node in nodes}
-        servers = dict(zip(stores, ray.get([s.server_address.remote() for s in stores.values()])))
-        ranks: dict[str, int | None] = dict.fromkeys(stores)
-        if config.collective and len(stores) > 1:
-            ranks = dict(zip(stores, ray.get([s.init_collective.remote(len(stores), r) for r, s in enumerate(stores.values())])))
-        ray.get(
-            [
-                ref
-                for node, store in stores.items()
-                for ref in shards.broadcast("register_store", node, store, ranks[node], None, servers[node])
+        stores: dict = {}
+        try:
+            stores = {node: spawn_store(config, node, token, detached) for node in nodes}
+            servers = _started(config, deadline, "start", {node: s.server_address.remote() for node, s in stores.items()})
+            ranks: dict[str, int | None] = dict.fromkeys(stores)
+            if config.collective and len(stores) > 1:
+                joins = {node: s.init_collective.remote(len(stores), r) for r, (node, s) in enumerate(stores.items())}
+                ranks = _started(config, deadline, "join the collective group", joins)
+            registered = [
+                {
+                    node: shard.register_store.remote(node, store, ranks[node], None, servers[node])
+                    for node, store in stores.items()
+                }
+                for shard in shards.handles
             ]
-        )
+            for shard, refs in enumerate(registered):
+                _started(config, deadline, f"register with controller shard {shard}", refs)
+        except BaseException:  # nothing of a runtime that did not start stays behind (nor holds its name)
+            for store in stores.values():
+                ray.kill(store, no_restart=True)
+            shards.kill()
+            raise
         return cls(config, shards, stores)
 
     @classmethod
@@ -246,6 +260,33 @@ class Runtime:
             ray.kill(store, no_restart=True)
         self.shards.kill()
         self.stores = {}
+
+
+def _started(config: RuntimeConfig, deadline: float, step: str, refs: dict[str, ray.ObjectRef]) -> dict:
+    """The answers of one step of :meth:`Runtime.start`, by node, once all are in: a
+    ClusterError at ``deadline`` names the stores that did not ``step`` by then (a store
+    that cannot be placed waits for ever, its node's ``store_resources`` taken, say), and
+    one names the store whose step failed."""
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=max(deadline - time.monotonic(), 0.0))
+    ready = set(ready)
+    late = [node for node, ref in refs.items() if ref not in ready]
+    if late:
+        stores = ", ".join(f"{store_name(config.name, node)} (node {node})" for node in late)
+        raise ClusterError(
+            f"kvray runtime {config.name!r} did not start: store {stores} did not {step} within "
+            f"start_timeout_s={config.start_timeout_s:g} s (RuntimeConfig.start_timeout_s); a store Ray cannot place "
+            f"waits for ever: is its node alive, with store_resources {dict(config.store_resources)} free?"
+        )
+    answers = {}
+    for node, ref in refs.items():
+        try:
+            answers[node] = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            raise ClusterError(
+                f"kvray runtime {config.name!r} did not start: store {store_name(config.name, node)} (node {node}) "
+                f"failed to {step}: {type(exc).__name__}"
+            ) from exc
+    return answers
 
 
 def spawn_store(config: RuntimeConfig, node_id: str, token: bytes, detached: bool = False):

@@ -8,8 +8,10 @@ address with one thread per connection. A client keeps one connection per peer n
 length of the cached, verified prefix it holds and those pages, which the client receives
 straight into its landing buffer. Stores go the same way: the client sends a run of
 pages with their keys and chain parent, the server keeps them and answers how many it
-stored, which pages it dropped meanwhile and its state after the write (free slots per
-tier and bytes per link, :class:`~kvray.cluster.observe.NodeReport`). Nothing is pickled and no actor method runs.
+stored, how many leading pages of the run it holds (``landed``: a store out of room keeps
+a prefix, and the client commits only that), which pages it dropped meanwhile and its
+state after the write (free slots per tier and bytes per link,
+:class:`~kvray.cluster.observe.NodeReport`). Nothing is pickled and no actor method runs.
 
 Both ends prove they hold the runtime's secret token (32 random bytes made when the
 runtime starts and handed by the controller to its stores and clients only) before a key
@@ -30,6 +32,13 @@ file descriptors, say) or a connection thread that cannot start is logged and re
 after a pause. Page buffers are taken per request from a pool that keeps one largest
 request's worth between requests, so an idle connection holds none.
 
+An authenticated connection idles between requests for as long as its client lives, so
+both ends turn on TCP keepalive (:class:`Keepalive`): a peer whose host died or was cut
+off (no FIN, no RST ever comes) is probed once the link has been silent ``idle_s`` and
+the connection closed after ``probes`` unanswered probes, freeing the server's thread
+and descriptor. Within a request every wait is bounded by ``request_s``: a client that
+stops sending mid-request, or stops reading its answer, is hung up on.
+
 Wire format, little-endian, requests pipelined on a connection, answers in order::
 
     handshake  client -> server   c (32-byte nonce)
@@ -40,7 +49,8 @@ Wire format, little-endian, requests pipelined on a connection, answers in order
                                     STORE: u8 has_parent, 16-byte parent key, n x 16-byte keys,
                                            n x page_nbytes bytes, n x u64 xxh3-64 of them
     answers    server -> client   LOAD:  u32 got (<= n), got x page_nbytes bytes, got x u64 xxh3-64
-                                  STORE: u32 stored (<= n), u32 d (<= MAX_DROPPED), d x 16-byte keys dropped,
+                                  STORE: u32 stored (<= n), u32 landed (<= n), u32 d (<= MAX_DROPPED),
+                                         d x 16-byte keys dropped,
                                          11 x u64 NodeReport (free, capacity per tier; bytes per link)
 
 Example::
@@ -49,7 +59,7 @@ Example::
                         token=token, host="127.0.0.1", max_pages=256)
     links = PeerLinks(token, page_nbytes=4096, timeout_s=10)
     got = links.load(server.address, keys).receive(buffer_rows)   # rows [0, got) hold the pages
-    stored, dropped, report = links.store(server.address, keys, rows, parent=None).receive()
+    answer = links.store(server.address, keys, rows, parent=None).receive()   # a Stored, or None: not kept
 """
 
 from __future__ import annotations
@@ -68,8 +78,11 @@ from threading import Lock, Thread
 
 import numpy as np
 import xxhash
+from pydantic import Field
 
 from kvray.cluster.observe import NodeReport
+from kvray.cluster.protocol import Stored
+from kvray.core.config import FrozenModel
 from kvray.core.errors import ClusterError
 from kvray.core.keys import KEY_BYTES, pack_keys, unpack_keys
 
@@ -92,9 +105,37 @@ WARN_EVERY_S = 10.0
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 PageReader = Callable[[Sequence[int], np.ndarray], int]  # (keys, out rows) -> pages written
-PageWriter = Callable[
-    [Sequence[int], np.ndarray, "int | None"], tuple[int, list[int], NodeReport]
-]  # -> (stored, dropped, report)
+PageWriter = Callable[[Sequence[int], np.ndarray, "int | None"], Stored]  # (keys, rows, parent) -> its answer
+
+
+class Keepalive(FrozenModel):
+    """TCP keepalive on page-server connections (both ends): once a connection has been
+    silent ``idle_s``, the kernel probes the peer every ``interval_s`` and closes the
+    connection after ``probes`` probes go unanswered, so a connection to a host that died
+    is gone within :attr:`bound_s` (60 s by default; the kernel's own default is over two
+    hours). Whole seconds, as the kernel takes them.
+
+    Probes only start on a connection with nothing unacknowledged: a host that died before
+    acknowledging the last bytes of an answer (its ACK delayed, say) leaves the connection
+    retransmitting for 15 minutes instead. So ``TCP_USER_TIMEOUT`` closes a connection
+    whose sent bytes stay unacknowledged for :attr:`bound_s` as well.
+    """
+
+    idle_s: int = Field(default=30, ge=1, le=32767)
+    interval_s: int = Field(default=10, ge=1, le=32767)
+    probes: int = Field(default=3, ge=1, le=127)
+
+    @property
+    def bound_s(self) -> int:
+        """How long after its last sign of life a dead peer's connection is closed at most."""
+        return self.idle_s + self.interval_s * self.probes
+
+    def apply(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, self.idle_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, self.interval_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, self.probes)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, self.bound_s * 1000)
 
 
 class WireError(OSError):
@@ -210,8 +251,10 @@ class PageServer:
 
     ``read(keys, out)`` writes the cached, verified prefix of ``keys`` into rows of ``out``
     and returns how many; the server never sends a page it did not get from it.
-    ``write(keys, pages, parent)`` keeps a run of pages and returns (stored, keys dropped);
-    it only ever sees pages that passed their checksum.
+    ``write(keys, pages, parent)`` keeps a run of pages and returns its
+    :class:`~kvray.cluster.protocol.Stored` answer; it only ever sees pages that passed
+    their checksum. ``keepalive`` probes idle connections; ``request_s`` bounds each wait
+    of the server within a request (see the module docstring).
     """
 
     def __init__(
@@ -226,6 +269,8 @@ class PageServer:
         handshake_s: float = 5.0,
         max_handshakes: int = 16,
         max_connections: int = 256,
+        keepalive: Keepalive = Keepalive(),
+        request_s: float = 60.0,
     ) -> None:
         self._read = read
         self._write = write
@@ -235,6 +280,8 @@ class PageServer:
         self._handshake_s = handshake_s
         self._max_handshakes = max_handshakes
         self._max_connections = max_connections
+        self._keepalive = keepalive
+        self._request_s = request_s
         self._rows = _RowPool(page_nbytes, keep_rows=max_pages)
         self._listener = socket.create_server((host, 0))
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
@@ -254,6 +301,12 @@ class PageServer:
     def kept_rows(self) -> int:
         """Page rows of buffer the server holds between requests."""
         return self._rows.kept_rows
+
+    @property
+    def connections(self) -> int:
+        """Connections open now, in their handshake or authenticated."""
+        with self._lock:
+            return len(self._conns)
 
     # -- connections -------------------------------------------------------------------
     def _accept(self) -> None:
@@ -357,12 +410,16 @@ class PageServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._keepalive.apply(conn)
             if not self._handshake(conn):
                 with self._lock:
                     self.rejected += 1
                 return
-            conn.settimeout(None)  # an authenticated link idles between requests for as long as its client lives
+            # Between requests an authenticated link idles for as long as its client lives
+            # (keepalive finds a dead one); within a request each wait is bounded.
+            conn.settimeout(None)
             while (head := _recv_bytes(conn, REQUEST.size)) is not None:
+                conn.settimeout(self._request_s)
                 op, n = REQUEST.unpack(head)
                 if n > self._max_pages or op not in (LOAD, STORE):
                     return  # not a kvray client of this runtime: hang up
@@ -373,8 +430,9 @@ class PageServer:
                     self._rows.give(rows)
                 if not answered:
                     return
+                conn.settimeout(None)
         except OSError:
-            return  # the client went away mid-request
+            return  # the client went away (mid-request, or its host died: keepalive), or stalled past request_s
         finally:
             self._forget(conn)
 
@@ -406,9 +464,10 @@ class PageServer:
             self.received_bytes += rows.nbytes
             self.corrupt += int(good < n)
         # Even with no good page: the answer carries the store's report.
-        stored, dropped, report = self._write(keys[:good], rows[:good], int.from_bytes(parent, "little") if has_parent else None)
-        dropped = self._reportable(dropped)
-        conn.sendall(COUNT.pack(stored) + COUNT.pack(len(dropped)) + pack_keys(dropped) + REPORT.pack(*report.flat()))
+        answer = self._write(keys[:good], rows[:good], int.from_bytes(parent, "little") if has_parent else None)
+        dropped = self._reportable(answer.dropped)
+        counts = COUNT.pack(answer.stored) + COUNT.pack(answer.landed) + COUNT.pack(len(dropped))
+        conn.sendall(counts + pack_keys(dropped) + REPORT.pack(*answer.report.flat()))
         return True
 
     def _reportable(self, dropped: list[int]) -> list[int]:
@@ -492,21 +551,23 @@ class PendingLoad(_Pending):
 
 
 class PendingStore(_Pending):
-    def receive(self) -> tuple[int, list[int], NodeReport] | None:
-        """(pages stored, keys the peer dropped meanwhile, its report), or None if the peer failed."""
+    def receive(self) -> Stored | None:
+        """The peer's answer (what it stored and holds of the run, the keys it dropped
+        meanwhile, its report), or None if the peer failed."""
 
-        def read(sock: socket.socket) -> tuple[int, list[int], NodeReport]:
-            stored = _count(sock)
-            if stored > self.pages:
-                raise WireError(f"peer stored {stored} pages of {self.pages}")
+        def read(sock: socket.socket) -> Stored:
+            stored, landed = _count(sock), _count(sock)
+            if stored > self.pages or landed > self.pages:
+                raise WireError(f"peer stored {stored} and holds {landed} pages of a run of {self.pages}")
             dropped = _count(sock)
             if dropped > MAX_DROPPED:
                 raise WireError(f"peer reported {dropped} dropped keys, more than an answer carries ({MAX_DROPPED})")
             raw = _recv_bytes(sock, dropped * KEY_BYTES + REPORT.size)
             if raw is None:
                 raise OSError("peer closed the connection")
-            return (
+            return Stored(
                 stored,
+                landed,
                 unpack_keys(raw[: dropped * KEY_BYTES]),
                 NodeReport.from_flat(REPORT.unpack(raw[dropped * KEY_BYTES :])),
             )
@@ -517,15 +578,19 @@ class PendingStore(_Pending):
 class PeerLinks:
     """One persistent, mutually authenticated connection per peer page server.
 
-    ``corrupt`` counts answers cut short by a page that failed its checksum.
+    Every wait on a link is bounded by ``timeout_s``; ``keepalive`` probes a link while it
+    idles, so one to a server whose host died is closed (and reopened by the next request)
+    before that request waits on it. ``corrupt`` counts answers cut short by a page that
+    failed its checksum.
     """
 
-    def __init__(self, token: bytes, page_nbytes: int, timeout_s: float) -> None:
+    def __init__(self, token: bytes, page_nbytes: int, timeout_s: float, keepalive: Keepalive = Keepalive()) -> None:
         if len(token) != TOKEN_BYTES:
             raise ClusterError(f"transfer token must be {TOKEN_BYTES} bytes, got {len(token)}")
         self._token = token
         self._page_nbytes = page_nbytes
         self._timeout_s = timeout_s
+        self._keepalive = keepalive
         self._links: dict[tuple[str, int], _Link] = {}
         self.corrupt = 0
 
@@ -538,6 +603,7 @@ class PeerLinks:
         sock = socket.create_connection(address, timeout=self._timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._keepalive.apply(sock)
             self._handshake(sock)
         except OSError:
             sock.close()

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from kvray.cluster import transfer
 from kvray.cluster.observe import NodeReport
+from kvray.cluster.protocol import Stored
 from kvray.cluster.transfer import (
     NONCE_BYTES,
     PROOF_BYTES,
@@ -46,19 +47,21 @@ def page_of(key: int) -> np.ndarray:
 
 class DictStore:
     """A store's verbs over a dict: read the cached prefix of ``keys`` into rows; write a run
-    (keeping at most ``room`` pages in all, reporting a page dropped on each write of a page
-    and its room as a host tier)."""
+    (keeping at most ``room`` pages in all, pages it holds already not written again,
+    reporting a page dropped on each write of a page and its room as a host tier)."""
 
     def __init__(self, keys, room: int = 1000) -> None:
         self.pages = {k: page_of(k) for k in keys}
         self.parents: dict[int, int | None] = {}
         self.room = room
 
-    def write(self, keys, rows: np.ndarray, parent) -> tuple[int, list[int], NodeReport]:
+    def write(self, keys, rows: np.ndarray, parent) -> Stored:
         if not len(keys):
-            return 0, [], self.report()
+            return Stored(0, 0, [], self.report())
         stored = 0
         for key, row in zip(keys, rows):
+            if key in self.pages:
+                continue
             if len(self.pages) >= self.room:
                 break
             self.pages[key] = row.copy()
@@ -67,7 +70,8 @@ class DictStore:
             self.parents[keys[0]] = parent
         dropped = [min(self.pages)]
         del self.pages[dropped[0]]
-        return stored, dropped, self.report()
+        landed = next((i for i, key in enumerate(keys) if key not in self.pages), len(keys))
+        return Stored(stored, landed, dropped, self.report())
 
     def report(self) -> NodeReport:
         return NodeReport((0, self.room - len(self.pages), 0), (0, self.room, 0), (0, 0, 0, 0, len(self.pages)))
@@ -164,8 +168,8 @@ def test_stores_land_with_their_parent_and_report_what_was_dropped(served):
     rows = np.stack([page_of(k) for k in (100, 101, 102)])
     first = links.store(server.address, [100, 101, 102], rows, parent=39)
     second = links.store(server.address, [200], rows[:1], parent=None)  # pipelined behind the first
-    assert first.receive() == (3, [1], NodeReport((0, 959, 0), (0, 1000, 0), (0, 0, 0, 0, 41)))
-    assert second.receive() == (1, [2], NodeReport((0, 959, 0), (0, 1000, 0), (0, 0, 0, 0, 41)))
+    assert first.receive() == Stored(3, 3, [1], NodeReport((0, 959, 0), (0, 1000, 0), (0, 0, 0, 0, 41)))
+    assert second.receive() == Stored(1, 1, [2], NodeReport((0, 959, 0), (0, 1000, 0), (0, 0, 0, 0, 41)))
     assert store.parents == {100: 39, 200: None}
     assert np.array_equal(store.pages[101], page_of(101)) and np.array_equal(store.pages[200], page_of(100))
     out = np.zeros((3, PAGE), dtype=np.uint8)
@@ -180,8 +184,11 @@ def test_a_full_store_keeps_a_prefix_of_the_run():
     links = PeerLinks(token, PAGE, timeout_s=10)
     try:
         rows = np.stack([page_of(k) for k in range(10, 14)])
-        assert links.store(server.address, list(range(10, 14)), rows, parent=3).receive()[:2] == (2, [1])
+        assert links.store(server.address, list(range(10, 14)), rows, parent=3).receive()[:3] == (2, 2, [1])
         assert set(store.pages) == {2, 3, 10, 11}
+        # Sent again: one more page fits; the answer says the store holds 3 of the run (2 it had).
+        assert links.store(server.address, list(range(10, 14)), rows, parent=3).receive()[:3] == (1, 3, [2])
+        assert set(store.pages) == {3, 10, 11, 12}
     finally:
         links.close()
         server.close()
@@ -288,7 +295,7 @@ def test_a_page_corrupted_on_its_way_to_the_server_is_not_stored(served, monkeyp
     relay = Relay(server.address, to_server={offset: bytes([rows[1, 9] ^ 0xFF])})
     links = PeerLinks(token, PAGE, timeout_s=10)
     try:
-        assert links.store(relay.address, [100, 101, 102], rows, parent=39).receive()[:2] == (1, [1])
+        assert links.store(relay.address, [100, 101, 102], rows, parent=39).receive()[:3] == (1, 1, [1])
         assert np.array_equal(store.pages[100], page_of(100)) and 101 not in store.pages and 102 not in store.pages
         assert server.corrupt == 1
     finally:
@@ -300,7 +307,8 @@ def test_a_page_corrupted_on_its_way_to_the_server_is_not_stored(served, monkeyp
     ("verb", "offset", "message"),
     [
         ("load", HANDSHAKE_REPLY, "pages for a request of 2"),  # got
-        ("store", HANDSHAKE_REPLY + 4, "dropped keys"),  # d, after stored
+        ("store", HANDSHAKE_REPLY + 4, "holds 4294967295 pages of a run of 2"),  # landed, after stored
+        ("store", HANDSHAKE_REPLY + 8, "dropped keys"),  # d, after stored and landed
     ],
 )
 def test_a_huge_count_off_the_wire_is_refused_without_a_big_allocation(served, caplog, verb, offset, message):
