@@ -17,7 +17,7 @@ from kvray.apps.replay import Replay, ReplaySettings
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.core.config import PageLayout, TierSizes
 from kvray.traces import read_trace
-from tests.cluster.test_replay import TRACE
+from tests.apps.test_replay import TRACE
 from tests.conftest import RAY_OBJECT_STORE_BYTES
 
 pytestmark = [pytest.mark.ray, pytest.mark.fault]

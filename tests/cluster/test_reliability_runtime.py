@@ -24,8 +24,8 @@ from kvray.cluster.controller import REBUILD_WAIT_S
 from kvray.core.config import PageLayout, TierSizes
 from kvray.core.partition import shard_of
 from kvray.traces import read_trace
+from tests.apps.test_replay import TRACE
 from tests.cluster.test_faults import SHARDS, replay_with_fault, restarted_info
-from tests.cluster.test_replay import TRACE
 
 pytestmark = [pytest.mark.ray, pytest.mark.fault]
 
