@@ -151,3 +151,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.ray)
         if TRAINING_FIXTURES & set(fixtures):
             item.add_marker(pytest.mark.train)
+        if item.get_closest_marker("ray"):
+            # with pytest-xdist (`make test` runs two workers), every Ray test runs on one worker,
+            # so the machine holds one test cluster while the other worker takes the rest
+            item.add_marker(pytest.mark.xdist_group("ray"))

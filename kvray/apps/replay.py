@@ -105,6 +105,23 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
     return base | {"name": scenario.name, "nodes": 1, "prefill_us_per_token": scenario.compute.prefill_us_per_token}
 
 
+# The settings `kvray run` and `kvray up` take as flags, so their errors name the flag typed
+FLAGS = {
+    "policy": "--policy",
+    "cluster_policy": "--cluster-policy",
+    "disk_root": "--disk-root",
+    "host": "--host-pages",
+    "disk": "--disk-pages",
+    "nodes": "--nodes",
+    "limit": "--limit",
+    "prefill_us_per_token": "--prefill-us-per-token",
+    "capacity_fraction": "--capacity-fraction",
+    "capacity": "--capacity",
+    "controller_shards": "--controller-shards",
+    "name": "--name",
+}
+
+
 def settings_from(scenario: str | Path | None, runtime: dict, tiers: dict, replay: dict) -> ReplaySettings:
     """A scenario file's settings (or the defaults) with the given options laid over them.
 
@@ -122,7 +139,8 @@ def settings_from(scenario: str | Path | None, runtime: dict, tiers: dict, repla
     base["runtime"]["tiers"].update({k: v for k, v in tiers.items() if v is not None})
     base["runtime"].update({k: v for k, v in runtime.items() if v is not None})
     base.update({k: v for k, v in replay.items() if v is not None})
-    return validate(ReplaySettings, base, source=str(scenario or "command-line options"))
+    source = "command-line options" if scenario is None else f"{scenario} with the command-line options"
+    return validate(ReplaySettings, base, source=source, flags=FLAGS)
 
 
 class Replay:

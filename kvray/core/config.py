@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -109,13 +111,32 @@ class StoreConfig(FrozenModel):
         return self
 
 
-def validate(model: type[BaseModel], data: Any, source: str = "config") -> Any:
-    """Build ``model`` from ``data``; raise ConfigError naming ``source`` and the bad fields."""
+def validate(model: type[BaseModel], data: Any, source: str = "config", flags: Mapping[str, str] | None = None) -> Any:
+    """Build ``model`` from ``data``; raise ConfigError naming ``source`` and the bad fields.
+
+    ``flags`` maps field names to the command-line flags that set them: a command's user typed
+    flags, not the model's fields, so its errors name the flags (and not the model) instead.
+    """
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors())
-        raise ConfigError(f"{source}: invalid {model.__name__}: {problems}") from None
+        if flags is None:
+            problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors())
+            raise ConfigError(f"{source}: invalid {model.__name__}: {problems}") from None
+        raise ConfigError(f"{source}: " + "; ".join(_in_flags(err, flags) for err in exc.errors())) from None
+
+
+def _in_flags(error: Any, flags: Mapping[str, str]) -> str:
+    """One validation error with the fields it names written as their flags."""
+    message = error["msg"].removeprefix("Value error, ")
+    # a field named in the text: a dotted path (tiers.disk) or a name with an underscore (disk_root);
+    # plain words (host, limit) are left alone, they may be English
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    named = r"\b(?:(?:[a-z_]+\.)+(" + names + r")|(" + "|".join(re.escape(f) for f in flags if "_" in f) + r"))\b"
+    message = re.sub(named, lambda m: flags[m[1] or m[2]], message)
+    where = ".".join(str(p) for p in error["loc"])  # a setting no flag sets keeps its own name
+    field = next((flags[str(p)] for p in reversed(error["loc"]) if str(p) in flags), where or None)
+    return message if field is None or field in message else f"{field}: {message}"
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -151,6 +151,25 @@ def test_a_count_out_of_range_names_the_flag_not_a_settings_model(command, refus
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize(
+    ("command", "refusal"),
+    [
+        (["run", "--trace", str(TRACE), "--disk-pages", "10"], "--disk-pages > 0 needs --disk-root"),
+        (["up", "--disk-pages", "10"], "--disk-pages > 0 needs --disk-root"),
+        (["run", "--trace", str(TRACE), "--policy", "nosuch"], "unknown policy 'nosuch'"),
+    ],
+    ids=["run disk-pages", "up disk-pages", "run policy"],
+)
+def test_settings_that_fail_together_name_the_flags_not_a_settings_model(command, refusal):
+    """Errors found when the flags are validated together (no Ray started) name the flags typed,
+    where they used to read `invalid ReplaySettings: runtime: Value error, tiers.disk > 0 needs disk_root`."""
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 2, result.output
+    text = message(result)
+    assert f"command-line options: {refusal}" in text
+    assert "ReplaySettings" not in text and "RuntimeConfig" not in text and "Value error" not in text
+
+
 def test_the_flags_ranges_are_the_settings_ranges():
     """The command line checks --nodes and --controller-shards against the same bounds the
     settings models hold for a scenario file."""
