@@ -134,7 +134,8 @@ def _in_flags(error: Any, flags: Mapping[str, str]) -> str:
     names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
     named = r"\b(?:(?:[a-z_]+\.)+(" + names + r")|(" + "|".join(re.escape(f) for f in flags if "_" in f) + r"))\b"
     message = re.sub(named, lambda m: flags[m[1] or m[2]], message)
-    where = ".".join(str(p) for p in error["loc"])  # a setting no flag sets keeps its own name
+    # a setting no flag sets keeps its own name; a model's own check already says what it checks
+    where = "" if error["type"] == "value_error" else ".".join(str(p) for p in error["loc"])
     field = next((flags[str(p)] for p in reversed(error["loc"]) if str(p) in flags), where or None)
     return message if field is None or field in message else f"{field}: {message}"
 
