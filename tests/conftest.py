@@ -4,6 +4,8 @@ depends on the whole prefix before it, so any KV returned for the wrong prefix s
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -81,6 +83,15 @@ def shared_memory_left_behind():
     created = {name for name in os.listdir(SHM) if name.startswith("kvray_")} - before
     for name in created - mapped_shared_memory():
         (SHM / name).unlink(missing_ok=True)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kvray_command(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``kvray ARGS`` in a process of its own, from the checkout, as a user runs it."""
+    command = [sys.executable, "-m", "kvray", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 @pytest.fixture

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from typer.testing import CliRunner
 
 from kvray.apps.evaluate import _draw
 from kvray.cli import app
+from tests.conftest import kvray_command
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "data" / "traces" / "conversation_trace_first30min.jsonl"
@@ -126,29 +125,21 @@ def test_train_json_leaves_stdout_to_the_card(tmp_path):
     library logs) would show."""
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(TRACE.read_text().splitlines(keepends=True)[:120]))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvray",
-            "train",
-            "--trace",
-            str(trace),
-            "--timesteps",
-            "64",
-            "--out",
-            str(tmp_path / "tiny"),
-            "--no-evaluate",
-            "--json",
-            "--family",  # one generated family at one size: what is written where, not the fit, is tested
-            "chat",
-            "--capacity-fraction",
-            "0.05",
-        ],
-        capture_output=True,
-        text=True,
+    proc = kvray_command(
+        "train",
+        "--trace",
+        str(trace),
+        "--timesteps",
+        "64",
+        "--out",
+        str(tmp_path / "tiny"),
+        "--no-evaluate",
+        "--json",
+        "--family",  # one generated family at one size: what is written where, not the fit, is tested
+        "chat",
+        "--capacity-fraction",
+        "0.05",
         timeout=300,
-        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     card = json.loads(proc.stdout)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ from kvray.cluster import Runtime, RuntimeConfig
 from kvray.cluster.runtime import name_taken
 from kvray.core.config import PageLayout, TierSizes
 from kvray.traces import read_trace
-from tests.conftest import RESULT_KEYS, RUNTIME_KEYS
+from tests.conftest import RESULT_KEYS, RUNTIME_KEYS, kvray_command
 
 pytestmark = pytest.mark.ray
 
@@ -68,28 +66,19 @@ def test_kvray_run_joins_a_running_cluster_and_prints_json(ray_cluster, tmp_path
         "name: cli\nprefill_us_per_token: 1.0\n"
         "runtime:\n  name: cli-run\n  layout: {layers: 2, kv_heads: 2, head_dim: 16, page_tokens: 512}\n"
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvray",
-            "run",
-            "--trace",
-            str(trace),
-            "--policy",
-            "lru",
-            "--scenario",
-            str(scenario),
-            "--address",
-            ray_cluster.address,
-            "--host-pages",
-            "300",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
+    proc = kvray_command(
+        "run",
+        "--trace",
+        str(trace),
+        "--policy",
+        "lru",
+        "--scenario",
+        str(scenario),
+        "--address",
+        ray_cluster.address,
+        "--host-pages",
+        "300",
+        "--json",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -105,13 +94,17 @@ def test_kvray_run_takes_a_free_name_beside_a_runtime_kept_up(ray_cluster, tmp_p
     try:
         trace = tmp_path / "slice.jsonl"
         trace.write_text("".join(TRACE.read_text().splitlines(keepends=True)[1000:1006]))
-        proc = subprocess.run(
-            [sys.executable, "-m", "kvray", "run", "--trace", str(trace), "--address", ray_cluster.address]
-            + ["--host-pages", "32", "--prefill-us-per-token", "1", "--json"],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            cwd=ROOT,
+        proc = kvray_command(
+            "run",
+            "--trace",
+            trace,
+            "--address",
+            ray_cluster.address,
+            "--host-pages",
+            "32",
+            "--prefill-us-per-token",
+            "1",
+            "--json",
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert json.loads(proc.stdout.strip().splitlines()[-1])["requests"] == 6

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import ray
 
 from kvray.cluster.config import NAMESPACE
+from tests.conftest import kvray_command
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -21,7 +21,7 @@ NAME = "uptest"
 
 
 def kvray(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvray", *args], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    return kvray_command(*args, timeout=180)
 
 
 def runtime_actors() -> list[str]:

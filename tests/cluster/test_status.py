@@ -18,6 +18,7 @@ import ray
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.cluster.protocol import LOCAL_LEASE
 from kvray.core.config import PageLayout, TierSizes
+from tests.conftest import kvray_command
 from tests.test_report import shows_whole
 
 pytestmark = pytest.mark.ray
@@ -42,13 +43,7 @@ def busy_runtime(ray_cluster):
 
 
 def test_kvray_status_prints_the_metrics_of_a_running_cluster(busy_runtime, ray_cluster):
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvray", "status", "--address", ray_cluster.address, "--name", "status", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    proc = kvray_command("status", "--address", ray_cluster.address, "--name", "status", "--json", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     status = json.loads(proc.stdout.strip().splitlines()[-1])
     cluster = status["cluster"]
@@ -69,13 +64,8 @@ def test_kvray_status_prints_the_metrics_of_a_running_cluster(busy_runtime, ray_
 
 
 def test_kvray_status_table_shows_whole_scaled_figures_on_a_narrow_terminal(busy_runtime, ray_cluster):
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvray", "status", "--address", ray_cluster.address, "--name", "status"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "40"},
+    proc = kvray_command(
+        "status", "--address", ray_cluster.address, "--name", "status", timeout=120, env={**os.environ, "COLUMNS": "40"}
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = f"{4 * LAYOUT.page_nbytes / 2**10:.1f} KiB"  # the hit's 4 pages, and the 4 stored
@@ -84,13 +74,7 @@ def test_kvray_status_table_shows_whole_scaled_figures_on_a_narrow_terminal(busy
 
 
 def test_status_of_an_unknown_runtime_is_a_clear_error(ray_cluster):
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvray", "status", "--address", ray_cluster.address, "--name", "nobody"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    proc = kvray_command("status", "--address", ray_cluster.address, "--name", "nobody", timeout=120)
     assert proc.returncode == 2 and "no kvray runtime named 'nobody'" in " ".join(proc.stderr.split())
 
 
