@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 
 from kvray.bench import NAMES as BENCHMARKS
-from kvray.core.errors import KvrayError
+from kvray.core.errors import ConfigError, KvrayError
 from kvray.flags import CAPACITY_FRACTION, COUNT, NON_NEGATIVE, POSITIVE, TIME_FRACTION, in_range
 
 app = typer.Typer(
@@ -139,6 +139,11 @@ def run(
                 "capacity": capacity,
             },
         )
+        if cluster_policy is not None and address is None and name is None and settings.nodes == 1:
+            raise ConfigError(
+                f"--cluster-policy {cluster_policy}: this replay starts one node, and a cluster policy decides "
+                "across nodes; give --nodes 2 or more"
+            )
         result = run_replay(trace, settings, address, not json_out, runtime_name=name, notify=console.print)
     if result.wrong_pages:
         console.print(f"[red]{result.wrong_pages} pages came back with wrong KV[/]")

@@ -157,8 +157,12 @@ def test_a_count_out_of_range_names_the_flag_not_a_settings_model(command, refus
         (["run", "--trace", str(TRACE), "--disk-pages", "10"], "--disk-pages > 0 needs --disk-root"),
         (["up", "--disk-pages", "10"], "--disk-pages > 0 needs --disk-root"),
         (["run", "--trace", str(TRACE), "--policy", "nosuch"], "unknown policy 'nosuch'"),
+        (
+            ["run", "--trace", str(TRACE), "--nodes", "1", "--cluster-policy", "cost-router"],
+            "--cluster-policy cost-router: this replay starts one node",
+        ),
     ],
-    ids=["run disk-pages", "up disk-pages", "run policy"],
+    ids=["run disk-pages", "up disk-pages", "run policy", "run cluster-policy on one node"],
 )
 def test_settings_that_fail_together_name_the_flags_not_a_settings_model(command, refusal):
     """Errors found when the flags are validated together (no Ray started) name the flags typed,
@@ -166,7 +170,7 @@ def test_settings_that_fail_together_name_the_flags_not_a_settings_model(command
     result = CliRunner().invoke(app, command)
     assert result.exit_code == 2, result.output
     text = message(result)
-    assert f"command-line options: {refusal}" in text
+    assert f"command-line options: {refusal}" in text or text.startswith(f"kvray: {refusal}")
     assert "ReplaySettings" not in text and "RuntimeConfig" not in text and "Value error" not in text
 
 
