@@ -139,8 +139,9 @@ def settings_from(scenario: str | Path | None, runtime: dict, tiers: dict, repla
     base["runtime"]["tiers"].update({k: v for k, v in tiers.items() if v is not None})
     base["runtime"].update({k: v for k, v in runtime.items() if v is not None})
     base.update({k: v for k, v in replay.items() if v is not None})
-    source = "command-line options" if scenario is None else f"{scenario} with the command-line options"
-    return validate(ReplaySettings, base, source=source, flags=FLAGS)
+    if scenario is None:  # every setting came from a flag, so the error names the flag
+        return validate(ReplaySettings, base, source="command-line options", flags=FLAGS)
+    return validate(ReplaySettings, base, source=str(scenario))
 
 
 class Replay:
