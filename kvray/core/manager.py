@@ -43,7 +43,7 @@ Mover = Callable[[int, Tier, int, Tier, int], int | None]  # returns a checksum 
 # (depth, key, tier, slot, parent handle) -> the checksum of the page it wrote into the slot
 Writer = Callable[[int, int, Tier, int, int], int]
 TIERS = tuple(Tier)  # tier number -> Tier, without the enum's slow constructor
-REFUSALS_PER_RESERVE = 32  # victims that may refuse to leave before a reserve gives up (see reserve)
+REFUSALS_PER_RESERVE = 32  # victims held by a reader that may refuse before a reserve gives up (see reserve)
 
 
 @dataclass(frozen=True)
@@ -141,42 +141,73 @@ class CacheManager:
     def reserve(self, tier: Tier, mover: Mover) -> int | None:
         """A free slot of ``tier``; evicts by the policy until one frees. None if none can leave.
 
-        At most :data:`REFUSALS_PER_RESERVE` victims may refuse to leave (a descendant kept or
-        pinned) before it gives up: a chain longer than the cache refuses every victim
-        (each is one of its own ancestors), and trying them all, each demotion trying every
-        victim of the tier below, made one store of a 2,000-page chain take 26 s (16,000
-        pages: over 10 minutes). Giving up early costs at most a page not cached, and it
-        guards admission: when the policy's next victims are the ancestors of the chain
-        being stored, the chain's tail is not stored at the cost of everyone else's pages.
-        Passing over those ancestors instead made LFU and WFQ replays far faster but moved
-        ARC's held-out TTFT by -8% to +8% (docs/sim-eval, "What was measured on the way").
+        A victim that cannot leave because a page being stored under or moved is it or sits
+        below it (its lineage: dropping it would drop that page) is passed over, and with it
+        every page of the tier in those lineages that would refuse the same way (no tier to
+        move to, or the one whose reserve just failed), so that the policy's next victim is
+        one that can leave. Such refusals do not count; otherwise policies whose victim
+        order offers the chain being stored (LFU, WFQ: its oldest, unhit pages) spent their
+        replays refusing it, each refusal in a middle tier first trying a full reserve of
+        the tier below (docs/sim-eval, "What was measured on the way").
+
+        At most :data:`REFUSALS_PER_RESERVE` victims may refuse for other reasons (a page
+        below them pinned by a reader) before it gives up: trying every such victim, each
+        demotion trying every victim of the tier below, made one store of a 2,000-page chain
+        take 26 s (16,000 pages: over 10 minutes).
         """
         allocator = self.slots[tier]
         slot = allocator.alloc()
         refused: list[int] = []  # victims that could not leave; pinned so the policy skips them
+        refusals = 0
         try:
             while slot is None:
                 victim = self.policy.victim(tier)
-                if victim is None or len(refused) >= REFUSALS_PER_RESERVE:
+                if victim is None or refusals >= REFUSALS_PER_RESERVE:
                     return None
-                if self.evict(victim, mover):
+                target = self._demote_target(victim, tier)
+                if self.evict(victim, mover, target):
                     slot = allocator.alloc()
-                else:
-                    self.index.pin(np.array([victim]))
-                    refused.append(victim)
+                    continue
+                held = self._held_with(victim, tier, target)
+                if held is None:
+                    held = [victim]
+                    refusals += 1
+                self.index.pin(np.array(held, dtype=np.int64))
+                refused.extend(held)
         finally:
             if refused:
                 self.index.unpin(np.array(refused, dtype=np.int64))
         return slot
 
-    def evict(self, handle: int, mover: Mover) -> bool:
-        """Demote ``handle`` where the policy says, else drop it (with its descendants).
+    def _demote_target(self, handle: int, tier: Tier) -> Tier | None:
+        """Where the policy would demote ``handle`` from ``tier``, if that tier exists here."""
+        dst = self.policy.demote_target(handle, tier)
+        return dst if dst is not None and dst in self.slots else None
 
-        False when neither is possible (a descendant is pinned): the page stays.
+    def _held_with(self, victim: int, tier: Tier, target: Tier | None) -> list[int] | None:
+        """When ``victim`` refused to leave ``tier`` because it is in the lineage of a kept
+        page: it and the other unpinned pages of ``tier`` in kept lineages that would refuse
+        the same way (their demotion ``target`` is the victim's, whose reserve failed, or
+        none: kept lineages are not dropped). None when no kept page is below the victim."""
+        lineages = [self._lineage_of(kept) for kept in self._kept]
+        if not any(victim in lineage for lineage in lineages):
+            return None
+        index = self.index
+        tiers, pins = index.tier, index.pins
+        held = []
+        for handle in set().union(*lineages):
+            if tiers.item(handle) == tier and pins.item(handle) == 0:
+                dst = self._demote_target(handle, tier) if handle != victim else target
+                if dst is None or dst == target:
+                    held.append(handle)
+        return held
+
+    def evict(self, handle: int, mover: Mover, dst: Tier | None) -> bool:
+        """Demote ``handle`` to ``dst`` (None: nowhere), else drop it (with its descendants).
+
+        False when neither is possible (a descendant is pinned or kept): the page stays.
         """
-        src = TIERS[self.index.tier[handle]]
-        dst = self.policy.demote_target(handle, src)
-        if dst is not None and dst in self.slots and self.relocate(handle, dst, mover):
+        if dst is not None and self.relocate(handle, dst, mover):
             return True
         return self.drop(handle) > 0
 
@@ -341,13 +372,13 @@ class CacheManager:
         """Whether a kept page is one of ``handles`` or below them: look up the handles in
         the lineage of the few kept pages (a chain's depth) instead of walking down the
         handles' subtrees."""
-        for handle in self._kept:
-            lineage = self._lineage.get(handle)
-            if lineage is None:
-                lineage = self._lineage[handle] = self._ancestry(handle)
-            if not lineage.isdisjoint(handles):
-                return True
-        return False
+        return any(not self._lineage_of(kept).isdisjoint(handles) for kept in self._kept)
+
+    def _lineage_of(self, kept: int) -> set[int]:
+        lineage = self._lineage.get(kept)
+        if lineage is None:
+            lineage = self._lineage[kept] = self._ancestry(kept)
+        return lineage
 
     def _ancestry(self, handle: int) -> set[int]:
         up = self.index.parent.item  # a Python int per step, not a numpy scalar

@@ -16,6 +16,7 @@ from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
 from kvray.core.placement import LRUPolicy
 from kvray.core.tiers import Tier
+from kvray.policy.lfu import LFUPolicy
 from tests.properties import examples
 
 
@@ -208,3 +209,31 @@ def test_a_pinned_leaf_refuses_drop_and_goes_once_unpinned():
     manager.unpin(np.array([b]))
     assert manager.drop(np.int64(b)) == 1 and 2 not in manager.index and manager.slots[Tier.HOST].used == 1
     assert manager.index.is_leaf(a)
+
+
+class _CountingLFU(LFUPolicy):
+    """LFU that counts how often the manager asks it for a victim."""
+
+    asked = 0
+
+    def victim(self, tier: Tier) -> int | None:
+        self.asked += 1
+        return super().victim(tier)
+
+
+def test_the_chain_being_stored_is_passed_over_not_refused_victim_by_victim():
+    """LFU offers a new chain's own unhit pages first (root first, the least recent): in the
+    last tier none of them can go (each is an ancestor of the page the chain is being stored
+    under). They are passed over together and the other pages go instead: every one of the
+    chain's 60 pages is stored, with a few questions to the policy per page, where counting
+    each as a refusal gave up after 32 of them and left the chain's tail uncached."""
+    policy = _CountingLFU()
+    manager = CacheManager({Tier.HOST: 1, Tier.DISK: 60}, policy)
+    for key in range(1000, 1020):
+        manager.store_chain([key], Mover())
+    manager.touch(np.array([manager.index.handle_of(key) for key in range(1000, 1020)]))  # hit once: LFU's last choice
+    policy.asked = 0
+    assert manager.store_chain(list(range(1, 61)), Mover()) == 60
+    assert manager.lookup(list(range(1, 61))).handles.size == 60
+    assert sum(k in manager.index for k in range(1000, 1020)) == 1  # the room left after the chain
+    assert policy.asked < 4 * 60
