@@ -34,6 +34,16 @@ def reported_errors() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
+LOAD_HELP = "scale the trace's arrival gaps so that under LRU the prefill engines are busy this share of the time (0 < U < 1)"
+
+
+def checked_load(load: float | None) -> float | None:
+    """``--load`` is a busy share strictly between 0 and 1 (0: no requests, 1: saturated)."""
+    if load is not None and not 0 < load < 1:
+        raise typer.BadParameter(f"must be a busy share in (0, 1), got {load:g}", param_hint="--load")
+    return load
+
+
 @app.command()
 def bench(
     json_out: bool = typer.Option(False, "--json", help="print a JSON list instead of a table"),
@@ -212,10 +222,12 @@ def sim(
     capacity_fraction: float = typer.Option(None, "--capacity-fraction", help="device+host = F x unique pages"),
     capacity: int = typer.Option(None, "--capacity", help="device+host pages (other tiers keep their ratio)"),
     limit: int = typer.Option(None, "--limit", help="replay only the first N requests"),
+    load: float = typer.Option(None, "--load", help=LOAD_HELP, callback=checked_load),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Replay a trace through the real cache manager and policy with modeled time."""
     from kvray.scenario import DEFAULT_SCENARIO, load_scenario
+    from kvray.sim.load import describe
     from kvray.sim.simulator import simulate
     from kvray.traces import read_trace
 
@@ -223,7 +235,9 @@ def sim(
         requests = read_trace(trace, limit=limit)
         spec = load_scenario(scenario or DEFAULT_SCENARIO)
         with progress_bar(len(requests), f"sim {policy}", enabled=not json_out) as tick:
-            result = simulate(requests, policy, spec, warmup_requests, capacity_fraction, capacity, tick, cluster_policy)
+            result = simulate(requests, policy, spec, warmup_requests, capacity_fraction, capacity, tick, cluster_policy, load)
+    if load is not None:
+        console.print(describe(result.extra["load"]), soft_wrap=True)
     if json_out:
         print(result.as_json())
     else:
@@ -252,6 +266,7 @@ def cluster_eval(
     policy: list[str] = typer.Option(
         [], "--policy", help="also NODE_POLICY+CLUSTER_POLICY (e.g. rl+cost-router), reported against the best heuristic"
     ),
+    load: float = typer.Option(None, "--load", help=LOAD_HELP + ", per scenario and trace", callback=checked_load),
 ) -> None:
     """Every heuristic and the oracle on cluster scenarios: one table per scenario and trace."""
     import shlex
@@ -261,6 +276,7 @@ def cluster_eval(
     from kvray.policy import make_policy
     from kvray.policy.cluster import make_cluster_policy
     from kvray.scenario import load_scenario
+    from kvray.sim.load import describe
     from kvray.sim.workloads import WorkloadSpec, generate
     from kvray.traces import read_trace
 
@@ -282,8 +298,10 @@ def cluster_eval(
         total = len(scenarios) * len(traces)
         with console.status("replaying") as status:
             rows = evaluate(
-                scenarios, traces, capacity_fraction, progress=lambda what: status.update(what), candidates=candidates
+                scenarios, traces, capacity_fraction, progress=lambda what: status.update(what), candidates=candidates, load=load
             )
+        for row in {(r["scenario"], r["trace"]): r for r in rows if "load" in r}.values():
+            console.print(f"{row['scenario']} / {row['trace']}: {describe(row['load'])}", soft_wrap=True)
         command = "kvray " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         paths = write_results(rows, out, command)
     console.print(f"{total} tables; wrote {', '.join(str(p) for p in paths)}")
@@ -400,7 +418,7 @@ _CARD_KEYS = ("trace", "capacity_fraction", "policy", "token_hit_rate", "mean_tt
 def eval_(
     trace: list[str] = typer.Option(..., "--trace", help="PATH or PATH@F (only requests after fraction F of its time)"),
     policy: list[str] = typer.Option(
-        ["lru", "lfu", "arc", "wfq", "threshold", "belady", "experts", "rl"],
+        ["lru", "lfu", "arc", "wfq", "threshold", "lecar", "s3fifo", "sieve", "belady", "experts", "rl"],
         "--policy",
         help="policies to compare (rl: the shipped one, rl:PATH: a trained one; several rl:PATH are seeds)",
     ),
@@ -415,15 +433,19 @@ def eval_(
     noise: int = typer.Option(
         0, "--noise", min=0, help="also replay each cell's best heuristic and rl on N copies less one request (noise.md)"
     ),
+    load: float = typer.Option(None, "--load", help=LOAD_HELP + ", per trace and capacity", callback=checked_load),
 ) -> None:
     """Compare policies over traces and capacities; writes eval.json and plots.
     A trace is PATH, PATH@F (after fraction F of its time) or gen:NAME:SEED (kvray generate's families);
     --bandwidth-scale evaluates at link bandwidths the policy was not trained at; --noise N
-    says per cell how far one request left out moves the best heuristic, and rl's ratio then."""
+    says per cell how far one request left out moves the best heuristic, and rl's ratio then;
+    --load U replays each cell's trace with its arrival gaps scaled so that LRU keeps the
+    prefill engines busy U of the time there."""
     from kvray.apps.evaluate import (
         compare,
         goals,
         load_trace_spec,
+        loads,
         markdown_table,
         noise_counts,
         noise_floor,
@@ -448,16 +470,30 @@ def eval_(
         total = len(traces) * len(policy) * len(fraction)
         with progress_bar(total, "eval") as tick:
             done = iter(range(total))
-            rows = compare(traces, policy, fraction, spec, progress=lambda what: tick(next(done)), jobs=jobs)
+            rows = compare(traces, policy, fraction, spec, progress=lambda what: tick(next(done)), jobs=jobs, load=load)
         learned = next((p for p in policy if p.startswith("rl")), None)
         cells = goals(rows, learned=learned or "rl")
         summary: dict = {"capacity": cells, "targets": targets(cells, learned=learned or "rl")}
+        if load is not None:
+            from kvray.sim.load import describe
+
+            summary["load"] = loads(rows)
+            for cell, record in summary["load"].items():
+                console.print(f"{cell}: {describe(record)}", soft_wrap=True)
         if noise:
             replays = len(cells) * noise * 2  # the best heuristic and rl on every copy
             with progress_bar(replays, "noise") as tick:
                 done = iter(range(replays))
                 floor = noise_floor(
-                    traces, fraction, cells, spec, noise, learned, progress=lambda what: tick(next(done)), jobs=jobs
+                    traces,
+                    fraction,
+                    cells,
+                    spec,
+                    noise,
+                    learned,
+                    progress=lambda what: tick(next(done)),
+                    jobs=jobs,
+                    loads=summary.get("load"),
                 )
             summary["noise"] = {"copies": noise, "counts": noise_counts(floor), "cells": floor}
         folder = shipped_or_given(learned[3:] if learned and learned.startswith("rl:") else DEFAULT_POLICY, "policies")

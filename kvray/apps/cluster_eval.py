@@ -8,7 +8,9 @@ the oracle's headroom over the best heuristic (1 - oracle mean TTFT / best mean 
 headroom under 10% is named as such. ``candidates`` (the learned or adaptive policies,
 e.g. ``("rl", "cost-router")``) are replayed beside them and reported against the best
 heuristic, mean and p99, never counted as one. Results also go to ``cluster.json`` and a
-bar plot.
+bar plot. With ``load`` each (scenario, trace) replays its trace with the arrival gaps
+scaled so that LRU keeps the prefill engines busy that share of the time
+(:mod:`kvray.sim.load`); the rows and the table's heading record the factor.
 
 Example::
 
@@ -26,6 +28,7 @@ from kvray.policy.cluster import make_cluster_policy
 from kvray.report import ReplayResult
 from kvray.scenario import Scenario
 from kvray.sim.cluster import ClusterSimulator, node_capacities
+from kvray.sim.load import find_load
 from kvray.sim.oracle import oracle_replay
 from kvray.traces import TraceRequest
 
@@ -68,12 +71,19 @@ def evaluate(
     heuristics: Sequence[tuple[str, str]] = HEURISTICS,
     progress: Callable[[str], None] | None = None,
     candidates: Sequence[tuple[str, str]] = (),
+    load: float | None = None,
 ) -> list[dict]:
     """One row per (scenario, trace, heuristic, candidate or oracle)."""
     rows = []
     for scenario_name, scenario in scenarios.items():
         for trace_name, trace in traces.items():
             capacities = node_capacities(scenario, trace, fraction)
+            loaded = {}
+            if load is not None:
+                if progress is not None:
+                    progress(f"{scenario_name} / {trace_name} / load {load:g}")
+                found = find_load(trace, scenario, load, capacities)
+                trace, loaded = found.trace, {"load": found.as_dict()}
             for policy, cluster in [*heuristics, *candidates, ("oracle", "oracle")]:
                 if progress is not None:
                     progress(f"{scenario_name} / {trace_name} / {policy} + {cluster}")
@@ -97,6 +107,7 @@ def evaluate(
                         "link_utilisation_max": busiest,
                         "oracle_setting": result.extra.get("oracle_setting"),
                         "candidate": (policy, cluster) in candidates,
+                        **loaded,
                     }
                 )
     return rows
@@ -132,8 +143,10 @@ def write_markdown(rows: Sequence[dict], path: Path, command: str) -> Path:
     for (scenario, trace), (best, oracle, room) in headroom(rows).items():
         cell = [r for r in rows if (r["scenario"], r["trace"]) == (scenario, trace)]
         kinds = [k for k in LINK_KINDS if any(r["link_gib"].get(k) for r in cell)]
+        load = cell[0].get("load")
+        loaded = f", load {load['target']:g}: arrival gaps x{load['arrival_scale']:.4g}" if load else ""
         lines += [
-            f"## {scenario}, {trace} ({cell[0]['requests']} requests, capacity {cell[0]['capacity_fraction']:g})",
+            f"## {scenario}, {trace} ({cell[0]['requests']} requests, capacity {cell[0]['capacity_fraction']:g}{loaded})",
             "",
             "| policy | cluster policy | mean TTFT ms | p99 TTFT ms | hit rate | "
             + " | ".join(f"{k} GiB" for k in kinds)

@@ -85,20 +85,32 @@ def simulate(
     capacity: int | None = None,
     progress: Callable[[int], None] | None = None,
     cluster_policy: str | None = None,
+    load: float | None = None,
 ) -> ReplayResult:
     """One replay from command-line style options (what ``kvray sim`` and ``kvray eval`` run):
     ``policy`` on every node, ``cluster_policy`` (a name of
-    :data:`~kvray.policy.cluster.CLUSTER_POLICIES`, or ``oracle``) above them."""
+    :data:`~kvray.policy.cluster.CLUSTER_POLICIES`, or ``oracle``) above them; with ``load``
+    the trace's arrival gaps scaled so that LRU keeps the prefill engines busy that share of
+    the time (:mod:`kvray.sim.load`; the factor is the result's ``load``)."""
     from kvray.policy.cluster import make_cluster_policy
 
     if warmup_requests < 0 or warmup_requests >= len(trace):
         raise ConfigError(f"--warmup-requests must be in [0, {len(trace)}) for this trace, got {warmup_requests}")
     capacities = node_capacities(scenario, trace, capacity_fraction, capacity)
+    scaling = None
+    if load is not None:
+        from kvray.sim.load import find_load
+
+        scaling = find_load(trace, scenario, load, capacities, warmup_requests)
+        trace = scaling.trace
     if cluster_policy == "oracle":
         from kvray.sim.oracle import oracle_replay
 
-        return oracle_replay(trace, scenario, capacities, warmup_requests, progress)
-    cluster = make_cluster_policy(cluster_policy) if cluster_policy else None
-    result = ClusterSimulator(scenario, policy, cluster, capacities).replay(trace, warmup_requests, progress)
-    result.policy = policy
+        result = oracle_replay(trace, scenario, capacities, warmup_requests, progress)
+    else:
+        cluster = make_cluster_policy(cluster_policy) if cluster_policy else None
+        result = ClusterSimulator(scenario, policy, cluster, capacities).replay(trace, warmup_requests, progress)
+        result.policy = policy
+    if scaling is not None:
+        result.extra["load"] = scaling.as_dict()
     return result
