@@ -39,6 +39,8 @@ HEURISTICS: tuple[tuple[str, str], ...] = (
     ("lru", "local-first"),
     ("arc", "local-first"),
     ("lecar", "local-first"),
+    ("s3fifo", "local-first"),
+    ("sieve", "local-first"),
     ("selective-write", "local-first"),
     ("threshold", "local-first"),
     ("lru", "cost-router"),
