@@ -221,19 +221,34 @@ class _CountingLFU(LFUPolicy):
         return super().victim(tier)
 
 
-def test_the_chain_being_stored_is_passed_over_not_refused_victim_by_victim():
-    """LFU offers a new chain's own unhit pages first (root first, the least recent): in the
-    last tier none of them can go (each is an ancestor of the page the chain is being stored
-    under). They are passed over together and the other pages go instead: every one of the
-    chain's 60 pages is stored, with a few questions to the policy per page, where counting
-    each as a refusal gave up after 32 of them and left the chain's tail uncached."""
-    policy = _CountingLFU()
-    manager = CacheManager({Tier.HOST: 1, Tier.DISK: 60}, policy)
-    for key in range(1000, 1020):
-        manager.store_chain([key], Mover())
-    manager.touch(np.array([manager.index.handle_of(key) for key in range(1000, 1020)]))  # hit once: LFU's last choice
-    policy.asked = 0
-    assert manager.store_chain(list(range(1, 61)), Mover()) == 60
-    assert manager.lookup(list(range(1, 61))).handles.size == 60
-    assert sum(k in manager.index for k in range(1000, 1020)) == 1  # the room left after the chain
-    assert policy.asked < 4 * 60
+class _OneByOne(CacheManager):
+    """The manager as it refused before: one victim at a time, the policy asked for each."""
+
+    def _held_with(self, victim: int, tier: Tier, target: Tier | None) -> list[int] | None:
+        return None
+
+
+@pytest.mark.parametrize("host, disk, chain", [(1, 60, 60), (4, 60, 80), (8, 100, 150)])
+def test_the_chain_being_stored_is_refused_together_not_victim_by_victim(host, disk, chain):
+    """LFU offers a new chain's own unhit pages first (root first, the least recent): none of
+    them can go from the last tier (each is an ancestor of the page the chain is being
+    stored under), and each refusal in the host tier first runs the disk's reserve to its
+    limit. Refusing the tier's pages of the chain together leaves the same pages cached as
+    refusing them one by one, asking the policy a fraction as often."""
+
+    def store(manager_class: type[CacheManager]) -> tuple[set[int], int]:
+        policy = _CountingLFU()
+        manager = manager_class({Tier.HOST: host, Tier.DISK: disk}, policy)
+        others = range(1000, 1000 + disk // 3)
+        for key in others:
+            manager.store_chain([key], Mover())
+        manager.touch(np.array([manager.index.handle_of(key) for key in others]))  # hit once: LFU's last choice
+        policy.asked = 0
+        stored = manager.store_chain(list(range(1, chain + 1)), Mover())
+        assert 0 < stored < chain  # the limit stopped the chain, as it guards admission
+        return set(manager.index.keys()), policy.asked
+
+    together, asked = store(CacheManager)
+    one_by_one, asked_one_by_one = store(_OneByOne)
+    assert together == one_by_one
+    assert asked_one_by_one > 1.5 * asked
