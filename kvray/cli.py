@@ -20,7 +20,7 @@ from rich.console import Console
 
 from kvray.bench import NAMES as BENCHMARKS
 from kvray.core.errors import ConfigError, KvrayError
-from kvray.flags import CAPACITY_FRACTION, COUNT, NON_NEGATIVE, POSITIVE, TIME_FRACTION, in_range
+from kvray.flags import CAPACITY_FRACTION, COUNT, LOAD, LOAD_HELP, NON_NEGATIVE, POSITIVE, TIME_FRACTION, in_range
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="kvray: tiered KV-cache offload and reuse"
@@ -256,6 +256,7 @@ def sim(
         None, "--capacity", callback=COUNT, help="device+host pages (other tiers keep their ratio)"
     ),
     limit: int | None = typer.Option(None, "--limit", callback=COUNT, help="replay only the first N requests"),
+    load: float | None = typer.Option(None, "--load", help=LOAD_HELP, callback=LOAD),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Replay a trace through the real cache manager and policy with modeled time."""
@@ -263,8 +264,12 @@ def sim(
 
     with reported_errors():
         result = run_sim(
-            trace, policy, cluster_policy, scenario, warmup_requests, capacity_fraction, capacity, limit, not json_out
+            trace, policy, cluster_policy, scenario, warmup_requests, capacity_fraction, capacity, limit, not json_out, load
         )
+    if load is not None:
+        from kvray.sim.load import describe
+
+        console.print(describe(result.extra["load"]), soft_wrap=True)
     if json_out:
         print(result.as_json())
     else:
@@ -286,6 +291,7 @@ def cluster_eval(
     policy: list[str] = typer.Option(
         [], "--policy", help="also NODE_POLICY+CLUSTER_POLICY (e.g. rl+cost-router), reported against the best heuristic"
     ),
+    load: float = typer.Option(None, "--load", help=LOAD_HELP + ", per scenario and trace", callback=LOAD),
 ) -> None:
     """Every heuristic and the oracle on cluster scenarios: one table per scenario and trace."""
     import shlex
@@ -294,9 +300,13 @@ def cluster_eval(
     from kvray.apps.cluster_eval import run_cluster_eval
 
     command = "kvray " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+    def notify(line: str) -> None:
+        console.print(line, soft_wrap=True)
+
     with reported_errors(), console.status("replaying") as status:
         tables, paths = run_cluster_eval(
-            scenario, trace, generated, limit, capacity_fraction, out, policy, command, progress=status.update
+            scenario, trace, generated, limit, capacity_fraction, out, policy, command, status.update, load, notify
         )
     console.print(f"{tables} tables; wrote {', '.join(str(p) for p in paths)}")
 
@@ -392,7 +402,7 @@ def train(
 def eval_(
     trace: list[str] = typer.Option(..., "--trace", help="PATH or PATH@F (only requests after fraction F of its time)"),
     policy: list[str] = typer.Option(
-        ["lru", "lfu", "arc", "wfq", "threshold", "belady", "experts", "rl"],
+        ["lru", "lfu", "arc", "wfq", "threshold", "lecar", "s3fifo", "sieve", "belady", "experts", "rl"],
         "--policy",
         help="policies to compare (rl: the shipped one, rl:PATH: a trained one; several rl:PATH are seeds)",
     ),
@@ -415,6 +425,7 @@ def eval_(
         callback=NON_NEGATIVE,
         help="also replay each cell's best heuristic and rl on N copies less one request (noise.md)",
     ),
+    load: float = typer.Option(None, "--load", help=LOAD_HELP + ", per trace and capacity", callback=LOAD),
 ) -> None:
     """Compare policies over traces and capacities; writes eval.json and plots.
     A trace is PATH, PATH@F (after fraction F of its time) or gen:NAME:SEED (kvray generate's families);
@@ -423,7 +434,9 @@ def eval_(
     from kvray.apps.evaluate import run_eval
 
     with reported_errors():
-        summary, (report, *plots) = run_eval(trace, policy, fraction, scenario, bandwidth_scale, out, card, jobs, noise)
+        summary, (report, *plots) = run_eval(
+            trace, policy, fraction, scenario, bandwidth_scale, out, card, jobs, noise, load, console.print
+        )
     console.print(f"wrote {report} and {', '.join(p.name for p in plots)}")
     print(json.dumps(summary, indent=2))
 

@@ -25,17 +25,24 @@ import typer
 Value = TypeVar("Value")
 
 
-def in_range(low: float, high: float | None = None, *, low_open: bool = False) -> Callable[[Value], Value]:
+def in_range(
+    low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = False
+) -> Callable[[Value], Value]:
     """A typer callback refusing a flag's value (each value of a repeated flag) outside
-    ``low`` (excluded when ``low_open``) .. ``high`` (included); None, a flag not given, passes."""
+    ``low`` .. ``high`` (each included unless ``low_open`` / ``high_open``); None, a flag not
+    given, passes."""
     if high is None:
         words = f"{'>' if low_open else '>='} {low:g}"
     else:
-        words = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        words = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
 
     def check(value: Value) -> Value:
         for v in value if isinstance(value, list) else [value]:
-            if v is not None and not ((v > low if low_open else v >= low) and (high is None or v <= high)):
+            if v is None:
+                continue
+            above = v > low if low_open else v >= low
+            below = high is None or (v < high if high_open else v <= high)
+            if not (above and below):
                 raise typer.BadParameter(f"must be {words}, got {v:g}")
         return value
 
@@ -47,3 +54,5 @@ NON_NEGATIVE = in_range(0)  # a count where 0 means none, a seed, a cost
 POSITIVE = in_range(0, low_open=True)  # a scale or a rate
 CAPACITY_FRACTION = in_range(0, 100, low_open=True)  # device + host as a share of the trace's unique pages
 TIME_FRACTION = in_range(0, 1, low_open=True)  # the share of a trace's time span trained on
+LOAD = in_range(0, 1, low_open=True, high_open=True)  # --load: a busy share; 1 is saturation, which no scaling reaches
+LOAD_HELP = "scale the trace's arrival gaps so that under LRU the prefill engines are busy this share of the time (0 < U < 1)"

@@ -240,21 +240,24 @@ class PrefillQueue:
 
     Replaying the trace's real arrival times through it is what makes a policy's saved
     prefill time show up as less queueing under load, as it does on a busy server.
+    ``busy_ms`` sums the time engines spent on requests (from a request's start to its
+    end, loads included): over a replay's span and engines, how loaded they were.
 
     Example::
 
         queue = PrefillQueue(servers=1)
         queue.serve(arrival_ms=0, service_ms=10), queue.serve(arrival_ms=5, service_ms=10)  # (0, 5)
+        queue.busy_ms                                                                       # 20.0
     """
 
     def __init__(self, servers: int) -> None:
         self._free_at = [0.0] * servers
+        self.busy_ms = 0.0
 
     def serve(self, arrival_ms: float, service_ms: float) -> float:
         """Run a request on the earliest free engine; returns how long it waited."""
-        i = min(range(len(self._free_at)), key=self._free_at.__getitem__)
-        start = max(arrival_ms, self._free_at[i])
-        self._free_at[i] = start + service_ms
+        i, start = self.start(arrival_ms)
+        self.finish(i, start, start + service_ms)
         return start - arrival_ms
 
     def start(self, arrival_ms: float) -> tuple[int, float]:
@@ -263,8 +266,10 @@ class PrefillQueue:
         i = min(range(len(self._free_at)), key=self._free_at.__getitem__)
         return i, max(arrival_ms, self._free_at[i])
 
-    def finish(self, engine: int, end_ms: float) -> None:
+    def finish(self, engine: int, start_ms: float, end_ms: float) -> None:
+        """Engine ``engine`` ran a request from ``start_ms`` (as :meth:`start` said) to ``end_ms``."""
         self._free_at[engine] = end_ms
+        self.busy_ms += end_ms - start_ms
 
     def backlog_ms(self, now_ms: float) -> float:
         """Work still queued ahead of a request arriving at ``now_ms`` (the load signal)."""

@@ -8,7 +8,9 @@ the oracle's headroom over the best heuristic (1 - oracle mean TTFT / best mean 
 headroom under 10% is named as such. ``candidates`` (the learned or adaptive policies,
 e.g. ``("rl", "cost-router")``) are replayed beside them and reported against the best
 heuristic, mean and p99, never counted as one. Results also go to ``cluster.json`` and a
-bar plot.
+bar plot. With ``load`` each (scenario, trace) replays its trace with the arrival gaps
+scaled so that LRU keeps the prefill engines busy that share of the time
+(:mod:`kvray.sim.load`); the rows and the table's heading record the factor.
 
 Example::
 
@@ -27,6 +29,7 @@ from kvray.policy.cluster import make_cluster_policy
 from kvray.report import ReplayResult
 from kvray.scenario import Scenario
 from kvray.sim.cluster import ClusterSimulator, node_capacities
+from kvray.sim.load import find_load
 from kvray.sim.oracle import oracle_replay
 from kvray.traces import TraceRequest
 
@@ -37,6 +40,8 @@ HEURISTICS: tuple[tuple[str, str], ...] = (
     ("lru", "local-first"),
     ("arc", "local-first"),
     ("lecar", "local-first"),
+    ("s3fifo", "local-first"),
+    ("sieve", "local-first"),
     ("selective-write", "local-first"),
     ("threshold", "local-first"),
     ("lru", "cost-router"),
@@ -69,12 +74,19 @@ def evaluate(
     heuristics: Sequence[tuple[str, str]] = HEURISTICS,
     progress: Callable[[str], None] | None = None,
     candidates: Sequence[tuple[str, str]] = (),
+    load: float | None = None,
 ) -> list[dict]:
     """One row per (scenario, trace, heuristic, candidate or oracle)."""
     rows = []
     for scenario_name, scenario in scenarios.items():
         for trace_name, trace in traces.items():
             capacities = node_capacities(scenario, trace, fraction)
+            loaded = {}
+            if load is not None:
+                if progress is not None:
+                    progress(f"{scenario_name} / {trace_name} / load {load:g}")
+                found = find_load(trace, scenario, load, capacities)
+                trace, loaded = found.trace, {"load": found.as_dict()}
             for policy, cluster in [*heuristics, *candidates, ("oracle", "oracle")]:
                 if progress is not None:
                     progress(f"{scenario_name} / {trace_name} / {policy} + {cluster}")
@@ -98,6 +110,7 @@ def evaluate(
                         "link_utilisation_max": busiest,
                         "oracle_setting": result.extra.get("oracle_setting"),
                         "candidate": (policy, cluster) in candidates,
+                        **loaded,
                     }
                 )
     return rows
@@ -133,8 +146,10 @@ def write_markdown(rows: Sequence[dict], path: Path, command: str) -> Path:
     for (scenario, trace), (best, oracle, room) in headroom(rows).items():
         cell = [r for r in rows if (r["scenario"], r["trace"]) == (scenario, trace)]
         kinds = [k for k in LINK_KINDS if any(r["link_gib"].get(k) for r in cell)]
+        load = cell[0].get("load")
+        loaded = f", load {load['target']:g}: arrival gaps x{load['arrival_scale']:.4g}" if load else ""
         lines += [
-            f"## {scenario}, {trace} ({cell[0]['requests']} requests, capacity {cell[0]['capacity_fraction']:g})",
+            f"## {scenario}, {trace} ({cell[0]['requests']} requests, capacity {cell[0]['capacity_fraction']:g}{loaded})",
             "",
             "| policy | cluster policy | mean TTFT ms | p99 TTFT ms | hit rate | "
             + " | ".join(f"{k} GiB" for k in kinds)
@@ -221,11 +236,14 @@ def run_cluster_eval(
     pairs: Sequence[str],
     command: str,
     progress: Callable[[str], None] | None = None,
+    load: float | None = None,
+    notify: Callable[[str], None] | None = None,
 ) -> tuple[int, list[Path]]:
     """What ``kvray cluster-eval`` does: every cluster scenario x trace (the files, and a
     generated chat workload of about ``generated`` requests), the ``pairs``
     (``NODE_POLICY+CLUSTER_POLICY``) beside the heuristics; returns the number of tables
-    and the files written into ``out``. Every name is checked before any replay."""
+    and the files written into ``out``. Every name is checked before any replay. With ``load``
+    each scenario and trace is replayed at that busy share (``notify`` hears the factor found)."""
     from kvray.policy import make_policy
     from kvray.scenario import load_scenario
     from kvray.sim.workloads import WorkloadSpec, generate
@@ -252,5 +270,10 @@ def run_cluster_eval(
             raise ConfigError(f"--policy {pair!r}: expected NODE_POLICY+CLUSTER_POLICY, e.g. rl+cost-router")
         make_policy(node_policy), make_cluster_policy(cluster_policy)  # unknown names fail before any replay
         candidates.append((node_policy, cluster_policy))
-    rows = evaluate(scenarios, traces, fraction, progress=progress, candidates=candidates)
+    rows = evaluate(scenarios, traces, fraction, progress=progress, candidates=candidates, load=load)
+    if notify is not None:
+        from kvray.sim.load import describe
+
+        for row in {(r["scenario"], r["trace"]): r for r in rows if "load" in r}.values():
+            notify(f"{row['scenario']} / {row['trace']}: {describe(row['load'])}")
     return len(scenarios) * len(traces), write_results(rows, out, command)

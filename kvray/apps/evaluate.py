@@ -17,6 +17,10 @@ than the 2% the learned policy's goal allows. :func:`noise_floor` measures that 
 by replaying the best heuristic and the learned policy on copies of the trace with one
 request (a different one per copy) left out.
 
+With ``load`` every cell's trace has its arrival gaps scaled so that LRU keeps the prefill
+engines busy that share of the time at the cell's capacity (:mod:`kvray.sim.load`); every
+policy of the cell replays that trace, and its rows record the factor (``load``).
+
 Example::
 
     rows = compare({"conv": held_out}, ["lru", "arc", "belady", "rl"], [0.05, 0.1], scenario)
@@ -32,10 +36,12 @@ from pathlib import Path
 
 from kvray.core.errors import ConfigError
 from kvray.scenario import Scenario
+from kvray.sim.cluster import node_capacities
+from kvray.sim.load import find_load, scaled
 from kvray.sim.simulator import simulate
 from kvray.traces import TraceRequest, read_trace
 
-HEURISTICS = ("lru", "lfu", "arc", "wfq", "threshold")
+HEURISTICS = ("lru", "lfu", "arc", "wfq", "threshold", "lecar", "s3fifo", "sieve")
 WITHIN = 1.02  # the learned policy's goal: mean TTFT at most this times the cell's best heuristic's
 
 
@@ -71,10 +77,11 @@ def load_trace_spec(spec: str) -> tuple[str, list[TraceRequest]]:
 
 
 def _replay_row(job: tuple) -> dict:
-    name, trace, fraction, policy, scenario = job
+    name, trace, fraction, policy, scenario, load = job
     started = time.perf_counter()
     result = simulate(trace, policy, scenario, capacity_fraction=fraction).as_dict()
-    return {"trace": name, "capacity_fraction": fraction, **result, "replay_s": time.perf_counter() - started}
+    loaded = {"load": load} if load is not None else {}
+    return {"trace": name, "capacity_fraction": fraction, **result, **loaded, "replay_s": time.perf_counter() - started}
 
 
 def compare(
@@ -84,11 +91,25 @@ def compare(
     scenario: Scenario,
     progress: Callable[[str], None] | None = None,
     jobs: int = 1,
+    load: float | None = None,
 ) -> list[dict]:
     """One row per (trace, capacity fraction, policy): the replay's JSON plus its wall time;
-    ``jobs`` replays run at once in worker processes (every replay is independent)."""
-    work = [(name, trace, f, p, scenario) for name, trace in traces.items() for f in fractions for p in policies]
+    ``jobs`` replays run at once in worker processes (every replay is independent). With
+    ``load``, each cell's trace is first scaled to it (the row's ``load`` says how)."""
+    work = []
+    for name, trace in traces.items():
+        for f in fractions:
+            record = None
+            if load is not None:
+                found = find_load(trace, scenario, load, node_capacities(scenario, trace, f))
+                trace_at, record = found.trace, found.as_dict()
+            work += [(name, trace_at if record else trace, f, p, scenario, record) for p in policies]
     return _replay_all(work, progress, jobs)
+
+
+def loads(rows: Sequence[dict]) -> dict[str, dict]:
+    """Per cell of ``rows`` (:func:`compare` with a load): how its trace was scaled."""
+    return {cell_key(r["trace"], r["capacity_fraction"]): r["load"] for r in rows if "load" in r}
 
 
 def _replay_all(work: list[tuple], progress: Callable[[str], None] | None, jobs: int) -> list[dict]:
@@ -156,10 +177,12 @@ def noise_floor(
     learned: str = "rl",
     progress: Callable[[str], None] | None = None,
     jobs: int = 1,
+    loads: dict[str, dict] | None = None,
 ) -> dict:
     """Per cell of ``summary`` (:func:`goals` over ``traces`` x ``fractions``): the cell's
     best heuristic and ``learned`` replayed on ``copies`` copies of its trace, each less one
-    request (seeds 0..copies-1).
+    request (seeds 0..copies-1); with ``loads`` (per cell, how :func:`compare` scaled its
+    trace to a load: :func:`loads`) the copies are of the scaled trace.
 
     ``best_heuristic_moves``: the best heuristic's mean TTFT on each copy over its own on
     the whole trace (how far the reference moves when nothing but one request changes);
@@ -167,13 +190,17 @@ def noise_floor(
     same copy, one per copy. A cell where the first spreads wider than WITHIN cannot tell a
     policy within it from one outside it."""
     cells = [(name, f, cell_key(name, f)) for name in traces for f in fractions if cell_key(name, f) in summary]
-    trace_copies = {name: [without_one_request(trace, k) for k in range(copies)] for name, trace in traces.items()}
+    trace_copies: dict[tuple[str, float], list[list[TraceRequest]]] = {}  # each built once
     labels, work = [], []  # a replay's (cell, policy), and the replay
     for name, f, cell in cells:
-        for k, copy in enumerate(trace_copies[name]):
+        factor = loads[cell]["arrival_scale"] if loads else 1.0
+        if (name, factor) not in trace_copies:
+            trace = scaled(traces[name], factor) if factor != 1.0 else traces[name]
+            trace_copies[name, factor] = [without_one_request(trace, k) for k in range(copies)]
+        for k, copy in enumerate(trace_copies[name, factor]):
             for policy in (summary[cell]["best_heuristic"], learned):
                 labels.append((cell, policy))
-                work.append((f"{cell}#{k}", copy, f, policy, scenario))
+                work.append((f"{cell}#{k}", copy, f, policy, scenario, None))
     ttft: dict[tuple[str, str], list[float]] = {}
     for label, row in zip(labels, _replay_all(work, progress, jobs)):
         ttft.setdefault(label, []).append(row["mean_ttft_ms"])
@@ -332,12 +359,15 @@ def run_eval(
     card: Path | None = None,
     jobs: int = 1,
     noise: int = 0,
+    load: float | None = None,
+    notify: Callable[[str], None] | None = None,
 ) -> tuple[dict, list[Path]]:
     """What ``kvray eval`` does: every policy over every trace (:func:`load_trace_spec`) and
     capacity fraction on ``scenario`` at ``bandwidth_scale``; writes eval.json, table.md (and
     noise.md with ``noise`` copies per cell, :func:`noise_floor`) and the plots (with the
-    training curve of ``card``, by default the learned policy's) into ``out``. Returns the
-    summary and the files written."""
+    training curve of ``card``, by default the learned policy's) into ``out``. With ``load``
+    each cell's trace is replayed at that busy share (``notify`` hears the factors found).
+    Returns the summary and the files written."""
     from kvray.policy.rl import CARD_FILE, DEFAULT_POLICY, decision_time_us, load_scorer
     from kvray.progress import progress_bar
     from kvray.resources import shipped_or_given
@@ -353,14 +383,31 @@ def run_eval(
     total = len(traces) * len(policies) * len(fractions)
     with progress_bar(total, "eval") as tick:
         done = iter(range(total))
-        rows = compare(traces, policies, fractions, spec, progress=lambda what: tick(next(done)), jobs=jobs)
+        rows = compare(traces, policies, fractions, spec, progress=lambda what: tick(next(done)), jobs=jobs, load=load)
     cells = goals(rows, learned=learned or "rl")
     summary: dict = {"capacity": cells, "targets": targets(cells, learned=learned or "rl")}
+    if load is not None:
+        from kvray.sim.load import describe
+
+        summary["load"] = loads(rows)
+        for cell, record in summary["load"].items():
+            if notify is not None:
+                notify(f"{cell}: {describe(record)}")
     if noise:
         replays = len(cells) * noise * 2  # the best heuristic and rl on every copy
         with progress_bar(replays, "noise") as tick:
             done = iter(range(replays))
-            floor = noise_floor(traces, fractions, cells, spec, noise, learned, progress=lambda what: tick(next(done)), jobs=jobs)
+            floor = noise_floor(
+                traces,
+                fractions,
+                cells,
+                spec,
+                noise,
+                learned,
+                progress=lambda what: tick(next(done)),
+                jobs=jobs,
+                loads=summary.get("load"),
+            )
         summary["noise"] = {"copies": noise, "counts": noise_counts(floor), "cells": floor}
     folder = shipped_or_given(learned[3:] if learned and learned.startswith("rl:") else DEFAULT_POLICY, "policies")
     if learned is not None:

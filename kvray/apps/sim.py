@@ -36,15 +36,17 @@ def run_sim(
     capacity: int | None = None,
     limit: int | None = None,
     progress: bool = False,
+    load: float | None = None,
 ) -> ReplayResult:
-    """The replay ``kvray sim`` runs; ``policy`` None: the default (Belady under the oracle)."""
+    """The replay ``kvray sim`` runs; ``policy`` None: the default (Belady under the oracle);
+    ``load``: arrival gaps scaled to that busy share under LRU (:mod:`kvray.sim.load`)."""
     if cluster_policy == ORACLE and policy not in (None, "belady"):
         raise ConfigError(f"--cluster-policy {ORACLE} runs Belady on every node: leave out --policy {policy}")
     requests = read_trace(trace, limit=limit)
     spec = load_scenario(scenario or DEFAULT_SCENARIO)
     node_policy = policy or ("belady" if cluster_policy == ORACLE else DEFAULT_NODE_POLICY)
     with progress_bar(len(requests), f"sim {node_policy}", enabled=progress) as tick:
-        return simulate(requests, node_policy, spec, warmup_requests, capacity_fraction, capacity, tick, cluster_policy)
+        return simulate(requests, node_policy, spec, warmup_requests, capacity_fraction, capacity, tick, cluster_policy, load)
 
 
 def print_sim(result: ReplayResult, cluster_policy: str | None, warmup_requests: int, console: Console) -> None:

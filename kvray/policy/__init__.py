@@ -1,7 +1,8 @@
 """Placement policies and their registry.
 
 ``make_policy("lru")`` builds a policy by name; :data:`POLICIES` lists what is registered
-(``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``lecar``, ``selective-write``, ``experts`` (follows whichever of
+(``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``lecar``, ``s3fifo``, ``sieve``, ``selective-write``,
+``experts`` (follows whichever of
 lru, arc and threshold does best on shadow caches of the same workload), ``belady`` (evaluation only: the
 simulator feeds it the future), ``rl`` (the shipped trained policy); ``rl:PATH`` loads a
 trained policy file; ``package.module:Class`` an importable policy class).
@@ -19,7 +20,9 @@ from kvray.policy.belady import BeladyPolicy
 from kvray.policy.experts import ExpertsPolicy
 from kvray.policy.lecar import LeCaRPolicy
 from kvray.policy.lfu import LFUPolicy
+from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.policy.selective import SelectiveWritePolicy
+from kvray.policy.sieve import SievePolicy
 from kvray.policy.threshold import ThresholdPolicy
 from kvray.policy.wfq import WFQPolicy
 
@@ -38,6 +41,8 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "threshold": ThresholdPolicy,
     "belady": BeladyPolicy,
     "lecar": LeCaRPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "sieve": SievePolicy,
     "selective-write": SelectiveWritePolicy,
     "experts": ExpertsPolicy,
     "rl": _rl,
@@ -72,7 +77,9 @@ __all__ = [
     "POLICIES",
     "PageContext",
     "PlacementPolicy",
+    "S3FIFOPolicy",
     "SelectiveWritePolicy",
+    "SievePolicy",
     "ThresholdPolicy",
     "WFQPolicy",
     "make_policy",

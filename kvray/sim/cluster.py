@@ -242,6 +242,7 @@ class ClusterSimulator:
         sim = ClusterSimulator(scenario, "lru", make_cluster_policy("local-first"))
         result = sim.replay(trace)
         result.extra["link_utilisation"]      # per node/link: busy share over the replay
+        result.extra["prefill_utilisation"]   # per node: its engines' busy share while requests came
     """
 
     def __init__(
@@ -380,7 +381,7 @@ class ClusterSimulator:
         labels, loaded = self._load(view, at, load, ready, "prefetch" if prefetch else "load")
         ready = max(start, loaded)
         end = ready + node.cost.prefill_ms(request.input_length - hit_tokens(request, load, self.block_tokens))
-        node.queue.finish(engine, end)
+        node.queue.finish(engine, start, end)
         for h, handles in prefix.items():
             holder = self.nodes[h]
             holder.clock = start
@@ -564,9 +565,10 @@ class ClusterSimulator:
                 last_end = max(last_end, request.timestamp_ms + ttft)
             if progress is not None:
                 progress(i)
-        moved, busy, background, link_bytes = base
+        moved, busy, background, link_bytes, prefill = base
         span = max([last_end] + [link.last_end_ms for link in links]) - began
-        now_moved, now_busy, now_background, now_bytes = self._counters(links)
+        now_moved, now_busy, now_background, now_bytes, now_prefill = self._counters(links)
+        served = last_end - began  # from the first measured arrival to the last first token
         names = [link.name for link in links]
         return tally.result(
             policy=self.nodes[0].policy.name,
@@ -582,14 +584,21 @@ class ClusterSimulator:
                 for n, link in zip(names, links)
                 if now_busy[n] - busy[n] > 0
             },
+            prefill_utilisation={
+                node.name: round((now_prefill[node.name] - prefill[node.name]) / (served * node.engines), 6)
+                if served > 0
+                else 0.0
+                for node in self.nodes
+            },
         )
 
-    def _counters(self, links: list[Link]) -> tuple[int, dict, float, dict]:
+    def _counters(self, links: list[Link]) -> tuple[int, dict, float, dict, dict]:
         return (
             sum(n.manager.metrics.bytes_moved for n in self.nodes),
             {link.name: link.busy_ms for link in links},
             sum(n.background_ms for n in self.nodes),
             {link.name: link.bytes for link in links},
+            {n.name: n.queue.busy_ms for n in self.nodes},
         )
 
     def _capacity_pages(self) -> dict[str, int]:

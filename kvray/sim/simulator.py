@@ -91,26 +91,37 @@ def simulate(
     capacity: int | None = None,
     progress: Callable[[int], None] | None = None,
     cluster_policy: str | None = None,
+    load: float | None = None,
 ) -> ReplayResult:
     """One replay from command-line style options (what ``kvray sim`` and ``kvray eval`` run):
     ``policy`` on every node, ``cluster_policy`` (a name of
     :data:`~kvray.policy.cluster.CLUSTER_POLICIES`, or ``oracle``: Belady on every node, in
     place of ``policy``, under the best routing, prefetch and replication found) above them
-    on a scenario of several nodes; none gives the runtime's default, ``local-first``."""
+    on a scenario of several nodes; none gives the runtime's default, ``local-first``. With
+    ``load`` the trace's arrival gaps are scaled so that LRU keeps the prefill engines busy
+    that share of the time (:mod:`kvray.sim.load`; the factor is the result's ``load``)."""
     if warmup_requests < 0 or warmup_requests >= len(trace):
         raise ConfigError(f"--warmup-requests must be in [0, {len(trace)}) for this trace, got {warmup_requests}")
     if cluster_policy is not None:
         _check_cluster_policy(cluster_policy, scenario)
     capacities = node_capacities(scenario, trace, capacity_fraction, capacity)
+    scaling = None
+    if load is not None:
+        from kvray.sim.load import find_load
+
+        scaling = find_load(trace, scenario, load, capacities, warmup_requests)
+        trace = scaling.trace
     if cluster_policy == ORACLE:
         from kvray.sim.oracle import oracle_replay
 
         result = oracle_replay(trace, scenario, capacities, warmup_requests, progress)
         result.policy = "belady"  # what every node ran; the cluster policy stays "oracle"
-        return result
-    cluster = make_cluster_policy(cluster_policy) if cluster_policy else None
-    result = ClusterSimulator(scenario, policy, cluster, capacities).replay(trace, warmup_requests, progress)
-    result.policy = policy
+    else:
+        cluster = make_cluster_policy(cluster_policy) if cluster_policy else None
+        result = ClusterSimulator(scenario, policy, cluster, capacities).replay(trace, warmup_requests, progress)
+        result.policy = policy
+    if scaling is not None:
+        result.extra["load"] = scaling.as_dict()
     return result
 
 

@@ -16,6 +16,7 @@ from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
 from kvray.core.placement import LRUPolicy
 from kvray.core.tiers import Tier
+from kvray.policy.lfu import LFUPolicy
 from tests.properties import examples
 
 
@@ -208,3 +209,46 @@ def test_a_pinned_leaf_refuses_drop_and_goes_once_unpinned():
     manager.unpin(np.array([b]))
     assert manager.drop(np.int64(b)) == 1 and 2 not in manager.index and manager.slots[Tier.HOST].used == 1
     assert manager.index.is_leaf(a)
+
+
+class _CountingLFU(LFUPolicy):
+    """LFU that counts how often the manager asks it for a victim."""
+
+    asked = 0
+
+    def victim(self, tier: Tier) -> int | None:
+        self.asked += 1
+        return super().victim(tier)
+
+
+class _OneByOne(CacheManager):
+    """The manager as it refused before: one victim at a time, the policy asked for each."""
+
+    def _held_with(self, victim: int, tier: Tier, target: Tier | None) -> list[int] | None:
+        return None
+
+
+@pytest.mark.parametrize("host, disk, chain", [(1, 60, 60), (4, 60, 80), (8, 100, 150)])
+def test_the_chain_being_stored_is_refused_together_not_victim_by_victim(host, disk, chain):
+    """LFU offers a new chain's own unhit pages first (root first, the least recent): none of
+    them can go from the last tier (each is an ancestor of the page the chain is being
+    stored under), and each refusal in the host tier first runs the disk's reserve to its
+    limit. Refusing the tier's pages of the chain together leaves the same pages cached as
+    refusing them one by one, asking the policy a fraction as often."""
+
+    def store(manager_class: type[CacheManager]) -> tuple[set[int], int]:
+        policy = _CountingLFU()
+        manager = manager_class({Tier.HOST: host, Tier.DISK: disk}, policy)
+        others = range(1000, 1000 + disk // 3)
+        for key in others:
+            manager.store_chain([key], Mover())
+        manager.touch(np.array([manager.index.handle_of(key) for key in others]))  # hit once: LFU's last choice
+        policy.asked = 0
+        stored = manager.store_chain(list(range(1, chain + 1)), Mover())
+        assert 0 < stored < chain  # the limit stopped the chain, as it guards admission
+        return set(manager.index.keys()), policy.asked
+
+    together, asked = store(CacheManager)
+    one_by_one, asked_one_by_one = store(_OneByOne)
+    assert together == one_by_one
+    assert asked_one_by_one > 1.5 * asked

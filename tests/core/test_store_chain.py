@@ -102,7 +102,7 @@ def test_store_simulator_and_env_leave_the_same_index(workload):
     assert trained(workload) == expected
 
 
-@pytest.mark.parametrize("policy", ["lfu", "arc", "threshold"])
+@pytest.mark.parametrize("policy", ["lfu", "arc", "threshold", "s3fifo", "sieve"])
 @settings(max_examples=examples(15), deadline=None)
 @given(workload=workloads)
 def test_store_and_simulator_agree_under_other_policies(policy, workload):

@@ -2,7 +2,9 @@
 
 With room for everything, the store must behave like a set of cached prefixes exactly.
 With tight tiers (pages demoted and dropped), every load must still return bit-exact KV
-of the exact prefix asked for, and the tier accounting must add up.
+of the exact prefix asked for, and the tier accounting must add up, under the default
+policy (LRU) and under the FIFO-based ones (S3-FIFO, SIEVE), whose victims are often pages
+with descendants.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvray.core.config import StoreConfig, TierSizes
 from kvray.core.store import PageStore
+from kvray.policy import make_policy
 from tests.conftest import TINY, prefix_kv
 from tests.properties import examples
 
@@ -28,12 +31,14 @@ requests = st.lists(st.integers(0, 3), min_size=1, max_size=6).map(
 
 class StoreMachine(RuleBasedStateMachine):
     roomy = True
+    policy: str | None = None  # the store's default (LRU)
 
     @initialize()
     def open_store(self):
         self.tmp = tempfile.TemporaryDirectory()
         sizes = TierSizes(device=64, host=64, disk=64) if self.roomy else TierSizes(device=1, host=2, disk=3)
-        self.store = PageStore(StoreConfig(layout=TINY, tiers=sizes, disk_dir=self.tmp.name))
+        policy = make_policy(self.policy) if self.policy else None
+        self.store = PageStore(StoreConfig(layout=TINY, tiers=sizes, disk_dir=self.tmp.name), policy)
         self.cached: set[tuple] = set()  # reference: full-page prefixes stored
 
     def teardown(self):
@@ -71,7 +76,19 @@ class TightStoreMachine(StoreMachine):
     roomy = False
 
 
+class TightS3FIFOStoreMachine(TightStoreMachine):
+    policy = "s3fifo"
+
+
+class TightSieveStoreMachine(TightStoreMachine):
+    policy = "sieve"
+
+
 StoreMachine.TestCase.settings = settings(max_examples=examples(40), stateful_step_count=25, deadline=None)
 TightStoreMachine.TestCase.settings = settings(max_examples=examples(60), stateful_step_count=30, deadline=None)
+for machine in (TightS3FIFOStoreMachine, TightSieveStoreMachine):
+    machine.TestCase.settings = settings(max_examples=examples(30), stateful_step_count=30, deadline=None)
 TestRoomyStore = StoreMachine.TestCase
 TestTightStore = TightStoreMachine.TestCase
+TestTightS3FIFOStore = TightS3FIFOStoreMachine.TestCase
+TestTightSieveStore = TightSieveStoreMachine.TestCase

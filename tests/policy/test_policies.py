@@ -35,7 +35,7 @@ def store(manager: CacheManager, key: int, parent: int = ROOT, ctx: PageContext 
 
 
 def test_registry_lists_every_policy_and_rejects_unknown_names():
-    assert {"lru", "lfu", "arc", "wfq", "threshold", "belady", "rl"} <= set(POLICIES)
+    assert {"lru", "lfu", "arc", "wfq", "threshold", "lecar", "s3fifo", "sieve", "belady", "rl"} <= set(POLICIES)
     with pytest.raises(PolicyError, match="unknown policy 'nope'.*known: arc, belady"):
         make_policy("nope")
 
