@@ -124,7 +124,7 @@ def run(
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Replay a trace on the Ray runtime with real page bytes; report measured TTFT and hits."""
-    from kvray.apps.replay import run_replay, settings_from
+    from kvray.apps.replay import print_run, run_replay, settings_from
 
     with reported_errors():
         settings = settings_from(
@@ -151,14 +151,7 @@ def run(
     if json_out:
         print(json.dumps(result.as_dict()))
     else:
-        from kvray.apps.results import print_results
-
-        print_results({result.policy: result}, Console(), title=f"kvray run: measured replay ({result.scenario} settings)")
-        if settings.prefill_us_per_token > 0:  # how far this machine ran from its calibration, which `kvray sim` assumes
-            console.print(
-                f"prefill: {result.prefill_us_per_token_measured:.2f} us per missed token measured, "
-                f"{settings.prefill_us_per_token:g} calibrated"
-            )
+        print_run(result, settings, Console(), console)
 
 
 @app.command()
@@ -200,6 +193,7 @@ def up(
 ) -> None:
     """Start a kvray runtime on a Ray cluster that stays up after this command (until kvray down)."""
     from kvray.apps.replay import settings_from
+    from kvray.apps.service import describe_up
     from kvray.apps.service import up as start
 
     with reported_errors():
@@ -210,12 +204,7 @@ def up(
             replay={},
         ).runtime
         nodes = start(address, config)
-    console.print(
-        f"kvray runtime {name!r} is up: {config.policy} over {config.tiers.host} host pages per node on "
-        f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}, {config.controller_shards} controller shard"
-        f"{'' if config.controller_shards == 1 else 's'}; `kvray status --name {name}` reads it, "
-        f"`kvray down --name {name}` stops it"
-    )
+    console.print(describe_up(config, nodes))
 
 
 @app.command()

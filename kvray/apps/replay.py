@@ -26,6 +26,7 @@ from pathlib import Path
 
 import ray
 from pydantic import Field, model_validator
+from rich.console import Console
 
 from kvray.apps.replay_engine import ReplayEngineActor
 from kvray.cluster.config import RuntimeConfig
@@ -330,3 +331,16 @@ def run_replay(
         if notify is not None and (warning := capacity_warning(runtime, trace)):
             notify(warning)
         return replay_with(runtime, trace, settings.model_copy(update={"runtime": runtime.config}), progress)
+
+
+def print_run(result: ReplayResult, settings: ReplaySettings, table: Console, console: Console) -> None:
+    """What ``kvray run`` prints: the results ``table``, then how far this machine's prefill ran
+    from its calibration (which ``kvray sim`` assumes) on ``console``."""
+    from kvray.apps.results import print_results
+
+    print_results({result.policy: result}, table, title=f"kvray run: measured replay ({result.scenario} settings)")
+    if settings.prefill_us_per_token > 0:
+        console.print(
+            f"prefill: {result.prefill_us_per_token_measured:.2f} us per missed token measured, "
+            f"{settings.prefill_us_per_token:g} calibrated"
+        )

@@ -34,3 +34,14 @@ def down(address: str | None, name: str) -> int:
         stores = len(runtime.stores)
         runtime.close()
         return stores
+
+
+def describe_up(config: RuntimeConfig, nodes: list[str]) -> str:
+    """What ``kvray up`` says once the runtime is up, and how to read and stop it."""
+    name = config.name
+    return (
+        f"kvray runtime {name!r} is up: {config.policy} over {config.tiers.host} host pages per node on "
+        f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}, {config.controller_shards} controller shard"
+        f"{'' if config.controller_shards == 1 else 's'}; `kvray status --name {name}` reads it, "
+        f"`kvray down --name {name}` stops it"
+    )
