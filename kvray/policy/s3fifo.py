@@ -107,18 +107,24 @@ class S3FIFOPolicy(PlacementPolicy):
         found = self._from_main(queues)
         return found if found is not None else self._from_small(queues)  # main had no unpinned page
 
-    def _from_small(self, queues: _Queues) -> int | None:
-        """The small queue's oldest unpinned page not hit there; the hit ones met on the way
-        move to the main queue."""
+    def _oldest_not_hit(self, queue: dict[int, None]) -> tuple[int | None, list[int]]:
+        """The oldest unpinned page of ``queue`` with no hit left, and the hit unpinned pages
+        met before it, oldest first (the caller moves those on)."""
         pins, frequency = self.index.pins, self._frequency
-        hit, found = [], None
-        for h in queues.small:
+        hit = []
+        for h in queue:
             if pins.item(h):
                 continue
             if not frequency[h]:
-                found = h
-                break
+                return h, hit
             hit.append(h)
+        return None, hit
+
+    def _from_small(self, queues: _Queues) -> int | None:
+        """The small queue's oldest unpinned page not hit there; the hit ones met on the way
+        move to the main queue."""
+        frequency = self._frequency
+        found, hit = self._oldest_not_hit(queues.small)
         for h in hit:
             del queues.small[h]
             queues.main[h] = None
@@ -128,16 +134,9 @@ class S3FIFOPolicy(PlacementPolicy):
     def _from_main(self, queues: _Queues) -> int | None:
         """The main queue's oldest unpinned page not hit since it was last passed; the hit
         ones met on the way go back to the head, one hit fewer."""
-        pins, frequency = self.index.pins, self._frequency
+        frequency = self._frequency
         for _ in range(MAX_FREQUENCY + 1):  # each pass lowers every unpinned page's count
-            hit, found = [], None
-            for h in queues.main:
-                if pins.item(h):
-                    continue
-                if not frequency[h]:
-                    found = h
-                    break
-                hit.append(h)
+            found, hit = self._oldest_not_hit(queues.main)
             for h in hit:
                 frequency[h] -= 1
                 queues.main.move_to_end(h)

@@ -102,8 +102,7 @@ def test_small_request_stays_on_the_engines_node(shared):
     runtime, client = shared
     keys = client.keys_for_trace([700, 701, 702])
     with client.request(keys) as r:
-        pass
-    assert r.plan.targets == [client.node_id] * 3
+        assert r.plan.targets == [client.node_id] * 3
 
 
 def roundtrip_from_another_node(runtime: Runtime, client: KvrayClient, tokens: range, seed: int):
