@@ -168,6 +168,11 @@ def run_serve_on_ray(spec: dict) -> dict:
     with socket.socket() as probe:  # a free port: other Serve instances may hold 8000
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    # Serve kills a proxy that is not ready within 5 s and then fails serve.start: on a
+    # machine busy with vLLM engines the proxy's start-up alone can take longer. The Serve
+    # controller reads these when it starts, from the environment this local Ray inherits.
+    for setting in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        os.environ.setdefault(setting, "120")
     ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False)
     runtime = None
     try:
