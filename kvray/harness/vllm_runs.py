@@ -151,16 +151,17 @@ class EngineHost:
 
 def run_serve_on_ray(spec: dict) -> dict:
     """The Ray Serve deployment of :mod:`kvray.engines.vllm.serve` on ``spec["nodes"]``
-    local Ray nodes (``ray.cluster_utils.Cluster``, one CPU each; default 1) with a kvray
-    runtime: ``spec["replicas"]`` engine replicas (at most one per node; vLLM's prefix cache
-    off, so every reused token is kvray's) routed by ``spec["router"]`` (default ``kvray``).
-    Each of ``spec["steps"]`` is a list of prompts POSTed at once to the HTTP endpoint
-    (one thread each), the steps one after another; reports each step's answers (each
-    with the node that served it) and the nodes, head first. The worker stores pages on
-    its I/O thread, off the request's path, so an answer can arrive before its pages are
-    stored: the next step starts once the runtime holds every full block before the last
-    token of the prompts so far (or after 60 s), so that the run measures reuse, not that
-    race."""
+        local Ray nodes (``ray.cluster_utils.Cluster``, one CPU each; default 1) with a kvray
+        runtime: ``spec["replicas"]`` engine replicas (at most one per node; vLLM's prefix cache
+        off, so every reused token is kvray's) routed by ``spec["router"]`` (default ``kvray``,
+    with ``spec["router_settings"]``).
+        Each of ``spec["steps"]`` is a list of prompts POSTed at once to the HTTP endpoint
+        (one thread each), the steps one after another; reports each step's answers (each
+        with the node that served it) and the nodes, head first. The worker stores pages on
+        its I/O thread, off the request's path, so an answer can arrive before its pages are
+        stored: the next step starts once the runtime holds every full block before the last
+        token of the prompts so far (or after 60 s), so that the run measures reuse, not that
+        race."""
     import socket
     from concurrent.futures import ThreadPoolExecutor
 
@@ -199,6 +200,7 @@ def run_serve_on_ray(spec: dict) -> dict:
             kvray={"host_pages": 0},
             engine=args,
             router=spec.get("router", "kvray"),
+            router_settings=spec.get("router_settings"),
             replica_options={"max_replicas_per_node": 1},
         )
         serve.run(app, name="kvray-vllm")

@@ -39,6 +39,7 @@ def test_kvray_router_sends_a_repeated_prefix_to_the_node_holding_its_pages(tmp_
         "nodes": 2,
         "replicas": 2,
         "router": "kvray",
+        "router_settings": {"lookup_timeout_s": 30.0},  # a loaded machine's slow answer is still a KV-aware route
         "steps": [[a, b], [a], [b], [b], [a]],
     }
     result = run_in_vllm_env(spec, timeout=900)

@@ -5,9 +5,10 @@ For each request :class:`KvrayRequestRouter` hashes the prompt's token ids into 
 (the chained keys the replicas' connectors use: each replica publishes its model
 fingerprint and salt in its routing stats), asks the kvray controller where the cached
 prefix of those keys lives (``Controller.locate``: one node per page, nothing pinned), and
-hands :func:`~kvray.engines.vllm.routing.choose_replica` the replicas' backlogs (Serve's queue length per replica times
-the measured time per request) and the links' utilisations the controller observes. The
-answer comes from :meth:`kvray.policy.cluster.ClusterPolicy.route` with the same
+hands :func:`~kvray.engines.vllm.routing.choose_replica` the replicas' backlogs (Serve's
+queue length per replica times the measured time per request) and the links'
+utilisations the controller observes. The answer comes from
+:meth:`kvray.policy.cluster.ClusterPolicy.route` with the same
 :class:`~kvray.policy.cluster.RequestView` and :class:`~kvray.policy.cluster.ClusterView`
 the simulator builds (``kvray/sim/cluster.py``), so a policy learned or tuned there
 (``cost-router``, or any ``package.module:Class``) routes live traffic unchanged.
@@ -15,10 +16,10 @@ the simulator builds (``kvray/sim/cluster.py``), so a policy learned or tuned th
 What the controller's index does not hold it cannot route on: it knows each page's node,
 not its tier (stores keep tiers), so the view carries nodes only, as the simulator's does.
 
-When the controller cannot be reached (not started, restarting, slow) or a replica has not
-published its fingerprint yet, the request goes to the least-loaded replica: routing
-never waits on the cache. Serve tries the other replicas, least loaded first, when the
-chosen one is full.
+When the controller cannot be reached within ``lookup_timeout_s`` (not started,
+restarting, slow) or no replica has published its fingerprint yet, the request goes to
+the least-loaded replica: the cache never fails or stalls a request. Serve tries the
+other replicas, least loaded first, when the chosen one is full.
 
 Example (what ``vllm_app(..., router="kvray")`` sets up)::
 
@@ -83,7 +84,6 @@ class KvrayRequestRouter(FIFOMixin, RequestRouter):
         self._shards = None
         self._next_find = 0.0
         self._started: dict[str, float] = {}  # internal request id -> when it was routed
-        self.routed = {"kvray": 0, "least_loaded": 0}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -106,10 +106,8 @@ class KvrayRequestRouter(FIFOMixin, RequestRouter):
         keys = self._keys(tokens, replicas)
         located = await self._locate(keys) if keys else None
         if located is None:
-            self.routed["least_loaded"] += 1
             return least_loaded(candidates).replica
         hit_nodes, links = located
-        self.routed["kvray"] += 1
         return choose_replica(self.policy, keys, hit_nodes, candidates, links, self.request_ms, self.page_prefill_ms)
 
     def _keys(self, tokens: list[int] | None, replicas: list[RunningReplica]) -> list[int]:
