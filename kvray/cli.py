@@ -73,20 +73,16 @@ def demo(
     requests: int = typer.Option(400, "--requests", callback=COUNT, help="requests of the bundled conversation trace to replay"),
     nodes: int = typer.Option(2, "--nodes", callback=in_range(2, MAX_NODES), help="local Ray nodes to start"),
     out: str = typer.Option("results", "--out", help="directory for the JSON and the plots"),
-    chat_turns: int = typer.Option(
-        4, "--chat-turns", callback=NON_NEGATIVE, help="turns of the real-model conversation (0: skip)"
-    ),
+    rounds: int = typer.Option(4, "--rounds", callback=NON_NEGATIVE, help="rounds of the multi-round QA (0: skip)"),
+    users: int = typer.Option(2, "--users", callback=COUNT, help="users of the multi-round QA"),
 ) -> None:
-    """Replay a slice of the real conversation trace on local Ray nodes without and with kvray;
-    then serve a multi-turn conversation on a real (random-weight) Llama, with and without kvray."""
+    """Measure what kvray buys: a closed-loop multi-round QA on two engines (a real,
+    random-weight Llama), no cache vs kvray, TTFT per round; then replay a slice of the real
+    conversation trace on local Ray nodes without and with kvray."""
     from kvray.apps.demo import run_demo
 
     with reported_errors():
-        run_demo(requests=requests, nodes=nodes, out_dir=out, console=console)
-    if chat_turns:
-        from kvray.apps.chat import conversation_demo
-
-        conversation_demo(turns=chat_turns, console=Console(), plot=Path(out) / "chat_ttft.png")
+        run_demo(requests=requests, nodes=nodes, out_dir=out, console=Console(), rounds=rounds, users=users)  # stdout
 
 
 @app.command()

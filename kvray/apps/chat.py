@@ -35,7 +35,7 @@ from kvray.report import format_duration, print_table
 
 
 @torch.inference_mode()
-def _recompute(model, tokens: np.ndarray, max_new_tokens: int) -> tuple[list[int], float]:
+def recompute(model, tokens: np.ndarray, max_new_tokens: int) -> tuple[list[int], float]:
     """Reply and TTFT of a server without any KV reuse: the whole prompt is prefilled."""
     t0 = time.perf_counter()
     out = model(input_ids=torch.from_numpy(tokens.astype(np.int64))[None], use_cache=True, logits_to_keep=1)
@@ -67,15 +67,15 @@ def conversation_demo(
     history = rng.integers(3, vocab, system_tokens).astype(np.int32)
     rows = []
     with torch_threads(1), closing(store):
-        _recompute(model, history, 1)  # warm-up, untimed
+        recompute(model, history, 1)  # warm-up, untimed
         for turn in range(1, turns + 1):
             prompt = np.concatenate([history, rng.integers(3, vocab, user_tokens).astype(np.int32)])
             if turn % 2:
-                plain_reply, plain_ttft = _recompute(model, prompt, reply_tokens)
+                plain_reply, plain_ttft = recompute(model, prompt, reply_tokens)
                 reply, first = lm.generate(prompt, reply_tokens)
             else:
                 reply, first = lm.generate(prompt, reply_tokens)
-                plain_reply, plain_ttft = _recompute(model, prompt, reply_tokens)
+                plain_reply, plain_ttft = recompute(model, prompt, reply_tokens)
             rows.append(
                 {
                     "turn": turn,

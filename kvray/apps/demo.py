@@ -1,11 +1,15 @@
-"""``kvray demo``: the real conversation trace on local Ray nodes, without and with kvray.
+"""``kvray demo``: what kvray buys, measured, then the real conversation trace on local Ray
+nodes, without and with kvray.
 
-It replays a slice (from request 1000 on) of the bundled Mooncake conversation trace on ``nodes``
+It leads with a small closed-loop multi-round QA on two engines (:mod:`kvray.apps.multiround`):
+time to first token per round without a cache and with kvray, printed and plotted
+(``<out>/multiround_ttft.png``). Then it replays a slice (from request 1000 on) of the bundled Mooncake conversation trace on ``nodes``
 local Ray nodes (one engine and one store per node), once per contender, and prints a
 table of what was measured: token hit rate, hits per tier, mean and p99 time to first
 token, bytes moved. The contenders are the same engines recomputing every prompt (no
 cache: what an engine without kvray does) and with kvray's tiers under LRU, so the table
-shows what kvray buys. Results go to ``<out>/demo.json`` and ``<out>/demo.png``.
+shows what kvray buys. Results go to ``<out>/demo.json`` and ``<out>/demo.png``. The last
+line says what kvray bought in the QA and how that was measured.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from kvray.apps.multiround import run_multiround, summary_line
 from kvray.apps.replay import ReplayResult, ReplaySettings, replay_on_runtime
 from kvray.apps.results import TIER_ORDER, print_results
 from kvray.cluster.config import RuntimeConfig
@@ -43,7 +48,13 @@ def contenders(nodes: int) -> dict[str, ReplaySettings]:
     }
 
 
-def run_demo(requests: int, nodes: int, out_dir: str | Path, console: Console) -> dict[str, ReplayResult]:
+def run_demo(
+    requests: int, nodes: int, out_dir: str | Path, console: Console, rounds: int = 4, users: int = 2
+) -> dict[str, ReplayResult]:
+    """The multi-round QA (``users`` x ``rounds``; 0 rounds: skipped), then the replay of
+    ``requests`` trace requests on ``nodes`` local Ray nodes; ends with the QA's summary line."""
+    out = Path(out_dir)
+    qa = run_multiround(users, rounds, out, console) if rounds else []
     trace = read_trace(DEMO_TRACE)[DEMO_START : DEMO_START + requests]
     results: dict[str, ReplayResult] = {}
     console.print(f"replaying requests {DEMO_START}..{DEMO_START + len(trace) - 1} of {DEMO_TRACE} on {nodes} local Ray nodes")
@@ -51,11 +62,12 @@ def run_demo(requests: int, nodes: int, out_dir: str | Path, console: Console) -
         for label, settings in contenders(nodes).items():
             results[label] = replay_on_runtime(trace, settings, progress=True)
     print_results(results, console, title="kvray on Ray: measured replay (TTFT = lookup + load + prefill of misses)")
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "demo.json").write_text(json.dumps({k: r.as_dict() for k, r in results.items()}, indent=2))
     plot_results(results, out / "demo.png")
-    console.print(f"saved {out / 'demo.json'} and {out / 'demo.png'}")
+    console.print(f"saved {out / 'demo.json'} and the plot {out / 'demo.png'}", soft_wrap=True)
+    if qa:
+        console.print(summary_line(qa), soft_wrap=True)
     return results
 
 

@@ -271,6 +271,16 @@ class Controller:
         hit_nodes = [self.node_ids[i] for i in self.index.node[handles].tolist()]
         return Plan(lease, hit_nodes, self._place(RequestView(tuple(keys), requester, tuple(hit_nodes))))
 
+    def locate(self, keys: Sequence[int]) -> tuple[list[str], ClusterView]:
+        """Where the cached prefix of ``keys`` lives (the node of each page, root first) and
+        the cluster view, for a request router choosing an engine before any engine asks
+        (:mod:`kvray.engines.vllm.router`): nothing is pinned, touched or counted, as the
+        engine that serves the request looks it up again with ``lookup_pin``."""
+        self._expire()
+        handles = self.index.lookup(keys)
+        handles = handles[: self._first_doomed(handles)]
+        return [self.node_ids[i] for i in self.index.node[handles].tolist()], self.cluster_view()
+
     def cluster_view(self) -> ClusterView:
         """The live nodes, in membership order, as the cluster policy sees them now."""
         return self.observed.view(list(self.stores), time.monotonic())

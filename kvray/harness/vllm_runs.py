@@ -150,18 +150,24 @@ class EngineHost:
 
 
 def run_serve_on_ray(spec: dict) -> dict:
-    """The Ray Serve deployment of :mod:`kvray.engines.vllm.serve` on a local Ray with a
-    kvray runtime: ``spec["prompts"]`` POSTed one after another to its HTTP endpoint
-    (``spec["replicas"]`` replicas; vLLM's prefix cache off, so every reused token is
-    kvray's). Reports each answer. The worker stores pages on its I/O thread, off the
-    request's path, so an answer can arrive before its pages are stored: the next prompt is
-    sent once the runtime holds every full block before the last token of the prompts so
-    far (or after 60 s), so that the run measures reuse, not that race."""
+    """The Ray Serve deployment of :mod:`kvray.engines.vllm.serve` on ``spec["nodes"]``
+        local Ray nodes (``ray.cluster_utils.Cluster``, one CPU each; default 1) with a kvray
+        runtime: ``spec["replicas"]`` engine replicas (at most one per node; vLLM's prefix cache
+        off, so every reused token is kvray's) routed by ``spec["router"]`` (default ``kvray``,
+    with ``spec["router_settings"]``).
+        Each of ``spec["steps"]`` is a list of prompts POSTed at once to the HTTP endpoint
+        (one thread each), the steps one after another; reports each step's answers (each
+        with the node that served it) and the nodes, head first. The worker stores pages on
+        its I/O thread, off the request's path, so an answer can arrive before its pages are
+        stored: the next step starts once the runtime holds every full block before the last
+        token of the prompts so far (or after 60 s), so that the run measures reuse, not that
+        race."""
     import socket
-    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
 
     import ray
     from ray import serve
+    from ray.cluster_utils import Cluster
 
     from kvray.engines.vllm.serve import start_runtime_for, vllm_app
 
@@ -173,13 +179,18 @@ def run_serve_on_ray(spec: dict) -> dict:
     # controller reads these when it starts, from the environment this local Ray inherits.
     for setting in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
         os.environ.setdefault(setting, "120")
-    ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False)
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False})
+    for _ in range(spec.get("nodes", 1) - 1):
+        cluster.add_node(**NODE_ARGS)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
     runtime = None
     try:
         args = engine_args(spec["model"], False, spec["block_size"])
         model, block_size, dtype = args.pop("model"), args.pop("block_size"), args.pop("dtype")
         runtime = start_runtime_for(model, block_size, dtype, name=spec["runtime"], host_pages=64, detached=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        nodes = sorted(runtime.stores, key=lambda n: n != ray.get_runtime_context().get_node_id())  # head first
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         app = vllm_app(
             model,
             block_size,
@@ -188,25 +199,38 @@ def run_serve_on_ray(spec: dict) -> dict:
             num_replicas=spec.get("replicas", 1),
             kvray={"host_pages": 0},
             engine=args,
+            router=spec.get("router", "kvray"),
+            router_settings=spec.get("router_settings"),
+            replica_options={"max_replicas_per_node": 1},
         )
         serve.run(app, name="kvray-vllm")
-        answers = []
+        steps = []
         blocks: set[tuple[int, ...]] = set()  # distinct full blocks before each prompt's last token
-        for prompt in spec["prompts"]:
-            body = json.dumps({"prompt_token_ids": prompt, "max_tokens": spec["max_tokens"]}).encode()
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/", body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=300) as response:
-                answers.append(json.loads(response.read()))
-            blocks.update(tuple(prompt[:end]) for end in range(block_size, len(prompt), block_size))
-            deadline = time.monotonic() + 60
-            while sum(s["pages"] for s in runtime.store_stats().values()) < len(blocks) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        return {"answers": answers}
+        with ThreadPoolExecutor(max_workers=max(len(step) for step in spec["steps"])) as pool:
+            for step in spec["steps"]:
+                steps.append(list(pool.map(lambda prompt: _post(port, prompt, spec["max_tokens"]), step)))
+                for prompt in step:
+                    blocks.update(tuple(prompt[:end]) for end in range(block_size, len(prompt), block_size))
+                deadline = time.monotonic() + 60
+                while sum(s["pages"] for s in runtime.store_stats().values()) < len(blocks) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        return {"nodes": nodes, "steps": steps}
     finally:
         serve.shutdown()
         if runtime is not None:
             runtime.close()
         ray.shutdown()
+        cluster.shutdown()
+
+
+def _post(port: int, prompt: list[int], max_tokens: int) -> dict:
+    """One request to the Serve endpoint on ``port``; its answer."""
+    import urllib.request
+
+    body = json.dumps({"prompt_token_ids": prompt, "max_tokens": max_tokens}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
 
 
 RUNS = {"serve": run_serve, "ttft": run_ttft, "ray_nodes": run_on_ray_nodes, "serve_on_ray": run_serve_on_ray}

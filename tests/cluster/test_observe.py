@@ -97,6 +97,21 @@ def test_the_policy_sees_what_stores_and_engines_reported():
     assert ctrl.cluster_view().names == ["a"]
 
 
+def test_locate_tells_a_router_where_a_prefix_lives_without_pinning_or_counting_it():
+    ctrl = controller(["a", "b"], tiers={"host": 40})
+    ctrl.commit(None, [1, 2, 3], ["b", "b", "a"], 0, {})
+    ctrl.lookup_pin([9], "a", backlog_ms=4.0)
+    before = ctrl.snapshot()
+    hit_nodes, view = ctrl.locate([1, 2, 3, 4])
+    assert hit_nodes == ["b", "b", "a"]
+    assert view.names == ["a", "b"] and view.node("a").backlog_ms == 4.0
+    after = ctrl.snapshot()
+    assert (after["lookups"], after["lookup_pages"], after["open_leases"]) == (
+        before["lookups"], before["lookup_pages"], before["open_leases"],
+    )  # fmt: skip
+    assert int(ctrl.index.pins[ctrl.index.handle_of(1)]) == 0
+
+
 class Elsewhere(ClusterPolicy):
     name = "elsewhere"
 

@@ -68,6 +68,7 @@ RAY_EDGES = frozenset(
         "kvray.bench.serve",
         "kvray.engines.runtime",  # an engine joining the Ray cluster of a named runtime
         "kvray.engines.vllm.serve",  # vLLM behind Ray Serve
+        "kvray.engines.vllm.router",  # its request router, a Ray Serve RequestRouter
         "kvray.harness.vllm_runs",  # the vLLM-on-Ray runs of the tests and benchmarks
     }
 )

@@ -17,8 +17,10 @@ what passes between them is typed metadata that vLLM carries with each step:
 - :mod:`~kvray.engines.vllm.codec`: kvray pages <-> vLLM's block tensors, per attention
   backend;
 - :mod:`~kvray.engines.vllm.settings`: ``kv_connector_extra_config``, validated;
-- :mod:`~kvray.engines.vllm.serve`: vLLM with the connector as a Ray Serve deployment.
+- :mod:`~kvray.engines.vllm.serve`: vLLM with the connector as a Ray Serve deployment;
+- :mod:`~kvray.engines.vllm.router`: its KV-aware Ray Serve request router, whose choice
+  (:mod:`~kvray.engines.vllm.routing`, pure) is the cluster policy's ``route``.
 
-This package imports nothing on its own: ``codec`` and ``settings`` work without vLLM
+This package imports nothing on its own: ``codec``, ``settings`` and ``routing`` work without vLLM
 installed (their tests run anywhere torch does); the rest import vLLM.
 """

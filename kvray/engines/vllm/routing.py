@@ -1,0 +1,83 @@
+"""The replica choice of kvray's Ray Serve router (:mod:`kvray.engines.vllm.router`), pure:
+candidates, where the request's cached prefix lives and the links' state in, a replica out.
+Kept apart from the router so that it runs (and is tested) without Ray Serve.
+
+Example::
+
+    from kvray.policy.cluster import CostRouter
+
+    candidates = [Candidate("r1", "node-a", queue_len=0), Candidate("r2", "node-b", queue_len=0)]
+    choose_replica(CostRouter(), keys=[1, 2, 3], hit_nodes=["node-b", "node-b"], candidates=candidates)  # 'r2'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from kvray.core.errors import PolicyError
+from kvray.core.keys import ModelFingerprint, page_keys
+from kvray.policy.cluster import ClusterPolicy, ClusterView, NodeView, RequestView
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A replica Serve offers for a request: its id, its Ray node and its queue length."""
+
+    replica: str
+    node: str
+    queue_len: int
+
+
+def fingerprint_stats(fingerprint: ModelFingerprint, salt: str) -> dict:
+    """What a replica publishes in its Serve routing stats so that the router keys prompts
+    exactly as the replica's connector does (:func:`keys_from_stats`)."""
+    return {"kvray_digest": fingerprint.hex, "page_tokens": fingerprint.page_tokens, "kvray_salt": salt}
+
+
+def keys_from_stats(tokens: Sequence[int], stats: dict) -> list[int]:
+    """The page keys of ``tokens`` under a replica's published :func:`fingerprint_stats`."""
+    fingerprint = ModelFingerprint(bytes.fromhex(stats["kvray_digest"]), stats["page_tokens"])
+    return page_keys(tokens, fingerprint, stats["kvray_salt"])
+
+
+def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
+    """The candidate with the shortest queue (the first such, in Serve's order)."""
+    return min(candidates, key=lambda c: c.queue_len)
+
+
+def choose_replica(
+    policy: ClusterPolicy,
+    keys: Sequence[int],
+    hit_nodes: Sequence[str],
+    candidates: Sequence[Candidate],
+    links: ClusterView | None = None,
+    request_ms: float = 0.0,
+    page_prefill_ms: float = 0.0,
+) -> str:
+    """The replica for a request of page ``keys`` whose cached prefix lives on ``hit_nodes``
+    (one node per page, root first), by ``policy.route``.
+
+    The policy sees one node per node holding a candidate, backlog = that node's
+    least-loaded candidate's queue x ``request_ms``, link utilisations and free tier shares
+    from ``links`` (the controller's view; a node it does not report is idle), and the
+    least-loaded candidate's node as the requester (the front end's own choice, which a
+    policy that does not route keeps). The chosen node's least-loaded candidate serves.
+    """
+    if not candidates:
+        raise PolicyError("no replica to route to")
+    front = least_loaded(candidates)
+    per_node: dict[str, Candidate] = {}
+    for candidate in candidates:
+        best = per_node.get(candidate.node)
+        if best is None or candidate.queue_len < best.queue_len:
+            per_node[candidate.node] = candidate
+    observed = {node.name: node for node in links.nodes} if links else {}
+    nodes = tuple(
+        replace(observed.get(name, NodeView(name)), backlog_ms=c.queue_len * request_ms) for name, c in per_node.items()
+    )
+    request = RequestView(tuple(keys), front.node, tuple(hit_nodes))
+    node = policy.route(request, ClusterView(nodes, page_prefill_ms))
+    if node not in per_node:
+        raise PolicyError(f"cluster policy {policy.name!r} routed to node {node!r}; replicas run on {', '.join(per_node)}")
+    return per_node[node].replica

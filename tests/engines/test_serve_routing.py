@@ -1,0 +1,73 @@
+"""kvray's Serve router's replica choice (kvray.engines.vllm.routing), on hand-built
+candidates: pure, no Ray. The live router is tested in a real Serve deployment
+(tests/engines/test_vllm_serve.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvray.core.errors import PolicyError
+from kvray.core.keys import ModelFingerprint, page_keys
+from kvray.engines.vllm.routing import Candidate, choose_replica, fingerprint_stats, keys_from_stats, least_loaded
+from kvray.policy.cluster import ClusterPolicy, ClusterView, CostRouter, LocalFirstRing, NodeView
+from tests.conftest import TINY
+
+KEYS = tuple(range(10))
+REPLICAS = [Candidate("r-a", "node-a", 0), Candidate("r-b", "node-b", 0)]
+
+
+def test_a_cached_prefix_goes_to_the_replica_on_the_node_holding_it():
+    assert choose_replica(CostRouter(), KEYS, ["node-b"] * 8, REPLICAS, request_ms=50.0, page_prefill_ms=10.0) == "r-b"
+    assert choose_replica(CostRouter(), KEYS, ["node-a"] * 8, REPLICAS, request_ms=50.0, page_prefill_ms=10.0) == "r-a"
+
+
+def test_a_queue_longer_than_the_saved_prefill_sends_the_request_elsewhere():
+    busy = [Candidate("r-a", "node-a", 0), Candidate("r-b", "node-b", 3)]
+    # node-b: 3 x 50 ms queued + 2 pages; node-a: 2 pages + 8 fetched pages at half weight (10 ms each)
+    assert choose_replica(CostRouter(), KEYS, ["node-b"] * 8, busy, request_ms=50.0, page_prefill_ms=10.0) == "r-a"
+    assert choose_replica(CostRouter(), KEYS, ["node-b"] * 8, busy, request_ms=5.0, page_prefill_ms=10.0) == "r-b"
+
+
+def test_link_state_comes_from_the_controller_and_backlog_from_serve():
+    seen = []
+
+    class Recording(ClusterPolicy):
+        def route(self, request, cluster):
+            seen.append((request, cluster))
+            return "node-b"
+
+    links = ClusterView((NodeView("node-b", backlog_ms=999.0, nic_in_util=0.7), NodeView("node-z")))
+    replicas = [Candidate("r-a", "node-a", 2), Candidate("r-b1", "node-b", 4), Candidate("r-b2", "node-b", 1)]
+    assert choose_replica(Recording(), KEYS, ["node-b"], replicas, links, request_ms=10.0, page_prefill_ms=7.0) == "r-b2"
+    request, cluster = seen[0]
+    assert request.keys == KEYS and request.hit_nodes == ("node-b",) and request.requester == "node-b"
+    assert cluster.page_prefill_ms == 7.0 and cluster.names == ["node-a", "node-b"]  # nodes with replicas only
+    assert cluster.node("node-a") == NodeView("node-a", backlog_ms=20.0)  # not reported: idle links
+    assert cluster.node("node-b").nic_in_util == 0.7 and cluster.node("node-b").backlog_ms == 10.0  # least-loaded replica's
+
+
+def test_a_policy_that_does_not_route_keeps_the_least_loaded_replica():
+    replicas = [Candidate("r-a", "node-a", 1), Candidate("r-b", "node-b", 0)]
+    assert least_loaded(replicas).replica == "r-b"
+    assert choose_replica(LocalFirstRing(), KEYS, ["node-a"] * 10, replicas) == "r-b"
+
+
+def test_a_policy_naming_a_node_without_a_replica_is_refused():
+    class Elsewhere(ClusterPolicy):
+        name = "elsewhere"
+
+        def route(self, request, cluster):
+            return "node-z"
+
+    with pytest.raises(PolicyError, match="'elsewhere' routed to node 'node-z'; replicas run on node-a, node-b"):
+        choose_replica(Elsewhere(), KEYS, [], REPLICAS)
+    with pytest.raises(PolicyError, match="no replica"):
+        choose_replica(CostRouter(), KEYS, [], [])
+
+
+def test_the_router_keys_prompts_as_the_replicas_connector_does():
+    fingerprint = ModelFingerprint.of(TINY, "tiny", "rev-1")
+    tokens = list(range(3, 23))
+    stats = fingerprint_stats(fingerprint, "tenant-a")
+    assert keys_from_stats(tokens, stats) == page_keys(tokens, fingerprint, "tenant-a")
+    assert keys_from_stats(tokens, stats) != page_keys(tokens, fingerprint, "")
