@@ -28,8 +28,9 @@ from kvray.core.errors import ConfigError
 from kvray.policy.cluster import make_cluster_policy
 from kvray.report import ReplayResult
 from kvray.scenario import Scenario
-from kvray.sim.cluster import ClusterSimulator, node_capacities
+from kvray.sim.cluster import ClusterSimulator
 from kvray.sim.load import find_load
+from kvray.sim.node import node_capacities
 from kvray.sim.oracle import oracle_replay
 from kvray.traces import TraceRequest
 

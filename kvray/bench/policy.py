@@ -29,7 +29,8 @@ from kvray.policy import make_policy
 from kvray.policy.cluster import LocalFirstRing
 from kvray.policy.rl import DEFAULT_POLICY, decision_time_us, load_scorer
 from kvray.scenario import DEFAULT_SCENARIO, load_scenario
-from kvray.sim.cluster import ClusterSimulator, node_capacities
+from kvray.sim.cluster import ClusterSimulator
+from kvray.sim.node import node_capacities
 from kvray.sim.simulator import Simulator, fast_capacity
 from kvray.sim.workloads import WorkloadSpec, generate
 from kvray.traces import read_trace

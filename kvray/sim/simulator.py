@@ -41,7 +41,8 @@ from kvray.policy.cluster import CLUSTER_POLICIES, make_cluster_policy
 from kvray.policy.plugin import is_import_path
 from kvray.report import ReplayResult
 from kvray.scenario import Scenario
-from kvray.sim.cluster import ClusterSimulator, node_capacities
+from kvray.sim.cluster import ClusterSimulator
+from kvray.sim.node import node_capacities
 from kvray.traces import TraceRequest
 
 
