@@ -167,7 +167,18 @@ class ClusterSimulator:
         keys = full_blocks(request.hash_ids, request.input_length, self.block_tokens)
         hits = self.hit_nodes(keys, node)
         names = self.names
-        return RequestView(tuple(keys), None if node is None else names[node], tuple(names[h] for h in hits), session_of(request))
+        return RequestView(
+            tuple(keys),
+            None if node is None else names[node],
+            tuple(names[h] for h in hits),
+            session_of(request),
+            self.hit_tiers(keys, hits),
+        )
+
+    def hit_tiers(self, keys: Sequence[int], hits: Sequence[int]) -> tuple[str, ...]:
+        """The tier label of each page of a cached prefix on the node ``hits`` names for it."""
+        indexes = [n.manager.index for n in self.nodes]
+        return tuple(TIER_LABELS[int(indexes[h].tier[indexes[h].handle_of(k)])] for k, h in zip(keys, hits))
 
     def views(self, request: TraceRequest, node: str | None = None) -> tuple[RequestView, ClusterView]:
         """What the cluster policy sees for ``request`` served by ``node`` (the runtime's
@@ -194,8 +205,9 @@ class ClusterSimulator:
         cluster = self.cluster_view(now)
         at = self._node(policy.route(view, cluster))
         if at != front:
+            hits = self.hit_nodes(view.keys, at)
             view = RequestView(
-                view.keys, self.names[at], tuple(self.names[h] for h in self.hit_nodes(view.keys, at)), view.session
+                view.keys, self.names[at], tuple(self.names[h] for h in hits), view.session, self.hit_tiers(view.keys, hits)
             )
         keys, node = view.keys, self.nodes[at]
         info = self._request_info(node, keys, now, future)
