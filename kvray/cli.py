@@ -281,6 +281,9 @@ def cluster_eval(
         [], "--policy", help="also NODE_POLICY+CLUSTER_POLICY (e.g. rl+cost-router), reported against the best heuristic"
     ),
     load: float = typer.Option(None, "--load", help=LOAD_HELP + ", per scenario and trace", callback=LOAD),
+    bandwidth_scale: list[float] = typer.Option(
+        [1.0], "--bandwidth-scale", callback=POSITIVE, help="each scenario with every link this many times as fast (repeat)"
+    ),
 ) -> None:
     """Every heuristic and the oracle on cluster scenarios: one table per scenario and trace."""
     import shlex
@@ -295,7 +298,18 @@ def cluster_eval(
 
     with reported_errors(), console.status("replaying") as status:
         tables, paths = run_cluster_eval(
-            scenario, trace, generated, limit, capacity_fraction, out, policy, command, status.update, load, notify
+            scenario,
+            trace,
+            generated,
+            limit,
+            capacity_fraction,
+            out,
+            policy,
+            command,
+            status.update,
+            load,
+            notify,
+            bandwidth_scale,
         )
     console.print(f"{tables} tables; wrote {', '.join(str(p) for p in paths)}")
 
@@ -311,7 +325,12 @@ def train(
         callback=POSITIVE,
         help="link bandwidths trained over: each scenario with every link this many times as fast",
     ),
-    trace: list[Path] = typer.Option(..., "--trace", help="training trace(s); each is split by time"),
+    trace: list[Path] = typer.Option(
+        [], "--trace", help="training trace(s); each is split by time (required but with --cluster)"
+    ),
+    cluster: bool = typer.Option(
+        False, "--cluster", help="train the cluster router instead: PPO residual on the cost router (rl-router; docs/sim-eval)"
+    ),
     timesteps: int = typer.Option(
         50_000, "--timesteps", callback=NON_NEGATIVE, help="PPO steps after the counterfactual fit (0: none)"
     ),
@@ -377,6 +396,7 @@ def train(
         tensorboard=tensorboard,
         jobs=jobs,
         progress=console.print,
+        cluster=cluster,
     )
     with reported_errors():
         card = train_policy(request)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvray.core.errors import ConfigError
 from kvray.scenario import DEFAULT_SCENARIO, Scenario, load_scenario
 from kvray.traces import TraceRequest
 
@@ -49,11 +50,18 @@ class TrainRequest:
     tensorboard: Path | None
     jobs: int
     progress: Callable[[str], None] | None = field(default=None, compare=False)
+    cluster: bool = False  # train the cluster router (kvray.apps.train_cluster) instead of the placement policy
 
 
 def train_policy(request: TrainRequest) -> dict:
     """Train the policy ``request`` asks for into ``request.out``; returns its model card
     (with the held-out scores unless ``request.evaluate`` is off)."""
+    if request.cluster:
+        from kvray.apps.train_cluster import train_router_policy
+
+        return train_router_policy(request)
+    if not request.traces:
+        raise ConfigError("give at least one --trace to train the placement policy on (or --cluster)")
     from kvray.rl.train import train
 
     bases = [load_scenario(path) for path in request.scenarios or [DEFAULT_SCENARIO]]
@@ -112,6 +120,8 @@ class HeldOutScores:
 
 def summary_line(card: dict, out: Path) -> str:
     """What was written and how the fit and PPO went, in one line."""
+    if "counterfactual" not in card["training"]:  # the cluster router: PPO alone
+        return f"wrote {out}: {card['training']['timesteps']} PPO steps in {card['training']['wall_s']} s"
     fitted = card["training"]["counterfactual"]
     fit_line = (
         f"fitted to {fitted['choices']} counterfactual choices in {fitted['wall_s']} s (expected regret "
