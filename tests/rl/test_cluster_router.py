@@ -146,7 +146,7 @@ def test_tiny_training_is_deterministic_and_the_numpy_router_runs_its_actor(tiny
 
 def test_shipped_router_loads_and_replays():
     result = ClusterSimulator(SCENARIO, "lru", make_cluster_policy("rl-router"), CAPACITY).replay(TRACE[:60])
-    assert result.cluster_policy == "rl-router" and result.mean_ttft_ms > 0
+    assert result.extra["cluster_policy"] == "rl-router" and result.mean_ttft_ms > 0
 
 
 def test_a_folder_for_another_observation_is_refused(tmp_path):
@@ -156,3 +156,29 @@ def test_a_folder_for_another_observation_is_refused(tmp_path):
         make_cluster_policy(f"rl-router:{tmp_path}")
     with pytest.raises(PolicyError, match="not a cluster policy"):
         make_cluster_policy(f"rl-router:{tmp_path / 'missing'}")
+
+
+def test_the_command_line_names_what_cluster_training_and_evaluation_take(tmp_path):
+    """`kvray train` needs --trace unless --cluster, which refuses one; `kvray cluster-eval
+    --bandwidth-scale` replays each scenario at each scale and reports the candidate's share
+    of the oracle's headroom."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvray.cli import app
+
+    root = Path(__file__).resolve().parents[2]
+    trace = str(root / "data" / "traces" / "synthetic_trace.jsonl")
+    no_trace = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "a"), "--no-evaluate"])
+    assert no_trace.exit_code == 2 and "give at least one --trace" in " ".join(no_trace.stderr.split())
+    both = CliRunner().invoke(app, ["train", "--cluster", "--trace", trace, "--out", str(tmp_path / "b")])
+    assert both.exit_code == 2 and "leave out --trace" in " ".join(both.stderr.split())
+    out = tmp_path / "eval"
+    scenario = str(root / "simulations" / "h100-4node-skewed.yaml")
+    args = ["cluster-eval", "--scenario", scenario, "--generated", "20", "--bandwidth-scale", "0.5", "--bandwidth-scale", "2"]
+    result = CliRunner().invoke(app, [*args, "--policy", "lru+rl-router", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((out / "cluster.json").read_text())["rows"]
+    assert {r["scenario"] for r in rows} == {"h100-4node-skewed@bandwidth-x0.5", "h100-4node-skewed@bandwidth-x2"}
+    assert "lru + rl-router: mean TTFT" in (out / "cluster.md").read_text()
