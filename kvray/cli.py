@@ -376,6 +376,24 @@ def train(
     correction to follow-the-leader; 0 by default, as leave-one-source-out cross-validation over the training
     sources chose (docs/sim-eval).
     Progress and logs go to stderr, so stdout holds only the result."""
+    if cluster:
+        from kvray.apps.train_cluster import train_router_policy
+
+        with reported_errors():
+            card = train_router_policy(
+                out=out,
+                scenarios=scenario,
+                bandwidth_scales=bandwidth_scale,
+                traces=trace,
+                families=family,
+                capacity_fractions=fraction,
+                timesteps=timesteps,
+                seed=seed,
+            )
+        console.print(f"wrote {out}: {card['training']['timesteps']} PPO steps in {card['training']['wall_s']} s")
+        if json_out:
+            print(json.dumps(card))
+        return
     from kvray.apps.train import TrainRequest, summary_line, train_policy
 
     request = TrainRequest(
@@ -396,7 +414,6 @@ def train(
         tensorboard=tensorboard,
         jobs=jobs,
         progress=console.print,
-        cluster=cluster,
     )
     with reported_errors():
         card = train_policy(request)

@@ -50,16 +50,11 @@ class TrainRequest:
     tensorboard: Path | None
     jobs: int
     progress: Callable[[str], None] | None = field(default=None, compare=False)
-    cluster: bool = False  # train the cluster router (kvray.apps.train_cluster) instead of the placement policy
 
 
 def train_policy(request: TrainRequest) -> dict:
     """Train the policy ``request`` asks for into ``request.out``; returns its model card
     (with the held-out scores unless ``request.evaluate`` is off)."""
-    if request.cluster:
-        from kvray.apps.train_cluster import train_router_policy
-
-        return train_router_policy(request)
     if not request.traces:
         raise ConfigError("give at least one --trace to train the placement policy on (or --cluster)")
     from kvray.rl.train import train
@@ -120,8 +115,6 @@ class HeldOutScores:
 
 def summary_line(card: dict, out: Path) -> str:
     """What was written and how the fit and PPO went, in one line."""
-    if "counterfactual" not in card["training"]:  # the cluster router: PPO alone
-        return f"wrote {out}: {card['training']['timesteps']} PPO steps in {card['training']['wall_s']} s"
     fitted = card["training"]["counterfactual"]
     fit_line = (
         f"fitted to {fitted['choices']} counterfactual choices in {fitted['wall_s']} s (expected regret "

@@ -8,14 +8,16 @@ scores come from ``kvray cluster-eval --policy lru+rl-router:OUT`` (docs/sim-eva
 
 Example::
 
-    card = train_router_policy(TrainRequest(cluster=True, out=Path("policies/mine"), timesteps=4096, ...))
+    card = train_router_policy(out=Path("policies/mine"), scenarios=[], bandwidth_scales=[1.0], traces=[],
+                               families=["chat"], capacity_fractions=[0.05], timesteps=4096, seed=0)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
-from kvray.apps.train import TrainRequest, scenarios_at_bandwidths
+from kvray.apps.train import scenarios_at_bandwidths
 from kvray.core.errors import ConfigError
 from kvray.resources import bundled
 from kvray.scenario import load_scenario
@@ -23,20 +25,30 @@ from kvray.scenario import load_scenario
 DEFAULT_CLUSTER_SCENARIO = "simulations/h100-2node-train.yaml"
 
 
-def train_router_policy(request: TrainRequest) -> dict:
-    """Train the router ``request`` asks for into ``request.out``; returns its card."""
+def train_router_policy(
+    *,
+    out: Path,
+    scenarios: Sequence[Path],
+    bandwidth_scales: Sequence[float],
+    traces: Sequence[Path],
+    families: Sequence[str],
+    capacity_fractions: Sequence[float],
+    timesteps: int,
+    seed: int,
+) -> dict:
+    """Train the router the flags ask for into ``out``; returns its card."""
     from kvray.rl.cluster_train import train_router
 
-    if request.traces:
+    if traces:
         raise ConfigError("--cluster trains on the generated families (--family): leave out --trace")
-    if len(request.capacity_fractions) != 1:
+    if len(capacity_fractions) != 1:
         raise ConfigError("--cluster trains at one cache size: give one --capacity-fraction")
-    bases = [load_scenario(path) for path in request.scenarios or [bundled(DEFAULT_CLUSTER_SCENARIO)]]
+    bases = [load_scenario(path) for path in scenarios or [bundled(DEFAULT_CLUSTER_SCENARIO)]]
     return train_router(
-        scenarios_at_bandwidths(bases, request.bandwidth_scales),
-        request.timesteps,
-        Path(request.out),
-        request.seed,
-        families=request.families,
-        capacity_fraction=request.capacity_fractions[0],
+        scenarios_at_bandwidths(bases, bandwidth_scales),
+        timesteps,
+        Path(out),
+        seed,
+        families=families,
+        capacity_fraction=capacity_fractions[0],
     )

@@ -275,6 +275,9 @@ CLUSTER_POLICIES: dict[str, type[ClusterPolicy]] = {
 }
 
 
+LEARNED_ROUTER = "kvray.policy.residual:RLRouter"  # rl-router[:FOLDER]; by import path, as it builds on this module
+
+
 def make_cluster_policy(name: str, local_limit: int | None = None) -> ClusterPolicy:
     """A cluster policy by registered name (:data:`CLUSTER_POLICIES`), ``rl-router`` (the
     shipped PPO residual on the cost router, :mod:`kvray.policy.residual`) or ``rl-router:PATH``
@@ -284,9 +287,9 @@ def make_cluster_policy(name: str, local_limit: int | None = None) -> ClusterPol
     from kvray.policy.plugin import is_import_path, policy_class
 
     if name == "rl-router" or name.startswith("rl-router:"):
-        from kvray.policy.residual import DEFAULT_ROUTER, RLRouter  # loads weights; kept out of plain imports
-
-        policy = RLRouter(name.partition(":")[2] or DEFAULT_ROUTER)
+        router = policy_class(LEARNED_ROUTER, ClusterPolicy)  # imported when named: it loads weights
+        folder = name.partition(":")[2]
+        policy = router(folder) if folder else router()
     elif is_import_path(name):
         policy = policy_class(name, ClusterPolicy)()
     elif name not in CLUSTER_POLICIES:

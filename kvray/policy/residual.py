@@ -19,8 +19,8 @@ weights in ``policies/cluster-default``) and the learner in the training environ
 Example::
     from kvray.policy.cluster import make_cluster_policy
 
-    policy = make_cluster_policy("rl-router")                    # the shipped weights
-    policy = make_cluster_policy("rl-router:policies/mine")      # trained by `kvray train --cluster`
+    policy = make_cluster_policy("rl-router")    # the shipped weights; rl-router:FOLDER: one `kvray train --cluster` wrote
+    policy.card["training"]["timesteps"]
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ Example::
     from kvray.rl.cluster_train import train_router
     from kvray.scenario import load_scenario
 
-    card = train_router([load_scenario("h100-2node-train")], timesteps=256, out=Path("policies-mine"),
-                        families=("chat",), loads=(0.6,), requests=200, n_steps=32, progress=False)
+    card = train_router([load_scenario("h100-2node-train")], timesteps=64, out=Path("policies-mine"),
+                        families=("chat",), loads=(0.6,), requests=120, episode_requests=16, n_steps=32, progress=False)
     card["training"]["timesteps"]
 """
 
@@ -153,6 +153,8 @@ def train_router(
     gamma: float = 0.9,
     policy: str = "lru",
     progress: bool = True,
+    learning_rate: float = 3e-4,
+    n_epochs: int = 4,
 ) -> dict:
     """Train the router's residual with PPO, export it and its card into ``out``; returns the card.
 
@@ -183,10 +185,10 @@ def train_router(
         env,
         n_steps=n_steps,
         batch_size=min(256, n_steps * len(cells)),
-        n_epochs=4,
+        n_epochs=n_epochs,
         gamma=gamma,
         gae_lambda=0.9,
-        learning_rate=3e-4,
+        learning_rate=learning_rate,
         ent_coef=0.0,
         seed=seed,
         device="cpu",
@@ -216,6 +218,8 @@ def train_router(
             "episode_requests": episode_requests,
             "environments": len(cells),
             "n_steps": n_steps,
+            "n_epochs": n_epochs,
+            "learning_rate": learning_rate,
             "gamma": gamma,
             "timesteps": int(model.num_timesteps),
             "seed": seed,
