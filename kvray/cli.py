@@ -277,6 +277,9 @@ def cluster_eval(
         [], "--policy", help="also NODE_POLICY+CLUSTER_POLICY (e.g. rl+cost-router), reported against the best heuristic"
     ),
     load: float = typer.Option(None, "--load", help=LOAD_HELP + ", per scenario and trace", callback=LOAD),
+    bandwidth_scale: list[float] = typer.Option(
+        [1.0], "--bandwidth-scale", callback=POSITIVE, help="each scenario with every link this many times as fast (repeat)"
+    ),
 ) -> None:
     """Every heuristic and the oracle on cluster scenarios: one table per scenario and trace."""
     import shlex
@@ -291,7 +294,18 @@ def cluster_eval(
 
     with reported_errors(), console.status("replaying") as status:
         tables, paths = run_cluster_eval(
-            scenario, trace, generated, limit, capacity_fraction, out, policy, command, status.update, load, notify
+            scenario,
+            trace,
+            generated,
+            limit,
+            capacity_fraction,
+            out,
+            policy,
+            command,
+            status.update,
+            load,
+            notify,
+            bandwidth_scale,
         )
     console.print(f"{tables} tables; wrote {', '.join(str(p) for p in paths)}")
 
@@ -307,7 +321,12 @@ def train(
         callback=POSITIVE,
         help="link bandwidths trained over: each scenario with every link this many times as fast",
     ),
-    trace: list[Path] = typer.Option(..., "--trace", help="training trace(s); each is split by time"),
+    trace: list[Path] = typer.Option(
+        [], "--trace", help="training trace(s); each is split by time (required but with --cluster)"
+    ),
+    cluster: bool = typer.Option(
+        False, "--cluster", help="train the cluster router instead: PPO residual on the cost router (rl-router; docs/sim-eval)"
+    ),
     timesteps: int = typer.Option(
         50_000, "--timesteps", callback=NON_NEGATIVE, help="PPO steps after the counterfactual fit (0: none)"
     ),
@@ -353,6 +372,24 @@ def train(
     correction to follow-the-leader; 0 by default, as leave-one-source-out cross-validation over the training
     sources chose (docs/sim-eval).
     Progress and logs go to stderr, so stdout holds only the result."""
+    if cluster:
+        from kvray.apps.train_cluster import train_router_policy
+
+        with reported_errors():
+            card = train_router_policy(
+                out=out,
+                scenarios=scenario,
+                bandwidth_scales=bandwidth_scale,
+                traces=trace,
+                families=family,
+                capacity_fractions=fraction,
+                timesteps=timesteps,
+                seed=seed,
+            )
+        console.print(f"wrote {out}: {card['training']['timesteps']} PPO steps in {card['training']['wall_s']} s")
+        if json_out:
+            print(json.dumps(card))
+        return
     from kvray.apps.train import TrainRequest, summary_line, train_policy
 
     request = TrainRequest(

@@ -28,8 +28,9 @@ from kvray.core.errors import ConfigError
 from kvray.policy.cluster import make_cluster_policy
 from kvray.report import ReplayResult
 from kvray.scenario import Scenario
-from kvray.sim.cluster import ClusterSimulator, node_capacities
+from kvray.sim.cluster import ClusterSimulator
 from kvray.sim.load import find_load
+from kvray.sim.node import node_capacities
 from kvray.sim.oracle import oracle_replay
 from kvray.traces import TraceRequest
 
@@ -127,6 +128,12 @@ def headroom(rows: Sequence[dict]) -> dict[tuple[str, str], tuple[dict, dict, fl
     return out
 
 
+def headroom_share(row: dict, best: dict, oracle: dict) -> float:
+    """The share of the oracle's lead over the best heuristic that ``row`` captures (mean
+    TTFT; negative when it is slower than the best heuristic)."""
+    return (best["mean_ttft_ms"] - row["mean_ttft_ms"]) / (best["mean_ttft_ms"] - oracle["mean_ttft_ms"])
+
+
 def write_markdown(rows: Sequence[dict], path: Path, command: str) -> Path:
     lines = [
         "# Cluster scenarios: every heuristic and the oracle (modeled)",
@@ -179,7 +186,8 @@ def write_markdown(rows: Sequence[dict], path: Path, command: str) -> Path:
             lines += [
                 f"{r['policy']} + {r['cluster_policy']}: mean TTFT {r['mean_ttft_ms'] / best['mean_ttft_ms']:.3f}x, "
                 f"p99 {r['p99_ttft_ms'] / best['p99_ttft_ms']:.3f}x the best heuristic's; the oracle: mean "
-                f"{oracle['mean_ttft_ms'] / best['mean_ttft_ms']:.3f}x, p99 {oracle['p99_ttft_ms'] / best['p99_ttft_ms']:.3f}x.",
+                f"{oracle['mean_ttft_ms'] / best['mean_ttft_ms']:.3f}x, p99 {oracle['p99_ttft_ms'] / best['p99_ttft_ms']:.3f}x"
+                + (f"; {headroom_share(r, best, oracle):.1%} of the oracle's headroom." if room > 0 else "."),
                 "",
             ]
         if room < SMALL_HEADROOM:
@@ -238,12 +246,15 @@ def run_cluster_eval(
     progress: Callable[[str], None] | None = None,
     load: float | None = None,
     notify: Callable[[str], None] | None = None,
+    bandwidth_scales: Sequence[float] = (1.0,),
 ) -> tuple[int, list[Path]]:
     """What ``kvray cluster-eval`` does: every cluster scenario x trace (the files, and a
     generated chat workload of about ``generated`` requests), the ``pairs``
     (``NODE_POLICY+CLUSTER_POLICY``) beside the heuristics; returns the number of tables
     and the files written into ``out``. Every name is checked before any replay. With ``load``
-    each scenario and trace is replayed at that busy share (``notify`` hears the factor found)."""
+    each scenario and trace is replayed at that busy share (``notify`` hears the factor found).
+    Each scenario is replayed at every ``bandwidth_scales`` (its links that many times as
+    fast: :meth:`~kvray.scenario.Scenario.with_bandwidth`)."""
     from kvray.policy import make_policy
     from kvray.scenario import load_scenario
     from kvray.sim.workloads import WorkloadSpec, generate
@@ -256,7 +267,9 @@ def run_cluster_eval(
             raise ConfigError(
                 f"--scenario {path}: scenario {scenario.name!r} has one node; cluster-eval compares cluster policies"
             )
-        scenarios[scenario.name] = scenario
+        for scale in bandwidth_scales:
+            scaled = scenario if scale == 1.0 else scenario.with_bandwidth(scale)
+            scenarios[scaled.name] = scaled
     traces = {t.stem: read_trace(t, limit=limit) for t in trace_paths}
     if generated:
         spec = WorkloadSpec(sessions=max(1, generated // 4), system_prompt_pages=1, document_probability=0.5)

@@ -36,8 +36,8 @@ from pathlib import Path
 
 from kvray.core.errors import ConfigError
 from kvray.scenario import Scenario
-from kvray.sim.cluster import node_capacities
 from kvray.sim.load import find_load, scaled
+from kvray.sim.node import node_capacities
 from kvray.sim.simulator import simulate
 from kvray.traces import TraceRequest, read_trace
 

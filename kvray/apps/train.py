@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvray.core.errors import ConfigError
 from kvray.scenario import DEFAULT_SCENARIO, Scenario, load_scenario
 from kvray.traces import TraceRequest
 
@@ -54,6 +55,8 @@ class TrainRequest:
 def train_policy(request: TrainRequest) -> dict:
     """Train the policy ``request`` asks for into ``request.out``; returns its model card
     (with the held-out scores unless ``request.evaluate`` is off)."""
+    if not request.traces:
+        raise ConfigError("give at least one --trace to train the placement policy on (or --cluster)")
     from kvray.rl.train import train
 
     bases = [load_scenario(path) for path in request.scenarios or [DEFAULT_SCENARIO]]

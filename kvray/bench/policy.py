@@ -13,6 +13,9 @@
 - ``rl_policy_decision``: microseconds per decision of the trained policy (its scorer on a
   batch of decisions; and one whole ``victim`` call, rows built from the index) against
   one ``victim`` call of LRU in the same cache state.
+- ``rl_router_decision``: microseconds per request of the trained cluster router
+  (``rl-router``: route, load_pages and prefetch) against the cost router's, on the same
+  views of a warm 8-node heterogeneous cluster. The goal is 20 us.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ import numpy as np
 from kvray.bench import BenchResult, benchmark, paired_medians
 from kvray.core.tiers import Tier
 from kvray.policy import make_policy
-from kvray.policy.cluster import LocalFirstRing
+from kvray.policy.cluster import LocalFirstRing, make_cluster_policy
 from kvray.policy.rl import DEFAULT_POLICY, decision_time_us, load_scorer
 from kvray.scenario import DEFAULT_SCENARIO, load_scenario
-from kvray.sim.cluster import ClusterSimulator, node_capacities
+from kvray.sim.cluster import ClusterSimulator
+from kvray.sim.node import node_capacities
 from kvray.sim.simulator import Simulator, fast_capacity
 from kvray.sim.workloads import WorkloadSpec, generate
 from kvray.traces import read_trace
@@ -155,4 +159,35 @@ def rl_policy_decision(quick: bool) -> list[BenchResult]:
             params={"goal_us": 5.0, "decisions_per_batch": 1024},
         ),
         BenchResult("rl_policy_decision[victim call vs lru victim]", kvray=rl_us, baseline=lru_us, unit="us/decision"),
+    ]
+
+
+@benchmark("rl_router_decision")
+def rl_router_decision(quick: bool) -> list[BenchResult]:
+    scenario = load_scenario("h100-8node-hetero")
+    requests = generate(WorkloadSpec(sessions=250, system_prompt_pages=1, document_probability=0.5), seed=0)  # cluster-eval's
+    sim = ClusterSimulator(scenario, "lru", make_cluster_policy("cost-router"), node_capacities(scenario, requests, 0.05))
+    warm = len(requests) // 2
+    for request in requests[:warm]:
+        sim.serve(request)
+    views = [sim.views(r, sim.names[0]) for r in requests[warm:]]
+    routers = {name: make_cluster_policy(name) for name in ("rl-router", "cost-router")}
+
+    def decide(router) -> None:
+        for request, cluster in views:
+            router.route(request, cluster)
+            router.load_pages(request, cluster)
+            router.prefetch(request, cluster)
+
+    ours, base = paired_medians(
+        lambda: decide(routers["rl-router"]), lambda: decide(routers["cost-router"]), repeats=3 if quick else 9
+    )
+    return [
+        BenchResult(
+            "rl_router_decision[rl-router vs cost-router]",
+            kvray=ours / len(views) * 1e6,
+            baseline=base / len(views) * 1e6,
+            unit="us/request",
+            params={"goal_us": 20.0, "nodes": len(sim.nodes), "requests": len(views)},
+        )
     ]

@@ -84,13 +84,15 @@ class ClusterView:
 @dataclass(frozen=True)
 class RequestView:
     """A request at the cluster: its page keys root first, the engine's node (None when it is
-    not on any store's node), the node of each page of its cached prefix, and its session (the
-    flow a sticky router keeps together; empty when unknown)."""
+    not on any store's node), the node of each page of its cached prefix, its session (the
+    flow a sticky router keeps together; empty when unknown) and the tier label of each page
+    of its cached prefix on its node (empty when unknown: the runtime does not report them yet)."""
 
     keys: tuple[int, ...]
     requester: str | None = None
     hit_nodes: tuple[str, ...] = ()
     session: str = ""
+    hit_tiers: tuple[str, ...] = ()
 
 
 class ClusterPolicy:
@@ -273,16 +275,26 @@ CLUSTER_POLICIES: dict[str, type[ClusterPolicy]] = {
 }
 
 
+LEARNED_ROUTER = "kvray.policy.residual:RLRouter"  # rl-router[:FOLDER]; by import path, as it builds on this module
+
+
 def make_cluster_policy(name: str, local_limit: int | None = None) -> ClusterPolicy:
-    """A cluster policy by registered name (:data:`CLUSTER_POLICIES`) or import path
+    """A cluster policy by registered name (:data:`CLUSTER_POLICIES`), ``rl-router`` (the
+    shipped PPO residual on the cost router, :mod:`kvray.policy.residual`) or ``rl-router:PATH``
+    (one trained by ``kvray train --cluster``), or import path
     (``package.module:Class``, :mod:`kvray.policy.plugin`); ``local_limit``, when given, is
     the largest request a node keeps (the runtime's ``RuntimeConfig.local_limit``)."""
     from kvray.policy.plugin import is_import_path, policy_class
 
-    if is_import_path(name):
+    if name == "rl-router" or name.startswith("rl-router:"):
+        router = policy_class(LEARNED_ROUTER, ClusterPolicy)  # imported when named: it loads weights
+        folder = name.partition(":")[2]
+        policy = router(folder) if folder else router()
+    elif is_import_path(name):
         policy = policy_class(name, ClusterPolicy)()
     elif name not in CLUSTER_POLICIES:
-        raise PolicyError(f"unknown cluster policy {name!r}; known: {', '.join(sorted(CLUSTER_POLICIES))}")
+        known = ", ".join(sorted([*CLUSTER_POLICIES, "rl-router"]))
+        raise PolicyError(f"unknown cluster policy {name!r}; known: {known}")
     else:
         policy = CLUSTER_POLICIES[name]()
     if local_limit is not None:

@@ -67,12 +67,16 @@ class MLPScorer:
     def score(self, rows: np.ndarray) -> np.ndarray:
         if len(rows) > self.chunk_rows:
             return np.concatenate([self.score(rows[i : i + self.chunk_rows]) for i in range(0, len(rows), self.chunk_rows)])
+        return self.forward(rows)[:, 0]
+
+    def forward(self, rows: np.ndarray) -> np.ndarray:
+        """Every output of the MLP for each row (``score`` is the first, in chunks)."""
         x = rows
         for i, (w, b) in enumerate(self.layers):
             x = x @ w + b
             if i < len(self.layers) - 1:
                 np.maximum(x, 0.0, out=x)
-        return x[:, 0]
+        return x
 
 
 def load_scorer(path: str | Path) -> tuple[MLPScorer, dict]:

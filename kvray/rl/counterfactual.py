@@ -83,7 +83,8 @@ def _replay(job: tuple) -> list[tuple[np.ndarray, np.ndarray]]:
     requests and shadows, as in :class:`~kvray.policy.rl.RLPolicy` on a cluster, under
     :data:`CLUSTER_POLICY`."""
     from kvray.policy.cluster import make_cluster_policy
-    from kvray.sim.cluster import ClusterSimulator, node_capacities
+    from kvray.sim.cluster import ClusterSimulator
+    from kvray.sim.node import node_capacities
 
     trace, fraction, scenario, horizon, selector = job
     recorders = [_Recorder(selector) for _ in scenario.node_scenarios()]

@@ -96,14 +96,16 @@ class _ScorerExtractor(nn.Module):
         return self.forward_actor(obs), self.forward_critic(obs)
 
 
-def _scorer_policy_class():
+def identity_head_policy(make_extractor: Callable[[], nn.Module]):
+    """An SB3 actor-critic policy whose actor output is ``make_extractor()``'s actor latent
+    itself (no extra linear head): the logits, or the Gaussian's mean, a network of ours computes."""
     from stable_baselines3.common.policies import ActorCriticPolicy
 
     class ScorerPolicy(ActorCriticPolicy):
-        """Actor logits are the row scores themselves (no extra linear head)."""
+        """Actor logits (or action means) are the extractor's actor latent (no extra linear head)."""
 
         def _build_mlp_extractor(self) -> None:
-            self.mlp_extractor = _ScorerExtractor()
+            self.mlp_extractor = make_extractor()
 
         def _build(self, lr_schedule) -> None:
             super()._build(lr_schedule)
@@ -278,7 +280,7 @@ def _ppo(
     env.seed(seed)
     n_steps = max(4, min(16, timesteps // len(makers)))
     return PPO(
-        _scorer_policy_class(),
+        identity_head_policy(_ScorerExtractor),
         env,
         n_steps=n_steps,
         batch_size=min(64, n_steps * len(makers)),

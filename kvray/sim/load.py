@@ -19,7 +19,7 @@ the share bends) until the share is within ``tolerance`` of the target.
 
 Example::
     from kvray.scenario import DEFAULT_SCENARIO, load_scenario
-    from kvray.sim.cluster import node_capacities
+    from kvray.sim.node import node_capacities
     from kvray.sim.load import find_load
     from kvray.sim.workloads import WorkloadSpec, generate
 

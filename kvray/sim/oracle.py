@@ -8,7 +8,7 @@ hot-prefix replication after 2 or 8 requests (or none). Belady with today's plac
 of the settings searched, so the oracle is never worse than it.
 
 Example::
-    from kvray.sim.cluster import node_capacities
+    from kvray.sim.node import node_capacities
     from kvray.scenario import load_scenario
     from kvray.sim.oracle import oracle_replay
     from kvray.sim.workloads import WorkloadSpec, generate

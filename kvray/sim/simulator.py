@@ -41,7 +41,8 @@ from kvray.policy.cluster import CLUSTER_POLICIES, make_cluster_policy
 from kvray.policy.plugin import is_import_path
 from kvray.report import ReplayResult
 from kvray.scenario import Scenario
-from kvray.sim.cluster import ClusterSimulator, node_capacities
+from kvray.sim.cluster import ClusterSimulator
+from kvray.sim.node import node_capacities
 from kvray.traces import TraceRequest
 
 
@@ -133,5 +134,5 @@ def _check_cluster_policy(name: str, scenario: Scenario) -> None:
             f"--cluster-policy {name}: scenario {scenario.name!r} has one node, and a cluster policy decides "
             "across nodes; give a scenario of several (--scenario, e.g. simulations/h100-4node-skewed.yaml)"
         )
-    if name not in SIM_CLUSTER_POLICIES and not is_import_path(name):
+    if name not in SIM_CLUSTER_POLICIES and not is_import_path(name) and name.partition(":")[0] != "rl-router":
         raise PolicyError(f"unknown cluster policy {name!r}; known: {', '.join(sorted(SIM_CLUSTER_POLICIES))}")

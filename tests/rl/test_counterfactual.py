@@ -9,7 +9,8 @@ from kvray.policy.experts import ExpertsPolicy, leader_scores
 from kvray.rl.counterfactual import CLUSTER_POLICY, collect, expected_regret, fit
 from kvray.rl.train import RowScorer
 from kvray.scenario import DEFAULT_SCENARIO, load_scenario
-from kvray.sim.cluster import ClusterSimulator, node_capacities
+from kvray.sim.cluster import ClusterSimulator
+from kvray.sim.node import node_capacities
 from kvray.sim.simulator import Simulator, fast_capacity
 from kvray.sim.workloads import generate, named_workload
 

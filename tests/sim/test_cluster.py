@@ -27,8 +27,9 @@ from kvray.policy.cluster import (
 from kvray.report import ReplayTally, hit_tokens
 from kvray.resources import shipped_or_given
 from kvray.scenario import PrefillQueue, RouterSpec, Scenario, load_scenario
-from kvray.sim.cluster import ClusterSimulator, Router, node_capacities, session_of
+from kvray.sim.cluster import ClusterSimulator
 from kvray.sim.cost import CostModel
+from kvray.sim.node import Router, node_capacities, session_of
 from kvray.sim.oracle import oracle_replay
 from kvray.sim.simulator import Simulator, fast_capacity
 from kvray.sim.workloads import WorkloadSpec, generate

@@ -13,8 +13,9 @@ from typer.testing import CliRunner
 from kvray.cli import app
 from kvray.core.errors import ConfigError
 from kvray.scenario import DEFAULT_SCENARIO, PrefillQueue, load_scenario
-from kvray.sim.cluster import ClusterSimulator, node_capacities
+from kvray.sim.cluster import ClusterSimulator
 from kvray.sim.load import TOLERANCE, find_load, lru_utilisation, scaled
+from kvray.sim.node import node_capacities
 from kvray.sim.workloads import WorkloadSpec, generate
 from kvray.traces import TraceRequest, write_trace
 

@@ -1,0 +1,54 @@
+"""``kvray train --cluster``: the cluster router (a PPO residual on the cost router) from the
+command line's training scenarios, link bandwidths, families and cache size.
+
+Every ``--scenario`` (``h100-2node-train`` by default: the held-out clusters are
+``cluster-eval``'s) is trained on at every ``--bandwidth-scale``, every family's generated
+trace at loads 0.6 and 0.85 (:func:`kvray.rl.cluster_train.train_router`). Held-out
+scores come from ``kvray cluster-eval --policy lru+rl-router:OUT`` (docs/sim-eval).
+
+Example::
+
+    card = train_router_policy(out=Path("policies/mine"), scenarios=[], bandwidth_scales=[1.0], traces=[],
+                               families=["chat"], capacity_fractions=[0.05], timesteps=4096, seed=0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvray.apps.train import scenarios_at_bandwidths
+from kvray.core.errors import ConfigError
+from kvray.resources import bundled
+from kvray.scenario import load_scenario
+
+DEFAULT_CLUSTER_SCENARIO = "simulations/h100-2node-train.yaml"
+
+
+def train_router_policy(
+    *,
+    out: Path,
+    scenarios: Sequence[Path],
+    bandwidth_scales: Sequence[float],
+    traces: Sequence[Path],
+    families: Sequence[str],
+    capacity_fractions: Sequence[float],
+    timesteps: int,
+    seed: int,
+) -> dict:
+    """Train the router the flags ask for into ``out``; returns its card."""
+    from kvray.rl.cluster_train import train_router
+
+    if traces:
+        raise ConfigError("--cluster trains on the generated families (--family): leave out --trace")
+    if len(capacity_fractions) != 1:
+        raise ConfigError("--cluster trains at one cache size: give one --capacity-fraction")
+    bases = [load_scenario(path) for path in scenarios or [bundled(DEFAULT_CLUSTER_SCENARIO)]]
+    return train_router(
+        scenarios_at_bandwidths(bases, bandwidth_scales),
+        timesteps,
+        Path(out),
+        seed,
+        families=families,
+        capacity_fraction=capacity_fractions[0],
+    )
