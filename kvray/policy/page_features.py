@@ -15,6 +15,9 @@ request's arrival time (ms), where the caller knows it.
 
 Example::
 
+    import numpy as np
+    from kvray.policy.page_features import PageFeatures
+
     features = PageFeatures()
     features.tick(arrival_ms=0.0)
     features.insert(np.array([0, 1]), depth=np.array([0, 1]), request_pages=2, root=np.array([0, 0]))

@@ -15,6 +15,10 @@ by the oracle among the candidates when it has no model yet: DAgger's rounds).
 
 Example::
 
+    from kvray.core.manager import CacheManager
+    from kvray.core.tiers import Tier
+    from kvray.policy.reuse import ReusePolicy
+
     policy = ReusePolicy.load()                # policies/reuse, the shipped model
     manager = CacheManager({Tier.HOST: 64, Tier.DISK: 1024}, policy)
 """

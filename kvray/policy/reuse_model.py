@@ -15,8 +15,15 @@ Weights are stored as safetensors (no pickle) beside the feature names they were
 
 Example::
 
-    model = ReuseModel.fit(groups, labels, mask, weights, seed=0)    # (G, K, F), (G, K), (G, K), (G,)
-    model.predict(groups[0])      # K eviction scores
+    import numpy as np
+    from kvray.policy.page_features import FEATURES
+    from kvray.policy.reuse_model import ReuseModel, log_next_use
+
+    rng = np.random.default_rng(0)
+    groups = rng.normal(size=(32, 8, len(FEATURES))).astype(np.float32)   # 32 decisions of 8 candidates
+    labels = log_next_use(rng.integers(1, 100, (32, 8)))
+    model = ReuseModel.fit(groups, labels, np.ones((32, 8), dtype=bool), np.ones(32), seed=0, epochs=1)
+    model.predict(groups[0])      # 8 eviction scores
 """
 
 from __future__ import annotations

@@ -16,10 +16,14 @@ trusts the model again once it is back within half the margin.
 
 Example::
 
+    import numpy as np
+    from kvray.policy.page_features import FEATURES
+    from kvray.policy.reuse_online import DelayedLabels
+
     labels = DelayedLabels(horizon=512)
-    labels.decided(rows, keys, now=10)
-    labels.used([keys[0]], now=14)
-    complete = labels.expire(now=600)      # every decision older than the horizon
+    labels.decided(np.zeros((2, len(FEATURES)), dtype=np.float32), [101, 102], now=10)
+    labels.used([101], now=14)
+    rows, log_next_uses = labels.expire(now=600)      # 101: log1p(4); 102: never
 """
 
 from __future__ import annotations

@@ -15,8 +15,14 @@ comes from the seed: a run reproduces its weights bit for bit on one machine.
 
 Example::
 
-    sources = training_sources(list(FAMILY_SEEDS), [TRAIN_TRACE], train_fraction=0.6)
-    card = train_reuse(Path("policies/reuse"), sources, seed=0, rounds=2, jobs=2)
+    import tempfile
+    from pathlib import Path
+    from kvray.rl.imitation import train_reuse
+    from kvray.sim.workloads import WorkloadSpec, generate
+
+    # kvray train-reuse's sources are training_sources(list(FAMILY_SEEDS), [TRAIN_TRACE], 0.6); a tiny one here
+    sources = {"tiny": generate(WorkloadSpec(sessions=10), seed=1)}
+    card = train_reuse(Path(tempfile.mkdtemp()), sources, seed=0, rounds=1, record=1.0, capacities=(0.05,), epochs=1)
 """
 
 from __future__ import annotations
