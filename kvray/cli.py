@@ -420,6 +420,36 @@ def train(
         print(json.dumps(card["evaluation"]["goals"], indent=2))
 
 
+@app.command(name="train-reuse")
+def train_reuse(
+    out: Path = typer.Option(Path("policies/reuse"), "--out", help="folder for reuse.safetensors and card.json"),
+    seed: int = typer.Option(0, "--seed", callback=NON_NEGATIVE),
+    rounds: int = typer.Option(2, "--rounds", callback=NON_NEGATIVE, help="DAgger rounds after the oracle's (0: none)"),
+    record: float = typer.Option(0.1, "--record", callback=TIME_FRACTION, help="share of decisions kept as training rows"),
+    trace: list[Path] = typer.Option(
+        [Path("conversation_trace_first30min.jsonl")], "--trace", help="training trace(s); only their first part is used"
+    ),
+    train_fraction: float = typer.Option(
+        0.6, "--train-fraction", callback=TIME_FRACTION, help="first part of each trace (by time) trained on"
+    ),
+    family: list[str] = typer.Option(
+        ["chat", "document", "agent", "bursty", "phase"], "--family", help="generated workload families trained on"
+    ),
+    fraction: list[float] = typer.Option(
+        [0.02, 0.05, 0.10, 0.25], "--capacity-fraction", callback=CAPACITY_FRACTION, help="cache sizes trained on"
+    ),
+    jobs: int = typer.Option(1, "--jobs", callback=COUNT, help="replays run at once (worker processes)"),
+) -> None:
+    """Train the per-page reuse policy (`--policy reuse`) by imitating the Belady oracle with DAgger rounds,
+    on one node (simulations/h100-llama8b.yaml), over the generated families (seeds 100-104) and the first part of
+    each trace; writes reuse.safetensors and card.json. Deterministic for a seed on one machine."""
+    from kvray.apps.train import train_reuse_policy
+
+    with reported_errors():
+        card = train_reuse_policy(out, seed, rounds, jobs, record, family, trace, fraction, train_fraction, console.print)
+    console.print(f"wrote {out}: {card['training']['decisions']} decisions in {card['training']['wall_s']} s")
+
+
 @app.command(name="eval")
 def eval_(
     trace: list[str] = typer.Option(..., "--trace", help="PATH or PATH@F (only requests after fraction F of its time)"),

@@ -42,6 +42,7 @@ from kvray.sim.simulator import simulate
 from kvray.traces import TraceRequest, read_trace
 
 HEURISTICS = ("lru", "lfu", "arc", "wfq", "threshold", "lecar", "s3fifo", "sieve")
+LEARNED = ("rl", "reuse")  # the learned policies a summary scores (the first named: rl, rl:PATH, reuse or reuse:PATH)
 WITHIN = 1.02  # the learned policy's goal: mean TTFT at most this times the cell's best heuristic's
 
 
@@ -373,9 +374,9 @@ def run_eval(
     from kvray.resources import shipped_or_given
     from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 
-    learned = next((p for p in policies if p.startswith("rl")), None)
+    learned = next((p for p in policies if p.partition(":")[0] in LEARNED), None)
     if noise and learned is None:
-        raise ConfigError("--noise compares rl with the best heuristic: add --policy rl (or rl:PATH)")
+        raise ConfigError("--noise compares a learned policy with the best heuristic: add --policy rl or reuse (or rl:PATH)")
     spec = load_scenario(scenario or DEFAULT_SCENARIO)
     if bandwidth_scale != 1.0:
         spec = spec.with_bandwidth(bandwidth_scale)
@@ -409,9 +410,17 @@ def run_eval(
                 loads=summary.get("load"),
             )
         summary["noise"] = {"copies": noise, "counts": noise_counts(floor), "cells": floor}
-    folder = shipped_or_given(learned[3:] if learned and learned.startswith("rl:") else DEFAULT_POLICY, "policies")
-    if learned is not None:
-        summary["rl_decision_us_batched"] = decision_time_us(load_scorer(folder)[0])
+    if learned is not None and learned.partition(":")[0] == "reuse":
+        from kvray.policy.reuse import DEFAULT_MODEL
+        from kvray.policy.reuse import decision_time_us as page_decision_us
+        from kvray.policy.reuse_model import ReuseModel
+
+        folder = shipped_or_given(learned.partition(":")[2] or DEFAULT_MODEL, "policies")
+        summary["reuse_decision_us_per_page_batched"] = page_decision_us(ReuseModel.load(folder))
+    else:
+        folder = shipped_or_given(learned[3:] if learned and learned.startswith("rl:") else DEFAULT_POLICY, "policies")
+        if learned is not None:
+            summary["rl_decision_us_batched"] = decision_time_us(load_scorer(folder)[0])
     card_path = card or folder / CARD_FILE
     model_card = json.loads(card_path.read_text()) if card_path.is_file() else None
     written = [write_report(out, rows, summary)]

@@ -123,3 +123,23 @@ def summary_line(card: dict, out: Path) -> str:
         else ""
     )
     return f"wrote {out}: {fit_line}{card['training']['timesteps']} PPO steps in {card['training']['wall_s']} s"
+
+
+def train_reuse_policy(
+    out: Path,
+    seed: int,
+    rounds: int,
+    jobs: int,
+    record: float,
+    families: Sequence[str],
+    traces: Sequence[Path],
+    capacity_fractions: Sequence[float],
+    train_fraction: float,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """``kvray train-reuse``: the per-page reuse model imitating the oracle over the training
+    sources (:mod:`kvray.rl.imitation`), written with its card into ``out``."""
+    from kvray.rl.imitation import train_reuse, training_sources
+
+    sources = training_sources(families, [str(t) for t in traces], train_fraction)
+    return train_reuse(out, sources, seed, rounds, jobs, record, capacity_fractions, say=progress)

@@ -4,8 +4,9 @@
 (``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``lecar``, ``s3fifo``, ``sieve``, ``selective-write``,
 ``experts`` (follows whichever of
 lru, arc and threshold does best on shadow caches of the same workload), ``belady`` (evaluation only: the
-simulator feeds it the future), ``rl`` (the shipped trained policy); ``rl:PATH`` loads a
-trained policy file; ``package.module:Class`` an importable policy class).
+simulator feeds it the future), ``rl`` (the shipped trained selector); ``rl:PATH`` loads a
+trained policy file; ``reuse`` (the per-page learned policy: LRU's tail re-ranked by a reuse
+model imitating Belady, :mod:`kvray.policy.reuse`), ``reuse:PATH`` a trained reuse model; ``package.module:Class`` an importable policy class).
 Unknown names raise :class:`kvray.core.errors.PolicyError` listing the known ones.
 """
 
@@ -27,6 +28,12 @@ from kvray.policy.threshold import ThresholdPolicy
 from kvray.policy.wfq import WFQPolicy
 
 
+def _reuse(path: str | None = None, refit: bool = False) -> PlacementPolicy:
+    from kvray.policy.reuse import ReusePolicy  # loads weights; kept out of plain imports
+
+    return ReusePolicy.load(path or None, refit=refit)
+
+
 def _rl(path: str | None = None) -> PlacementPolicy:
     from kvray.policy.rl import RLPolicy  # loads weights; kept out of plain imports
 
@@ -46,6 +53,8 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "selective-write": SelectiveWritePolicy,
     "experts": ExpertsPolicy,
     "rl": _rl,
+    "reuse": _reuse,
+    "reuse-online": lambda: _reuse(refit=True),
 }
 
 
@@ -54,12 +63,15 @@ def register(name: str, factory: Callable[[], PlacementPolicy]) -> None:
 
 
 def make_policy(name: str) -> PlacementPolicy:
-    """A policy by registered name; ``rl:PATH`` loads a trained policy from ``PATH``;
+    """A policy by registered name; ``rl:PATH`` loads a trained policy from ``PATH``
+    (``reuse:PATH`` a reuse model);
     ``package.module:Class`` builds an importable one (:mod:`kvray.policy.plugin`)."""
     from kvray.policy.plugin import is_import_path, policy_class
 
     if name.startswith("rl:"):
         return _rl(name[3:])
+    if name.startswith("reuse:"):
+        return _reuse(name[6:])
     if is_import_path(name):
         return policy_class(name, PlacementPolicy)()
     if name not in POLICIES:

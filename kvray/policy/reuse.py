@@ -1,0 +1,248 @@
+"""The learned per-page policy: LRU's tail candidates, re-ranked by a reuse model (HALP-style).
+
+Each tier keeps LRU order (a cheap heuristic that already puts the likely victims at its
+tail). To evict, the :data:`CANDIDATES` least recent unpinned pages of the tier are scored by
+the reuse model (:mod:`kvray.policy.reuse_model`) on their access-history features
+(:mod:`kvray.policy.page_features`), and the one predicted to be used furthest ahead leaves,
+as Belady's would among them; the next :data:`TAKE` - 1 best-ranked go on the following
+victim calls while nothing has been read since (a store evicts in bursts), so one scoring
+pays for several evictions. Without a model the policy is LRU.
+
+The model is trained by imitating the oracle in the simulator (:mod:`kvray.rl.imitation`):
+the same class runs as the *teacher's student* there (``teacher=True``: told the future like
+Belady, it records every scored candidate with its true next use, and acts by the model, or
+by the oracle among the candidates when it has no model yet: DAgger's rounds).
+
+Example::
+
+    from kvray.core.manager import CacheManager
+    from kvray.core.tiers import Tier
+    from kvray.policy.reuse import ReusePolicy
+
+    policy = ReusePolicy.load()                # policies/reuse, the shipped model
+    manager = CacheManager({Tier.HOST: 64, Tier.DISK: 1024}, policy)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from kvray.core.errors import PolicyError
+from kvray.core.index import ROOT, PrefixIndex
+from kvray.core.placement import PageContext, PlacementPolicy, RequestInfo
+from kvray.core.tiers import Tier
+from kvray.policy.page_features import PageFeatures
+from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
+from kvray.policy.reuse_online import DelayedLabels, ShadowTripwire
+from kvray.resources import shipped_or_given
+
+TRIPWIRE = 0.05  # the shipped policy follows LRU while it trails an LRU shadow by 5% of its decayed hits
+REFIT_BATCH = 64  # decisions per online refit step
+CANDIDATES = 64  # LRU tail pages scored per decision
+TAKE = 8  # evictions served from one scoring while no page is read in between
+DEFAULT_MODEL = "reuse"  # policies/reuse
+
+
+class ReusePolicy(PlacementPolicy):
+    """Evict, among each tier's least recently used unpinned pages, the one the model
+    predicts is used furthest ahead; demote one tier down."""
+
+    name = "reuse"
+    candidates = CANDIDATES
+    take = TAKE
+
+    def __init__(
+        self,
+        model: ReuseModel | None = None,
+        *,
+        teacher: bool = False,
+        record: float = 0.0,
+        seed: int = 0,
+        refit: bool = False,
+        tripwire: float | None = None,
+    ):
+        self.model = model
+        self.refit = refit and model is not None  # online refit on delayed labels (reuse_online)
+        self.tripwire_margin = tripwire  # follow LRU while the cache trails an LRU shadow by this share of hits
+        self.refits = 0
+        self.teacher = teacher
+        self.needs_future = teacher  # the simulator tells a teacher the future, as it tells Belady
+        self.record = record  # share of decisions whose candidates are kept as training rows
+        self._rng = np.random.default_rng(seed)
+        self.rows: list[np.ndarray] = []
+        self.labels: list[np.ndarray] = []
+        self.weights: list[float] = []
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, refit: bool = False, tripwire: float | None = TRIPWIRE) -> ReusePolicy:
+        """The model in ``path`` (a folder or weights file), else the shipped one."""
+        return cls(ReuseModel.load(shipped_or_given(path or DEFAULT_MODEL, "policies")), refit=refit, tripwire=tripwire)
+
+    def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
+        super().bind(index, capacities)
+        self._order: dict[Tier, OrderedDict[int, None]] = {t: OrderedDict() for t in Tier}
+        self._tier_of: dict[int, Tier] = {}
+        self._key_of: dict[int, int] = {}
+        self._leaving: tuple[int, int] | None = None  # the page on_remove was last told of (a move re-inserts it)
+        self._pending: dict[Tier, list[int]] = {}
+        self.features = PageFeatures(ghost_capacity=max(sum(capacities.values()), 1))
+        self._request_pages = 1
+        self._tier_cost: Mapping[Tier, float] = {}
+        self._next = np.full(1024, np.inf)  # teacher only: each page's next use (request index)
+        self._upcoming = np.empty(0)
+        self._labels = DelayedLabels() if self.refit else None
+        self._ready_rows: list[np.ndarray] = []
+        self._ready_labels: list[np.ndarray] = []
+        pages = sum(capacities[t] for t in self.tiers)
+        self._tripwire = ShadowTripwire(pages, self.tripwire_margin) if self.tripwire_margin is not None else None
+
+    # -- what the policy is told ---------------------------------------------------------
+    def on_request(self, info: RequestInfo) -> None:
+        self.features.tick(info.arrival_ms)
+        self._request_pages = max(len(info.keys), 1)
+        self._tier_cost = info.tier_cost or {}
+        self._pending.clear()
+        self._leaving = None
+        if self._tripwire is not None:
+            self._tripwire.request(info.keys)
+        if self._labels is not None:
+            self._refit()
+        if self.teacher:
+            if info.future is None:
+                raise PolicyError("a teacher reuse policy needs the future of the trace: it runs only in the simulator")
+            self._upcoming = np.asarray(info.future, dtype=np.float64)
+            for key, nxt in zip(info.keys, self._upcoming.tolist()):
+                handle = self.index.handle_of(key)
+                if handle is not None:
+                    self._next[handle] = nxt
+
+    def on_insert(self, handle: int, tier: Tier) -> None:
+        self._order[tier][handle] = None
+        self._tier_of[handle] = tier
+        key = self.index.key_of(handle)
+        if self._leaving == (handle, key):  # moved between tiers: the same page, its history stays
+            self.features.returned(key)
+        else:
+            self._key_of[handle] = key
+            if self._labels is not None:
+                self._labels.used([key], self.features.now)  # stored again after it left: used
+            parent = int(self.index.parent[handle])
+            root = handle if parent == ROOT else int(self.features.root[parent])
+            self.features.insert(
+                np.array([handle]), np.array([self.index.depth[handle]]), self._request_pages, np.array([root]), [key]
+            )
+            if self.teacher:
+                if handle >= len(self._next):
+                    self._next = np.concatenate([self._next, np.full(len(self._next) + handle, np.inf)])
+                depth = int(self.index.depth[handle])
+                self._next[handle] = self._upcoming[depth] if depth < len(self._upcoming) else np.inf
+        self._leaving = None
+
+    def on_admitted(self, handle: int, ctx: PageContext) -> None:
+        self.features.request_pages[handle] = max(ctx.request_pages, 1)
+
+    def on_access(self, handles: np.ndarray) -> None:
+        for h in reversed(handles.tolist()):
+            self._order[self._tier_of[h]].move_to_end(h)
+        self.features.access(handles)
+        if self._tripwire is not None:
+            self._tripwire.hit(len(handles))
+        if self._labels is not None:
+            key_of = self._key_of
+            self._labels.used([key_of[h] for h in handles.tolist()], self.features.now)
+        self._pending.clear()
+        self._leaving = None
+
+    def on_remove(self, handle: int, tier: Tier) -> None:
+        del self._order[tier][handle]
+        del self._tier_of[handle]
+        key = self._key_of[handle]
+        self.features.left(key)
+        self._leaving = (handle, key)
+
+    # -- the decision --------------------------------------------------------------------
+    def victim(self, tier: Tier) -> int | None:
+        pins = self.index.pins
+        pending = self._pending.get(tier)
+        while pending:
+            handle = pending.pop(0)
+            if self._tier_of.get(handle) == tier and pins.item(handle) == 0:
+                return handle
+        candidates = []
+        for h in self._order[tier]:
+            if pins.item(h) == 0:
+                candidates.append(h)
+                if len(candidates) == self.candidates:
+                    break
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
+        handles = np.array(candidates, dtype=np.int64)
+        ranked = self._rank(handles, tier)
+        self._pending[tier] = ranked[1 : self.take]
+        return ranked[0]
+
+    def _rank(self, handles: np.ndarray, tier: Tier) -> list[int]:
+        """``handles`` in eviction order: furthest predicted next use first."""
+        recording = self.teacher and self.record > 0 and self._rng.random() < self.record
+        heuristic = self._tripwire is not None and self._tripwire.follow_heuristic()
+        if (self.model is None or heuristic) and not recording and not self.teacher and self._labels is None:
+            return handles.tolist()  # LRU order
+        leaf = ~self.index.has_children(handles)
+        rows = self.features.matrix(handles, leaf, int(tier))
+        if recording:
+            self._keep_rows(handles, rows, tier)
+        if self._labels is not None:
+            key_of = self._key_of
+            self._labels.decided(rows, [key_of[h] for h in handles.tolist()], self.features.now)
+        if heuristic:
+            return handles.tolist()
+        if self.model is not None:
+            score = self.model.predict(rows)
+        else:  # a teacher without a model acts as the oracle among the candidates
+            score = log_next_use(self._next[handles] - (self.features.now - 1.0))
+        order = np.lexsort((-self.index.depth[handles], -score))
+        return handles[order].tolist()
+
+    def _refit(self) -> None:
+        """Fit the model to the decisions whose labels are complete, a batch at a time."""
+        rows, labels = self._labels.expire(self.features.now)
+        self._ready_rows += rows
+        self._ready_labels += labels
+        if len(self._ready_rows) >= REFIT_BATCH:
+            groups, targets, mask = batch_groups(self._ready_rows, self._ready_labels, self.candidates)
+            self.model.refit(groups, targets, mask, np.ones(len(groups)), seed=self.refits)
+            self.refits += 1
+            self._ready_rows, self._ready_labels = [], []
+
+    def _keep_rows(self, handles: np.ndarray, rows: np.ndarray, tier: Tier) -> None:
+        """Training rows of one decision: each candidate's true requests to next use,
+        weighted by what a miss costs from where the page would go (recompute when dropped)."""
+        below = self._below[tier]
+        miss = self._tier_cost.get(below, 1.0) if below in self.capacities and self.capacities[below] > 0 else 1.0
+        self.rows.append(rows)
+        self.labels.append(log_next_use(self._next[handles] - (self.features.now - 1.0)))
+        self.weights.append(max(min(miss, 1.0), 0.05))
+
+
+def decision_time_us(model: ReuseModel, pages: int = 4096, repeats: int = 200) -> float:
+    """Microseconds per candidate page of one scored decision (features read + model), the
+    batch being :data:`CANDIDATES` pages of a cache of ``pages``."""
+    import time
+
+    features = PageFeatures(pages)
+    rng = np.random.default_rng(0)
+    handles = np.arange(pages)
+    features.insert(handles, rng.integers(0, 64, pages), 64, handles)
+    for _ in range(64):
+        features.tick()
+        features.access(rng.choice(pages, 32, replace=False))
+    batch = rng.choice(pages, CANDIDATES, replace=False)
+    leaf = np.ones(CANDIDATES, dtype=bool)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        model.predict(features.matrix(batch, leaf, 1))
+    return (time.perf_counter() - started) / repeats / CANDIDATES * 1e6

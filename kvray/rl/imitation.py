@@ -1,0 +1,142 @@
+"""Training the reuse model by imitating the oracle, with DAgger rounds (Parrot, ICML'20).
+
+In the simulator the next use of every page is known (the Belady oracle's future), so every
+eviction decision of :class:`~kvray.policy.reuse.ReusePolicy` can be labelled: each of its
+candidates with the requests until its next use (never: :data:`~kvray.policy.reuse_model.NEVER_REQUESTS`),
+weighted by what a miss of that page costs from where the eviction sends it. Round 0 acts
+as the oracle among the candidates (the expert); every later round rolls out the model
+fitted so far, so that it is labelled on the states its own choices lead to, and the model
+is refitted on all rounds' rows (DAgger's aggregation). Only the training sources are
+replayed: the five generated families (seeds 100-104) and the first part of each training
+trace by time, at capacities 2/5/10/25% of each source's unique pages, on one node.
+
+Everything random (which decisions are recorded, the fit's initialisation and batches)
+comes from the seed: a run reproduces its weights bit for bit on one machine.
+
+Example::
+
+    import tempfile
+    from pathlib import Path
+    from kvray.rl.imitation import train_reuse
+    from kvray.sim.workloads import WorkloadSpec, generate
+
+    # kvray train-reuse's sources are training_sources(list(FAMILY_SEEDS), [TRAIN_TRACE], 0.6); a tiny one here
+    sources = {"tiny": generate(WorkloadSpec(sessions=10), seed=1)}
+    card = train_reuse(Path(tempfile.mkdtemp()), sources, seed=0, rounds=1, record=1.0, capacities=(0.05,), epochs=1)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from kvray.policy.page_features import FEATURES
+from kvray.policy.reuse import CANDIDATES, TAKE, ReusePolicy
+from kvray.policy.reuse_model import WEIGHTS_FILE, ReuseModel, batch_groups
+from kvray.rl.train import split_by_time
+from kvray.scenario import DEFAULT_SCENARIO, Scenario, load_scenario
+from kvray.sim.cluster import node_capacities
+from kvray.sim.simulator import Simulator
+from kvray.traces import TraceRequest, read_trace
+
+FAMILY_SEEDS = {"chat": 100, "document": 101, "agent": 102, "bursty": 103, "phase": 104}
+TRAIN_TRACE = "conversation_trace_first30min.jsonl"
+CAPACITIES = (0.02, 0.05, 0.10, 0.25)
+CARD_FILE = "card.json"
+
+
+def training_sources(families: Sequence[str], traces: Sequence[str], train_fraction: float) -> dict[str, list[TraceRequest]]:
+    """The replays' traces: each family at its seed, the first ``train_fraction`` of each trace."""
+    from kvray.sim.workloads import generate, named_workload
+
+    sources = {f"{f}:{FAMILY_SEEDS[f]}": generate(named_workload(f), FAMILY_SEEDS[f]) for f in families}
+    for path in traces:
+        trace = read_trace(path)
+        sources[f"{Path(path).stem}@<{train_fraction:g}"] = split_by_time(trace, train_fraction)[0]
+    return sources
+
+
+def collect(job: tuple) -> tuple[list[np.ndarray], list[np.ndarray], list[float], float]:
+    """One replay of the teacher-labelled policy: its recorded decisions (each candidate's
+    rows and labels, the decision's weight) and its mean TTFT."""
+    trace, fraction, scenario, model, record, seed = job
+    policy = ReusePolicy(model, teacher=True, record=record, seed=seed)
+    capacities = node_capacities(scenario, trace, fraction)[0]
+    result = Simulator(scenario, policy, capacities).replay(trace)
+    return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms
+
+
+def train_reuse(
+    out: Path,
+    sources: dict[str, list[TraceRequest]],
+    seed: int = 0,
+    rounds: int = 2,
+    jobs: int = 1,
+    record: float = 0.1,
+    capacities: Sequence[float] = CAPACITIES,
+    scenario: Scenario | None = None,
+    epochs: int = 8,
+    say: Callable[[str], None] | None = None,
+) -> dict:
+    """DAgger over the training ``sources`` (:func:`training_sources`) at every capacity
+    fraction; writes the model and its card into ``out``."""
+    scenario = scenario or load_scenario(DEFAULT_SCENARIO)
+    started = time.perf_counter()
+    model: ReuseModel | None = None
+    rows, labels, weights = [], [], []
+    history = []
+    for r in range(rounds + 1):
+        work = [
+            (trace, f, scenario, model, record, seed * 1_000_003 + r * 1009 + i)
+            for i, (trace, f) in enumerate((t, f) for t in sources.values() for f in capacities)
+        ]
+        if jobs > 1:
+            with ProcessPoolExecutor(jobs) as pool:
+                results = list(pool.map(collect, work))
+        else:
+            results = [collect(job) for job in work]
+        for x, y, w, _ in results:
+            rows += x
+            labels += y
+            weights += w
+        groups, targets, mask = batch_groups(rows, labels, CANDIDATES)
+        model = ReuseModel.fit(groups, targets, mask, np.asarray(weights), seed, epochs=epochs)
+        history.append(
+            {
+                "round": r,
+                "acted_by": "oracle among candidates" if r == 0 else "model",
+                "decisions": sum(len(x) for x, *_ in results),
+                "mean_ttft_ms": [round(res[3], 1) for res in results],
+            }
+        )
+        if say is not None:
+            say(f"round {r}: {history[-1]['decisions']} decisions, {len(rows)} in all")
+    assert model is not None
+    model.save(out)
+    card = {
+        "policy": "reuse",
+        "weights": WEIGHTS_FILE,
+        "features": list(FEATURES),
+        "candidates": CANDIDATES,
+        "take": TAKE,
+        "label": "softmax over a decision's candidates of log1p(requests to next use) (never = 1e5), cross-entropy weighted by the miss cost where the eviction sends the page",
+        "training": {
+            "seed": seed,
+            "dagger_rounds": rounds,
+            "record_share": record,
+            "epochs_per_fit": epochs,
+            "sources": list(sources),
+            "capacity_fractions": list(capacities),
+            "scenario": scenario.name,
+            "decisions": len(rows),
+            "rounds": history,
+            "wall_s": round(time.perf_counter() - started, 1),
+        },
+    }
+    (out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
+    return card

@@ -1,0 +1,269 @@
+"""The per-page learned policy: its features, its contract with the cache manager, its training."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvray.core.errors import PolicyError
+from kvray.core.index import ROOT
+from kvray.core.manager import CacheManager
+from kvray.core.tiers import Tier
+from kvray.policy import make_policy
+from kvray.policy.page_features import FEATURES, HALF_LIVES, NEVER, PageFeatures
+from kvray.policy.reuse import ReusePolicy, decision_time_us
+from kvray.policy.reuse_model import ReuseModel
+from tests.properties import examples
+
+NO_MOVE = lambda *move: None  # noqa: E731  (a control-plane test: no bytes to move)
+
+
+def brute_force(events: list[tuple], handle: int, now: float) -> dict:
+    """A page's features recomputed from the whole event log (what the columns keep in O(1))."""
+    last = max(i for i, (kind, _, h) in enumerate(events) if kind == "insert" and h == handle)
+    inserted = events[last][1]
+    reads = [t for kind, t, h in events[last:] if kind == "access" and h == handle]
+    stamps = [inserted] + reads
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {
+        "age": now - inserted,
+        "since": now - stamps[-1],
+        "gap1": gaps[-1] if gaps else NEVER,
+        "gap2": gaps[-2] if len(gaps) > 1 else NEVER,
+        "hits": len(reads),
+        "counts": [sum(math.exp(-(now - t) * math.log(2) / h) for t in reads) for h in HALF_LIVES],
+    }
+
+
+@settings(max_examples=examples(80), deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["tick", "insert", "access"]), st.lists(st.integers(0, 7), max_size=4, unique=True))))
+def test_features_kept_in_o1_match_a_recomputation_from_the_log(ops):
+    features = PageFeatures(capacity=2)  # grows as handles come
+    events: list[tuple] = []
+    live: set[int] = set()
+    for op, handles in ops:
+        if op == "tick":
+            features.tick()
+        elif op == "insert":
+            features.insert(np.array(handles, dtype=np.int64), np.zeros(len(handles)), 4, np.array(handles, dtype=np.int64))
+            events += [("insert", features.now, h) for h in handles]
+            live |= set(handles)
+        else:
+            handles = [h for h in handles if h in live]
+            features.access(np.array(handles, dtype=np.int64))
+            events += [("access", features.now, h) for h in handles]
+    for handle in sorted(live):
+        expected = brute_force(events, handle, features.now)
+        h = np.array([handle])
+        row = features.matrix(h, np.array([True]), 1)[0]
+        assert row[FEATURES.index("log_age_requests")] == pytest.approx(math.log1p(expected["age"]), rel=1e-5)
+        assert row[FEATURES.index("log_since_last_requests")] == pytest.approx(math.log1p(expected["since"]), rel=1e-5)
+        assert features.gap1[handle] == expected["gap1"] and features.gap2[handle] == expected["gap2"]
+        assert features.hits[handle] == expected["hits"]
+        assert features.decayed_counts(h)[0] == pytest.approx(expected["counts"], rel=1e-6, abs=1e-9)
+
+
+def test_a_page_stored_again_soon_after_it_left_carries_its_ghost_age():
+    features = PageFeatures()
+    features.tick()
+    features.insert(np.array([3]), np.zeros(1), 1, np.array([3]), keys=[99])
+    features.left(99)
+    for _ in range(5):
+        features.tick()
+    features.insert(np.array([4]), np.zeros(1), 1, np.array([4]), keys=[99])
+    features.insert(np.array([5]), np.zeros(1), 1, np.array([5]), keys=[100])
+    assert features.ghost_age[4] == 5 and features.ghost_age[5] == NEVER
+
+
+def chain(path: list[int]) -> list[int]:
+    """A request as a path in a small tree of blocks: its keys name their whole prefix."""
+    return [hash(tuple(path[: i + 1])) & (2**62 - 1) for i in range(len(path))]
+
+
+def random_model(seed: int = 0) -> ReuseModel:
+    rng = np.random.default_rng(seed)
+    return ReuseModel.initial(rng.normal(size=(32, len(FEATURES))).astype(np.float32), 8, rng)
+
+
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "store", "hit", "pin", "unpin", "drop"]), st.lists(st.integers(0, 2), min_size=1, max_size=6)
+    ),
+    max_size=50,
+)
+
+
+@pytest.mark.parametrize("with_model", [True, False])
+@settings(max_examples=examples(60), deadline=None)
+@given(ops=operations)
+def test_every_victim_is_an_unpinned_page_of_its_tier(with_model, ops):
+    """Chains stored through tight tiers (demotions, subtree drops, refusals under pins): a
+    victim is an unpinned page of the tier asked (None only when every page is pinned), the
+    policy's LRU order holds exactly the tier's pages, the index stays prefix-closed."""
+    policy = ReusePolicy(random_model() if with_model else None)
+    manager = CacheManager({Tier.DEVICE: 2, Tier.HOST: 3, Tier.DISK: 4}, policy)
+    index, pinned = manager.index, []
+    for op, path in ops:
+        keys = chain(path)
+        if op == "store":
+            manager.store_chain(keys, NO_MOVE)
+        elif op == "hit":
+            manager.touch(manager.lookup(keys).handles)
+        elif op == "pin" and len(manager.lookup(keys, count=False)):
+            pinned.append(manager.lookup(keys, count=False).handles)
+            manager.pin(pinned[-1])
+        elif op == "unpin" and pinned:
+            manager.unpin(pinned.pop())
+        elif op == "drop" and index.handle_of(keys[-1]) is not None:
+            manager.drop(index.handle_of(keys[-1]))
+        handles = [index.handle_of(k) for k in index.keys()]
+        for tier in manager.tiers:
+            mine = {h for h in handles if index.tier[h] == tier}
+            assert set(policy._order[tier]) == mine
+            victim = policy.victim(tier)
+            unpinned = {h for h in mine if index.pins[h] == 0}
+            assert victim in unpinned if unpinned else victim is None
+        assert all(index.parent[h] == ROOT or index.key_of(int(index.parent[h])) is not None for h in handles)
+
+
+def test_a_page_moved_down_a_tier_keeps_its_history_and_a_new_page_starts_fresh():
+    policy = ReusePolicy()
+    manager = CacheManager({Tier.HOST: 1, Tier.DISK: 4}, policy)
+    manager.store_chain([11], NO_MOVE)
+    first = manager.index.handle_of(11)
+    manager.touch(np.array([first]))
+    manager.store_chain([22], NO_MOVE)  # 11 is demoted to disk
+    assert manager.index.tier[first] == Tier.DISK and policy.features.hits[first] == 1
+    second = manager.index.handle_of(22)
+    assert policy.features.hits[second] == 0 and policy.features.ghost_age[first] == NEVER
+
+
+def test_without_a_model_it_evicts_as_lru():
+    manager = CacheManager({Tier.HOST: 3}, ReusePolicy())
+    for key in (1, 2, 3):
+        manager.store_chain([key], NO_MOVE)
+    manager.touch(np.array([manager.index.handle_of(1)]))
+    manager.store_chain([4], NO_MOVE)
+    assert 2 not in manager.index and {1, 3, 4} <= set(manager.index.keys())
+
+
+def test_the_model_decides_among_the_tail_candidates():
+    """A model that scores the most-read page highest evicts it, where LRU would not."""
+    weights = np.zeros((len(FEATURES), 1), dtype=np.float32)
+    weights[FEATURES.index("log_hits"), 0] = 1.0
+    model = ReuseModel(np.zeros(len(FEATURES)), np.ones(len(FEATURES)), weights, np.zeros(1), np.ones(1), np.zeros(1))
+    manager = CacheManager({Tier.HOST: 3}, ReusePolicy(model))
+    for key in (1, 2, 3):
+        manager.store_chain([key], NO_MOVE)
+    manager.touch(np.array([manager.index.handle_of(3)]))
+    manager.store_chain([4], NO_MOVE)
+    assert 3 not in manager.index and {1, 2, 4} <= set(manager.index.keys())
+
+
+def test_a_model_fitted_on_other_features_is_refused(tmp_path):
+    from safetensors.numpy import save_file
+
+    model = random_model()
+    model.save(tmp_path)
+    assert ReusePolicy.load(tmp_path).model is not None
+    tensors = {n: getattr(model, n) for n in ("mean", "scale", "w1", "b1", "w2", "b2")}
+    save_file(tensors, str(tmp_path / "reuse.safetensors"), metadata={"features": "age,hits"})
+    with pytest.raises(PolicyError, match="fitted on features 'age,hits'"):
+        make_policy(f"reuse:{tmp_path}")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PolicyError, match="no reuse model"):
+        ReusePolicy.load(tmp_path / "empty")
+
+
+def test_a_teacher_outside_the_simulator_is_refused():
+    from kvray.core.placement import RequestInfo
+
+    policy = ReusePolicy(teacher=True)
+    CacheManager({Tier.HOST: 2}, policy)
+    with pytest.raises(PolicyError, match="needs the future"):
+        policy.on_request(RequestInfo(keys=(1,)))
+
+
+def test_a_decision_costs_under_a_few_microseconds_per_page():
+    assert decision_time_us(random_model(), pages=512, repeats=20) < 20.0  # ~1 us here unloaded; generous on a shared machine
+
+
+def test_training_is_deterministic_by_seed(tmp_path):
+    from kvray.rl.imitation import train_reuse
+    from kvray.sim.workloads import WorkloadSpec, generate
+
+    sources = {"tiny": generate(WorkloadSpec(sessions=12), seed=5)}
+
+    def weights(seed: int, folder: str) -> bytes:
+        card = train_reuse(tmp_path / folder, sources, seed=seed, rounds=1, record=1.0, capacities=(0.05,), epochs=2)
+        assert card["training"]["decisions"] > 0
+        return (tmp_path / folder / "reuse.safetensors").read_bytes()
+
+    assert weights(3, "a") == weights(3, "b")
+    assert weights(3, "a") != weights(4, "c")
+
+
+def test_delayed_labels_are_the_requests_until_next_use_or_never_after_the_horizon():
+    from kvray.policy.reuse_model import NEVER_REQUESTS
+    from kvray.policy.reuse_online import DelayedLabels
+
+    labels = DelayedLabels(horizon=10)
+    labels.decided(np.zeros((3, len(FEATURES)), dtype=np.float32), [7, 8, 9], now=5)
+    labels.used([8], now=8)
+    labels.used([8], now=9)  # only the first use after the decision counts
+    assert labels.expire(now=14) == ([], [])  # not a horizon old yet
+    rows, got = labels.expire(now=15)
+    assert len(rows) == 1 and len(labels) == 0
+    assert got[0] == pytest.approx([math.log1p(NEVER_REQUESTS), math.log1p(3), math.log1p(NEVER_REQUESTS)])
+
+
+def test_the_tripwire_follows_the_heuristic_while_the_cache_trails_its_shadow_and_recovers():
+    from kvray.policy.reuse_online import ShadowTripwire
+
+    wire = ShadowTripwire(capacity=8, margin=0.1)
+    wire.request([1, 2])
+    for _ in range(5):  # the shadow hits both pages every time; the real cache hits none
+        wire.request([1, 2])
+    assert wire.follow_heuristic() and wire.trips == 1
+    for _ in range(1000):  # then hits as many: its decayed count catches up (half-life 256 requests)
+        wire.request([1, 2])
+        wire.hit(2)
+    assert wire.shadow > 0 and wire.real >= wire.shadow * 0.95
+    assert not wire.follow_heuristic() and wire.trips == 1
+
+
+def test_a_tripped_policy_evicts_as_lru_whatever_its_model_says():
+    weights = np.zeros((len(FEATURES), 1), dtype=np.float32)
+    weights[FEATURES.index("log_hits"), 0] = 1.0
+    model = ReuseModel(np.zeros(len(FEATURES)), np.ones(len(FEATURES)), weights, np.zeros(1), np.ones(1), np.zeros(1))
+    policy = ReusePolicy(model, tripwire=0.05)
+    manager = CacheManager({Tier.HOST: 3}, policy)
+    for key in (1, 2, 3):
+        manager.store_chain([key], NO_MOVE)
+    manager.touch(np.array([manager.index.handle_of(3)]))
+    policy._tripwire.tripped = True
+    policy._tripwire.real, policy._tripwire.shadow = 0.0, 10.0
+    manager.store_chain([4], NO_MOVE)
+    assert 1 not in manager.index and {2, 3, 4} <= set(manager.index.keys())  # LRU's choice, not the model's (3)
+
+
+def test_online_refit_fits_the_model_to_labels_that_arrive_later(monkeypatch):
+    from kvray.core.placement import RequestInfo
+    from kvray.policy import reuse
+    from kvray.policy.reuse_online import DelayedLabels
+
+    monkeypatch.setattr(reuse, "REFIT_BATCH", 4)
+    model = random_model(1)
+    before = model.w1.copy()
+    policy = ReusePolicy(model, refit=True)
+    manager = CacheManager({Tier.HOST: 4}, policy)
+    policy._labels = DelayedLabels(horizon=8)
+    rng = np.random.default_rng(0)
+    for _ in range(120):
+        keys = chain(rng.integers(0, 6, 3).tolist())
+        policy.on_request(RequestInfo(keys=tuple(keys)))
+        manager.touch(manager.lookup(keys).handles)
+        manager.store_chain(keys, NO_MOVE)
+    assert policy.refits > 0 and not np.array_equal(model.w1, before)
