@@ -40,7 +40,7 @@ from kvray.policy.reuse import CANDIDATES, TAKE, ReusePolicy
 from kvray.policy.reuse_model import WEIGHTS_FILE, ReuseModel, batch_groups
 from kvray.rl.train import split_by_time
 from kvray.scenario import DEFAULT_SCENARIO, Scenario, load_scenario
-from kvray.sim.cluster import node_capacities
+from kvray.sim.node import node_capacities
 from kvray.sim.simulator import Simulator
 from kvray.traces import TraceRequest, read_trace
 
