@@ -155,9 +155,9 @@ def run_closed_loop(
             session, k = sessions[s], turn[s]
             request_id = f"{s}.{k}"
             tokens = list(session.prompts[k])
+            last_sent[s] = time.time()  # before routing: a router's own time is part of the request's
             engine = router.pick(request_id, session.name, tokens)
             outstanding[request_id] = (s, engine)
-            last_sent[s] = time.time()
             pool.submit(engine, {"id": request_id, "tokens": tokens, "sent_at": last_sent[s]})
         wait = max(0.0, due[0][0] - time.time()) if due else 1.0
         for a in pool.drain(min(wait, 0.05) if outstanding else wait):
