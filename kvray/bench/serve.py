@@ -15,7 +15,8 @@ host and disk tiers); vLLM + one kvray runtime over both nodes, routed round-rob
 session-sticky, or by the cluster policy's ``route`` verb (``cost-router``: the runtime's
 answer to where the prompt's pages are, and each engine's backlog); LMCache's vLLM
 connector (``LMCacheConnectorV1``) where it loads (:func:`lmcache_path`). Engines
-without a shared cache are routed session-sticky, their best case.
+without a shared cache are routed session-sticky, their best case. The rows' kvray
+figure is the runtime's behind a round-robin router; the route verb has its own row.
 
 Workloads (:mod:`kvray.bench.serve_workload`): multi-round QA and the agentic loop,
 closed loop (:mod:`kvray.bench.serve_loop`), each prompt's session's warm-up first at full
@@ -103,7 +104,7 @@ class Size:
     long_docs: int  # long-document pairs (cold, hit) per tier
 
 
-QUICK = Size(users=16, rounds=2, agents=16, steps=2, trace_requests=48, rates=(0.25, 0.75, 3.0), repeats=1,
+QUICK = Size(users=16, rounds=2, agents=16, steps=2, trace_requests=48, rates=(0.25, 0.75, 1.5, 3.0), repeats=1,
              host_pages=48, disk_pages=1024, long_docs=2)  # fmt: skip
 FULL = Size(users=60, rounds=5, agents=50, steps=6, trace_requests=300, rates=(0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0),
             repeats=3, host_pages=96, disk_pages=4096, long_docs=4)  # fmt: skip
@@ -126,7 +127,7 @@ CONTENDERS = {
     ROUTE: ("runtime", "route"),
     LMCACHE: ("lmcache", "sticky"),
 }
-KVRAY = ROUTE  # the contender whose figure the rows report
+KVRAY = RR  # the rows' kvray figure: the runtime behind a plain router (the route verb has its own row)
 
 
 # -- one run, one sweep ---------------------------------------------------------------------
@@ -308,10 +309,12 @@ def long_document(group: EngineGroup, size: Size, vocab: int) -> dict:
 
 
 def contenders_of(workload: int, size: Size, started: dict[str, EngineGroup]) -> list[str]:
-    """The contenders a workload is swept with: all whose engines started on the primary
-    workload; vLLM alone and kvray's on the others in a quick run."""
+    """The contenders a workload is swept with: all whose engines started; in a quick run,
+    all but session-sticky on the primary workload and vLLM alone and kvray's on the others."""
     running = [c for c, (group, _) in CONTENDERS.items() if group in started]
-    return running if workload == 0 or size is FULL else [c for c in running if c in (BASE, KVRAY)]
+    if size is FULL:
+        return running
+    return [c for c in running if c != STICKY] if workload == 0 else [c for c in running if c in (BASE, KVRAY)]
 
 
 def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
@@ -426,7 +429,7 @@ def serve(quick: bool) -> list[BenchResult]:
 
 
 def rows(out: dict) -> list[BenchResult]:
-    """The rows of ``kvray bench --only serve``: kvray's figure (the route-verb contender's),
+    """The rows of ``kvray bench --only serve``: kvray's figure (:data:`KVRAY`'s),
     the baseline's from the same run, their ratio; each row's params say where they came from."""
     nan = float("nan")
     results = []
@@ -451,11 +454,8 @@ def rows(out: dict) -> list[BenchResult]:
                     "serve_router_goodput_vs_round_robin", good.get(ROUTE, nan), good.get(RR, nan), "req/s", ">= 1.2", params
                 )
             )
-            results.append(
-                BenchResult(
-                    "serve_sticky_goodput_vs_round_robin", good.get(STICKY, nan), good.get(RR, nan), "req/s", None, params
-                )
-            )
+            if STICKY in good:
+                results.append(BenchResult("serve_sticky_goodput_vs_round_robin", good[STICKY], good[RR], "req/s", None, params))
             if LMCACHE in w["median"]:
                 results.append(
                     BenchResult("serve_vs_lmcache_goodput", good.get(KVRAY, nan), good[LMCACHE], "req/s", ">= 1.0", params)

@@ -23,6 +23,7 @@ import heapq
 import math
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -193,6 +194,7 @@ def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
         "throughput_rps": len(measured) / span if span > 0 else float("nan"),
         "prompt_tokens": sum(a.prompt_tokens for a in measured),
         "cached_tokens": sum(a.cached_tokens for a in measured),
+        "requests_per_engine": dict(Counter(a.engine for a in measured)),
     }
 
 
