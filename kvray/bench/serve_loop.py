@@ -22,7 +22,6 @@ from __future__ import annotations
 import heapq
 import math
 import time
-import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,16 +71,19 @@ class RoundRobin(Router):
 
 
 class Sticky(Router):
-    """Every request of a session on one engine (a hash of its name): what a front end that
-    keeps sessions together does, and the best an engine without a shared cache can get."""
+    """Every request of a session on one engine, sessions dealt to the engines in turn as
+    they first appear: what a front end that keeps sessions together and balances them
+    does, and the best an engine without a shared cache can get (a hash of the session's
+    name split 16 sessions 10 / 6 in a trial, overloading one engine)."""
 
     name = "session-sticky"
 
     def __init__(self, engines: int) -> None:
         self.engines = engines
+        self.engine_of: dict[str, int] = {}
 
     def pick(self, request_id: str, session: str, tokens: Sequence[int]) -> int:
-        return zlib.crc32(session.encode()) % self.engines
+        return self.engine_of.setdefault(session, len(self.engine_of) % self.engines)
 
 
 Locate = Callable[[Sequence[int]], tuple[list[int], list[str]]]  # tokens -> (page keys, node of each cached page)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 
 import pytest
 
@@ -78,6 +79,7 @@ def test_sticky_keeps_a_session_on_one_engine_and_round_robin_spreads_it():
     sessions = conversations(6, 3, 16, 512, 0, 1, 1, warmup=0)
     sticky = run_closed_loop(sessions, FifoServers(3, 0.001), Sticky(3), float("inf"))
     assert all(len({a.engine for a in sticky if a.session == s.name}) == 1 for s in sessions)
+    assert sorted(Counter(a.engine for a in sticky).values()) == [6, 6, 6]  # 2 sessions of 3 prompts each
     spread = run_closed_loop(sessions, FifoServers(3, 0.001), RoundRobin(3), float("inf"))
     assert {a.engine for a in spread} == {0, 1, 2}
 
