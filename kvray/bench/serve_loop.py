@@ -201,6 +201,13 @@ def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
 
 
 def goodput(attainment_by_rate: dict[float, float], share: float = SLO_SHARE) -> float:
-    """The highest offered rate at which at least ``share`` of the requests met the SLO (0
-    when none did): vLLM's ``benchmark_serving --goodput`` criterion over a rate sweep."""
-    return max((rate for rate, met in attainment_by_rate.items() if met >= share), default=0.0)
+    """The highest offered rate up to which every swept rate had at least ``share`` of its
+    requests within the SLO (0 when the lowest did not): vLLM's ``benchmark_serving
+    --goodput`` criterion over a sweep, read conservatively, so that a lucky point above a
+    failed one (noise on a loaded machine) does not count."""
+    best = 0.0
+    for rate in sorted(attainment_by_rate):
+        if attainment_by_rate[rate] < share:
+            break
+        best = rate
+    return best
