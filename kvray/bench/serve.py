@@ -308,10 +308,11 @@ def long_document(group: EngineGroup, size: Size, vocab: int) -> dict:
     return out
 
 
-def contenders_of(workload: int, size: Size, started: dict[str, EngineGroup]) -> list[str]:
-    """The contenders a workload is swept with: all whose engines started; in a quick run,
-    all but session-sticky on the primary workload and vLLM alone and kvray's on the others."""
-    running = [c for c, (group, _) in CONTENDERS.items() if group in started]
+def contenders_of(workload: int, size: Size, started: dict[str, EngineGroup], routable: bool) -> list[str]:
+    """The contenders a workload is swept with: all whose engines started (the route verb's
+    where its engines are on distinct nodes); in a quick run, all but session-sticky on the
+    primary workload and vLLM alone and kvray's on the others."""
+    running = [c for c, (group, _) in CONTENDERS.items() if group in started and (routable or c != ROUTE)]
     if size is FULL:
         return running
     return [c for c in running if c != STICKY] if workload == 0 else [c for c in running if c in (BASE, KVRAY)]
@@ -353,8 +354,10 @@ def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
         out["elapsed_s"]["engines"] = time.monotonic() - started
         runtime_group = groups.get(CONTENDERS[ROUTE][0])
         locate = None
-        if runtime_group is not None:
+        if runtime_group is not None and len(set(nodes)) == INSTANCES:
             locate = locate_on(runtime, ray.get(runtime_group.actors[0].fingerprint.remote(), timeout=60))
+        elif runtime_group is not None:
+            out["errors"][ROUTE] = "the route verb picks a node: the engines share one node on this cluster"
         out["engines"] = {
             "model": MODEL,
             "block_tokens": PAGE,
@@ -368,7 +371,7 @@ def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
         }
         out["size"] = asdict(size)
         for index, (name, factory) in enumerate(workloads(size, vocab, trace).items()):
-            contenders = contenders_of(index, size, groups)
+            contenders = contenders_of(index, size, groups, locate is not None)
             out["workloads"][name] = sweep(name, factory, contenders, groups, size, vocab, locate, index)
             out["elapsed_s"][name] = time.monotonic() - started
         if "in-process" in groups:
