@@ -19,12 +19,13 @@ without a shared cache are routed session-sticky, their best case. The rows' kvr
 figure is the runtime's behind a round-robin router; the route verb has its own row.
 
 Workloads (:mod:`kvray.bench.serve_workload`): multi-round QA and the agentic loop,
-closed loop (:mod:`kvray.bench.serve_loop`), each prompt's session's warm-up first at full
+closed loop (:mod:`kvray.bench.serve_loop`), every session's warm-up prompt first at full
 speed, then the measured turns at the offered rate; a Mooncake trace instead with
 ``--trace`` (``$KVRAY_SERVE_TRACE``). Rates: :attr:`Size.rates` times vLLM alone's
 saturation (its throughput when every session sends as fast as answers come). SLO:
 ``SLO_SCALE`` x vLLM alone's unloaded TTFT of a cold prompt of the workload's median
-length. Goodput: the highest swept rate with >= 90% of requests within it. Repeats
+length. Goodput: the highest swept rate up to which every rate had >= 90% of its requests
+within it (:func:`~kvray.bench.serve_loop.goodput`). Repeats
 alternate the contenders' order. Long-document QA measures a document's TTFT cold and
 when kvray serves it from its host tier and from disk (LMCache's CI gates).
 
