@@ -26,6 +26,7 @@ with different seeds share nothing in any cache.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,7 @@ from kvray.core.errors import ConfigError
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, full_blocks
 
 FIRST_ID = 3  # token ids below this are special tokens in the model configs
+SHARED_SHARE = 0.01  # a trace block in this share of requests (and 3 of them) is a shared system prompt
 TRACE_ENV = "KVRAY_SERVE_TRACE"  # `kvray bench --only serve --trace PATH` names the trace here
 
 
@@ -112,13 +114,18 @@ def trace_sessions(trace: list[TraceRequest], page: int, vocab: int, seed: int, 
     """Closed-loop sessions of a Mooncake trace (see the module docstring). A request's
     length scales with its blocks (``input_length x page / 512``); one longer than
     ``max_pages`` pages is cut there (the engines' context). Sessions keep the trace's order
-    of first turns; a request that extends no earlier request's full blocks starts one."""
+    of first turns; a request that extends no earlier request's full blocks beyond the
+    blocks most requests share (a system prompt: in ``SHARED_SHARE`` of the requests and
+    at least 3) starts one."""
     if not trace:
         raise ConfigError("the trace has no requests")
+    counts = Counter(h for r in trace for h in r.hash_ids)
+    shared = {h for h, n in counts.items() if n >= max(3, SHARED_SHARE * len(trace))}  # system prompts
     session_of_end: dict[int, int] = {}  # last full block of a request -> its session
     turns: list[list[TraceRequest]] = []
     for r in trace:
-        parent = next((session_of_end[h] for h in reversed(r.hash_ids[:-1]) if h in session_of_end), None)
+        own = next((i for i, h in enumerate(r.hash_ids) if h not in shared), len(r.hash_ids))
+        parent = next((session_of_end[h] for h in reversed(r.hash_ids[own:-1]) if h in session_of_end), None)
         if parent is None:
             parent = len(turns)
             turns.append([])

@@ -99,8 +99,18 @@ def test_trace_sessions_follow_turns_and_scale_blocks_to_pages(tmp_path):
     assert max(len(p) for s in capped for p in s.prompts) == 2 * PAGE
 
 
+def test_a_shared_system_prompt_does_not_join_sessions(tmp_path):
+    """Block 0 opens every request and is a whole request itself: the requests after it are
+    sessions of their own, not turns of that one."""
+    rows = [{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [0]}]
+    rows += [{"timestamp": i, "input_length": 2 * 512, "output_length": 1, "hash_ids": [0, 10 + i]} for i in range(1, 5)]
+    sessions = trace_sessions(write_trace(tmp_path / "t.jsonl", rows), PAGE, 8192, seed=0, max_pages=4)
+    assert [len(s.prompts) for s in sessions] == [1, 1, 1, 1, 1]
+
+
 def test_trace_sessions_of_the_bundled_trace_and_an_empty_one():
     sessions = trace_sessions(read_trace("conversation_trace_first30min.jsonl", limit=300), 64, 8192, 0, 12)
     assert sum(len(s.prompts) for s in sessions) == 300 and any(len(s.prompts) > 1 for s in sessions)
+    assert max(len(s.prompts) for s in sessions) < 30  # the system prompt joins no sessions
     with pytest.raises(ConfigError, match="no requests"):
         trace_sessions([], PAGE, 8192, 0, 4)
