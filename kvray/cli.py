@@ -11,6 +11,7 @@ flags and every default, where typer's rich panels print a ``<bool>`` after each
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,11 +51,23 @@ def bench(
     ),
     quick: bool = typer.Option(False, "--quick", help="fewer repetitions and smaller sizes"),
     out: Path | None = typer.Option(None, "--out", help="also save the results as this JSON file, and a plot beside it (.png)"),
+    trace: Path | None = typer.Option(
+        None, "--trace", help="serve: replay this Mooncake JSONL trace's sessions closed loop instead of the generated workloads"
+    ),
 ) -> None:
     """Run the side-by-side benchmarks: kvray's figure, a baseline's, and their ratio."""
     from kvray.bench import run_benchmarks
 
     with reported_errors():
+        if trace is not None:
+            from kvray.bench import chosen_names
+            from kvray.bench.serve_workload import TRACE_ENV
+            from kvray.traces import read_trace
+
+            if "serve" not in chosen_names(only):
+                raise ConfigError("--trace is for the serve benchmark: add --only serve")
+            read_trace(trace)  # a bad trace ends here, before any engine starts
+            os.environ[TRACE_ENV] = str(trace)
         results = run_benchmarks(only=only, quick=quick, progress=not json_out)
     if out is not None:
         from kvray.bench.report import save

@@ -1,185 +1,180 @@
-"""The served benchmark's workload: multi-turn sessions over shared system prompts and
-documents, shaped like a real trace, with real token ids.
+"""The served benchmark's workloads: closed-loop sessions of real token ids.
 
-:func:`trace_shape` reads the structure of a Mooncake trace (prefix-chained block ids):
-which leading blocks most requests share (system prompts), which prefixes different
-conversations share beyond them (documents), and how conversations grow turn by turn
-(a request whose prompt extends an earlier request's whole prompt is that request's next
-turn). :func:`serve_workload` generates sessions of that shape with
-:func:`kvray.sim.workloads.generate` and gives every block real token ids: a block id's
-tokens are drawn from a generator seeded by the id, so requests that share a block id
-share its tokens, exactly as the trace's requests shared the text behind it.
+A :class:`Session` is one user (or agent, or reader): its prompts in order, each the whole
+prompt the engine sees, and the think gap between an answer and the next prompt. The
+driver (:mod:`kvray.bench.serve_loop`) sends a session's next prompt only after its
+previous answer, so a follow-up never races the turn it follows, as LMCache's multi-round
+QA, SGLang's HiCache bench and a real chat client behave. Prompts are precomputed: an
+answer appended to the history is ``answer_tokens`` drawn ids (the engine itself decodes a
+few tokens; the benchmark is about prefill), so every contender sees the same prompts.
 
-Two things are not the trace's: time and length. A 30-minute trace spreads a
-conversation's turns over minutes, so a few-minute replay of it sees little reuse
-(about 10% of block references in a window of 200 requests); the generator instead
-keeps ``active_sessions`` conversations going at once, so turns come back within the
-replay. And a trace block (512 tokens) becomes one engine page (``page_tokens``, 64 for
-the benchmark), so prompts keep their block structure at a length a CPU prefills in
-seconds; a session ends when its next prompt would exceed ``max_pages``.
+Families (the anchors' workloads, sized in pages of ``page`` tokens):
+
+- :func:`conversations`: multi-round QA (a shared system prompt, a per-user context, each
+  question and answer appended to the history, a think gap) and, with a long shared tool
+  prefix, many steps and short gaps, the agentic loop;
+- :func:`long_documents`: ``documents`` documents, each asked ``asks`` times in random
+  order by one-request readers (LMCache's long-document QA);
+- :func:`trace_sessions`: a Mooncake JSONL trace (prefix-chained ``hash_ids``): a request
+  whose blocks extend an earlier request's full blocks is that request's next turn; one
+  trace block becomes one page (its id's tokens, :func:`block_tokens`).
+
+Every token id is drawn from a generator seeded by the workload's ``seed`` and the
+segment's role, so two runs with the same seed see the same tokens and two sweep points
+with different seeds share nothing in any cache.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvray.sim.workloads import WorkloadSpec, generate
+from kvray.core.errors import ConfigError
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, full_blocks
 
-SHARED_SHARE = 0.01  # a block id in at least this share of requests (and 3 of them) is a shared (system) prefix
+FIRST_ID = 3  # token ids below this are special tokens in the model configs
+SHARED_SHARE = 0.01  # a trace block in this share of requests (and 3 of them) is a shared system prompt
+TRACE_ENV = "KVRAY_SERVE_TRACE"  # `kvray bench --only serve --trace PATH` names the trace here
 
 
 @dataclass(frozen=True)
-class TraceShape:
-    """The structure :func:`trace_shape` measured, in trace blocks.
+class Session:
+    """One closed-loop client: ``prompts`` in order, ``gap_s`` after each answer; its first
+    ``warmup`` prompts fill caches and are not measured.
 
     Example::
 
-        shape = trace_shape(read_trace("conversation_trace_first30min.jsonl"))
-        shape.mean_turns, shape.document_probability      # about 1.43 and 0.13
+        users = conversations(users=4, rounds=3, page=64, vocab=8192, seed=0, shared_pages=2, own_pages=4)
+        users[0].prompts[1][: len(users[0].prompts[0])] == users[0].prompts[0]   # the history grows
     """
 
-    system_prompts: int
-    system_prompt_pages: int
-    documents: int
-    document_pages: int
-    document_probability: float
-    mean_turns: float
-    mean_turn_pages: float
-    sessions: int
+    name: str
+    prompts: tuple[tuple[int, ...], ...]
+    gap_s: float
+    warmup: int = 0
 
 
-def trace_shape(trace: list[TraceRequest]) -> TraceShape:
-    """Measure the sharing structure of ``trace`` (see the module docstring)."""
-    counts = Counter(h for r in trace for h in r.hash_ids)
-    popular = {h for h, n in counts.items() if n >= max(3, SHARED_SHARE * len(trace))}
-
-    def system_len(r: TraceRequest) -> int:
-        n = 0
-        while n < len(r.hash_ids) and r.hash_ids[n] in popular:
-            n += 1
-        return n
-
-    ends: set[int] = set()  # last block id of every earlier request: a prefix a later turn extends
-    first_turns: list[TraceRequest] = []
-    turn_pages: list[int] = []
-    for r in trace:
-        system = system_len(r)
-        parent = max((i for i in range(system, len(r.hash_ids) - 1) if r.hash_ids[i] in ends), default=None)
-        if parent is None:
-            first_turns.append(r)
-        else:
-            turn_pages.append(len(r.hash_ids) - parent - 1)
-        full = full_blocks(r.hash_ids, r.input_length, MOONCAKE_BLOCK_TOKENS)
-        if full:  # a partial last block has an id of its own: the next turn extends the full ones
-            ends.add(full[-1])
-    # documents: prefixes beyond the system prompt that first turns of different sessions share
-    after_system = Counter(h for r in first_turns for h in r.hash_ids[system_len(r) :])
-    shared_docs = [
-        r for r in first_turns if r.hash_ids[system_len(r) : system_len(r) + 1] and after_system[r.hash_ids[system_len(r)]] > 1
-    ]
-    doc_lengths = []
-    doc_ends = set()
-    for r in shared_docs:
-        start = system_len(r)
-        n = start
-        while n < len(r.hash_ids) and after_system[r.hash_ids[n]] > 1:
-            n += 1
-        doc_lengths.append(n - start)
-        doc_ends.add(r.hash_ids[n - 1])
-    systems = {r.hash_ids[0] for r in trace if r.hash_ids and r.hash_ids[0] in popular}
-    return TraceShape(
-        system_prompts=max(1, len(systems)),
-        system_prompt_pages=int(statistics.median(system_len(r) for r in trace)),
-        documents=len(doc_ends),
-        document_pages=max(1, int(statistics.median(doc_lengths))) if doc_lengths else 1,
-        document_probability=len(shared_docs) / max(1, len(first_turns)),
-        mean_turns=len(trace) / max(1, len(first_turns)),
-        mean_turn_pages=statistics.mean(turn_pages) if turn_pages else 1.0,
-        sessions=len(first_turns),
-    )
+def draw(vocab: int, n: int, *seed: int) -> tuple[int, ...]:
+    """``n`` token ids, the same for the same ``seed``."""
+    return tuple(np.random.default_rng([0x5EED, *seed]).integers(FIRST_ID, vocab, n).tolist())
 
 
-@dataclass(frozen=True)
-class ServeRequest:
-    """One request of the served workload: its prompt's token ids and where it sits in time.
-
-    Example::
-
-        first = serve_workload(shape, requests=10, page_tokens=64, max_pages=16, vocab=8192, mean_turns=6.0)[0]
-        len(first.tokens), first.blocks
-    """
-
-    index: int
-    session_start: float  # the generator's timestamp (s): arrival order and spacing before scaling
-    tokens: list[int]
-    blocks: tuple[int, ...]  # its pages' block ids (prefix-chained, as in the trace)
-
-
-def block_tokens(block_id: int, page_tokens: int, vocab: int) -> np.ndarray:
-    """The token ids behind ``block_id``: the same ids every time (ids 3.. skip special tokens)."""
-    return np.random.default_rng([0x5EED, block_id]).integers(3, vocab, page_tokens)
-
-
-def serve_workload(
-    shape: TraceShape,
-    requests: int,
-    page_tokens: int,
-    max_pages: int,
+def conversations(
+    users: int,
+    rounds: int,
+    page: int,
     vocab: int,
-    mean_turns: float,
-    active_sessions: int = 6,
-    seed: int = 0,
-) -> list[ServeRequest]:
-    """The first ``requests`` requests of sessions shaped like ``shape`` (see the module docstring),
-    ``mean_turns`` turns each on average (an agent's loop runs more turns than a chat).
-
-    Page counts are the trace's, capped so that a system prompt plus a document leave room
-    for turns in ``max_pages``; documents are as many per session as in the trace; sessions
-    start one a second and think ``active_sessions`` seconds on average, so about that
-    many are under way at once.
-    """
-    system = min(shape.system_prompt_pages, max_pages // 4)
-    document = min(shape.document_pages, max_pages // 2)
-    sessions = max(1, round(requests / mean_turns))
-    spec = WorkloadSpec(
-        sessions=requests,  # more than enough: each session has at least one turn
-        system_prompts=shape.system_prompts,
-        system_prompt_pages=system,
-        documents=max(1, round(shape.documents * sessions / max(1, shape.sessions))),
-        document_pages=max(1, document),
-        document_probability=shape.document_probability,
-        mean_turns=mean_turns,
-        mean_turn_pages=max(1.0, min(shape.mean_turn_pages, max_pages / 4)),
-        session_rate_per_s=1.0,
-        mean_think_s=float(active_sessions),
-        output_tokens=0,
-        block_tokens=page_tokens,
-    )
-    out: list[ServeRequest] = []
-    for r in generate(spec, seed=seed):
-        if len(r.hash_ids) > max_pages:
-            continue  # the session's context is full: it ends
-        tokens = np.concatenate([block_tokens(h, page_tokens, vocab) for h in r.hash_ids])[: r.input_length]
-        out.append(ServeRequest(len(out), r.timestamp_ms / 1000.0, tokens.tolist(), r.hash_ids))
-        if len(out) == requests:
-            break
-    return out
+    seed: int,
+    shared_pages: int,
+    own_pages: int,
+    question_tokens: int = 32,
+    answer_tokens: int = 32,
+    gap_s: float = 0.0,
+    warmup: int = 1,
+) -> list[Session]:
+    """``users`` sessions of ``warmup + rounds`` prompts: a prefix every user shares
+    (``shared_pages``: a system prompt, or an agent's tool descriptions), the user's own
+    context (``own_pages``), then question after question, each answer appended before the
+    next question. The first ``warmup`` prompts (the context with its first question) are
+    the warm-up phase."""
+    shared = draw(vocab, shared_pages * page, seed, 0)
+    sessions = []
+    for user in range(users):
+        history = shared + draw(vocab, own_pages * page, seed, 1, user)
+        prompts = []
+        for turn in range(warmup + rounds):
+            history += draw(vocab, question_tokens, seed, 2, user, turn)
+            prompts.append(history)
+            history += draw(vocab, answer_tokens, seed, 3, user, turn)
+        sessions.append(Session(f"user{user}", tuple(prompts), gap_s, warmup))
+    return sessions
 
 
-def reuse_share(workload: list[ServeRequest], page_tokens: int) -> float:
-    """Share of full pages that an unbounded shared cache would hit (the workload's reuse ceiling)."""
+def long_documents(
+    documents: int, asks: int, page: int, vocab: int, seed: int, document_pages: int, question_tokens: int = 32
+) -> list[Session]:
+    """``documents x asks`` one-prompt readers (a document and a question of its own), in a
+    random order in which every document's first ask comes before its others are drawn."""
+    texts = [draw(vocab, document_pages * page, seed, 4, d) for d in range(documents)]
+    order = np.random.default_rng([seed, 5]).permutation(np.repeat(np.arange(documents), asks)).tolist()
+    readers = []
+    for i, d in enumerate(order):
+        readers.append(Session(f"doc{d}-ask{i}", (texts[d] + draw(vocab, question_tokens, seed, 6, i),), 0.0))
+    return readers
+
+
+def block_tokens(block_id: int, page: int, vocab: int, seed: int) -> tuple[int, ...]:
+    """The token ids behind a trace's ``block_id``: equal ids, equal tokens (within a seed)."""
+    return draw(vocab, page, seed, 7, block_id)
+
+
+def trace_sessions(trace: list[TraceRequest], page: int, vocab: int, seed: int, max_pages: int) -> list[Session]:
+    """Closed-loop sessions of a Mooncake trace (see the module docstring). A request's
+    length scales with its blocks (``input_length x page / 512``); one longer than
+    ``max_pages`` pages is cut there (the engines' context). Sessions keep the trace's order
+    of first turns; a request that extends no earlier request's full blocks beyond the
+    blocks most requests share (a system prompt: in ``SHARED_SHARE`` of the requests and
+    at least 3) starts one."""
+    if not trace:
+        raise ConfigError("the trace has no requests")
+    counts = Counter(h for r in trace for h in r.hash_ids)
+    shared = {h for h, n in counts.items() if n >= max(3, SHARED_SHARE * len(trace))}  # system prompts
+    session_of_end: dict[int, int] = {}  # last full block of a request -> its session
+    turns: list[list[TraceRequest]] = []
+    for r in trace:
+        own = next((i for i, h in enumerate(r.hash_ids) if h not in shared), len(r.hash_ids))
+        parent = next((session_of_end[h] for h in reversed(r.hash_ids[own:-1]) if h in session_of_end), None)
+        if parent is None:
+            parent = len(turns)
+            turns.append([])
+        turns[parent].append(r)
+        full = full_blocks(r.hash_ids, r.input_length, MOONCAKE_BLOCK_TOKENS)
+        if full:
+            session_of_end[full[-1]] = parent
+    sessions = []
+    for s, requests in enumerate(turns):
+        prompts = []
+        for r in requests:
+            length = min(max_pages * page, max(1, round(r.input_length * page / MOONCAKE_BLOCK_TOKENS)))
+            tokens = [t for h in r.hash_ids[: -(-length // page)] for t in block_tokens(h, page, vocab, seed)]
+            prompts.append(tuple(tokens[:length]))
+        sessions.append(Session(f"trace-session{s}", tuple(prompts), 0.0))
+    return sessions
+
+
+def page_chains(prompt: tuple[int, ...], page: int) -> list[int]:
+    """A hash per full page of ``prompt`` that names the page and everything before it."""
+    chain, prev = [], 0
+    for start in range(0, len(prompt) - len(prompt) % page, page):
+        prev = hash((prev, prompt[start : start + page]))
+        chain.append(prev)
+    return chain
+
+
+def reuse_ceiling(sessions: list[Session], page: int) -> tuple[int, int]:
+    """(prompt tokens an unbounded shared cache would not compute, measured prompt tokens),
+    counting measured prompts only, each session's in order, sessions interleaved round by
+    round (the order a closed loop sends them in, near enough): the ceiling a contender's
+    hit tokens are shares of."""
     seen: set[int] = set()
-    hits = total = 0
-    for r in workload:
-        full = r.blocks[: len(r.tokens) // page_tokens]
-        n = 0
-        while n < len(full) and full[n] in seen:
-            n += 1
-        hits, total = hits + n, total + len(full)
-        seen.update(full)
-    return hits / total if total else 0.0
+    hit = total = 0
+    for turn in range(max(len(s.prompts) for s in sessions)):
+        for s in sessions:
+            if turn >= len(s.prompts):
+                continue
+            chain = page_chains(s.prompts[turn], page)
+            n = 0
+            while n < len(chain) and chain[n] in seen:
+                n += 1
+            if turn >= s.warmup:
+                hit, total = hit + n * page, total + len(s.prompts[turn])
+            seen.update(chain)
+    return hit, total
+
+
+def kv_pages(sessions: list[Session], page: int) -> int:
+    """Distinct full pages over all prompts: the KV the sessions hold in all (what must
+    exceed vLLM's own cache and kvray's host tier for the workload to test them)."""
+    return len({h for s in sessions for p in s.prompts for h in page_chains(p, page)})

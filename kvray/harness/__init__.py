@@ -8,7 +8,7 @@ imports it.
 - :mod:`~kvray.harness.vllm_engine`: one vLLM engine in this process, as every run makes it;
 - :mod:`~kvray.harness.vllm_runs`: the runs the engine tests and the TTFT benchmark ask
   for (engines in turn, on two Ray nodes, behind Ray Serve);
-- :mod:`~kvray.harness.vllm_replay`: a vLLM engine replaying timed requests in a Ray actor
-  (the served benchmark's);
+- :mod:`~kvray.harness.vllm_serving`: a vLLM engine serving requests as they come, in a
+  threaded Ray actor (the served benchmark's);
 - :mod:`~kvray.harness.faults`: store faults injected the way real storage fails.
 """

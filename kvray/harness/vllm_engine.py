@@ -53,14 +53,22 @@ def make_llm(
     dtype: str = "float32",
     kv_cache_bytes: int = 256 << 20,
     max_model_len: int = 4096,
+    transfer: dict | None = None,
 ):
-    """A vLLM engine of :func:`engine_args` with ``KVRayConnector`` when ``kvray`` is given."""
+    """A vLLM engine of :func:`engine_args` with ``KVRayConnector`` when ``kvray`` is given,
+    or another connector's ``kv_transfer_config`` (``transfer``, LMCache's for the served
+    benchmark's contender)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
     from kvray.engines.vllm.connector import kv_transfer_config
 
-    transfer = None if kvray is None else kv_transfer_config(kvray)
+    if kvray is not None:
+        transfer = kv_transfer_config(kvray)
+    elif transfer is not None:
+        from vllm.config import KVTransferConfig
+
+        transfer = KVTransferConfig(**transfer)
     args = engine_args(model, prefix_caching, block_size, dtype, kv_cache_bytes, max_model_len)
     return LLM(**args, kv_transfer_config=transfer)
 

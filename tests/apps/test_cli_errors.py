@@ -200,6 +200,19 @@ def test_kvray_bench_help_lists_what_only_takes_and_refuses_what_matches_nothing
     )
 
 
+def test_kvray_bench_trace_is_for_the_serve_benchmark_and_must_be_a_trace(tmp_path):
+    """``--trace`` is refused without ``--only serve`` and for a file that is not a trace,
+    before any engine starts."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n')
+    alone = CliRunner().invoke(app, ["bench", "--only", "hf_ttft", "--trace", str(trace)])
+    assert alone.exit_code == 2 and "--trace is for the serve benchmark: add --only serve" in message(alone)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("not json\n")
+    bad = CliRunner().invoke(app, ["bench", "--only", "serve", "--trace", str(broken)])
+    assert bad.exit_code == 2 and "broken.jsonl:1: not valid JSON" in message(bad)
+
+
 def test_the_listed_benchmarks_are_the_registered_ones():
     """kvray.bench.BENCHMARKS (what --help lists without importing the modules) names what
     each module registers, and nothing else is registered."""

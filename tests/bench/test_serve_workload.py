@@ -1,113 +1,116 @@
-"""The served benchmark's workload and scoring: the trace's structure measured, sessions with
-real token ids that share exactly what their block ids share, and the figures the goals use."""
+"""The served benchmark's closed-loop workloads: histories that grow turn by turn, documents
+asked again, a Mooncake trace's sessions, and the ceilings the figures are shares of."""
 
 from __future__ import annotations
 
-import numpy as np
+import json
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvray.bench.serve import BASE, BASE_AGAIN, CLUSTER, HOST, PAGE, baseline, judge, summarize
-from kvray.bench.serve_workload import ServeRequest, TraceShape, reuse_share, serve_workload, trace_shape
-from kvray.traces import TraceRequest, read_trace
+from kvray.bench.serve_workload import (
+    conversations,
+    kv_pages,
+    long_documents,
+    page_chains,
+    reuse_ceiling,
+    trace_sessions,
+)
+from kvray.core.errors import ConfigError
+from kvray.traces import read_trace
 from tests.properties import examples
 
-SHAPE = TraceShape(
-    system_prompts=2,
-    system_prompt_pages=2,
-    documents=40,
-    document_pages=5,
-    document_probability=0.3,
-    mean_turns=1.4,
-    mean_turn_pages=3.0,
-    sessions=400,
-)
-
-
-def test_trace_shape_finds_system_prompt_turns_and_documents():
-    """A hand-made trace: one shared system block, session A with two turns (the second
-    extends the first's full blocks), and B and C reading the same document."""
-    trace = [
-        TraceRequest(0, 3 * 512 + 100, 10, (0, 1, 2, 3)),  # A turn 1: system 0, blocks 1-2 full, 3 partial
-        TraceRequest(1, 5 * 512, 10, (0, 1, 2, 4, 5)),  # A turn 2: extends A's full blocks (0, 1, 2)
-        TraceRequest(2, 4 * 512, 10, (0, 6, 7, 8)),  # B: document 6-7, then its question
-        TraceRequest(3, 4 * 512, 10, (0, 6, 7, 9)),  # C: same document, another question
-    ]
-    shape = trace_shape(trace)
-    assert shape.system_prompts == 1 and shape.system_prompt_pages == 1
-    assert shape.sessions == 3 and abs(shape.mean_turns - 4 / 3) < 1e-9
-    assert shape.mean_turn_pages == 2  # turn 2 added blocks 4 and 5
-    assert shape.documents == 1 and shape.document_pages == 2
-    assert abs(shape.document_probability - 2 / 3) < 1e-9
-
-
-def test_shape_of_the_bundled_conversation_trace():
-    shape = trace_shape(read_trace("conversation_trace_first30min.jsonl"))
-    assert shape.system_prompts >= 1 and shape.system_prompt_pages >= 1
-    assert 1.0 < shape.mean_turns < 3.0 and shape.sessions > 1000
+PAGE = 16
 
 
 @settings(max_examples=examples(25), deadline=None)
-@given(requests=st.integers(1, 80), max_pages=st.integers(4, 24), turns=st.floats(1.0, 8.0), seed=st.integers(0, 1000))
-def test_equal_block_ids_mean_equal_tokens_and_prompts_fit(requests, max_pages, turns, seed):
-    workload = serve_workload(SHAPE, requests, PAGE, max_pages, vocab=8192, mean_turns=turns, seed=seed)
-    assert 0 < len(workload) <= requests
-    pages: dict[int, list[int]] = {}
-    for r in workload:
-        assert len(r.blocks) <= max_pages and len(r.tokens) > (len(r.blocks) - 1) * PAGE
-        assert all(3 <= t < 8192 for t in r.tokens)
-        for i, block in enumerate(r.blocks[: len(r.tokens) // PAGE]):
-            page = r.tokens[i * PAGE : (i + 1) * PAGE]
-            assert pages.setdefault(block, page) == page  # a block id always carries the same tokens
-    assert serve_workload(SHAPE, requests, PAGE, max_pages, 8192, turns, seed=seed) == workload
+@given(
+    users=st.integers(1, 6), rounds=st.integers(1, 4), shared=st.integers(0, 3), own=st.integers(0, 3), seed=st.integers(0, 99)
+)
+def test_each_prompt_is_the_last_one_plus_its_answer_and_a_new_question(users, rounds, shared, own, seed):
+    sessions = conversations(users, rounds, PAGE, 512, seed, shared, own, question_tokens=5, answer_tokens=7)
+    assert len(sessions) == users
+    for s in sessions:
+        assert len(s.prompts) == 1 + rounds and s.warmup == 1
+        assert len(s.prompts[0]) == (shared + own) * PAGE + 5
+        for before, after in zip(s.prompts, s.prompts[1:]):
+            assert after[: len(before)] == before and len(after) == len(before) + 7 + 5
+    first = [s.prompts[0][: shared * PAGE] for s in sessions]
+    assert all(f == first[0] for f in first)  # the shared prefix
+    if own and users > 1:  # each user's own context differs
+        assert (
+            sessions[0].prompts[0][shared * PAGE : (shared + own) * PAGE]
+            != sessions[1].prompts[0][shared * PAGE : (shared + own) * PAGE]
+        )
+    assert conversations(users, rounds, PAGE, 512, seed, shared, own, 5, 7) == sessions  # seeded
+    assert all(3 <= t < 512 for s in sessions for p in s.prompts for t in p)
 
 
-def test_more_turns_mean_more_reuse():
-    chat = serve_workload(SHAPE, 120, PAGE, 24, 8192, mean_turns=1.0)
-    agent = serve_workload(SHAPE, 120, PAGE, 24, 8192, mean_turns=6.0)
-    assert reuse_share(agent, PAGE) > reuse_share(chat, PAGE) + 0.1
+def test_another_seed_shares_no_page():
+    a, b = (conversations(3, 2, PAGE, 8192, seed, shared_pages=2, own_pages=2) for seed in (1, 2))
+    chains = lambda sessions: {h for s in sessions for p in s.prompts for h in page_chains(p, PAGE)}  # noqa: E731
+    assert not chains(a) & chains(b)
 
 
-def answer(ttfts: list[float], cached: list[int], loaded_pages: int = 0, tiers: dict | None = None) -> dict:
-    return {
-        "requests": [
-            {"id": str(i), "ttft_s": t, "arrival_s": np.float64(i), "done_s": i + t + 0.5, "cached_tokens": c}
-            for i, (t, c) in enumerate(zip(ttfts, cached))
+def test_long_documents_are_asked_again_and_only_the_documents_are_shared():
+    readers = long_documents(documents=3, asks=4, page=PAGE, vocab=8192, seed=0, document_pages=5)
+    assert len(readers) == 12 and all(len(r.prompts) == 1 for r in readers)
+    by_doc: dict[str, list[tuple[int, ...]]] = {}
+    for r in readers:
+        by_doc.setdefault(r.name.split("-")[0], []).append(r.prompts[0])
+    assert sorted(len(v) for v in by_doc.values()) == [4, 4, 4]
+    for prompts in by_doc.values():
+        assert len({p[: 5 * PAGE] for p in prompts}) == 1 and len({p[5 * PAGE :] for p in prompts}) == 4
+    hit, total = reuse_ceiling(readers, PAGE)
+    assert hit == 9 * 5 * PAGE and total == sum(len(r.prompts[0]) for r in readers)  # 3 cold asks, 9 hits
+
+
+def test_reuse_ceiling_counts_measured_turns_and_kv_pages_counts_distinct_pages():
+    sessions = conversations(2, 1, PAGE, 8192, 0, shared_pages=1, own_pages=1, question_tokens=PAGE, answer_tokens=PAGE)
+    hit, total = reuse_ceiling(sessions, PAGE)
+    # measured turn of each user: shared + own + question + answer pages cached of 5 pages
+    assert hit == 2 * 3 * PAGE and total == 2 * 5 * PAGE
+    assert kv_pages(sessions, PAGE) == 1 + 2 * (1 + 1 + 2)
+
+
+def write_trace(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return read_trace(path)
+
+
+def test_trace_sessions_follow_turns_and_scale_blocks_to_pages(tmp_path):
+    """A Mooncake trace: A's second turn extends A's full blocks; B shares only the system block."""
+    trace = write_trace(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 0, "input_length": 3 * 512 + 100, "output_length": 5, "hash_ids": [0, 1, 2, 3]},  # A
+            {"timestamp": 5, "input_length": 4 * 512, "output_length": 5, "hash_ids": [0, 7, 8, 9]},  # B
+            {"timestamp": 9, "input_length": 5 * 512, "output_length": 5, "hash_ids": [0, 1, 2, 4, 5]},  # A, turn 2
         ],
-        "counters": {"loaded_pages": loaded_pages},
-        "kvray_pages_by_tier": tiers or {},
-    }
+    )
+    sessions = trace_sessions(trace, PAGE, 8192, seed=0, max_pages=16)
+    assert [len(s.prompts) for s in sessions] == [2, 1]
+    a, b = sessions
+    assert len(a.prompts[0]) == 3 * PAGE + round(100 * PAGE / 512) and len(a.prompts[1]) == 5 * PAGE
+    assert a.prompts[1][: 3 * PAGE] == a.prompts[0][: 3 * PAGE]  # the same blocks, the same tokens
+    assert b.prompts[0][:PAGE] == a.prompts[0][:PAGE] and b.prompts[0][PAGE : 2 * PAGE] != a.prompts[0][PAGE : 2 * PAGE]
+    capped = trace_sessions(trace, PAGE, 8192, seed=0, max_pages=2)
+    assert max(len(p) for s in capped for p in s.prompts) == 2 * PAGE
 
 
-def test_summary_counts_slo_throughput_and_splits_hits_by_tier():
-    requests = [ServeRequest(i, 0.0, [5] * 100, (i,)) for i in range(4)]
-    answers = [answer([0.5, 3.0], [128, 0], loaded_pages=1, tiers={"host": 1}), answer([1.0, 0.2], [64, 64])]
-    summary = summarize(answers, requests, slo_s=1.0)
-    assert summary["requests"] == 4 and summary["prompt_tokens"] == 400
-    span = (1 + 3.0 + 0.5) - 0.0  # first arrival 0, last answer: request 1 of the first engine
-    assert abs(summary["replay_s"] - span) < 1e-9
-    assert abs(summary["throughput_at_slo_rps"] - 3 / span) < 1e-9 and summary["slo_attainment"] == 0.75
-    assert all(type(summary[k]) is float for k in ("mean_ttft_ms", "p99_ttft_ms", "throughput_rps", "throughput_at_slo_rps"))
-    assert summary["hit_tokens"] == 256 and summary["hit_tokens_by_tier"] == {"vllm": 256 - PAGE, "host": PAGE}
+def test_a_shared_system_prompt_does_not_join_sessions(tmp_path):
+    """Block 0 opens every request and is a whole request itself: the requests after it are
+    sessions of their own, not turns of that one."""
+    rows = [{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [0]}]
+    rows += [{"timestamp": i, "input_length": 2 * 512, "output_length": 1, "hash_ids": [0, 10 + i]} for i in range(1, 5)]
+    sessions = trace_sessions(write_trace(tmp_path / "t.jsonl", rows), PAGE, 8192, seed=0, max_pages=4)
+    assert [len(s.prompts) for s in sessions] == [1, 1, 1, 1, 1]
 
 
-def test_goals_use_the_faster_baseline_run_and_say_why_a_contender_is_missing():
-    def run(mean_ms: float, slo_rps: float, hits: int) -> dict:
-        return {
-            "mean_ttft_ms": mean_ms,
-            "throughput_at_slo_rps": slo_rps,
-            "hit_tokens": hits,
-            "prompt_tokens": 1000,
-            "slo_attainment": 0.5,
-            "p50_ttft_ms": mean_ms,
-        }
-
-    runs = {BASE: run(900, 0.2, 100), HOST: run(500, 0.4, 200), CLUSTER: run(300, 0.7, 320), BASE_AGAIN: run(800, 0.25, 100)}
-    assert baseline(runs) == BASE_AGAIN
-    goals = {g["name"]: g for g in judge({"contenders": runs, "errors": {}, "baseline": baseline(runs)})}
-    assert goals["serve_mean_ttft"]["met"] and abs(goals["serve_mean_ttft"]["ratio"] - 300 / 800) < 1e-9
-    assert not goals["serve_throughput_at_slo"]["met"]  # 0.7 / 0.25 = 2.8 < 3
-    assert goals["serve_hit_tokens"]["met"] and "320 vs 200" in goals["serve_hit_tokens"]["reason"]
-    del runs[CLUSTER]
-    missing = judge({"contenders": runs, "errors": {CLUSTER: "ConfigError: layout"}, "baseline": BASE_AGAIN})
-    assert not any(g["met"] for g in missing) and all("ConfigError: layout" in g["reason"] for g in missing)
+def test_trace_sessions_of_the_bundled_trace_and_an_empty_one():
+    sessions = trace_sessions(read_trace("conversation_trace_first30min.jsonl", limit=300), 64, 8192, 0, 12)
+    assert sum(len(s.prompts) for s in sessions) == 300 and any(len(s.prompts) > 1 for s in sessions)
+    assert max(len(s.prompts) for s in sessions) < 30  # the system prompt joins no sessions
+    with pytest.raises(ConfigError, match="no requests"):
+        trace_sessions([], PAGE, 8192, 0, 4)

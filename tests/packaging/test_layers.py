@@ -66,6 +66,7 @@ RAY_EDGES = frozenset(
         "kvray.bench.long_context",
         "kvray.bench.runtime",
         "kvray.bench.serve",
+        "kvray.bench.serve_engines",
         "kvray.engines.runtime",  # an engine joining the Ray cluster of a named runtime
         "kvray.engines.vllm.serve",  # vLLM behind Ray Serve
         "kvray.engines.vllm.router",  # its request router, a Ray Serve RequestRouter

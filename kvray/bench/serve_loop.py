@@ -1,0 +1,213 @@
+"""The served benchmark's client: closed-loop sessions at an offered rate, routed over engines.
+
+:func:`run_closed_loop` plays :class:`~kvray.bench.serve_workload.Session` s against a
+:class:`Pool` of engines. A session's next prompt is sent once its previous answer is
+back and its think gap has passed, and not before the session's pace allows: at an
+offered rate of ``rate`` requests/s over ``U`` sessions each session sends at most one
+prompt every ``U / rate`` seconds (LMCache's multi-round QA paces users the same way), so
+the offered rate is ``rate`` until the engines fall behind, and then the closed loop
+slows the clients down instead of queueing without bound. ``rate=inf`` sends as fast as
+the answers come: the engines' saturation.
+
+Routers pick an engine per request: :class:`RoundRobin`, :class:`Sticky` (a session's
+requests on one engine) and :class:`PolicyRouter`, which asks a kvray cluster policy's
+``route`` verb (:mod:`kvray.policy.cluster`) with the runtime's answer to where the
+prompt's cached pages are and each engine's backlog, as the simulator replays it.
+
+:func:`goodput` and :func:`summarize` are the sweep's arithmetic, pure.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kvray.bench.serve_workload import Session
+from kvray.policy.cluster import ClusterPolicy, ClusterView, NodeView, RequestView
+
+SLO_SHARE = 0.9  # goodput: the share of requests that must meet the TTFT SLO
+
+
+class Pool(Protocol):
+    """Engines the client sends to: ``submit`` one request to engine ``engine``; ``drain``
+    the answers (each with ``id``, ``sent_at``, ``ttft_s``, ``done_at``, ``prompt_tokens``,
+    ``cached_tokens``) that came back, waiting up to ``wait_s`` for one."""
+
+    def submit(self, engine: int, request: dict) -> None: ...
+
+    def drain(self, wait_s: float) -> list[dict]: ...
+
+
+class Router:
+    """Picks the engine of each request; told when a request was answered."""
+
+    name = "router"
+
+    def pick(self, request_id: str, session: str, tokens: Sequence[int]) -> int:
+        raise NotImplementedError
+
+    def done(self, request_id: str) -> None:
+        """The request was answered (routers that track backlogs forget it)."""
+
+
+class RoundRobin(Router):
+    """Request i on engine i mod n: a session's turns and a document's readers land on every engine."""
+
+    name = "round-robin"
+
+    def __init__(self, engines: int) -> None:
+        self.engines, self.sent = engines, 0
+
+    def pick(self, request_id: str, session: str, tokens: Sequence[int]) -> int:
+        self.sent += 1
+        return (self.sent - 1) % self.engines
+
+
+class Sticky(Router):
+    """Every request of a session on one engine, sessions dealt to the engines in turn as
+    they first appear: what a front end that keeps sessions together and balances them
+    does, and the best an engine without a shared cache can get (a hash of the session's
+    name split 16 sessions 10 / 6 in a trial, overloading one engine)."""
+
+    name = "session-sticky"
+
+    def __init__(self, engines: int) -> None:
+        self.engines = engines
+        self.engine_of: dict[str, int] = {}
+
+    def pick(self, request_id: str, session: str, tokens: Sequence[int]) -> int:
+        return self.engine_of.setdefault(session, len(self.engine_of) % self.engines)
+
+
+Locate = Callable[[Sequence[int]], tuple[list[int], list[str]]]  # tokens -> (page keys, node of each cached page)
+
+
+class PolicyRouter(Router):
+    """A kvray cluster policy's ``route`` verb: ``locate`` asks the runtime for the prompt's
+    page keys and the node of each cached page; each engine's backlog is the pages its
+    outstanding requests must still prefill, at ``page_ms`` each (measured at warm-up)."""
+
+    def __init__(self, nodes: Sequence[str], policy: ClusterPolicy, locate: Locate, page_ms: float) -> None:
+        if len(set(nodes)) != len(nodes):
+            raise ValueError(f"the route verb needs one engine per node; engines' nodes: {list(nodes)}")
+        self.nodes, self.policy, self.locate, self.page_ms = list(nodes), policy, locate, page_ms
+        self.name = f"route ({policy.name})"
+        self.backlog_pages = [0] * len(nodes)
+        self.pending: dict[str, tuple[int, int]] = {}
+
+    def pick(self, request_id: str, session: str, tokens: Sequence[int]) -> int:
+        keys, hit_nodes = self.locate(tokens)
+        view = ClusterView(
+            tuple(NodeView(n, backlog_ms=self.backlog_pages[i] * self.page_ms) for i, n in enumerate(self.nodes)),
+            page_prefill_ms=self.page_ms,
+        )
+        engine = self.nodes.index(self.policy.route(RequestView(tuple(keys), None, tuple(hit_nodes), session), view))
+        work = len(keys) + 1 - sum(1 for n in hit_nodes if n == self.nodes[engine])  # + the partial last page
+        self.backlog_pages[engine] += work
+        self.pending[request_id] = (engine, work)
+        return engine
+
+    def done(self, request_id: str) -> None:
+        engine, work = self.pending.pop(request_id)
+        self.backlog_pages[engine] -= work
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One measured request: its session, turn, engine and times (wall clock, s)."""
+
+    session: str
+    turn: int
+    engine: int
+    sent_at: float
+    done_at: float
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    measured: bool
+
+
+def run_closed_loop(
+    sessions: Sequence[Session],
+    pool: Pool,
+    router: Router,
+    rate: float,
+    on_answer: Callable[[int], None] | None = None,
+) -> list[Answer]:
+    """Play ``sessions`` closed loop at offered ``rate`` requests/s (see the module docstring);
+    every answer, warm-up ones included (``measured`` False). ``on_answer(n)``: n answers so far."""
+    pace = len(sessions) / rate if math.isfinite(rate) and rate > 0 else 0.0
+    start = time.time()
+    due = [(start + i * pace / len(sessions), i) for i in range(len(sessions))]  # staggered first prompts
+    heapq.heapify(due)
+    turn = [0] * len(sessions)
+    last_sent = [-math.inf] * len(sessions)
+    outstanding: dict[str, tuple[int, int]] = {}
+    answers: list[Answer] = []
+    while due or outstanding:
+        now = time.time()
+        while due and due[0][0] <= now:
+            _, s = heapq.heappop(due)
+            session, k = sessions[s], turn[s]
+            request_id = f"{s}.{k}"
+            tokens = list(session.prompts[k])
+            last_sent[s] = time.time()  # before routing: a router's own time is part of the request's
+            engine = router.pick(request_id, session.name, tokens)
+            outstanding[request_id] = (s, engine)
+            pool.submit(engine, {"id": request_id, "tokens": tokens, "sent_at": last_sent[s]})
+        wait = max(0.0, due[0][0] - time.time()) if due else 1.0
+        for a in pool.drain(min(wait, 0.05) if outstanding else wait):
+            s, engine = outstanding.pop(a["id"])
+            router.done(a["id"])
+            k = turn[s]
+            session = sessions[s]
+            answers.append(
+                Answer(session.name, k, engine, a["sent_at"], a["done_at"], a["ttft_s"], a["prompt_tokens"],
+                       a["cached_tokens"], k >= session.warmup)
+            )  # fmt: skip
+            if on_answer:
+                on_answer(len(answers))
+            turn[s] = k + 1
+            if turn[s] < len(session.prompts):
+                heapq.heappush(due, (max(a["done_at"] + session.gap_s, last_sent[s] + pace), s))
+    return answers
+
+
+def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
+    """A sweep point's figures over its measured answers: TTFT mean and percentiles, the
+    share within the SLO, the throughput achieved, prompt and cached tokens."""
+    measured = [a for a in answers if a.measured]
+    ttft = np.array([a.ttft_s for a in measured])
+    span = max(a.done_at for a in measured) - min(a.sent_at for a in measured)
+    return {
+        "requests": len(measured),
+        "mean_ttft_ms": float(ttft.mean() * 1e3),
+        "p50_ttft_ms": float(np.percentile(ttft, 50) * 1e3),
+        "p90_ttft_ms": float(np.percentile(ttft, 90) * 1e3),
+        "p99_ttft_ms": float(np.percentile(ttft, 99) * 1e3),
+        "slo_attainment": float((ttft <= slo_s).mean()),
+        "throughput_rps": len(measured) / span if span > 0 else float("nan"),
+        "prompt_tokens": sum(a.prompt_tokens for a in measured),
+        "cached_tokens": sum(a.cached_tokens for a in measured),
+        "requests_per_engine": dict(Counter(a.engine for a in measured)),
+    }
+
+
+def goodput(attainment_by_rate: dict[float, float], share: float = SLO_SHARE) -> float:
+    """The highest offered rate up to which every swept rate had at least ``share`` of its
+    requests within the SLO (0 when the lowest did not): vLLM's ``benchmark_serving
+    --goodput`` criterion over a sweep, read conservatively, so that a lucky point above a
+    failed one (noise on a loaded machine) does not count."""
+    best = 0.0
+    for rate in sorted(attainment_by_rate):
+        if attainment_by_rate[rate] < share:
+            break
+        best = rate
+    return best

@@ -1,0 +1,182 @@
+"""A vLLM engine serving requests as they come: the served benchmark's engine, in a Ray actor.
+
+:class:`ServingEngine` is the body of a threaded actor that runs vLLM's environment's
+interpreter (Ray's ``runtime_env={"py_executable": ...}``; see :mod:`kvray.bench.serve`),
+so the engine lives in the actor's process on the actor's node, and a connector that names
+a kvray runtime uses that process's Ray connection and node. One thread owns the engine
+and steps it whenever it has work; the driver, a closed-loop client
+(:mod:`kvray.bench.serve_loop`), calls :meth:`~ServingEngine.submit` to add requests and
+:meth:`~ServingEngine.drain` to collect the ones answered, from other threads of the actor.
+
+Times are wall-clock (``time.time()``) on both sides: the driver stamps ``sent_at`` when it
+sends, the engine the moment a request's first token is out, so a TTFT includes the call
+that carried the request and its queueing, as a front end's would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections import Counter
+
+from kvray.harness.vllm_engine import close_llm, connector_of, counters_of, make_llm
+
+# where a runtime connector's pages came from (its load paths, kvray.cluster.client) -> tier label
+PATH_TIERS = {"mapped": "host", "local": "local store", "tcp": "remote", "collective": "remote", "object_store": "remote"}
+IDLE_WAIT_S = 0.2  # how long an idle engine thread sleeps between looks at the stop flag (a request wakes it at once)
+
+
+def kvray_hits(llm, connector) -> tuple[dict[str, int], Counter]:
+    """The connector's counters (both halves) and the pages kvray served so far by tier:
+    an in-process store's own tier counts, or a runtime client's load paths (pages from
+    this node's mapped host tier, from its store actor, from another node)."""
+    if connector is None:
+        return {}, Counter()
+    counters, store = counters_of(llm), connector.scheduler.store
+    if store is not None:
+        return counters, Counter(store.stats().get("hit_pages_by_tier", {}))
+    tiers: Counter = Counter()
+    for path, tier in PATH_TIERS.items():
+        tiers[tier] += counters.get(f"{path}_pages", 0)
+    return counters, tiers
+
+
+def lmcache_failure() -> str | None:
+    """Why LMCache's connector runs "in degraded mode (recompute)", or None: it logs the
+    failure to make its engine (on a CPU: no connector for the device) and then serves with
+    every lookup timing out, which would be measured as LMCache's figure."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    manager = getattr(getattr(get_kv_transfer_group(), "_lmcache_engine", None), "_manager", None)
+    return getattr(manager, "_init_failed_reason", None) if getattr(manager, "_init_failed", False) else None
+
+
+class ServingEngine:
+    """One vLLM engine (see the module docstring); ``spec`` holds :func:`make_llm`'s settings.
+
+    Example::
+
+        engine = ray.remote(num_cpus=0, max_concurrency=4)(ServingEngine).options(
+            runtime_env={"py_executable": vllm_python}).remote(
+            {"model": "bench-llama", "block_size": 64, "kv_cache_bytes": 32 << 20, "max_model_len": 1088,
+             "prefix_caching": True, "kvray": {"host_pages": 512}, "max_tokens": 4})
+        engine.submit.remote([{"id": "0", "tokens": [5] * 100, "sent_at": time.time()}])
+        ray.get(engine.drain.remote(5.0))   # [{"id": "0", "ttft_s": ..., "cached_tokens": 0, ...}]
+    """
+
+    def __init__(self, spec: dict) -> None:
+        # Ray starts workers at niceness 15 (RAY_worker_niceness): an engine serving requests
+        # would then yield its cores to any other process on the node. Back to normal where
+        # this process may raise its priority; as it is elsewhere.
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        os.environ.update(spec.get("env", {}))  # read by a connector (LMCache's) when the engine starts
+        self.llm = make_llm(
+            spec["model"],
+            spec.get("kvray"),
+            spec["prefix_caching"],
+            spec["block_size"],
+            kv_cache_bytes=spec["kv_cache_bytes"],
+            max_model_len=spec["max_model_len"],
+            transfer=spec.get("transfer"),
+        )
+        if spec.get("transfer") is not None and (reason := lmcache_failure()):
+            close_llm(self.llm)
+            raise RuntimeError(f"LMCache's connector could not start its engine:\n{reason}")
+        self.connector = connector_of(self.llm) if spec.get("kvray") is not None else None
+        from vllm import SamplingParams
+
+        self.params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, detokenize=False, ignore_eos=True)
+        self.inbox: queue.Queue = queue.Queue()
+        self.answered: list[dict] = []
+        self.ready = threading.Condition()
+        self.engine_lock = threading.Lock()  # the engine: its thread steps it, stats and reset wait for a step
+        self.error: str | None = None
+        self.stopped = False
+        self.thread = threading.Thread(target=self._serve, name="engine", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        """Add what arrived, step, record first tokens and finished requests; until closed."""
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        sent: dict[str, dict] = {}
+        first: dict[str, float] = {}
+        try:
+            while not self.stopped:
+                try:
+                    batch = self.inbox.get(timeout=0 if engine.has_unfinished_requests() else IDLE_WAIT_S)
+                except queue.Empty:
+                    batch = []
+                with self.engine_lock:
+                    for r in batch:
+                        sent[r["id"]] = r
+                        engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["tokens"]), self.params)
+                    if not engine.has_unfinished_requests():
+                        continue
+                    outputs = engine.step()
+                now = time.time()
+                finished = []
+                for out in outputs:
+                    if out.request_id not in first and out.outputs and out.outputs[0].token_ids:
+                        first[out.request_id] = now
+                    if out.finished:
+                        r = sent.pop(out.request_id)
+                        finished.append(
+                            {
+                                "id": out.request_id,
+                                "sent_at": r["sent_at"],
+                                "ttft_s": first.pop(out.request_id) - r["sent_at"],
+                                "done_at": now,
+                                "prompt_tokens": len(r["tokens"]),
+                                "cached_tokens": int(out.num_cached_tokens or 0),
+                            }
+                        )
+                if finished:
+                    with self.ready:
+                        self.answered.extend(finished)
+                        self.ready.notify_all()
+        except Exception as exc:  # reported by drain: the driver must not wait for answers that never come
+            with self.ready:
+                self.error = f"{type(exc).__name__}: {exc}"
+                self.ready.notify_all()
+
+    def submit(self, requests: list[dict]) -> None:
+        """Queue ``requests`` (``id``, ``tokens``, ``sent_at``) for the engine's next step."""
+        self.inbox.put(requests)
+
+    def drain(self, wait_s: float) -> list[dict]:
+        """The requests answered since the last call, waiting up to ``wait_s`` for one."""
+        with self.ready:
+            if not self.answered and self.error is None:
+                self.ready.wait(wait_s)
+            if self.error is not None:
+                raise RuntimeError(f"the engine's thread stopped: {self.error}")
+            answered, self.answered = self.answered, []
+        return answered
+
+    def stats(self) -> dict:
+        """The connector's counters and kvray's hit pages by tier so far (call when idle)."""
+        with self.engine_lock:
+            counters, tiers = kvray_hits(self.llm, self.connector)
+        return {"counters": counters, "pages_by_tier": dict(tiers)}
+
+    def fingerprint(self):
+        """The model fingerprint the connector keys pages with (None: no kvray runtime), for a
+        router that asks the runtime where a prompt's pages are."""
+        runtime = self.connector.scheduler.runtime if self.connector is not None else None
+        return None if runtime is None else runtime.fingerprint
+
+    def reset(self) -> bool:
+        """Empty vLLM's own prefix cache (kvray's tiers keep their pages)."""
+        with self.engine_lock:
+            return bool(self.llm.reset_prefix_cache())
+
+    def close(self) -> None:
+        self.stopped = True
+        self.thread.join(timeout=60)
+        close_llm(self.llm)

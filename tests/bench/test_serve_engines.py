@@ -1,0 +1,41 @@
+"""The served benchmark's engines for real: one vLLM engine (bench-llama, vLLM's
+environment) in a :class:`~kvray.harness.vllm_serving.ServingEngine` actor on the
+session's Ray cluster, played closed loop. Without the vLLM environment it fails saying
+how to make it (``make vllm-env``); it never skips."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from kvray.bench.serve_engines import MAX_PAGES, PAGE, EngineGroup, group_specs
+from kvray.bench.serve_loop import Sticky, run_closed_loop, summarize
+from kvray.bench.serve_workload import conversations
+from kvray.cluster.runtime import alive_nodes
+from tests.bench.test_serve_loop import assert_closed_loop
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_real_engine_answers_closed_loop_and_hits_a_users_history(ray_cluster):
+    """Two users of three rounds on one engine with kvray's in-process tiers: every next
+    prompt leaves after the previous answer, and later rounds find their history cached."""
+    disk = Path(tempfile.mkdtemp(prefix="kvray-serve-test-"))
+    spec, env = group_specs("in-process", host_pages=64, disk_pages=0, disk_root=disk)[0]
+    group = EngineGroup("in-process", alive_nodes()[:1], [(spec, env)], None)
+    try:
+        assert group.ready(timeout_s=600) is None
+        sessions = conversations(2, 2, PAGE, 8192, seed=0, shared_pages=1, own_pages=2, warmup=1)
+        assert max(len(p) for s in sessions for p in s.prompts) <= MAX_PAGES * PAGE
+        answers = run_closed_loop(sessions, group, Sticky(1), rate=float("inf"))
+        assert len(answers) == 6
+        assert_closed_loop(sessions, answers)
+        later = [a for a in answers if a.turn > 0]
+        assert all(a.cached_tokens >= 3 * PAGE for a in later)  # shared + own context at least
+        point = summarize(later, slo_s=60.0)
+        assert point["requests"] == 4 and point["slo_attainment"] == 1.0 and point["mean_ttft_ms"] > 0
+        assert group.stats()[0]["counters"]["lookups"] >= 6
+    finally:
+        group.kill()

@@ -1,0 +1,113 @@
+"""The served benchmark's closed loop and arithmetic: a session's next prompt waits for its
+answer, the offered rate paces the sessions, goodput is the SLO criterion over a sweep, and
+the rows carry kvray's figure beside the baseline's."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+
+import pytest
+
+from kvray.bench.serve_loop import Answer, PolicyRouter, RoundRobin, Sticky, goodput, run_closed_loop, summarize
+from kvray.bench.serve_workload import Session, conversations
+from kvray.policy.cluster import make_cluster_policy
+
+
+class FifoServers:
+    """Engines that answer each request ``service_s`` after it reaches the front of its
+    engine's queue: a served workload with a known service time, in process."""
+
+    def __init__(self, engines: int, service_s: float) -> None:
+        self.free_at = [0.0] * engines
+        self.service_s = service_s
+        self.pending: list[dict] = []
+
+    def submit(self, engine: int, request: dict) -> None:
+        start = max(time.time(), self.free_at[engine])
+        self.free_at[engine] = start + self.service_s
+        self.pending.append({**request, "engine": engine, "done_at": start + self.service_s})
+
+    def drain(self, wait_s: float) -> list[dict]:
+        deadline = time.time() + wait_s
+        while True:
+            now = time.time()
+            ready = [r for r in self.pending if r["done_at"] <= now]
+            if ready or now >= deadline:
+                break
+            time.sleep(0.001)
+        self.pending = [r for r in self.pending if r["done_at"] > now]
+        return [
+            {"id": r["id"], "sent_at": r["sent_at"], "ttft_s": r["done_at"] - r["sent_at"], "done_at": r["done_at"],
+             "prompt_tokens": len(r["tokens"]), "cached_tokens": 0}
+            for r in ready
+        ]  # fmt: skip
+
+
+def assert_closed_loop(sessions: list[Session], answers: list[Answer]) -> None:
+    by_session: dict[str, list[Answer]] = {}
+    for a in answers:
+        by_session.setdefault(a.session, []).append(a)
+    for s in sessions:
+        turns = sorted(by_session[s.name], key=lambda a: a.turn)
+        assert [a.turn for a in turns] == list(range(len(s.prompts)))
+        for before, after in zip(turns, turns[1:]):
+            assert after.sent_at >= before.done_at + s.gap_s - 1e-6, "a next prompt went out before its answer"
+
+
+def test_a_session_sends_its_next_prompt_only_after_the_answer_and_its_gap():
+    sessions = [Session(f"u{i}", ((1, 2, 3),) * 3, gap_s=0.02) for i in range(4)]
+    answers = run_closed_loop(sessions, FifoServers(2, 0.01), RoundRobin(2), float("inf"))
+    assert len(answers) == 12
+    assert_closed_loop(sessions, answers)
+
+
+def test_the_offered_rate_paces_sessions():
+    """At 40 requests/s over 4 sessions, each session sends at most every 0.1 s: 12 requests
+    take about 0.3 s however fast the engines answer."""
+    sessions = [Session(f"u{i}", ((1,),) * 3, 0.0) for i in range(4)]
+    answers = run_closed_loop(sessions, FifoServers(2, 0.001), Sticky(2), rate=40.0)
+    sent = sorted(a.sent_at for a in answers)
+    assert 0.25 <= sent[-1] - sent[0] <= 0.6
+    for s in sessions:
+        times = sorted(a.sent_at for a in answers if a.session == s.name)
+        assert all(b - a >= 0.1 - 1e-3 for a, b in zip(times, times[1:]))
+
+
+def test_sticky_keeps_a_session_on_one_engine_and_round_robin_spreads_it():
+    sessions = conversations(6, 3, 16, 512, 0, 1, 1, warmup=0)
+    sticky = run_closed_loop(sessions, FifoServers(3, 0.001), Sticky(3), float("inf"))
+    assert all(len({a.engine for a in sticky if a.session == s.name}) == 1 for s in sessions)
+    assert sorted(Counter(a.engine for a in sticky).values()) == [6, 6, 6]  # 2 sessions of 3 prompts each
+    spread = run_closed_loop(sessions, FifoServers(3, 0.001), RoundRobin(3), float("inf"))
+    assert {a.engine for a in spread} == {0, 1, 2}
+
+
+def test_the_route_verb_follows_the_cached_pages_and_counts_backlog():
+    """cost-router on two nodes: a prompt whose 4 pages sit on b goes to b; with b's backlog
+    high enough, to a."""
+    where = {"hot": ["b"] * 4, "cold": []}
+    router = PolicyRouter(["a", "b"], make_cluster_policy("cost-router"), lambda t: ([1, 2, 3, 4], where[t[0]]), 10.0)
+    assert router.pick("r1", "s", ["hot"]) == 1
+    assert router.backlog_pages == [0, 1]
+    for i in range(10):
+        router.pick(f"busy{i}", "s", ["cold"])  # cold prompts: least backlog first
+    router.done("r1")
+    assert sum(router.backlog_pages) == 10 * 5
+    with pytest.raises(ValueError, match="one engine per node"):
+        PolicyRouter(["a", "a"], make_cluster_policy("cost-router"), lambda t: ([], []), 1.0)
+
+
+def test_goodput_is_the_highest_rate_up_to_which_every_rate_met_the_slo_share():
+    assert goodput({1.0: 1.0, 2.0: 0.95, 4.0: 0.89, 8.0: 0.2}) == 2.0
+    assert goodput({1.0: 0.5, 2.0: 0.1}) == 0.0
+    assert goodput({1.0: 0.9, 3.0: 0.95, 2.0: 0.5}) == 1.0  # a point above a failed one does not count
+
+
+def test_summarize_ttft_percentiles_and_slo_share():
+    answers = [Answer("s", i, 0, 0.0, 1.0 + i, (i + 1) / 10, 100, 40, True) for i in range(10)]
+    point = summarize(answers, slo_s=0.5)
+    assert math.isclose(point["mean_ttft_ms"], 550.0) and point["slo_attainment"] == 0.5
+    assert point["p90_ttft_ms"] > point["p50_ttft_ms"] and point["requests"] == 10
+    assert math.isclose(point["throughput_rps"], 10 / 10.0) and point["cached_tokens"] == 400

@@ -1,0 +1,76 @@
+"""The rows of ``kvray bench --only serve``, from a result of the shape run_serve writes: each
+names kvray's figure and the baseline's from the same run, with their ratio and goal."""
+
+from __future__ import annotations
+
+import math
+
+from kvray.bench.serve import BASE, INPROC, KVRAY, LMCACHE, ROUTE, RR, STICKY, rows
+
+
+def workload(goodputs: dict[str, float], ttft_ms: dict[str, float]) -> dict:
+    keys = ("saturation_rps", "slo_ttft_ms", "kv_pages", "vllm_kv_pages", "kvray_host_pages", "reuse_ceiling_tokens",
+            "measured_requests")  # fmt: skip
+    return {
+        **dict.fromkeys(keys, 1.0),
+        "goodput_rps": goodputs,
+        "median": {c: {"0.25": {"mean_ttft_ms": 1.0, "reuse_share": 0.1}, "0.75": {"mean_ttft_ms": t, "reuse_share": 0.9}}
+                   for c, t in ttft_ms.items()},
+    }  # fmt: skip
+
+
+def test_rows_have_kvray_beside_the_baseline_and_their_ratio():
+    everyone = (BASE, INPROC, RR, STICKY, ROUTE, LMCACHE)
+    assert KVRAY == RR  # the rows' kvray figure: the runtime behind a round-robin router
+    out = {
+        "errors": {},
+        "workloads": {
+            "multiround": workload(
+                {BASE: 1.0, INPROC: 2.0, RR: 3.0, STICKY: 2.8, ROUTE: 3.6, LMCACHE: 2.0},
+                dict(zip(everyone, (800, 400, 200, 250, 300, 500))),
+            ),
+            "agentic": workload({BASE: 0.5, RR: 2.0}, {BASE: 900, RR: 100}),
+        },
+        "long_document": {
+            "host": {"cold_ttft_ms": 500.0, "hit_ttft_ms": 100.0},
+            "disk": {"cold_ttft_ms": 500.0, "hit_ttft_ms": 250.0},
+        },
+    }
+    by_name = {r.name: r for r in rows(out)}
+    assert set(by_name) == {
+        "serve_multiround_ttft_vs_vllm",
+        "serve_multiround_goodput_vs_vllm",
+        "serve_multiround_goodput[in-process vs vllm]",
+        "serve_agentic_goodput_vs_vllm",
+        "serve_router_goodput_vs_round_robin",
+        "serve_sticky_goodput_vs_round_robin",
+        "serve_vs_lmcache_goodput",
+        "serve_vs_lmcache_ttft",
+        "serve_longdoc_hit_vs_cold[host]",
+        "serve_longdoc_hit_vs_cold[disk]",
+    }
+    ttft = by_name["serve_multiround_ttft_vs_vllm"]
+    assert (ttft.kvray, ttft.baseline, ttft.ratio, ttft.meets_goal) == (200, 800, 0.25, True)  # at 0.75 x saturation
+    assert by_name["serve_multiround_goodput_vs_vllm"].ratio == 3.0 and by_name["serve_multiround_goodput_vs_vllm"].meets_goal
+    assert by_name["serve_agentic_goodput_vs_vllm"].ratio == 4.0
+    assert math.isclose(by_name["serve_router_goodput_vs_round_robin"].ratio, 1.2)
+    assert by_name["serve_vs_lmcache_goodput"].ratio == 1.5 and by_name["serve_vs_lmcache_ttft"].ratio == 0.4
+    assert by_name["serve_longdoc_hit_vs_cold[host]"].ratio == 0.2 and by_name["serve_longdoc_hit_vs_cold[host]"].meets_goal
+    assert not by_name["serve_longdoc_hit_vs_cold[disk]"].meets_goal  # 2x faster: LMCache's gate is 2.3x
+    assert all(r.goal is None or r.unit for r in by_name.values())
+
+
+def test_without_lmcache_its_rows_are_absent_and_a_trace_names_its_rows():
+    out = {
+        "errors": {"lmcache": "not installed"},
+        "workloads": {
+            "trace": workload(
+                {BASE: 1.0, INPROC: 1.0, RR: 1.0, ROUTE: 1.0},
+                dict.fromkeys((BASE, INPROC, RR, ROUTE), 100.0),
+            )
+        },  # fmt: skip
+    }
+    names = [r.name for r in rows(out)]
+    assert "serve_trace_ttft_vs_vllm" in names and "serve_trace_goodput_vs_vllm" in names
+    assert not any("lmcache" in n or "sticky" in n for n in names)  # contenders that did not run have no row
+    assert next(r for r in rows(out) if r.name == "serve_trace_goodput_vs_vllm").params["errors"] == {"lmcache": "not installed"}
