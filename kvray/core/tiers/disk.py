@@ -338,8 +338,9 @@ class DiskPool:
 
     def _read_mapped(self, slot: int, chunks: list[np.ndarray]) -> tuple[bytes | None, int] | None:
         """:meth:`_read_cached` from the file's mapping: the page's bytes copied and hashed in
-        one pass (``_pagecopy.copy_hash``), which measured 0.9-1.0 of a plain ``preadv`` where
-        a copy then a hash measured 0.69-0.71 (``kvray bench --only disk_tier``).
+        one pass (``_pagecopy.copy_hash``): 0.94 / 0.81 of a plain ``preadv`` for 2 / 16 MiB
+        pages where ``preadv`` then xxh3 measured 0.63 / 0.57 (medians of three alternated
+        ``kvray bench --only disk_tier`` runs each, load average 13-20 on the 2 cores).
 
         ``copy_hash`` copies nothing unless every page of the slot is in the page cache
         (``mincore``), and a slot cut off under it (the file truncated by someone else: an
