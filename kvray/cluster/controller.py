@@ -75,7 +75,7 @@ class Controller:
 
     def __init__(self, config: RuntimeConfig, token: bytes | None = None, shard: int = 0) -> None:
         self.config = config
-        self.partition = Partition(shard, config.controller_shards)
+        self.partition = Partition(shard, config.controller_shards, config.controller_route_depth)
         self.token = token  # the transfer secret, for this runtime's stores and clients only
         self.servers: dict[str, tuple[str, int]] = {}
         self.index = PrefixIndex()
