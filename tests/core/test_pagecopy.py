@@ -103,3 +103,19 @@ def test_a_pool_without_the_extension_reads_the_same(tmp_path, monkeypatch):
         results.append((stored, got))
         pool.close()
     assert results[0] == results[1]
+
+
+def test_a_restart_finds_the_pages_of_a_sparse_slot_file(tmp_path):
+    """Reads map the slot file ``capacity`` slots long (sparse); a restart's scan skips the
+    holes and still finds exactly the slots written, freed ones excepted."""
+    pool = DiskPool(tmp_path, 1000, 4096, fingerprint=b"f" * 16)
+    page = np.random.default_rng(4).integers(0, 256, 4096, dtype=np.uint8)
+    digests = {slot: pool.write_runs(slot, slot + 1, None, [page]) for slot in (3, 500, 999)}
+    pool.write_runs(700, 701, None, [page])
+    pool.free(700)
+    ((stored, _),) = pool.read_many([(500, [np.zeros_like(page)])])  # maps the file: now 1000 slots long
+    assert stored is not None and pool.path.stat().st_size == 1000 * pool.stride
+    pool.close()
+    again = DiskPool(tmp_path, 1000, 4096, fingerprint=b"f" * 16)
+    assert {(p.slot, p.checksum) for p in again.scan()} == set(digests.items())
+    again.close()

@@ -494,13 +494,29 @@ class DiskPool:
             pass  # a slot we cannot clear reads back as torn or fails its checksum
 
     def scan(self) -> list[StoredPage]:
-        """Headers of every slot that holds a page of this fingerprint (restart recovery)."""
-        size = os.fstat(self._fd).st_size
+        """Headers of every slot that holds a page of this fingerprint (restart recovery).
+
+        Slots never written are holes of a sparse file (:meth:`_mapping` makes the file
+        ``capacity`` slots long): ``SEEK_DATA`` skips them, so a restart reads the headers of
+        the slots written, not of the whole capacity (a file system without it reports
+        everything as data: every slot is read then)."""
+        end = min(self.capacity, os.fstat(self._fd).st_size // self.stride + 1)
         found = []
-        for slot in range(min(self.capacity, size // self.stride + 1)):
+        slot = 0
+        while slot < end:
+            try:
+                slot = max(slot, os.lseek(self._fd, slot * self.stride, os.SEEK_DATA) // self.stride)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    break  # nothing but holes from this slot on
+                if exc.errno != errno.EINVAL:  # EINVAL: no SEEK_DATA here, read every slot
+                    raise StorageError(f"disk tier {self.directory}: scan failed: {exc.strerror}") from None
+            if slot >= end:
+                break
             header = os.pread(self._fd, HEADER_BYTES, slot * self.stride)
             if len(header) == HEADER_BYTES and (page := self._parse(slot, header)) is not None:
                 found.append(page)
+            slot += 1
         return found
 
     def close(self) -> None:
