@@ -1,9 +1,11 @@
-"""Build steps: kvray's one C extension, and kvray's shipped defaults in the wheel (see kvray/resources.py).
+"""Build steps: kvray's two C extensions, and kvray's shipped defaults in the wheel (see kvray/resources.py).
 
 ``kvray.core._tokens`` packs a Python list of token ids in C (kvray/core/_tokens.c; why:
-kvray/core/keys.py). ``pip install -e .`` (``make install``) builds it in place; a
-checkout used through ``PYTHONPATH`` builds it with ``python setup.py build_ext --inplace``,
-and without it kvray converts lists in Python, only slower.
+kvray/core/keys.py); ``kvray.core._pagecopy`` copies a page and computes its xxh3-64 in
+one pass (kvray/core/_pagecopy.c; why: kvray/core/pages.py). ``pip install -e .``
+(``make install``) builds them in place; a checkout used through ``PYTHONPATH`` builds them
+with ``python setup.py build_ext --inplace``, and without them kvray converts lists, copies
+and hashes in Python, only slower.
 
 ``policies/``, ``simulations/`` and the demo data stay at the top of the repository, where
 people edit them; a wheel gets copies under ``kvray/_bundled/`` so an installed kvray finds
@@ -36,5 +38,8 @@ class BuildWithDefaults(build_py):
 
 setup(
     cmdclass={"build_py": BuildWithDefaults},
-    ext_modules=[Extension("kvray.core._tokens", ["kvray/core/_tokens.c"], extra_compile_args=["-O2"])],
+    ext_modules=[
+        Extension("kvray.core._tokens", ["kvray/core/_tokens.c"], extra_compile_args=["-O2"]),
+        Extension("kvray.core._pagecopy", ["kvray/core/_pagecopy.c"], extra_compile_args=["-O2"]),
+    ],
 )

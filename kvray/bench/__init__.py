@@ -43,6 +43,7 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
         "controller_lookup_vs_empty_call",
         "runtime_start_vs_empty_actors",
         "controller_memory_per_page",
+        "controller_shard_spread",
     ),
     "kvray.bench.serve": ("serve",),
     "kvray.bench.gpu": ("gpu_device_tier", "gpu_vllm_ttft"),

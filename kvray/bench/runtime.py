@@ -24,6 +24,10 @@
 - ``controller_memory_per_page``: the controller's index bytes per indexed page (budget 200),
   beside a plain ``dict`` of key -> (node, tier) measured the same way; the second row
   weighs a simulated 64-node cluster's controller holding 1,000,000 pages.
+- ``controller_shard_spread``: in-process, the bundled conversation trace (one root page
+  under all 5,719 requests) looked up through 4 controller shards routed past the shared
+  root (``controller_route_depth=1``), against the same routed by the root: the busiest
+  shard's lookups over an even share (goal: at most 1.3x).
 """
 
 from __future__ import annotations
@@ -45,12 +49,16 @@ from kvray.cluster.protocol import Plan
 from kvray.cluster.runtime import on_node
 from kvray.core.config import PageLayout, TierSizes
 from kvray.core.errors import ClusterError
+from kvray.core.keys import ModelFingerprint, trace_page_keys
+from kvray.core.partition import chain_shard
+from kvray.traces import read_trace
 
 # Llama-3-8B-like pages (8 KV heads x 128, bf16, 128 tokens, 4 layers): 2 MiB each.
 LAYOUT = PageLayout(layers=4, kv_heads=8, head_dim=128, page_tokens=128, dtype="bfloat16")
 REQUEST_PAGES = 32  # 64 MiB
 SIZES = {"2MiB": 1, "64MiB": 32}
 # NIXL (Ray's tensor transport over UCX; TCP here) where the nixl package is installed
+SPREAD_TRACE = "conversation_trace_first30min.jsonl"  # one root page under every request
 CROSS_NODE_PATHS = ("tcp", *(("nixl",) if NIXL_IMPORTABLE else ()), "object_store", "collective")
 
 
@@ -319,6 +327,53 @@ def controller_memory(quick: bool) -> list[BenchResult]:
     1,000,000 pages (the metadata of one shard; shards split it)."""
     sizes = ((4, 50_000), (64, 100_000)) if quick else ((4, 200_000), (64, 1_000_000))
     return [weigh_controller(nodes, pages) for nodes, pages in sizes]
+
+
+@benchmark("controller_shard_spread")
+def controller_shard_spread(quick: bool) -> list[BenchResult]:
+    """Each request is a ``lookup_pin`` and ``release`` at the shard its chain routes to, and
+    a miss stores its missing pages there (``commit``), as a client does; the shards are
+    real controllers in this process (routing needs no Ray), and what is counted is what
+    each of them served (its ``lookups``)."""
+    shards = 4
+    fingerprint = ModelFingerprint.of(LAYOUT, "spread")
+    requests = [trace_page_keys(fingerprint, r.hash_ids) for r in read_trace(SPREAD_TRACE, limit=1000 if quick else None)]
+    busiest: dict[int, float] = {}
+    for depth in (1, 0):
+        config = RuntimeConfig(name="spread", controller_shards=shards, controller_route_depth=depth)
+        controllers = [Controller(config, shard=shard) for shard in range(shards)]
+        for controller in controllers:
+            controller.register_store("node", None)
+        for keys in requests:
+            controller = controllers[chain_shard(keys, shards, depth)]
+            plan = controller.lookup_pin(keys, "node")
+            if plan.hit_pages < len(keys):
+                parent = keys[plan.hit_pages - 1] if plan.hit_pages else None
+                controller.commit(parent, keys[plan.hit_pages :], plan.targets, plan.hit_pages, {})
+            controller.release(plan.lease, {}, {})
+        lookups = [controller.lookups for controller in controllers]
+        busiest[depth] = max(lookups) / (sum(lookups) / shards)
+        if depth == 1:
+            by_shard = lookups
+            indexed = [len(controller.index) for controller in controllers]
+    return [
+        BenchResult(
+            f"controller_shard_spread[conversation trace,{shards} shards, busiest vs even share]",
+            busiest[1],
+            busiest[0],
+            "x even",
+            None,
+            {
+                "requests": len(requests),
+                "route_depth": 1,
+                "baseline": "routed by the root page (controller_route_depth=0)",
+                "lookups_by_shard": by_shard,
+                "indexed_pages_by_shard": indexed,
+                "goal": "<= 1.3x an even share",
+                "met": busiest[1] <= 1.3,
+            },
+        )
+    ]
 
 
 def weigh_controller(nodes: int, pages: int, chain: int = 64) -> BenchResult:

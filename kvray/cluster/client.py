@@ -294,7 +294,8 @@ class KvrayClient:
         controller's and this node's policies are told."""
         self._check(keys, max(self.buffer.capacity, self.config.max_request_pages))
         self._poll_members()
-        self.context.arrival = (pack_keys(keys), float(backlog_ms))
+        packed = pack_keys(keys)  # for the controller too: a list of 128-bit ints is serialized int by int
+        self.context.arrival = (packed, float(backlog_ms))
         shard = self.shards.of(keys)
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):
@@ -302,7 +303,7 @@ class KvrayClient:
         lease = new_lease()
         controller = self.shards.handles[shard]
         try:
-            ref = controller.lookup_pin.remote(list(keys), self.node_id, lease, float(backlog_ms))
+            ref = controller.lookup_pin.remote(packed, self.node_id, lease, float(backlog_ms))
             plan = ray.get(ref, timeout=self.timeout_s)
         except ACTOR_ERRORS as exc:
             self.context.count_fault(exc)

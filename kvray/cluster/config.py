@@ -73,7 +73,10 @@ class RuntimeConfig(FrozenModel):
     prefix) ends at ``release`` or after ``lease_ttl_s``, whichever comes first; it should
     outlast a client's calls of one request (``KvrayClient`` waits ``timeout_s`` per call).
     The metadata is split over ``controller_shards`` controller actors, each owning the
-    chains whose root page hashes to it (:mod:`kvray.cluster.shards`; README: sizing shards).
+    chains whose page at depth ``controller_route_depth`` hashes to it (0: the root page;
+    d: the first page past a shared prompt of d pages, which every shard then indexes, so
+    traffic under one prompt spreads; :mod:`kvray.core.partition`, :mod:`kvray.cluster.shards`;
+    README: sizing shards).
 
     No wait of the runtime is unbounded. :meth:`Runtime.start <kvray.cluster.runtime.Runtime.start>`
     gives up after ``start_timeout_s`` (a store that cannot be placed, say: its node's
@@ -106,6 +109,7 @@ class RuntimeConfig(FrozenModel):
     max_request_pages: int = Field(default=256, gt=0)
     lease_ttl_s: float = Field(default=120.0, gt=0)
     controller_shards: int = Field(default=1, ge=1, le=256)
+    controller_route_depth: int = Field(default=0, ge=0, le=1024)
     store_resources: dict[str, float] = {}
     start_timeout_s: float = Field(default=120.0, gt=0)
     peer_timeout_s: float = Field(default=60.0, gt=0)

@@ -62,6 +62,7 @@ from kvray.cluster.observe import ClusterObservations, NodeReport
 from kvray.cluster.protocol import LOCAL_LEASE, Plan, new_lease
 from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT, PrefixIndex, parents_first
+from kvray.core.keys import unpack_keys
 from kvray.core.partition import Partition, owned_links
 from kvray.policy.cluster import ClusterView, RequestView
 
@@ -74,7 +75,7 @@ class Controller:
 
     def __init__(self, config: RuntimeConfig, token: bytes | None = None, shard: int = 0) -> None:
         self.config = config
-        self.partition = Partition(shard, config.controller_shards)
+        self.partition = Partition(shard, config.controller_shards, config.controller_route_depth)
         self.token = token  # the transfer secret, for this runtime's stores and clients only
         self.servers: dict[str, tuple[str, int]] = {}
         self.index = PrefixIndex()
@@ -251,10 +252,18 @@ class Controller:
             self._end(handles)
 
     # -- the per-request verbs ----------------------------------------------------------------
-    def lookup_pin(self, keys: Sequence[int], requester: str | None, lease: int | None = None, backlog_ms: float = 0.0) -> Plan:
+    def lookup_pin(
+        self, keys: Sequence[int] | bytes, requester: str | None, lease: int | None = None, backlog_ms: float = 0.0
+    ) -> Plan:
         """Cached prefix of ``keys`` (pinned under ``lease``, drawn here if None) and a node
         for each missing page, by the cluster policy. A ``lease`` still open is ended first:
-        an id pins one chain. ``backlog_ms``: the requesting engine's queued work."""
+        an id pins one chain. ``backlog_ms``: the requesting engine's queued work.
+
+        ``keys`` may come packed (:func:`~kvray.core.keys.pack_keys`), as clients send them:
+        Ray serializes a list of 128-bit ints one int at a time, which made a 1M-token
+        prefix's lookup (7,812 keys) 50 ms where the lookup and pin themselves take 1 ms."""
+        if isinstance(keys, bytes):
+            keys = unpack_keys(keys)
         self._expire()
         if lease is None:
             lease = new_lease()

@@ -201,7 +201,8 @@ class Runtime:
                     lifetime="detached" if detached else None,
                 ).remote(config, token, shard)
                 for shard in range(config.controller_shards)
-            ]
+            ],
+            route_depth=config.controller_route_depth,
         )
         stores: dict = {}
         try:

@@ -56,27 +56,29 @@ class ControllerShards:
         shards.of(keys)                          # 0
     """
 
-    def __init__(self, handles: Sequence[ray.actor.ActorHandle]) -> None:
+    def __init__(self, handles: Sequence[ray.actor.ActorHandle], route_depth: int = 0) -> None:
         self.handles = list(handles)
+        self.route_depth = route_depth  # RuntimeConfig.controller_route_depth
 
     @classmethod
     def find(cls, name: str, timeout_s: float = CALL_TIMEOUT_S) -> ControllerShards:
         """The shards of the runtime ``name`` on the connected cluster, or a ClusterError."""
         first = _named(name, 0)
         try:
-            shards = ray.get(first.runtime_config.remote(), timeout=timeout_s).controller_shards
+            config = ray.get(first.runtime_config.remote(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise ClusterError(f"the kvray controller did not answer runtime_config within {timeout_s:g} s") from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             raise ClusterError(f"the kvray controller is unavailable ({type(exc).__name__})") from None
-        return cls([first, *(_named(name, shard) for shard in range(1, shards))])
+        shards = [first, *(_named(name, shard) for shard in range(1, config.controller_shards))]
+        return cls(shards, config.controller_route_depth)
 
     def __len__(self) -> int:
         return len(self.handles)
 
     def of(self, keys: Sequence[int]) -> int:
-        """The shard owning the chain ``keys`` (root first)."""
-        return chain_shard(keys, len(self.handles))
+        """The shard a request's chain ``keys`` (root first) is routed to."""
+        return chain_shard(keys, len(self.handles), self.route_depth)
 
     def for_keys(self, keys: Sequence[int]) -> ray.actor.ActorHandle:
         return self.handles[self.of(keys)]

@@ -1,12 +1,16 @@
-"""Which controller shard owns a chain of pages: the one its root page's key hashes to.
+"""Which controller shard owns a chain of pages: the one its routing page's key hashes to.
 
 The Ray runtime splits its metadata (prefix index, page locations, pins) over
-``RuntimeConfig.controller_shards`` controller actors. A chain is owned whole by one
-shard, chosen by the key of its first page, so a request's lookup is one call to one
-shard and each shard's index stays prefix-closed on its own (a page's parent is always in
-the same shard). docs/design.md ("Sharding the metadata") weighs this against hashing
-every page on its own. Keys are xxh3-128 digests; the root key is hashed once more
-(xxh3-64) so the split stays even whatever keys a caller makes up.
+``RuntimeConfig.controller_shards`` controller actors. A request's chain is routed by the
+key of its page at ``depth`` (``RuntimeConfig.controller_route_depth``; a shorter chain by
+its last page), so a request's lookup is one call to one shard. With ``depth`` 0 that is
+the root page and a chain is owned whole by one shard; with ``depth`` d > 0 the pages past
+a shared prompt of d pages spread over the shards, and the d shared pages are indexed by
+every shard that routes a chain through them (replicated), so each shard's index stays
+prefix-closed on its own (a page's parent is always in the same shard). docs/design.md
+("Sharding the metadata") weighs this against hashing every page on its own. Keys are
+xxh3-128 digests; the routing key is hashed once more (xxh3-64) so the split stays even
+whatever keys a caller makes up.
 
 Example::
 
@@ -41,11 +45,12 @@ def shard_of(root_key: int, shards: int) -> int:
     return xxhash.xxh3_64_intdigest(root_key.to_bytes(16, "little", signed=False)) % shards
 
 
-def chain_shard(keys: Sequence[int], shards: int) -> int:
-    """The shard owning the chain ``keys`` (root first): its root's."""
+def chain_shard(keys: Sequence[int], shards: int, depth: int = 0) -> int:
+    """The shard a request's chain ``keys`` (root first) is routed to: the one its page at
+    ``depth`` hashes to, or its last page's if it is shorter."""
     if not keys:
         raise RequestError("empty request: no page keys")
-    return shard_of(keys[0], shards)
+    return shard_of(keys[min(depth, len(keys) - 1)], shards)
 
 
 @dataclass(frozen=True)
@@ -60,21 +65,31 @@ class Partition:
 
     shard: int = 0
     shards: int = 1
+    depth: int = 0  # the routing page's depth (see the module docstring)
 
-    def owns(self, root_key: int) -> bool:
-        return shard_of(root_key, self.shards) == self.shard
+    def owns(self, route_key: int) -> bool:
+        """Whether chains routed by ``route_key`` (their page at ``depth``) are this shard's."""
+        return shard_of(route_key, self.shards) == self.shard
 
 
 def owned_links(ordered: Sequence[Link], partition: Partition) -> list[Link]:
     """The ``(key, parent key or None, ...)`` links, parents first (as
-    :func:`~kvray.core.index.parents_first` orders them), whose chain root ``partition`` owns."""
+    :func:`~kvray.core.index.parents_first` orders them), that ``partition`` indexes: those
+    under a routing page (at ``depth``) it owns, and every page above that depth, which any
+    shard may route a chain through (a rebuilt shard takes them all: a superset of what it
+    held, every page of it held by a store)."""
     if partition.shards == 1:
         return list(ordered)
-    root: dict[int, int] = {}
+    depth_of: dict[int, int] = {}
+    route: dict[int, int] = {}  # key -> the key of its ancestor at partition.depth (itself there)
     mine = []
     for link in ordered:
         key, parent = link[0], link[1]
-        root[key] = key if parent is None else root[parent]
-        if partition.owns(root[key]):
+        depth = depth_of[key] = 0 if parent is None else depth_of[parent] + 1
+        if depth < partition.depth:
+            mine.append(link)
+            continue
+        route[key] = key if depth == partition.depth else route[parent]
+        if partition.owns(route[key]):
             mine.append(link)
     return mine

@@ -121,6 +121,7 @@ def test_kvray_bench_skips_what_needs_ray_and_runs_the_rest(monkeypatch, capsys)
     assert [r.name for r in results] == [  # in-process: no Ray needed
         "controller_memory_per_page_vs_dict",
         "controller_memory_per_page_vs_dict[64 nodes,100000 pages]",
+        "controller_shard_spread[conversation trace,4 shards, busiest vs even share]",
     ]
     assert "kvray bench: controller_lookup_vs_empty_call skipped: Ray did not start:" in capsys.readouterr().err
 

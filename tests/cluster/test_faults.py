@@ -1,8 +1,10 @@
 """Failures with real processes: a node leaves mid-replay; a store actor restarts.
 
 Tests where the controller's sharding changes what happens (membership changes reach every
-shard, a request's calls reach its chain's shard) run with 1 and 2 controller shards
-(:data:`SHARDS`)."""
+shard, a request's calls reach its chain's shard) run with 1 and 2 controller shards routed
+by root, and 4 routed past it (``controller_route_depth=1``: the root pages replicated in
+every shard a chain is routed to) (:data:`SHARDS_AND_ROUTES`; other files' tests take
+:data:`SHARDS`)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.fault]
 
 LAYOUT = PageLayout(layers=2, kv_heads=2, head_dim=16, page_tokens=512, dtype="float16")
 _names = itertools.count()
-SHARDS = pytest.mark.parametrize("shards", [1, 2], ids=["1-shard", "2-shards"])
+SHARDS = pytest.mark.parametrize("shards", [1, 2], ids=["1-shard", "2-shards"])  # routed by root
+SHARDS_AND_ROUTES = pytest.mark.parametrize(
+    ("shards", "route_depth"), [(1, 0), (2, 0), (4, 1)], ids=["1-shard", "2-shards", "4-shards-past-root"]
+)
 
 
 def replay_with_fault(runtime: Runtime, trace, fault, inspect=None) -> tuple:
@@ -41,14 +46,19 @@ def replay_with_fault(runtime: Runtime, trace, fault, inspect=None) -> tuple:
         runtime.close()
 
 
-@SHARDS
-def test_a_node_removed_mid_replay_costs_misses_never_wrong_kv(ray_cluster, shards):
+@SHARDS_AND_ROUTES
+def test_a_node_removed_mid_replay_costs_misses_never_wrong_kv(ray_cluster, shards, route_depth):
     """A fourth node joins, takes part, and is removed (raylet, store and engine die)
     halfway through; the replay finishes and the index forgets the node's pages."""
     doomed = ray_cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES)
     ray_cluster.wait_for_nodes()
     config = RuntimeConfig(
-        name=f"f{next(_names)}", layout=LAYOUT, tiers=TierSizes(host=300), collective=False, controller_shards=shards
+        name=f"f{next(_names)}",
+        layout=LAYOUT,
+        tiers=TierSizes(host=300),
+        collective=False,
+        controller_shards=shards,
+        controller_route_depth=route_depth,
     )
     runtime = Runtime.start(config)
     assert doomed.node_id in runtime.stores and len(runtime.stores) == 4
@@ -83,10 +93,11 @@ def restarted_info(store, timeout_s: float = 120.0) -> dict:
     raise TimeoutError("the store actor did not come back")
 
 
-@SHARDS
-def test_a_restarted_store_recovers_its_disk_tier(ray_cluster, tmp_path, shards):
+@SHARDS_AND_ROUTES
+def test_a_restarted_store_recovers_its_disk_tier(ray_cluster, tmp_path, shards, route_depth):
     config = RuntimeConfig(
         controller_shards=shards,
+        controller_route_depth=route_depth,
         name=f"f{next(_names)}",
         layout=LAYOUT,
         tiers=TierSizes(host=4, disk=32),
