@@ -408,10 +408,10 @@ def train_reuse(
     jobs: int = typer.Option(1, "--jobs", callback=COUNT, help="replays run at once (worker processes)"),
     lru_candidates: int = typer.Option(64, "--lru-candidates", callback=COUNT, help="candidates per decision: LRU's oldest"),
     frequency_candidates: int = typer.Option(
-        0, "--frequency-candidates", callback=NON_NEGATIVE, help="... and the lowest decayed frequency (half-life 256 requests)"
+        32, "--frequency-candidates", callback=NON_NEGATIVE, help="... and the lowest decayed frequency (half-life 256 requests)"
     ),
     never_read_candidates: int = typer.Option(
-        0, "--never-read-candidates", callback=NON_NEGATIVE, help="... and the oldest pages never read since stored"
+        32, "--never-read-candidates", callback=NON_NEGATIVE, help="... and the oldest pages never read since stored"
     ),
 ) -> None:
     """Train the per-page reuse policy (`--policy reuse`) by imitating the Belady oracle with DAgger rounds,

@@ -49,8 +49,7 @@ from kvray.resources import shipped_or_given
 
 TRIPWIRE = 0.05  # the shipped policy follows LRU while it trails an LRU shadow by 5% of its decayed hits
 REFIT_BATCH = 64  # decisions per online refit step
-CANDIDATES = 64  # LRU tail pages scored per decision
-POOL = (CANDIDATES, 0, 0)  # candidates per ordering: LRU's oldest, lowest decayed frequency, oldest never read
+POOL = (64, 32, 32)  # candidates per ordering: LRU's oldest, lowest decayed frequency, oldest never read (the shipped model's)
 POOL_HALF_LIFE = 256.0  # requests: the frequency ordering's decayed counter (the insert counts one)
 TAKE = 8  # evictions served from one scoring while no page is read in between
 DEFAULT_MODEL = "reuse"  # policies/reuse
