@@ -452,6 +452,13 @@ def train_reuse(
         [0.02, 0.05, 0.10, 0.25], "--capacity-fraction", callback=CAPACITY_FRACTION, help="cache sizes trained on"
     ),
     jobs: int = typer.Option(1, "--jobs", callback=COUNT, help="replays run at once (worker processes)"),
+    lru_candidates: int = typer.Option(64, "--lru-candidates", callback=COUNT, help="candidates per decision: LRU's oldest"),
+    frequency_candidates: int = typer.Option(
+        32, "--frequency-candidates", callback=NON_NEGATIVE, help="... and the lowest decayed frequency (half-life 256 requests)"
+    ),
+    never_read_candidates: int = typer.Option(
+        32, "--never-read-candidates", callback=NON_NEGATIVE, help="... and the oldest pages never read since stored"
+    ),
 ) -> None:
     """Train the per-page reuse policy (`--policy reuse`) by imitating the Belady oracle with DAgger rounds,
     on one node (simulations/h100-llama8b.yaml), over the generated families (seeds 100-104) and the first part of
@@ -459,7 +466,8 @@ def train_reuse(
     from kvray.apps.train import train_reuse_policy
 
     with reported_errors():
-        card = train_reuse_policy(out, seed, rounds, jobs, record, family, trace, fraction, train_fraction, console.print)
+        pool = (lru_candidates, frequency_candidates, never_read_candidates)
+        card = train_reuse_policy(out, seed, rounds, jobs, record, family, trace, fraction, train_fraction, pool, console.print)
     console.print(f"wrote {out}: {card['training']['decisions']} decisions in {card['training']['wall_s']} s")
 
 

@@ -135,6 +135,7 @@ def train_reuse_policy(
     traces: Sequence[Path],
     capacity_fractions: Sequence[float],
     train_fraction: float,
+    pool: tuple[int, int, int],
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """``kvray train-reuse``: the per-page reuse model imitating the oracle over the training
@@ -142,4 +143,4 @@ def train_reuse_policy(
     from kvray.rl.imitation import train_reuse, training_sources
 
     sources = training_sources(families, [str(t) for t in traces], train_fraction)
-    return train_reuse(out, sources, seed, rounds, jobs, record, capacity_fractions, say=progress)
+    return train_reuse(out, sources, seed, rounds, jobs, record, capacity_fractions, say=progress, pool=pool)

@@ -5,8 +5,8 @@
 ``experts`` (follows whichever of
 lru, arc and threshold does best on shadow caches of the same workload), ``belady`` (evaluation only: the
 simulator feeds it the future), ``rl`` (the shipped trained selector); ``rl:PATH`` loads a
-trained policy file; ``reuse`` (the per-page learned policy: LRU's tail re-ranked by a reuse
-model imitating Belady, :mod:`kvray.policy.reuse`), ``reuse:PATH`` a trained reuse model; ``package.module:Class`` an importable policy class).
+trained policy file; ``reuse`` (the per-page learned policy: LRU's, a decayed-frequency heap's and a never-read
+FIFO's oldest pages re-ranked by a reuse model imitating Belady, :mod:`kvray.policy.reuse`), ``reuse:PATH`` a trained reuse model; ``package.module:Class`` an importable policy class).
 Unknown names raise :class:`kvray.core.errors.PolicyError` listing the known ones.
 """
 

@@ -51,6 +51,7 @@ FEATURES = (
     "tier",
     "candidate_position",
 )
+SOURCES = ("from_lru_tail", "from_least_frequent", "from_never_read")  # which orderings offered a candidate
 ROOT_HALF_LIFE = 1  # index into HALF_LIVES of the root's counter feature
 
 

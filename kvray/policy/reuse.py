@@ -1,7 +1,12 @@
-"""The learned per-page policy: LRU's tail candidates, re-ranked by a reuse model (HALP-style).
+"""The learned per-page policy: cheap orderings' tail candidates, re-ranked by a reuse model (HALP-style).
 
 Each tier keeps LRU order (a cheap heuristic that already puts the likely victims at its
-tail). To evict, the :data:`CANDIDATES` least recent unpinned pages of the tier are scored by
+tail) and, when the pool asks for them, two more orderings kept in O(log n) / O(1) per
+access: the lowest decayed read frequency (a heap, LFU-like) and the oldest pages never read
+since stored (a FIFO, S3-FIFO's one-hit pages). The LRU tail alone misses the victims LFU,
+ARC or S3-FIFO would pick where those rules are far ahead of LRU; the pool
+(:data:`POOL`: how many unpinned pages each ordering offers, deduplicated, with the
+orderings that offered each as features) brings them in. To evict, the pool's pages are scored by
 the reuse model (:mod:`kvray.policy.reuse_model`) on their access-history features
 (:mod:`kvray.policy.page_features`), and the one predicted to be used furthest ahead leaves,
 as Belady's would among them; the next :data:`TAKE` - 1 best-ranked go on the following
@@ -25,6 +30,8 @@ Example::
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,14 +42,15 @@ from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT, PrefixIndex
 from kvray.core.placement import PageContext, PlacementPolicy, RequestInfo
 from kvray.core.tiers import Tier
-from kvray.policy.page_features import PageFeatures
+from kvray.policy.page_features import SOURCES, PageFeatures
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
 from kvray.policy.reuse_online import DelayedLabels, ShadowTripwire
 from kvray.resources import shipped_or_given
 
 TRIPWIRE = 0.05  # the shipped policy follows LRU while it trails an LRU shadow by 5% of its decayed hits
 REFIT_BATCH = 64  # decisions per online refit step
-CANDIDATES = 64  # LRU tail pages scored per decision
+POOL = (64, 32, 32)  # candidates per ordering: LRU's oldest, lowest decayed frequency, oldest never read (the shipped model's)
+POOL_HALF_LIFE = 256.0  # requests: the frequency ordering's decayed counter (the insert counts one)
 TAKE = 8  # evictions served from one scoring while no page is read in between
 DEFAULT_MODEL = "reuse"  # policies/reuse
 
@@ -52,7 +60,6 @@ class ReusePolicy(PlacementPolicy):
     predicts is used furthest ahead; demote one tier down."""
 
     name = "reuse"
-    candidates = CANDIDATES
     take = TAKE
 
     def __init__(
@@ -64,7 +71,12 @@ class ReusePolicy(PlacementPolicy):
         seed: int = 0,
         refit: bool = False,
         tripwire: float | None = None,
+        pool: tuple[int, int, int] | None = None,
     ):
+        self.pool = pool or (model.pool if model is not None else POOL)
+        if model is not None and model.pool != self.pool:
+            raise PolicyError(f"a reuse model fitted on the candidate pool {model.pool} cannot rank the pool {self.pool}")
+        self.candidates = sum(self.pool)
         self.model = model
         self.refit = refit and model is not None  # online refit on delayed labels (reuse_online)
         self.tripwire_margin = tripwire  # follow LRU while the cache trails an LRU shadow by this share of hits
@@ -85,6 +97,11 @@ class ReusePolicy(PlacementPolicy):
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         super().bind(index, capacities)
         self._order: dict[Tier, OrderedDict[int, None]] = {t: OrderedDict() for t in Tier}
+        self._fresh: dict[Tier, OrderedDict[int, None]] = {t: OrderedDict() for t in Tier}  # never read, oldest first
+        self._heap: dict[Tier, list[tuple[float, int, int]]] = {t: [] for t in Tier}  # (frequency key, handle, stamp)
+        self._stamp: dict[int, int] = {}
+        self._freq: dict[int, tuple[float, float]] = {}  # handle -> (decayed count at last touch, last touch)
+        self._pool_decay = math.log(2.0) / POOL_HALF_LIFE
         self._tier_of: dict[int, Tier] = {}
         self._key_of: dict[int, int] = {}
         self._leaving: tuple[int, int] | None = None  # the page on_remove was last told of (a move re-inserts it)
@@ -140,7 +157,31 @@ class ReusePolicy(PlacementPolicy):
                     self._next = np.concatenate([self._next, np.full(len(self._next) + handle, np.inf)])
                 depth = int(self.index.depth[handle])
                 self._next[handle] = self._upcoming[depth] if depth < len(self._upcoming) else np.inf
+        if self.pool[1]:
+            moved = handle in self._freq and self._leaving == (handle, key)
+            self._touch(handle, tier, 0.0 if moved else 1.0, fresh=not moved)
+        if self.pool[2] and self.features.hits[handle] == 0:
+            self._fresh[tier][handle] = None
         self._leaving = None
+
+    def _touch(self, handle: int, tier: Tier, count: float, fresh: bool) -> None:
+        """The frequency ordering: decayed count plus ``count`` (restarted when ``fresh``); the heap
+        key log(count) + decay * last touch orders pages as their counts decayed to any later time."""
+        now = self.features.now
+        if fresh:
+            value = count
+        else:
+            old, last = self._freq[handle]
+            value = old * math.exp(-self._pool_decay * (now - last)) + count
+        self._freq[handle] = (value, now)
+        stamp = self._stamp.get(handle, 0) + 1
+        self._stamp[handle] = stamp
+        heap = self._heap[tier]
+        heapq.heappush(heap, (math.log(max(value, 1e-30)) + self._pool_decay * now, handle, stamp))
+        if len(heap) > 4 * len(self._order[tier]) + 64:  # drop stale entries
+            stamps, tier_of = self._stamp, self._tier_of
+            self._heap[tier] = [e for e in heap if stamps.get(e[1]) == e[2] and tier_of.get(e[1]) == tier]
+            heapq.heapify(self._heap[tier])
 
     def on_admitted(self, handle: int, ctx: PageContext) -> None:
         self.features.request_pages[handle] = max(ctx.request_pages, 1)
@@ -148,6 +189,12 @@ class ReusePolicy(PlacementPolicy):
     def on_access(self, handles: np.ndarray) -> None:
         for h in reversed(handles.tolist()):
             self._order[self._tier_of[h]].move_to_end(h)
+        if self.pool[1]:
+            for h in handles.tolist():
+                self._touch(h, self._tier_of[h], 1.0, fresh=False)
+        if self.pool[2]:
+            for h in handles.tolist():
+                self._fresh[self._tier_of[h]].pop(h, None)
         self.features.access(handles)
         if self._tripwire is not None:
             self._tripwire.hit(len(handles))
@@ -160,6 +207,9 @@ class ReusePolicy(PlacementPolicy):
     def on_remove(self, handle: int, tier: Tier) -> None:
         del self._order[tier][handle]
         del self._tier_of[handle]
+        self._fresh[tier].pop(handle, None)
+        if handle in self._stamp:
+            self._stamp[handle] += 1  # its heap entries are stale
         key = self._key_of[handle]
         self.features.left(key)
         self._leaving = (handle, key)
@@ -172,20 +222,61 @@ class ReusePolicy(PlacementPolicy):
             handle = pending.pop(0)
             if self._tier_of.get(handle) == tier and pins.item(handle) == 0:
                 return handle
-        candidates = []
-        for h in self._order[tier]:
-            if pins.item(h) == 0:
-                candidates.append(h)
-                if len(candidates) == self.candidates:
-                    break
+        lru, lfu, fifo = self.pool
+        candidates = self._oldest(self._order[tier], lru, pins)
+        source = np.zeros((0, 3), dtype=np.float32)
+        if lfu or fifo:
+            members = dict.fromkeys(candidates, 0)
+            for ordering, picked in (
+                (1, self._least_frequent(tier, lfu, pins)),
+                (2, self._oldest(self._fresh[tier], fifo, pins)),
+            ):
+                for h in picked:
+                    members[h] = members.get(h, 0) | (1 << ordering)
+            for h in candidates:
+                members[h] |= 1
+            candidates = list(members)
+            bits = np.fromiter(members.values(), dtype=np.int64, count=len(members))
+            source = ((bits[:, None] >> np.arange(3)) & 1).astype(np.float32)
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
         handles = np.array(candidates, dtype=np.int64)
-        ranked = self._rank(handles, tier)
+        ranked = self._rank(handles, tier, source)
         self._pending[tier] = ranked[1 : self.take]
         return ranked[0]
 
-    def _rank(self, handles: np.ndarray, tier: Tier) -> list[int]:
+    @staticmethod
+    def _oldest(order: OrderedDict[int, None], n: int, pins: np.ndarray) -> list[int]:
+        """The first ``n`` unpinned pages of an ordering."""
+        picked: list[int] = []
+        if n:
+            for h in order:
+                if pins.item(h) == 0:
+                    picked.append(h)
+                    if len(picked) == n:
+                        break
+        return picked
+
+    def _least_frequent(self, tier: Tier, n: int, pins: np.ndarray) -> list[int]:
+        """The ``n`` unpinned pages of ``tier`` with the lowest decayed count (stale heap entries
+        are dropped on the way; the live ones go back)."""
+        heap = self._heap[tier]
+        stamps, tier_of = self._stamp, self._tier_of
+        picked: list[int] = []
+        back = []
+        while heap and len(picked) < n:
+            entry = heapq.heappop(heap)
+            h = entry[1]
+            if stamps.get(h) != entry[2] or tier_of.get(h) != tier:
+                continue
+            back.append(entry)
+            if pins.item(h) == 0:
+                picked.append(h)
+        for entry in back:
+            heapq.heappush(heap, entry)
+        return picked
+
+    def _rank(self, handles: np.ndarray, tier: Tier, source: np.ndarray) -> list[int]:
         """``handles`` in eviction order: furthest predicted next use first."""
         recording = self.teacher and self.record > 0 and self._rng.random() < self.record
         heuristic = self._tripwire is not None and self._tripwire.follow_heuristic()
@@ -193,6 +284,8 @@ class ReusePolicy(PlacementPolicy):
             return handles.tolist()  # LRU order
         leaf = ~self.index.has_children(handles)
         rows = self.features.matrix(handles, leaf, int(tier))
+        if len(source):
+            rows = np.hstack([rows, source])
         if recording:
             self._keep_rows(handles, rows, tier)
         if self._labels is not None:
@@ -230,7 +323,7 @@ class ReusePolicy(PlacementPolicy):
 
 def decision_time_us(model: ReuseModel, pages: int = 4096, repeats: int = 200) -> float:
     """Microseconds per candidate page of one scored decision (features read + model), the
-    batch being :data:`CANDIDATES` pages of a cache of ``pages``."""
+    batch being the model's whole candidate pool, in a cache of ``pages``."""
     import time
 
     features = PageFeatures(pages)
@@ -240,9 +333,12 @@ def decision_time_us(model: ReuseModel, pages: int = 4096, repeats: int = 200) -
     for _ in range(64):
         features.tick()
         features.access(rng.choice(pages, 32, replace=False))
-    batch = rng.choice(pages, CANDIDATES, replace=False)
-    leaf = np.ones(CANDIDATES, dtype=bool)
+    width = sum(model.pool)
+    batch = rng.choice(pages, width, replace=False)
+    leaf = np.ones(width, dtype=bool)
+    source = rng.integers(0, 2, (width, len(SOURCES))).astype(np.float32) if model.pool[1:] != (0, 0) else None
     started = time.perf_counter()
     for _ in range(repeats):
-        model.predict(features.matrix(batch, leaf, 1))
-    return (time.perf_counter() - started) / repeats / CANDIDATES * 1e6
+        rows = features.matrix(batch, leaf, 1)
+        model.predict(rows if source is None else np.hstack([rows, source]))
+    return (time.perf_counter() - started) / repeats / width * 1e6

@@ -16,7 +16,7 @@ Weights are stored as safetensors (no pickle) beside the feature names they were
 Example::
 
     import numpy as np
-    from kvray.policy.page_features import FEATURES
+    from kvray.policy.page_features import FEATURES, SOURCES
     from kvray.policy.reuse_model import ReuseModel, log_next_use
 
     rng = np.random.default_rng(0)
@@ -33,10 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from kvray.core.errors import PolicyError
-from kvray.policy.page_features import FEATURES
+from kvray.policy.page_features import FEATURES, SOURCES
 
 NEVER_REQUESTS = 1e5  # the label of a page never used again (log1p: ~11.5)
 WEIGHTS_FILE = "reuse.safetensors"
+LRU_POOL = (64, 0, 0)  # a model saved without a pool was fitted on LRU's 64 oldest pages
 LABEL_TEMPERATURE = 1.0  # the oracle's target over candidates: softmax(log next use / this)
 
 
@@ -62,6 +63,8 @@ class ReuseModel:
     """``predict(rows)``: standardise, one hidden ReLU layer, a linear output: the eviction
     score (higher leaves first), fitted so that a softmax over one decision's candidates
     puts its weight where the oracle's does."""
+
+    pool: tuple[int, int, int] = LRU_POOL  # the candidates it ranks: how many from each ordering (reuse.POOL)
 
     def __init__(self, mean: np.ndarray, scale: np.ndarray, w1: np.ndarray, b1: np.ndarray, w2: np.ndarray, b2: np.ndarray):
         self.mean, self.scale = mean.astype(np.float32), scale.astype(np.float32)
@@ -150,8 +153,15 @@ class ReuseModel:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / WEIGHTS_FILE
         tensors = {name: getattr(self, name) for name in ("mean", "scale", "w1", "b1", "w2", "b2")}
-        save_file(tensors, str(path), metadata={"features": ",".join(FEATURES)})
+        if self.pool != LRU_POOL:  # a tensor, not metadata: safetensors writes metadata keys in no fixed order
+            tensors["pool"] = np.asarray(self.pool, dtype=np.int64)
+        save_file(tensors, str(path), metadata={"features": ",".join(self.features())})
         return path
+
+    def features(self) -> tuple[str, ...]:
+        """Its input columns: the page features, and which orderings offered the candidate
+        when it ranks a pool drawn from more than LRU."""
+        return FEATURES + SOURCES if self.pool[1:] != (0, 0) else FEATURES
 
     @classmethod
     def load(cls, folder: Path) -> ReuseModel:
@@ -163,7 +173,11 @@ class ReuseModel:
             raise PolicyError(f"{path}: no reuse model here (expected {WEIGHTS_FILE}; `kvray train-reuse` writes one)")
         with safe_open(str(path), framework="numpy") as f:
             names = (f.metadata() or {}).get("features", "")
-            if names != ",".join(FEATURES):
-                raise PolicyError(f"{path}: fitted on features {names!r}, this kvray computes {','.join(FEATURES)!r}")
             tensors = {name: f.get_tensor(name) for name in ("mean", "scale", "w1", "b1", "w2", "b2")}
-        return cls(**tensors)
+            pool = f.get_tensor("pool").tolist() if "pool" in f.keys() else LRU_POOL
+        model = cls(**tensors)
+        model.pool = tuple(int(n) for n in pool)
+        if names != ",".join(model.features()):
+            expected = ",".join(model.features())
+            raise PolicyError(f"{path}: fitted on features {names!r}, this kvray computes {expected!r}")
+        return model

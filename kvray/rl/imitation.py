@@ -35,8 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvray.policy.page_features import FEATURES
-from kvray.policy.reuse import CANDIDATES, TAKE, ReusePolicy
+from kvray.policy.reuse import POOL, TAKE, ReusePolicy
 from kvray.policy.reuse_model import WEIGHTS_FILE, ReuseModel, batch_groups
 from kvray.rl.train import split_by_time
 from kvray.scenario import DEFAULT_SCENARIO, Scenario, load_scenario
@@ -64,8 +63,8 @@ def training_sources(families: Sequence[str], traces: Sequence[str], train_fract
 def collect(job: tuple) -> tuple[list[np.ndarray], list[np.ndarray], list[float], float]:
     """One replay of the teacher-labelled policy: its recorded decisions (each candidate's
     rows and labels, the decision's weight) and its mean TTFT."""
-    trace, fraction, scenario, model, record, seed = job
-    policy = ReusePolicy(model, teacher=True, record=record, seed=seed)
+    trace, fraction, scenario, model, record, seed, pool = job
+    policy = ReusePolicy(model, teacher=True, record=record, seed=seed, pool=pool)
     capacities = node_capacities(scenario, trace, fraction)[0]
     result = Simulator(scenario, policy, capacities).replay(trace)
     return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms
@@ -82,6 +81,7 @@ def train_reuse(
     scenario: Scenario | None = None,
     epochs: int = 8,
     say: Callable[[str], None] | None = None,
+    pool: tuple[int, int, int] = POOL,
 ) -> dict:
     """DAgger over the training ``sources`` (:func:`training_sources`) at every capacity
     fraction; writes the model and its card into ``out``."""
@@ -92,20 +92,21 @@ def train_reuse(
     history = []
     for r in range(rounds + 1):
         work = [
-            (trace, f, scenario, model, record, seed * 1_000_003 + r * 1009 + i)
+            (trace, f, scenario, model, record, seed * 1_000_003 + r * 1009 + i, pool)
             for i, (trace, f) in enumerate((t, f) for t in sources.values() for f in capacities)
         ]
         if jobs > 1:
-            with ProcessPoolExecutor(jobs) as pool:
-                results = list(pool.map(collect, work))
+            with ProcessPoolExecutor(jobs) as workers:
+                results = list(workers.map(collect, work))
         else:
             results = [collect(job) for job in work]
         for x, y, w, _ in results:
             rows += x
             labels += y
             weights += w
-        groups, targets, mask = batch_groups(rows, labels, CANDIDATES)
+        groups, targets, mask = batch_groups(rows, labels, sum(pool))
         model = ReuseModel.fit(groups, targets, mask, np.asarray(weights), seed, epochs=epochs)
+        model.pool = pool
         history.append(
             {
                 "round": r,
@@ -121,8 +122,8 @@ def train_reuse(
     card = {
         "policy": "reuse",
         "weights": WEIGHTS_FILE,
-        "features": list(FEATURES),
-        "candidates": CANDIDATES,
+        "features": list(model.features()),
+        "candidates": {"lru_oldest": pool[0], "least_frequent": pool[1], "oldest_never_read": pool[2]},
         "take": TAKE,
         "label": "softmax over a decision's candidates of log1p(requests to next use) (never = 1e5), cross-entropy weighted by the miss cost where the eviction sends the page",
         "training": {

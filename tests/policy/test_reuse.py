@@ -12,7 +12,7 @@ from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
 from kvray.core.tiers import Tier
 from kvray.policy import make_policy
-from kvray.policy.page_features import FEATURES, HALF_LIVES, NEVER, PageFeatures
+from kvray.policy.page_features import FEATURES, HALF_LIVES, NEVER, SOURCES, PageFeatures
 from kvray.policy.reuse import ReusePolicy, decision_time_us
 from kvray.policy.reuse_model import ReuseModel
 from tests.properties import examples
@@ -82,9 +82,15 @@ def chain(path: list[int]) -> list[int]:
     return [hash(tuple(path[: i + 1])) & (2**62 - 1) for i in range(len(path))]
 
 
-def random_model(seed: int = 0) -> ReuseModel:
+UNION = (2, 1, 1)  # a pool drawn from all three orderings, small enough for the tiers below
+
+
+def random_model(seed: int = 0, pool: tuple[int, int, int] = (64, 0, 0)) -> ReuseModel:
     rng = np.random.default_rng(seed)
-    return ReuseModel.initial(rng.normal(size=(32, len(FEATURES))).astype(np.float32), 8, rng)
+    width = len(FEATURES) + (len(SOURCES) if pool[1:] != (0, 0) else 0)
+    model = ReuseModel.initial(rng.normal(size=(32, width)).astype(np.float32), 8, rng)
+    model.pool = pool
+    return model
 
 
 operations = st.lists(
@@ -96,13 +102,15 @@ operations = st.lists(
 
 
 @pytest.mark.parametrize("with_model", [True, False])
+@pytest.mark.parametrize("pool", [(64, 0, 0), UNION])
 @settings(max_examples=examples(60), deadline=None)
 @given(ops=operations)
-def test_every_victim_is_an_unpinned_page_of_its_tier(with_model, ops):
+def test_every_victim_is_an_unpinned_page_of_its_tier(with_model, pool, ops):
     """Chains stored through tight tiers (demotions, subtree drops, refusals under pins): a
     victim is an unpinned page of the tier asked (None only when every page is pinned), the
-    policy's LRU order holds exactly the tier's pages, the index stays prefix-closed."""
-    policy = ReusePolicy(random_model() if with_model else None)
+    policy's LRU order holds exactly the tier's pages, the index stays prefix-closed; with
+    the three orderings, the never-read queue holds exactly the tier's unread pages."""
+    policy = ReusePolicy(random_model(pool=pool) if with_model else None, pool=pool)
     manager = CacheManager({Tier.DEVICE: 2, Tier.HOST: 3, Tier.DISK: 4}, policy)
     index, pinned = manager.index, []
     for op, path in ops:
@@ -122,6 +130,8 @@ def test_every_victim_is_an_unpinned_page_of_its_tier(with_model, ops):
         for tier in manager.tiers:
             mine = {h for h in handles if index.tier[h] == tier}
             assert set(policy._order[tier]) == mine
+            if pool == UNION:
+                assert set(policy._fresh[tier]) == {h for h in mine if policy.features.hits[h] == 0}
             victim = policy.victim(tier)
             unpinned = {h for h in mine if index.pins[h] == 0}
             assert victim in unpinned if unpinned else victim is None
@@ -162,6 +172,30 @@ def test_the_model_decides_among_the_tail_candidates():
     assert 3 not in manager.index and {1, 2, 4} <= set(manager.index.keys())
 
 
+def test_the_pool_adds_the_least_frequent_and_the_never_read_pages_beyond_lru_s_tail():
+    """Page 1 was read often but longest ago (LRU's oldest), page 3 was stored after it and
+    never read (the least frequent and the oldest unread), page 2 was read once lately: a
+    pool of one candidate from each ordering offers 1 and 3, once each, with the orderings
+    that offered them as features; page 2 is in none."""
+    from kvray.core.placement import RequestInfo
+
+    policy = ReusePolicy(teacher=True, pool=(1, 1, 1), record=1.0)
+    manager = CacheManager({Tier.HOST: 8}, policy)
+
+    def request(key: int, store: bool) -> None:
+        policy.on_request(RequestInfo(keys=(key,), future=np.full(1, np.inf)))
+        if store:
+            manager.store_chain([key], NO_MOVE)
+        else:
+            manager.touch(np.array([manager.index.handle_of(key)]))
+
+    for key, store in [(1, True)] + [(1, False)] * 5 + [(3, True), (2, True), (2, False)]:
+        request(key, store)
+    policy.victim(Tier.HOST)
+    assert len(policy.rows) == 1 and policy.rows[0].shape == (2, len(FEATURES) + len(SOURCES))
+    assert policy.rows[0][:, len(FEATURES) :].tolist() == [[1, 0, 0], [0, 1, 1]]
+
+
 def test_a_model_fitted_on_other_features_is_refused(tmp_path):
     from safetensors.numpy import save_file
 
@@ -175,6 +209,14 @@ def test_a_model_fitted_on_other_features_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(PolicyError, match="no reuse model"):
         ReusePolicy.load(tmp_path / "empty")
+
+
+def test_a_model_keeps_the_candidate_pool_it_was_fitted_on(tmp_path):
+    random_model(pool=UNION).save(tmp_path)
+    policy = ReusePolicy.load(tmp_path)
+    assert policy.pool == UNION and policy.candidates == sum(UNION)
+    with pytest.raises(PolicyError, match="cannot rank the pool"):
+        ReusePolicy(random_model(pool=UNION), pool=(64, 0, 0))
 
 
 def test_a_teacher_outside_the_simulator_is_refused():
