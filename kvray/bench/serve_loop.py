@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,13 +46,14 @@ class Pool(Protocol):
     def drain(self, wait_s: float) -> list[dict]: ...
 
 
-class Router:
+class Router(ABC):
     """Picks the engine of each request; told when a request was answered."""
 
     name = "router"
 
+    @abstractmethod
     def pick(self, request_id: str, session: str, tokens: Sequence[int]) -> int:
-        raise NotImplementedError
+        """The engine (index) that serves this request."""
 
     def done(self, request_id: str) -> None:
         """The request was answered (routers that track backlogs forget it)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
@@ -15,9 +14,8 @@ from kvray.core.tiers import Tier
 from kvray.policy import make_policy
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.policy.sieve import SievePolicy
+from tests.policy.cache_ops import NO_MOVE, apply, operations
 from tests.properties import examples
-
-NO_MOVE = lambda *move: None  # noqa: E731  (a control-plane test: no bytes to move)
 
 
 def store(manager: CacheManager, key: int) -> int:
@@ -125,11 +123,6 @@ def test_s3fifo_main_reinserts_a_page_hit_since_it_was_last_passed():
 
 
 # -- both, under random prefix workloads ---------------------------------------------------
-def chain(path: list[int]) -> list[int]:
-    """A request as a path in a small tree of blocks: its keys name their whole prefix."""
-    return [hash(tuple(path[: i + 1])) & (2**62 - 1) for i in range(len(path))]
-
-
 def tracked(policy: PlacementPolicy, tier: Tier) -> list[int]:
     """The handles a policy keeps for ``tier``, each once per queue it is in."""
     if isinstance(policy, SievePolicy):
@@ -145,14 +138,6 @@ def tracked(policy: PlacementPolicy, tier: Tier) -> list[int]:
     return list(queues.small) + list(queues.main)
 
 
-operations = st.lists(
-    st.tuples(
-        st.sampled_from(["store", "store", "hit", "pin", "unpin", "drop"]), st.lists(st.integers(0, 2), min_size=1, max_size=6)
-    ),
-    max_size=50,
-)
-
-
 @pytest.mark.parametrize("name", ["s3fifo", "sieve"])
 @settings(max_examples=examples(60), deadline=None)
 @given(ops=operations)
@@ -164,18 +149,7 @@ def test_queues_follow_the_tiers_and_every_victim_can_be_asked_to_leave(name, op
     manager = CacheManager({Tier.DEVICE: 2, Tier.HOST: 3, Tier.DISK: 4}, policy)
     index, pinned = manager.index, []
     for op, path in ops:
-        keys = chain(path)
-        if op == "store":
-            manager.store_chain(keys, NO_MOVE)
-        elif op == "hit":
-            manager.touch(manager.lookup(keys).handles)
-        elif op == "pin" and len(manager.lookup(keys, count=False)):
-            pinned.append(manager.lookup(keys, count=False).handles)
-            manager.pin(pinned[-1])
-        elif op == "unpin" and pinned:
-            manager.unpin(pinned.pop())
-        elif op == "drop" and index.handle_of(keys[-1]) is not None:
-            manager.drop(index.handle_of(keys[-1]))
+        apply(manager, op, path, pinned)
         handles = [index.handle_of(k) for k in index.keys()]
         for tier in manager.tiers:
             mine = [h for h in handles if index.tier[h] == tier]

@@ -15,9 +15,8 @@ from kvray.policy import make_policy
 from kvray.policy.page_features import FEATURES, HALF_LIVES, NEVER, SOURCES, PageFeatures
 from kvray.policy.reuse import ReusePolicy, decision_time_us
 from kvray.policy.reuse_model import ReuseModel
+from tests.policy.cache_ops import NO_MOVE, apply, chain, operations
 from tests.properties import examples
-
-NO_MOVE = lambda *move: None  # noqa: E731  (a control-plane test: no bytes to move)
 
 
 def brute_force(events: list[tuple], handle: int, now: float) -> dict:
@@ -77,11 +76,6 @@ def test_a_page_stored_again_soon_after_it_left_carries_its_ghost_age():
     assert features.ghost_age[4] == 5 and features.ghost_age[5] == NEVER
 
 
-def chain(path: list[int]) -> list[int]:
-    """A request as a path in a small tree of blocks: its keys name their whole prefix."""
-    return [hash(tuple(path[: i + 1])) & (2**62 - 1) for i in range(len(path))]
-
-
 UNION = (2, 1, 1)  # a pool drawn from all three orderings, small enough for the tiers below
 
 
@@ -91,14 +85,6 @@ def random_model(seed: int = 0, pool: tuple[int, int, int] = (64, 0, 0)) -> Reus
     model = ReuseModel.initial(rng.normal(size=(32, width)).astype(np.float32), 8, rng)
     model.pool = pool
     return model
-
-
-operations = st.lists(
-    st.tuples(
-        st.sampled_from(["store", "store", "hit", "pin", "unpin", "drop"]), st.lists(st.integers(0, 2), min_size=1, max_size=6)
-    ),
-    max_size=50,
-)
 
 
 @pytest.mark.parametrize("with_model", [True, False])
@@ -114,18 +100,7 @@ def test_every_victim_is_an_unpinned_page_of_its_tier(with_model, pool, ops):
     manager = CacheManager({Tier.DEVICE: 2, Tier.HOST: 3, Tier.DISK: 4}, policy)
     index, pinned = manager.index, []
     for op, path in ops:
-        keys = chain(path)
-        if op == "store":
-            manager.store_chain(keys, NO_MOVE)
-        elif op == "hit":
-            manager.touch(manager.lookup(keys).handles)
-        elif op == "pin" and len(manager.lookup(keys, count=False)):
-            pinned.append(manager.lookup(keys, count=False).handles)
-            manager.pin(pinned[-1])
-        elif op == "unpin" and pinned:
-            manager.unpin(pinned.pop())
-        elif op == "drop" and index.handle_of(keys[-1]) is not None:
-            manager.drop(index.handle_of(keys[-1]))
+        apply(manager, op, path, pinned)
         handles = [index.handle_of(k) for k in index.keys()]
         for tier in manager.tiers:
             mine = {h for h in handles if index.tier[h] == tier}
