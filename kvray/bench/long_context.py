@@ -288,7 +288,8 @@ def _cross_node_rows(tokens: int, directory: str, quick: bool) -> list[BenchResu
                 for start, stop in _chunks(pages):
                     client.buffer.pages[: stop - start] = _stamped(block, start, stop)
                     parent = keys[start - 1] if start else None
-                    client.store(keys[start:stop], 0, Plan.placing([there] * (stop - start)), parent_key=parent)
+                    part, placing = keys[start:stop], Plan.placing([there] * (stop - start))
+                    client.store(part, 0, placing, parent_key=parent, route_key=client.shards.route_key(keys))
                     tick(stop - 1)
             ray.get(runtime.controller.snapshot.remote())  # every commit has landed
 

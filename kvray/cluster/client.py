@@ -496,11 +496,18 @@ class KvrayClient:
         self._sent(self.shards.handles[plan.shard].release.remote(*report))
 
     # -- store --------------------------------------------------------------------------------------
-    def store(self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None = None) -> int:
+    def store(
+        self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None = None, route_key: int | None = None
+    ) -> int:
         """Keep buffer rows ``start..len(keys)`` where the plan says; returns pages stored.
 
         ``parent_key``: the key of the page before ``keys[0]`` when ``keys`` continue a
         chain stored earlier (a prefix larger than the buffer, stored a buffer at a time).
+        ``route_key``: the key the whole chain is routed by (:meth:`ControllerShards.route_key
+        <kvray.cluster.shards.ControllerShards.route_key>` of it, root first), needed when
+        ``keys`` do not start at the chain's root (a continuation, or an engine's keys after
+        the part it loaded): the commit goes to the shard the chain's lookups ask, not to
+        the one ``keys`` alone would route to. None: ``keys`` are the chain from its root.
 
         Each maximal run of pages bound for one node goes as one chain (same-node by shared
         memory, others by direct TCP to their page server, or the object store with ``tcp``
@@ -512,11 +519,17 @@ class KvrayClient:
         one afterwards (see the module docstring).
         """
         self._check(keys)
-        stored = self._store(keys, start, plan, parent_key)
+        if parent_key is not None and route_key is None:
+            raise RequestError(
+                "store(parent_key=...) continues a chain stored earlier: pass route_key "
+                "(client.shards.route_key of the whole chain), or its pages commit where its lookups never ask"
+            )
+        owner = self.shards.of(keys) if route_key is None else self.shards.owner(route_key)
+        stored = self._store(keys, start, plan, parent_key, owner)
         self._renew_if_stale(keep=0)
         return stored
 
-    def _store(self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None) -> int:
+    def _store(self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None, owner: int) -> int:
         # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
         targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
         runs = runs_of(targets, start)
@@ -549,7 +562,7 @@ class KvrayClient:
                 if landed == run.start:  # the chain is unbroken up to this run: it goes on as far as the store kept
                     landed = run.start + result.landed
         parent = keys[start - 1] if start else parent_key
-        owner, evicted = self.shards.of(keys), {node: gone for node, gone in dropped.items() if gone}
+        evicted = {node: gone for node, gone in dropped.items() if gone}
         args = (parent, list(keys[start:landed]), targets[: landed - start], start, evicted, reports)
         self._sent(self.shards.handles[owner].commit.remote(*args))
         if evicted:  # pages evicted from any chain: every other shard forgets those it indexes

@@ -28,7 +28,7 @@ import ray
 
 from kvray.cluster.config import NAMESPACE, controller_name
 from kvray.core.errors import ClusterError
-from kvray.core.partition import chain_shard
+from kvray.core.partition import route_key, shard_of
 
 CALL_TIMEOUT_S = 60.0  # a controller shard that does not answer a metadata call within this is stuck
 SUMMED = (
@@ -76,9 +76,18 @@ class ControllerShards:
     def __len__(self) -> int:
         return len(self.handles)
 
+    def route_key(self, keys: Sequence[int]) -> int:
+        """The key a request's chain ``keys`` (root first) is routed by (its page at the
+        routing depth): what a caller storing the chain in parts sends with each part."""
+        return route_key(keys, self.route_depth)
+
+    def owner(self, route: int) -> int:
+        """The shard chains routed by the key ``route`` go to."""
+        return shard_of(route, len(self.handles))
+
     def of(self, keys: Sequence[int]) -> int:
         """The shard a request's chain ``keys`` (root first) is routed to."""
-        return chain_shard(keys, len(self.handles), self.route_depth)
+        return self.owner(self.route_key(keys))
 
     def for_keys(self, keys: Sequence[int]) -> ray.actor.ActorHandle:
         return self.handles[self.of(keys)]

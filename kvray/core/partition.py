@@ -45,12 +45,21 @@ def shard_of(root_key: int, shards: int) -> int:
     return xxhash.xxh3_64_intdigest(root_key.to_bytes(16, "little", signed=False)) % shards
 
 
-def chain_shard(keys: Sequence[int], shards: int, depth: int = 0) -> int:
-    """The shard a request's chain ``keys`` (root first) is routed to: the one its page at
-    ``depth`` hashes to, or its last page's if it is shorter."""
+def route_key(keys: Sequence[int], depth: int = 0) -> int:
+    """The key a request's chain ``keys`` (root first) is routed by: its page at ``depth``,
+    or its last page if it is shorter. A caller storing a chain a part at a time computes it
+    once, from the whole chain, and sends it with every part: a part's own pages need not
+    include it (a part past the routing depth), and routing a part by its own first page
+    would commit it to a shard its lookups never ask."""
     if not keys:
         raise RequestError("empty request: no page keys")
-    return shard_of(keys[min(depth, len(keys) - 1)], shards)
+    return keys[min(depth, len(keys) - 1)]
+
+
+def chain_shard(keys: Sequence[int], shards: int, depth: int = 0) -> int:
+    """The shard a request's chain ``keys`` (root first) is routed to: the one its
+    :func:`route_key` hashes to."""
+    return shard_of(route_key(keys, depth), shards)
 
 
 @dataclass(frozen=True)

@@ -231,8 +231,10 @@ class CachedCausalLM:
         pages = kv.unflatten(3, (full_pages - first, page)).permute(3, 0, 1, 4, 2, 5).contiguous().cpu()
         raw = pages.view(torch.uint8).reshape(full_pages - first, self.layout.page_nbytes).numpy()
         parent = keys[first - 1] if first else None
+        # On a runtime the new pages commit where lookups of the whole chain ask (its routing page).
+        route = {"route_key": self.store.route_key(keys)} if isinstance(self.store, RuntimePages) else {}
         try:
-            return self.store.put_pages(keys[first:], raw, self.store.fingerprint.digest, parent_key=parent)
+            return self.store.put_pages(keys[first:], raw, self.store.fingerprint.digest, parent_key=parent, **route)
         except (KvrayError, OSError) as exc:
             log.warning("kvray could not store %d pages: %r", full_pages - first, exc)
             return 0

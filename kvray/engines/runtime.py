@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kvray.core.config import PageLayout
-from kvray.core.errors import ConfigError, KvrayError
+from kvray.core.errors import ConfigError, KvrayError, RequestError
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.pages import torch_dtype
 from kvray.core.store import LoadResult
@@ -80,7 +80,8 @@ class RuntimePages:
         keys = pages.keys(prompt_tokens)
         plan = pages.lookup(keys)                 # pins the cached prefix
         loaded, raw = pages.read(keys, plan)      # raw: [loaded.pages, page_nbytes] uint8
-        pages.put_pages(keys[loaded.pages:], computed, pages.fingerprint.digest, keys[loaded.pages - 1])
+        parent = keys[loaded.pages - 1]           # the chain the computed pages continue
+        pages.put_pages(keys[loaded.pages:], computed, pages.fingerprint.digest, parent, pages.route_key(keys))
     """
 
     def __init__(self, client, model_name: str | None = None, model_revision: str | None = None) -> None:
@@ -173,22 +174,43 @@ class RuntimePages:
         kv = pages.permute(1, 2, 0, 3, 4, 5).reshape(layout.request_shape(n * layout.page_tokens))
         return LoadResult(n * layout.page_tokens, kv, dict(loaded.by_tier))
 
-    def put_pages(self, keys: Sequence[int], pages: np.ndarray, fingerprint: bytes, parent_key: int | None = None) -> int:
+    def route_key(self, keys: Sequence[int]) -> int:
+        """The key the runtime routes a prompt of ``keys`` (root first) by, as :meth:`lookup`
+        asks it: what every save of a part of the prompt carries (``put_pages``'
+        ``route_key``), so the part commits to the controller shard the prompt's lookups ask."""
+        return self.client.shards.route_key(keys[: self.capacity])
+
+    def put_pages(
+        self,
+        keys: Sequence[int],
+        pages: np.ndarray,
+        fingerprint: bytes,
+        parent_key: int | None = None,
+        route_key: int | None = None,
+    ) -> int:
         """Store ``pages`` (``[n, page_nbytes]`` uint8) of one chain on this node, continuing
-        ``parent_key``'s chain; returns pages stored (a store that fails stores fewer)."""
-        from kvray.cluster.protocol import NO_LEASE, Plan
+        ``parent_key``'s chain, a landing buffer at a time; returns pages stored (a store that
+        fails stores fewer). ``route_key``: the whole prompt's (:meth:`route_key`), which a
+        continuation must carry (its own keys do not say where the chain is routed); None
+        with no ``parent_key``: ``keys`` are the chain from its root, routed by themselves."""
+        from kvray.cluster.protocol import Plan
 
         if fingerprint != self.fingerprint.digest:
             raise ConfigError("pages of another model fingerprint cannot be stored under this engine's keys")
-        stored, keys = 0, list(keys)
-        step = self.capacity - 1  # row 0 of each chunk holds its parent's key
+        keys = list(keys)
+        if route_key is None:
+            if parent_key is not None:
+                raise RequestError(
+                    "put_pages(parent_key=...) continues a chain: pass route_key (RuntimePages.route_key of the prompt)"
+                )
+            route_key = self.route_key(keys)
+        stored, step = 0, self.capacity
         for lo in range(0, len(keys), step):
             chunk = keys[lo : lo + step]
             parent = parent_key if lo == 0 else keys[lo - 1]
-            chain, start = ([parent], 1) if parent is not None else ([], 0)
-            self.client.buffer.pages[start : start + len(chunk)] = pages[lo : lo + len(chunk)]
-            plan = Plan(NO_LEASE, [self.node_id] * start, [self.node_id] * len(chunk))
-            stored += self.client.store(chain + chunk, start, plan)
+            self.client.buffer.pages[: len(chunk)] = pages[lo : lo + len(chunk)]
+            placing = Plan.placing([self.node_id] * len(chunk))
+            stored += self.client.store(chunk, 0, placing, parent_key=parent, route_key=route_key)
         return stored
 
     def close(self) -> None:

@@ -41,7 +41,8 @@ def _store_in_parts(client: KvrayClient, keys: list[int], data: np.ndarray, node
         part = keys[start : start + BUFFER]
         client.buffer.pages[: len(part)] = data[start : start + len(part)]
         parent = keys[start - 1] if start else None
-        assert client.store(part, 0, Plan.placing([node] * len(part)), parent_key=parent) == len(part)
+        placing, route = Plan.placing([node] * len(part)), client.shards.route_key(keys)
+        assert client.store(part, 0, placing, parent_key=parent, route_key=route) == len(part)
 
 
 def test_a_prefix_six_buffers_long_streams_back_exact(runtime_and_client):

@@ -42,12 +42,16 @@ class PageLoad:
 
 @dataclass(frozen=True)
 class PageSave:
-    """Full prompt blocks to copy out after the forward, the page keys they get, and the key
-    of the cached page their chain continues (``None`` from the first page)."""
+    """Full prompt blocks to copy out after the forward, the page keys they get, the key
+    of the cached page their chain continues (``None`` from the first page) and, on a kvray
+    runtime, the key the prompt's chain is routed by
+    (:meth:`~kvray.engines.runtime.RuntimePages.route_key`): the pages commit to the
+    controller shard the prompt's lookups ask, whichever part of it they are."""
 
     keys: list[int]
     block_ids: list[int]
     parent_key: int | None
+    route_key: int | None = None
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,8 @@ class ConnectorScheduler:
         tracked.saved_pages = max(tracked.saved_pages, done)
         if first < done:
             parent = tracked.keys[first - 1] if first else None
-            meta.saves.append(PageSave(tracked.keys[first:done], tracked.block_ids[first:done], parent))
+            route = self.runtime.route_key(tracked.keys) if self.runtime is not None else None
+            meta.saves.append(PageSave(tracked.keys[first:done], tracked.block_ids[first:done], parent, route))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Store the pages the worker copied out (in-process store; on a runtime the worker

@@ -142,7 +142,7 @@ class ConnectorWorker:
         """On the I/O thread: keep computed pages on this node's store (best effort)."""
         try:
             self.counters["saved_pages"] += self.runtime.put_pages(
-                save.keys, pages, self.runtime.fingerprint.digest, save.parent_key
+                save.keys, pages, self.runtime.fingerprint.digest, save.parent_key, save.route_key
             )
         except Exception as exc:  # storing is best effort: the pages are simply not cached
             self.counters["failures"] += 1
