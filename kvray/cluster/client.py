@@ -44,7 +44,9 @@ it (``read_into``, ``pull``, ``touch`` or ``write_from``, whichever comes first;
 is sent for it when no other would be): the request's keys and the engine's backlog, for
 its placement policy's ``on_request``, before that policy sees any of the request's hits
 or pages. A request's writes to this node wait until its ``touch`` is done, so the policy
-sees the hits before the new pages, as the simulator shows them to it. ``settle`` waits
+sees the hits before the new pages, as the simulator shows them to it; a request that
+writes here anyway sends no ``touch``: its first write carries the hits, counted before
+its pages. Likewise a request that stores sends its controller release with the commit. ``settle`` waits
 until everything a request sent without waiting has landed: a replay calls it between
 requests (off the measured time), so the next request, on whichever node, finds the
 cache exactly as the last one left it.
@@ -88,12 +90,14 @@ import itertools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
+from concurrent import futures
+from concurrent.futures import Future
 
 import ray
 
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathContext, PathSpeeds, StoreCallPath, nixl_wanted
-from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Request, Run, Stored, new_lease, runs_of
+from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Release, Request, Run, Stored, new_lease, runs_of
 from kvray.cluster.shards import ControllerShards
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks
@@ -143,9 +147,9 @@ class KvrayClient:
         self.renewed_buffers = 0
         self._retired: list[LandingBuffer] = []  # old buffers a caller still held a view of
         self._host: SharedHostTier | None = None  # this node's store's host tier, mapped
-        self._host_info = None  # ref: the local store's ``host_tier`` answer, while awaited
+        self._host_info: Future | None = None  # the local store's ``host_tier`` answer, while awaited
         self._next_check = 0.0  # when to ask the store again which segment it serves
-        self._members = None  # ref: the controller's ``members`` answer, while awaited
+        self._members: Future | None = None  # the controller's ``members`` answer, while awaited
         self._next_members = time.monotonic() + MEMBERS_CHECK_S
         self._touched = None  # ref: the latest ``touch``, which the next write here waits for
         self._unsettled: list = []  # refs of the calls sent without waiting, since the last ``settle``
@@ -166,7 +170,7 @@ class KvrayClient:
         self._host_info, self._next_check = None, 0.0
         self._mapped_host()  # asks the local store which host segment it serves
         if self._host_info is not None:
-            ray.wait([self._host_info], timeout=self.timeout_s)
+            futures.wait([self._host_info], timeout=self.timeout_s)
             self._mapped_host()
 
     def _route(self, members: dict) -> None:
@@ -209,11 +213,11 @@ class KvrayClient:
         new page server port, which a client that never asked would not find."""
         now = time.monotonic()
         if self._members is None and now >= self._next_members:
-            self._members = next(self._members_from).members.remote()
+            self._members = next(self._members_from).members.remote().future()
             self._next_members = now + MEMBERS_CHECK_S
-        if self._members is not None and ray.wait([self._members], timeout=0)[0]:
+        if self._members is not None and self._members.done():
             with contextlib.suppress(ray.exceptions.RayError):  # the controller is restarting: asked again later
-                self._route(ray.get(self._members))
+                self._route(self._members.result())
             self._members = None
 
     # -- this node's host tier, mapped ------------------------------------------------------
@@ -229,11 +233,11 @@ class KvrayClient:
             self._detach()
         now = time.monotonic()
         if self._host_info is None and now >= self._next_check and self.local_store is not None:
-            self._host_info = self.local_store.host_tier.remote()
+            self._host_info = self.local_store.host_tier.remote().future()
             self._next_check = now + HOST_CHECK_S
-        if self._host_info is not None and ray.wait([self._host_info], timeout=0)[0]:
+        if self._host_info is not None and self._host_info.done():
             try:
-                info = ray.get(self._host_info)
+                info = self._host_info.result()
             except ray.exceptions.RayError:
                 info = None  # the store is gone or restarting; the actor path serves meanwhile
             self._host_info = None
@@ -267,24 +271,28 @@ class KvrayClient:
         on entry; the block reads ``r.rows[:r.hit]``, computes the rest into ``r.rows[r.hit:]``
         and calls ``r.store()`` to have it stored; on exit the lease is released (whether
         the block raised or not) and then, if asked and nothing raised, the rows stored
-        (``r.stored`` pages). ``r.rows`` are valid inside the block only
+        (``r.stored`` pages). A request that stores pages sends its release with the
+        store's commit (:class:`~kvray.cluster.protocol.Release`): one controller call
+        fewer per request that missed. ``r.rows`` are valid inside the block only
         (:class:`~kvray.cluster.protocol.Request`), so no caller keeps the landing buffer
         across calls that may replace it. The verbs below stay for callers that split a
         request (vLLM's scheduler looks up, its worker loads) or test one step of it.
         """
         self._check(keys)  # before anything is pinned: the rows must fit the landing buffer
         plan = self.lookup(keys, backlog_ms)
-        loaded, request = Loaded(0), None
+        loaded, request, finished = Loaded(0), None, False
         try:
             loaded = self.load(keys, plan)
             request = Request(keys, plan, loaded, self.buffer.pages[: len(keys)])
             yield request
+            finished = True
         finally:  # a lease never released would pin its pages until it expires
             if request is not None:
                 request.close()
-            self.release(plan, loaded)
+            storing = finished and request.store_wanted and loaded.pages < len(keys)
+            held = self._release(plan, loaded, to_controller=not storing)
         if request.store_wanted:
-            request.stored = self.store(keys, loaded.pages, plan)
+            request.stored = self.store(keys, loaded.pages, plan, release=held)
 
     # -- lookup + pin ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int], backlog_ms: float = 0.0) -> Plan:
@@ -479,8 +487,15 @@ class KvrayClient:
         controller lease is always released directly, so a dying store cannot leave its
         pages pinned.
         """
+        self._release(plan, loaded, to_controller=True)
+
+    def _release(self, plan: Plan, loaded: Loaded, to_controller: bool) -> Release | None:
+        """:meth:`release`; with ``to_controller`` False (the request stores next) the
+        controller's part (a plan it pinned) is returned instead of sent, for the store's
+        commit to carry, and the mapped hits wait for the write to this node, if any, to
+        carry them (``PathContext.hits``) instead of a ``touch`` of their own."""
         local_pages = plan.hit_pages if plan.lease == LOCAL_LEASE else 0
-        report = (plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes, local_pages)
+        report = Release(plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes, local_pages)
         store = self.local_store
         # The request's arrival goes with this touch unless a write here will carry it.
         writes_here = plan.hit_pages > loaded.pages or self.node_id in plan.targets
@@ -488,16 +503,31 @@ class KvrayClient:
             self._touched = self._sent(
                 store.touch.remote(pack_keys(loaded.mapped), report, self.context.take_arrival(), plan.shard, loaded.mapped_s)
             )
-            return
-        if store is not None and (loaded.mapped or (self.context.arrival is not None and not writes_here)):
+            return None
+        if store is not None and not to_controller and writes_here:
+            # The write here, next, tells the store of the mapped hits (and the arrival) first: one call, not two.
+            self.context.hits = (pack_keys(loaded.mapped), loaded.mapped_s) if loaded.mapped else None
+        elif store is not None and (loaded.mapped or (self.context.arrival is not None and not writes_here)):
             self._touched = self._sent(
                 store.touch.remote(pack_keys(loaded.mapped), None, self.context.take_arrival(), 0, loaded.mapped_s)
             )
-        self._sent(self.shards.handles[plan.shard].release.remote(*report))
+        if not to_controller:
+            return report
+        self._send_release(plan.shard, report)
+        return None
+
+    def _send_release(self, shard: int, report: Release) -> None:
+        self._sent(self.shards.handles[shard].release.remote(*report))
 
     # -- store --------------------------------------------------------------------------------------
     def store(
-        self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None = None, route_key: int | None = None
+        self,
+        keys: Sequence[int],
+        start: int,
+        plan: Plan,
+        parent_key: int | None = None,
+        route_key: int | None = None,
+        release: Release | None = None,
     ) -> int:
         """Keep buffer rows ``start..len(keys)`` where the plan says; returns pages stored.
 
@@ -508,6 +538,9 @@ class KvrayClient:
         ``keys`` do not start at the chain's root (a continuation, or an engine's keys after
         the part it loaded): the commit goes to the shard the chain's lookups ask, not to
         the one ``keys`` alone would route to. None: ``keys`` are the chain from its root.
+        ``release``: the request's report for the shard holding ``plan``'s lease, not sent
+        yet (:meth:`request` leaves it to this store): it goes with the commit when that is
+        the same shard, otherwise (or when nothing is committed) on its own.
 
         Each maximal run of pages bound for one node goes as one chain (same-node by shared
         memory, others by direct TCP to their page server, or the object store with ``tcp``
@@ -525,14 +558,30 @@ class KvrayClient:
                 "(client.shards.route_key of the whole chain), or its pages commit where its lookups never ask"
             )
         owner = self.shards.of(keys) if route_key is None else self.shards.owner(route_key)
-        stored = self._store(keys, start, plan, parent_key, owner)
+        if release is not None and owner != plan.shard:
+            self._send_release(plan.shard, release)
+            release = None
+        try:
+            stored = self._store(keys, start, plan, parent_key, owner, release)
+        except BaseException:
+            if release is not None:
+                self._send_release(owner, release)
+            raise
+        finally:
+            self.context.hits = None  # hits no write here carried (it failed, or none went) are let go
         self._renew_if_stale(keep=0)
         return stored
 
-    def _store(self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None, owner: int) -> int:
+    def _store(
+        self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None, owner: int, release: Release | None
+    ) -> int:
         # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
         targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
         runs = runs_of(targets, start)
+        if not runs:  # nothing to store (all cached, or the controller placed nothing): no commit
+            if release is not None:
+                self._send_release(owner, release)
+            return 0
         if self._touched is not None and any(run.node == self.node_id for run in runs):
             ray.wait([self._touched], timeout=self.timeout_s)  # the policy sees the hits before the new pages
             self._touched = None
@@ -563,7 +612,7 @@ class KvrayClient:
                     landed = run.start + result.landed
         parent = keys[start - 1] if start else parent_key
         evicted = {node: gone for node, gone in dropped.items() if gone}
-        args = (parent, list(keys[start:landed]), targets[: landed - start], start, evicted, reports)
+        args = (parent, list(keys[start:landed]), targets[: landed - start], start, evicted, reports, release)
         self._sent(self.shards.handles[owner].commit.remote(*args))
         if evicted:  # pages evicted from any chain: every other shard forgets those it indexes
             for shard, controller in enumerate(self.shards.handles):

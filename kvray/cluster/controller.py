@@ -59,7 +59,7 @@ import ray
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, store_name
 from kvray.cluster.metrics import export_cluster_stats
 from kvray.cluster.observe import ClusterObservations, NodeReport
-from kvray.cluster.protocol import LOCAL_LEASE, Plan, new_lease
+from kvray.cluster.protocol import LOCAL_LEASE, Plan, Release, new_lease
 from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT, PrefixIndex, parents_first
 from kvray.core.keys import unpack_keys
@@ -353,10 +353,15 @@ class Controller:
         depth: int,
         dropped: Mapping[str, Sequence[int]],
         reports: Mapping[str, NodeReport] | None = None,
+        release: Release | None = None,
     ) -> int:
         """Publish a chain of pages stores now hold (``keys[i]`` on ``nodes[i]``, the first one
         a child of ``parent_key``); forget the pages stores report evicted, and keep the
-        ``reports`` the stores answered the writes with. Returns pages added."""
+        ``reports`` the stores answered the writes with. ``release``: the storing request's
+        own report (:class:`~kvray.cluster.protocol.Release`), handled first, as if it had
+        come on its own just before. Returns pages added."""
+        if release is not None:
+            self.release(*release)
         self._expire()
         now = time.monotonic()
         for node_id, report in (reports or {}).items():

@@ -280,12 +280,18 @@ class NodeStore:
         row: int,
         parent: int | None = None,
         request: tuple[bytes, float] | None = None,
+        hits: tuple[bytes, float] | None = None,
     ) -> Stored:
         """Store buffer rows ``row..`` as one chain under ``keys`` (``parent``: the key before
         ``keys[0]`` in the request, None at its start); returns what was stored and is held
         of it, the keys dropped since the last report and this node's report
-        (:class:`~kvray.cluster.protocol.Stored`). ``request``: see :meth:`_arrived`."""
+        (:class:`~kvray.cluster.protocol.Stored`). ``request``: see :meth:`_arrived`.
+        ``hits``: the request's pages copied from the mapped host tier and how long that
+        took, counted first as :meth:`touch` counts them (the engine sends them here
+        rather than in a touch of their own when it writes to this node next)."""
         self._arrived(request)
+        if hits is not None:
+            self.store.touch_pages(unpack_keys(hits[0]), hits[1])
         with self._mapped(buffer, capacity) as pages:
             return self._put(keys, pages[row : row + len(keys)], parent)
 

@@ -74,11 +74,19 @@ class PathContext:
         self.faults: Counter[str] = Counter()
         self.stale = False  # a call given up on may still copy into or out of ``buffer``
         self.arrival: tuple[bytes, float] | None = None  # the request's, until this node's store has it
+        # The request's pages copied from the mapped host tier (packed keys, seconds), for the
+        # write to this node's store that follows to report (the client sets it instead of a ``touch``).
+        self.hits: tuple[bytes, float] | None = None
 
     def take_arrival(self) -> tuple[bytes, float] | None:
         """The request's arrival, for the first call to this node's store to carry (once)."""
         arrival, self.arrival = self.arrival, None
         return arrival
+
+    def take_hits(self) -> tuple[bytes, float] | None:
+        """The request's mapped hits, for the first write to this node's store to carry (once)."""
+        hits, self.hits = self.hits, None
+        return hits
 
     def count_fault(self, exc: Exception) -> None:
         """A call that became a miss, by cause (see ``faults``)."""
@@ -159,7 +167,10 @@ class LocalPath(StoreCallPath):
 
     def start_store(self, store, keys, run, parent):
         buffer = self.context.buffer
-        return store.write_from.remote(keys, buffer.name, buffer.capacity, run.start, parent, self.context.take_arrival())
+        context = self.context
+        return store.write_from.remote(
+            keys, buffer.name, buffer.capacity, run.start, parent, context.take_arrival(), context.take_hits()
+        )
 
 
 class ObjectStorePath(StoreCallPath):

@@ -14,6 +14,7 @@ the transfer paths and the engines exchange on the way, and import from here.
   host tier: nothing pinned), or an id from :func:`new_lease` (pins at one controller shard).
 - :class:`Run`: consecutive pages of a request on one node, which move together.
 - :class:`Loaded`: what a load delivered: the first ``pages`` rows, by tier and path.
+- :class:`Release`: what a request reports to the controller when it is done with its lease.
 - :class:`Stored`: a store's answer to the write of one run: what the client commits.
 - :class:`Request`: one request inside its ``with`` block; its rows are the landing
   buffer's, so they are readable only there.
@@ -108,6 +109,25 @@ def runs_of(nodes: Sequence[str], start: int) -> list[Run]:
         runs.append(Run(node, row, row + n))
         row += n
     return runs
+
+
+class Release(NamedTuple):
+    """A request's report to the controller shard that holds its lease: end the lease, count
+    the hits by tier, forget the pages a store no longer had (``lost``, by node).
+    ``local_pages``: the pages of a request the client answered from its node's host tier
+    (lease ``LOCAL_LEASE``).
+
+    Sent on its own (``Controller.release``, or through the node's store for a local plan),
+    or, when the request then stores the pages it computed, with that store's commit
+    (``Controller.commit(..., release=...)``): one controller call instead of two, and the
+    controller ends the lease before it adds the pages, as if the release had come first.
+    """
+
+    lease: int
+    hits_by_tier: dict[str, int]
+    lost: dict[str, list[int]]
+    bytes_between_nodes: int = 0
+    local_pages: int = 0
 
 
 class Stored(NamedTuple):
