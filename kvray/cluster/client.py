@@ -95,6 +95,7 @@ from concurrent.futures import Future
 
 import ray
 
+from kvray.cluster.answers import SharedAnswers
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathContext, PathSpeeds, StoreCallPath, nixl_wanted
 from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Release, Request, Run, Stored, new_lease, runs_of
@@ -111,6 +112,10 @@ HOST_CHECK_S = 1.0  # how often a client asks its node's store which host segmen
 DEFAULT_TIMEOUT_S = 60.0  # how long a client waits for any one Ray call
 MEMBERS_CHECK_S = 5.0  # how often a client re-reads the stores and their page servers
 UNSETTLED_KEPT = 64  # calls sent without waiting kept for ``settle`` before the finished ones are let go
+
+
+HOST_ANSWERS = SharedAnswers(HOST_CHECK_S)
+MEMBERS_ANSWERS = SharedAnswers(MEMBERS_CHECK_S)
 
 
 class KvrayClient:
@@ -168,7 +173,7 @@ class KvrayClient:
         self._route(_answer(next(self._members_from).members.remote(), self.timeout_s, "members"))
         self._detach()
         self._host_info, self._next_check = None, 0.0
-        self._mapped_host()  # asks the local store which host segment it serves
+        self._mapped_host(fresh=True)  # asks the local store which host segment it serves
         if self._host_info is not None:
             futures.wait([self._host_info], timeout=self.timeout_s)
             self._mapped_host()
@@ -213,7 +218,8 @@ class KvrayClient:
         new page server port, which a client that never asked would not find."""
         now = time.monotonic()
         if self._members is None and now >= self._next_members:
-            self._members = next(self._members_from).members.remote().future()
+            ask = next(self._members_from).members.remote
+            self._members = MEMBERS_ANSWERS.ask(self.config.name, ask)
             self._next_members = now + MEMBERS_CHECK_S
         if self._members is not None and self._members.done():
             with contextlib.suppress(ray.exceptions.RayError):  # the controller is restarting: asked again later
@@ -221,10 +227,11 @@ class KvrayClient:
             self._members = None
 
     # -- this node's host tier, mapped ------------------------------------------------------
-    def _mapped_host(self) -> SharedHostTier | None:
+    def _mapped_host(self, fresh: bool = False) -> SharedHostTier | None:
         """The local store's host tier if mapped and current; never blocks on Ray.
 
-        Every ``HOST_CHECK_S`` the store is asked (without waiting) which segment it serves;
+        Every ``HOST_CHECK_S`` the store is asked (without waiting, once for all the
+        process's clients, :class:`SharedAnswers`; ``fresh``: now) which segment it serves;
         an answer naming another segment (the store restarted), none, or an error (it is
         gone) drops the mapping, and a new segment is mapped. A segment its store closed
         says so in its header and is dropped at once.
@@ -233,7 +240,8 @@ class KvrayClient:
             self._detach()
         now = time.monotonic()
         if self._host_info is None and now >= self._next_check and self.local_store is not None:
-            self._host_info = self.local_store.host_tier.remote().future()
+            store = self.local_store
+            self._host_info = HOST_ANSWERS.ask((self.config.name, self.node_id), store.host_tier.remote, fresh)
             self._next_check = now + HOST_CHECK_S
         if self._host_info is not None and self._host_info.done():
             try:

@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
+from kvray.cluster.checked import PagePattern
 from kvray.cluster.protocol import LOCAL_LEASE, Plan
 from kvray.core.config import PageLayout, TierSizes
 from kvray.core.tiers.directory import SHM_DIR, directory_name
@@ -105,6 +106,35 @@ def test_a_partly_local_request_asks_the_controller_and_copies_its_local_run(loc
     assert plan.lease != LOCAL_LEASE and controller(runtime)["lookups"] == before + 1
     assert loaded.pages == 4 and loaded.paths == {"mapped": 4}
     assert np.array_equal(rows, pages)
+
+
+def test_a_request_that_stores_here_reports_its_mapped_hits_with_the_write_and_its_release_with_the_commit(local):
+    """No ``touch`` and no separate ``release``: the write carries the mapped hits (counted
+    before the new pages, so the store's LRU sees them as the simulator does) and the commit
+    the controller's release (the lease ends, the hits are counted once)."""
+    runtime, client = local
+    store = runtime.stores[client.node_id]
+    pattern = PagePattern(client.page_nbytes)
+    cached = client.keys_for_trace(list(range(60, 63)))
+    put_local(client, cached, seed=9)
+    old = client.keys_for_trace([960, 961])
+    put_local(client, old, seed=10)  # LRU order: ``cached``, then ``old``
+    before, store_before = controller(runtime), ray.get(store.stats.remote())
+    keys = cached + client.keys_for_trace(list(range(60, 62)), salt="new")
+    with client.request(keys) as r:
+        assert r.plan.lease not in (LOCAL_LEASE, 0) and r.loaded.paths == {"mapped": 3}
+        pattern.fill_rows(keys[3:], r.rows[3:])
+        r.store()
+    assert r.stored == 2
+    client.settle()
+    after, store_after = controller(runtime), ray.get(store.stats.remote())
+    assert store_after["hit_pages_by_tier"].get("host", 0) == store_before["hit_pages_by_tier"].get("host", 0) + 3
+    assert after["open_leases"] == 0 and after["lookups"] == before["lookups"] + 1
+    assert after["hit_pages_by_tier"]["host"] == before["hit_pages_by_tier"].get("host", 0) + 3
+    # The hits reached the store's LRU: ``old`` is now the least recent, and goes first.
+    put_local(client, client.keys_for_trace([970, 971, 972]), seed=11)
+    held = set(ray.get(store.info.remote())["keys"])
+    assert set(keys) <= held and not set(old) & held
 
 
 def test_eviction_between_lookup_and_load_is_a_miss_not_wrong_kv(local):
