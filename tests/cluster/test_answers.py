@@ -21,7 +21,7 @@ def stamp(n: int) -> int:
 
 
 def test_many_clients_asking_at_once_make_one_call_per_period(ray_cluster):
-    answers, calls = SharedAnswers(period_s=0.5), []
+    answers, calls = SharedAnswers(period_s=3.0), []  # ample for the asks between the checks on a loaded machine
 
     def call() -> ray.ObjectRef:
         calls.append(None)
@@ -31,7 +31,7 @@ def test_many_clients_asking_at_once_make_one_call_per_period(ray_cluster):
         first = list(pool.map(lambda _: answers.ask("store-a", call).result(timeout=60), range(64)))
     assert first == [1] * 64 and len(calls) == 1
     assert answers.ask("store-b", call).result(timeout=60) == 2  # another question, its own call
-    time.sleep(0.6)
+    time.sleep(3.1)
     assert answers.ask("store-a", call).result(timeout=60) == 3  # the answer grew old: asked again
     assert answers.ask("store-a", call).result(timeout=60) == 3
     assert answers.ask("store-a", call, fresh=True).result(timeout=60) == 4 and len(calls) == 4
