@@ -160,20 +160,26 @@ class CacheManager:
         well, but it stores the chain's tail at everyone else's cost (ARC's mean TTFT moved
         by -8% to +8% on held-out cells).
         """
+        slot = self.slots[tier].alloc()
+        return slot if slot is not None else self._make_room(tier, mover)
+
+    def _make_room(self, tier: Tier, mover: Mover) -> int | None:
+        """:meth:`reserve` of a ``tier`` whose allocator just had no free slot: evict until
+        one frees. Callers that tried the allocator themselves (a move, a store) come here
+        directly, so that an eviction cascade asks each tier's allocator once per level."""
         allocator = self.slots[tier]
-        slot = allocator.alloc()
-        if slot is not None:  # the common case, before any of the eviction loop's setup
-            return slot
         policy = self.policy
         refused: list[int] = []  # victims that could not leave; pinned so the policy skips them
         try:
-            while slot is None:
+            while True:
                 victim = policy.victim(tier)
                 if victim is None or len(refused) >= REFUSALS_PER_RESERVE:
                     return None
                 target = self._demote_target(victim, tier)
                 if self.evict(victim, mover, target):
                     slot = allocator.alloc()
+                    if slot is not None:
+                        return slot
                     continue
                 held = self._held_with(victim, tier, target) or [victim]
                 self.index.pin(np.array(held, dtype=np.int64))
@@ -181,7 +187,6 @@ class CacheManager:
         finally:
             if refused:
                 self.index.unpin(np.array(refused, dtype=np.int64))
-        return slot
 
     def _demote_target(self, handle: int, tier: Tier) -> Tier | None:
         """Where the policy would demote ``handle`` from ``tier``, if that tier exists here."""
@@ -223,7 +228,7 @@ class CacheManager:
         if dst_slot is None:
             self.keep(handle)  # the source must survive making room below
             try:
-                dst_slot = self.reserve(dst, mover)
+                dst_slot = self._make_room(dst, mover)
             finally:
                 self.release(handle)
             if dst_slot is None:
@@ -312,10 +317,10 @@ class CacheManager:
         if slot is not None:
             return slot
         if parent == ROOT:
-            return self.reserve(tier, mover)
+            return self._make_room(tier, mover)
         self.keep(parent)
         try:
-            return self.reserve(tier, mover)
+            return self._make_room(tier, mover)
         finally:
             self.release(parent)
 
