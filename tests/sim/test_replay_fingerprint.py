@@ -45,8 +45,8 @@ def replays() -> dict[str, Callable[[], ReplayResult]]:
     for policy in POLICIES:
         for name, workload in (("trace", trace), ("agent", agent)):
             for fraction in (0.02, 0.05):
-                cells[f"{policy}/{name}/{fraction}"] = (
-                    lambda w=workload, p=policy, f=fraction: simulate(w, p, one, capacity_fraction=f)
+                cells[f"{policy}/{name}/{fraction}"] = lambda w=workload, p=policy, f=fraction: simulate(
+                    w, p, one, capacity_fraction=f
                 )
     cells["4node/cost-router/lru"] = lambda: simulate(agent, "lru", four, capacity_fraction=0.05, cluster_policy="cost-router")
     cells["4node/cost-router/arc"] = lambda: simulate(trace, "arc", four, capacity_fraction=0.02, cluster_policy="cost-router")
@@ -73,4 +73,6 @@ def test_replay_is_bit_identical_to_the_recorded_one(name, recorded):
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
-    FINGERPRINT.write_text(json.dumps({name: fingerprint(run()) for name, run in replays().items()}, indent=1, sort_keys=True) + "\n")
+    FINGERPRINT.write_text(
+        json.dumps({name: fingerprint(run()) for name, run in replays().items()}, indent=1, sort_keys=True) + "\n"
+    )
