@@ -92,8 +92,11 @@ def benchmark(name: str) -> Callable[[Bench], Bench]:
     return register
 
 
-def alternating_medians(*fns: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
-    """Median wall time of each of ``fns``, run in turn within every repetition so that all
+def alternating_medians(
+    *fns: Callable[[], object], repeats: int, warmup: int = 1, clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
+    """Median time of each of ``fns`` (wall, or ``clock``: ``time.process_time`` for CPU
+    time, what a shared machine keeps fair), run in turn within every repetition so that all
     see the same machine state (other load, caches, frequency) and their ratios are fair."""
     for _ in range(warmup):
         for fn in fns:
@@ -101,17 +104,21 @@ def alternating_medians(*fns: Callable[[], object], repeats: int, warmup: int = 
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, sink in zip(fns, times):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            sink.append(time.perf_counter() - t0)
+            sink.append(clock() - t0)
     return [statistics.median(sink) for sink in times]
 
 
 def paired_medians(
-    kvray: Callable[[], object], baseline: Callable[[], object], repeats: int, warmup: int = 1
+    kvray: Callable[[], object],
+    baseline: Callable[[], object],
+    repeats: int,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float]:
-    """Median wall times of ``kvray`` and ``baseline``, run alternately (:func:`alternating_medians`)."""
-    ours, base = alternating_medians(kvray, baseline, repeats=repeats, warmup=warmup)
+    """Median times of ``kvray`` and ``baseline``, run alternately (:func:`alternating_medians`)."""
+    ours, base = alternating_medians(kvray, baseline, repeats=repeats, warmup=warmup, clock=clock)
     return ours, base
 
 

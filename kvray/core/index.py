@@ -190,7 +190,7 @@ class PrefixIndex:
         cols["prev_sibling"][handle] = NONE
         cols["next_sibling"][handle] = NONE
         if parent != ROOT:
-            first = cols["first_child"][parent]
+            first = cols["first_child"].item(parent)
             cols["next_sibling"][handle] = first
             if first != NONE:
                 cols["prev_sibling"][first] = handle
@@ -207,17 +207,19 @@ class PrefixIndex:
 
     def remove(self, handle: int) -> int:
         """Drop a leaf entry; returns its key. Pinned entries and parents cannot be removed."""
-        if self._cols["pins"][handle] > 0:
+        cols = self._cols  # scalar reads by .item(): a Python int, not a numpy scalar (once per eviction)
+        if cols["pins"].item(handle) > 0:
             raise ValueError(f"page {self.key_of(handle):#x} is pinned")
-        cols = self._cols
-        if cols["first_child"][handle] != NONE:
+        if cols["first_child"].item(handle) != NONE:
             raise ValueError(f"page {self.key_of(handle):#x} still has cached children")
         key = self.key_of(handle)
-        prev, nxt = cols["prev_sibling"][handle], cols["next_sibling"][handle]
+        prev, nxt = cols["prev_sibling"].item(handle), cols["next_sibling"].item(handle)
         if prev != NONE:
             cols["next_sibling"][prev] = nxt
-        elif cols["parent"][handle] != ROOT:
-            cols["first_child"][cols["parent"][handle]] = nxt
+        else:
+            parent = cols["parent"].item(handle)
+            if parent != ROOT:
+                cols["first_child"][parent] = nxt
         if nxt != NONE:
             cols["prev_sibling"][nxt] = prev
         del self._handles[key]

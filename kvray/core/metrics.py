@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 
@@ -56,6 +57,12 @@ class LatencyHistogram:
         }
 
 
+@cache
+def _move_name(src: str, dst: str) -> str:
+    """The ``moved_pages`` key of a move, formatted once per pair (a move is counted per page)."""
+    return f"{src}->{dst}"
+
+
 @dataclass
 class CacheMetrics:
     """Hit, miss, movement and integrity counters of one cache."""
@@ -81,7 +88,7 @@ class CacheMetrics:
         return sum(self.moved_pages.values()) * self.page_nbytes
 
     def count_move(self, src: str, dst: str, pages: int = 1) -> None:
-        self.moved_pages[f"{src}->{dst}"] += pages
+        self.moved_pages[_move_name(src, dst)] += pages
 
     def observe(self, op: str, seconds: float) -> None:
         self.swap_latency.setdefault(op, LatencyHistogram()).observe(seconds)

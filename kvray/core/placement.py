@@ -126,9 +126,9 @@ class PlacementPolicy(ABC):
         """An unpinned page of ``tier`` to evict, or None when every page is pinned."""
 
     def _first_unpinned(self, handles: Iterable[int]) -> int | None:
-        pins = self.index.pins
+        pin_count = self.index.pins.item  # a Python int per read, not a numpy scalar
         for h in handles:  # a loop, not next(genexpr): this runs once per eviction
-            if pins[h] == 0:
+            if pin_count(h) == 0:
                 return h
         return None
 

@@ -186,10 +186,14 @@ def transfer(path: Sequence[Link], ready_ms: float, nbytes: int, kind: str, late
     ``latency_ms`` (the source's access latency) plus the links' latencies; returns when the
     last byte arrives. The transfer starts at the earliest time at or after ``ready_ms`` that
     every link has a lane idle for its whole duration, and holds that lane of each link."""
+    return book(path, ready_ms, transfer_ms(path, nbytes, latency_ms, ops), nbytes, kind)
+
+
+def book(path: Sequence[Link], ready_ms: float, duration: float, nbytes: int, kind: str) -> float:
+    """:func:`transfer` of a known ``duration`` (:func:`transfer_ms`): what a caller moving
+    many pages along one path works out once (the simulator's mover, per page event)."""
     if not path:
         return ready_ms
-    links_latency, bytes_per_ms = _shape(path)
-    duration = ops * (latency_ms + links_latency) + nbytes / bytes_per_ms
     start = ready_ms
     while True:  # the earliest time every link has a lane idle throughout
         latest = start

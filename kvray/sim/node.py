@@ -32,7 +32,7 @@ from kvray.core.tiers import Tier
 from kvray.policy.cluster import NodeView
 from kvray.scenario import PrefillQueue, RouterSpec, Scenario
 from kvray.sim.cost import CostModel
-from kvray.sim.links import Link, transfer, transfer_ms
+from kvray.sim.links import Link, book, transfer_ms
 from kvray.traces import TraceRequest, unique_blocks
 
 TIERS = tuple(Tier)
@@ -169,21 +169,23 @@ class SimNode:
         # a new page leaves the engine's GPU: nothing moves when it stays in the device tier
         self.store_path = {t: (self.d2h,) + from_host[t] for t in from_host if t != Tier.DEVICE}
         self.store_path[Tier.DEVICE] = ()
-        self._moves = {}  # (src, dst) -> path, access latency, duration: the mover's per-page constants
+        self._moves = {}  # (src, dst) -> path, duration, kind: the mover's per-page constants
         for (src, dst), path in self.move_path.items():
             latency = self.access_ms[src] + self.access_ms[dst]
-            self._moves[src, dst] = (path, latency, transfer_ms(path, self.page_nbytes, latency))
+            self._moves[src, dst] = (path, transfer_ms(path, self.page_nbytes, latency), "demote" if dst > src else "promote")
+        self._stores = {t: (path, transfer_ms(path, self.page_nbytes, self.access_ms[t])) for t, path in self.store_path.items()}
         self.write: Callable[[int, int, Tier, int, int], int] = self._write_local
 
     def mover(self, handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:
         """The manager's data plane here: the move occupies the links between the two tiers."""
-        path, latency, duration = self._moves[src, dst]
-        transfer(path, self.clock, self.page_nbytes, "demote" if dst > src else "promote", latency)
+        path, duration, kind = self._moves[src, dst]
+        book(path, self.clock, duration, self.page_nbytes, kind)
         self.background_ms += duration
 
     def _write_local(self, depth: int, key: int, tier: Tier, slot: int, parent: int) -> int:
         """A page computed by this node's engine goes into ``tier`` here (checksum 0: no bytes)."""
-        transfer(self.store_path[tier], self.clock, self.page_nbytes, "store", self.access_ms[tier])
+        path, duration = self._stores[tier]
+        book(path, self.clock, duration, self.page_nbytes, "store")
         return 0
 
     def view(self, now_ms: float) -> NodeView:

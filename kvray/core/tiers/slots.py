@@ -28,7 +28,7 @@ class SlotAllocator:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self._free = list(range(capacity))
-        self._used = np.zeros(capacity, dtype=bool)
+        self._used = bytearray(capacity)  # 1 per used slot: scalar reads and writes, once per page event
 
     @property
     def used(self) -> int:
@@ -50,21 +50,23 @@ class SlotAllocator:
         if not self._free:
             return None
         slot = heapq.heappop(self._free)
-        self._used[slot] = True
+        self._used[slot] = 1
         return slot
 
     @classmethod
     def with_used(cls, capacity: int, used: list[int]) -> SlotAllocator:
         """An allocator whose ``used`` slots are taken (pages a disk pool found on restart)."""
         slots = cls(capacity)
-        slots._used[used] = True
-        slots._free = np.flatnonzero(~slots._used).tolist()
+        used_mask = np.zeros(capacity, dtype=bool)
+        used_mask[used] = True
+        slots._used = bytearray(used_mask.tobytes())
+        slots._free = np.flatnonzero(~used_mask).tolist()
         return slots
 
     def free(self, slot: int) -> None:
         if not self._used[slot]:
             raise ValueError(f"slot {slot} is not in use")
-        self._used[slot] = False
+        self._used[slot] = 0
         heapq.heappush(self._free, slot)
 
     def fragmentation(self) -> float:
@@ -72,7 +74,7 @@ class SlotAllocator:
         free = len(self._free)
         if free == 0:
             return 0.0
-        padded = np.concatenate(([True], self._used, [True]))
+        padded = np.concatenate(([True], np.frombuffer(self._used, dtype=bool), [True]))
         edges = np.flatnonzero(np.diff(padded.astype(np.int8)))
         longest = int((edges[1::2] - edges[::2]).max())
         return 1.0 - longest / free

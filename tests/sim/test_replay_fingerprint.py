@@ -1,0 +1,78 @@
+"""Optimising the simulator's core (the manager, index, slots, policies' hooks, links)
+must not change a single replayed figure: small replays of every heuristic policy, Belady,
+a 4-node cluster under the cost router and the oracle, compared to the bit with the results
+committed in ``tests/sim/data/replay_fingerprint.json`` (whole ReplayResults: mean and p99
+TTFT, hit tokens by tier, bytes moved, per-link bytes and utilisation).
+
+The committed results were recorded before the core's speed work (docs/design.md,
+"Replay speed"). A change that is *meant* to change replays (a new cost model, a policy's
+new rule) rewrites the file on purpose, and says so in its commit::
+
+    PYTHONPATH=$PWD python -m tests.sim.test_replay_fingerprint --write
+
+The learned ``reuse`` policy is left out: its model file is retrained on its own schedule,
+and a new model changes its replays without any change of the core.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from kvray.report import ReplayResult
+from kvray.scenario import DEFAULT_SCENARIO, load_scenario
+from kvray.sim.simulator import simulate
+from kvray.sim.workloads import FAMILIES, generate
+from kvray.traces import read_trace
+
+FINGERPRINT = Path(__file__).parent / "data" / "replay_fingerprint.json"
+POLICIES = ("lru", "arc", "lfu", "s3fifo", "sieve", "wfq", "belady")
+REQUESTS = 400
+
+
+@cache
+def replays() -> dict[str, Callable[[], ReplayResult]]:
+    """Each fingerprinted replay by name, not yet run."""
+    trace = read_trace("conversation_trace_first30min.jsonl", limit=REQUESTS)
+    agent = generate(FAMILIES["agent"], seed=3)[:REQUESTS]
+    one, four = load_scenario(DEFAULT_SCENARIO), load_scenario("h100-4node-skewed")
+    cells: dict[str, Callable[[], ReplayResult]] = {}
+    for policy in POLICIES:
+        for name, workload in (("trace", trace), ("agent", agent)):
+            for fraction in (0.02, 0.05):
+                cells[f"{policy}/{name}/{fraction}"] = lambda w=workload, p=policy, f=fraction: simulate(
+                    w, p, one, capacity_fraction=f
+                )
+    cells["4node/cost-router/lru"] = lambda: simulate(agent, "lru", four, capacity_fraction=0.05, cluster_policy="cost-router")
+    cells["4node/cost-router/arc"] = lambda: simulate(trace, "arc", four, capacity_fraction=0.02, cluster_policy="cost-router")
+    cells["4node/oracle"] = lambda: simulate(agent[: REQUESTS // 2], "lru", four, capacity_fraction=0.05, cluster_policy="oracle")
+    return cells
+
+
+def fingerprint(result: ReplayResult) -> dict:
+    return json.loads(result.as_json())  # json keeps every float's exact value (repr)
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict[str, dict]:
+    return json.loads(FINGERPRINT.read_text())
+
+
+def test_fingerprint_covers_every_replay(recorded):
+    assert set(recorded) == set(replays())
+
+
+@pytest.mark.parametrize("name", list(replays()))
+def test_replay_is_bit_identical_to_the_recorded_one(name, recorded):
+    assert fingerprint(replays()[name]()) == recorded[name]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    FINGERPRINT.write_text(
+        json.dumps({name: fingerprint(run()) for name, run in replays().items()}, indent=1, sort_keys=True) + "\n"
+    )
