@@ -185,11 +185,12 @@ def train_router(
         ]
     )
     env.seed(seed)
+    rollout = n_steps * len(cells)
     model = PPO(
         identity_head_policy(_RouterExtractor),
         env,
         n_steps=n_steps,
-        batch_size=min(256, n_steps * len(cells)),
+        batch_size=rollout // max(1, round(rollout / 256)),  # minibatches of about 256, none truncated when it divides
         n_epochs=n_epochs,
         gamma=gamma,
         gae_lambda=0.9,
