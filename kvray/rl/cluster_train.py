@@ -41,7 +41,6 @@ from kvray.scenario import Scenario
 from kvray.sim.workloads import FAMILIES
 from kvray.traces import TraceRequest
 
-
 HEAD_PRIOR = 1.5  # the initial logit of choice 0 over the others in every head: the cost router, explored around
 
 

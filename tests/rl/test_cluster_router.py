@@ -24,6 +24,7 @@ from kvray.policy.residual import (
     ResidualRouter,
     RLRouter,
     observation_size,
+    observation_spec,
 )
 from kvray.rl.cluster_env import ClusterEnv
 from kvray.scenario import load_scenario
@@ -157,6 +158,19 @@ def test_tiny_training_is_deterministic_and_the_numpy_router_runs_its_actor(tiny
         choices.append(int(np.argmax(expected[at : at + size])))
         at += size
     assert policy.decide(obs) == choices
+
+
+def test_the_untrained_network_is_the_cost_router(tmp_path):
+    """RouterActor's initial weights (zero last layer, each head's bias on choice 0), run by the
+    numpy router, replay exactly as the cost router: training starts at the heuristic."""
+    from kvray.rl.cluster_train import RouterActor, export_actor, write_card
+
+    export_actor(RouterActor(), tmp_path)
+    write_card(tmp_path, {"observation": observation_spec()})
+    untrained = ClusterSimulator(SCENARIO, "lru", make_cluster_policy(f"rl-router:{tmp_path}"), CAPACITY).replay(TRACE)
+    router = ClusterSimulator(SCENARIO, "lru", CostRouter(), CAPACITY).replay(TRACE)
+    assert untrained.mean_ttft_ms == router.mean_ttft_ms and untrained.p99_ttft_ms == router.p99_ttft_ms
+    assert untrained.extra["link_bytes"] == router.extra["link_bytes"]
 
 
 def test_shipped_router_loads_and_replays():
