@@ -152,6 +152,7 @@ def train_router(
     learning_rate: float = 1e-3,
     n_epochs: int = 10,
     warmup_requests: int = 256,
+    engine_weight: float = 1.0,
 ) -> dict:
     """Train the router's residual with PPO, export it and its card into ``out``; returns the card.
 
@@ -178,6 +179,7 @@ def train_router(
                     capacities=c,
                     episode_requests=episode_requests,
                     warmup_requests=warmup_requests,
+                    engine_weight=engine_weight,
                 )
             )
             for s, t, c in cells
@@ -213,7 +215,8 @@ def train_router(
         "algorithm": "PPO (stable-baselines3) residual on the cost router: an MLP over the request and the cost "
         "router's cheapest nodes picks, per discrete head, the serving candidate, the share of the hit to load, "
         "prefetch yes/no and replicate yes/no; choice 0 everywhere is the cost router exactly. Reward: minus each "
-        "request's realised modeled TTFT (queueing included) over the trace's mean full-prefill time, discounted",
+        "request's realised modeled TTFT (queueing included) plus engine_weight x the time it held its prefill engine "
+        "(the delay it imposes on the requests queued behind it), over the trace's mean full-prefill time, discounted",
         "observation": observation_spec(),
         "training": {
             "scenarios": sorted({s.name for s in scenarios}),
@@ -227,6 +230,7 @@ def train_router(
             "n_epochs": n_epochs,
             "learning_rate": learning_rate,
             "gamma": gamma,
+            "engine_weight": engine_weight,
             "timesteps": int(model.num_timesteps),
             "seed": seed,
             "curve": curve,

@@ -50,7 +50,8 @@ def episode(env: ClusterEnv, action) -> tuple[list[np.ndarray], list[float]]:
     while True:
         obs, reward, terminated, _, info = env.step(action)
         ttft.append(info["ttft_ms"])
-        assert reward == -min(info["ttft_ms"] / env.reward_unit_ms, env.max_cost)
+        assert info["engine_ms"] > 0.0
+        assert reward == -min((info["ttft_ms"] + info["engine_ms"]) / env.reward_unit_ms, env.max_cost)
         if terminated:
             return seen, ttft
         seen.append(obs)
