@@ -149,10 +149,10 @@ def train_router(
     gamma: float = 0.9,
     policy: str = "lru",
     progress: bool = True,
-    learning_rate: float = 1e-3,
+    learning_rate: float = 2e-3,
     n_epochs: int = 10,
     warmup_requests: int = 256,
-    engine_weight: float = 1.0,
+    engine_weight: float = 4.0,
 ) -> dict:
     """Train the router's residual with PPO, export it and its card into ``out``; returns the card.
 
