@@ -19,7 +19,7 @@
   batch of decisions; and one whole ``victim`` call, rows built from the index) against
   one ``victim`` call of LRU in the same cache state.
 - ``rl_router_decision``: microseconds per request of the trained cluster router
-  (``rl-router``: route, load_pages and prefetch) against the cost router's, on the same
+  (``rl-router``: route, load_pages, prefetch and replicate) against the cost router's, on the same
   views of a warm 8-node heterogeneous cluster. The goal is 20 us.
 """
 
@@ -184,6 +184,7 @@ def rl_router_decision(quick: bool) -> list[BenchResult]:
             router.route(request, cluster)
             router.load_pages(request, cluster)
             router.prefetch(request, cluster)
+            router.replicate(request, cluster)
 
     ours, base = paired_medians(
         lambda: decide(routers["rl-router"]), lambda: decide(routers["cost-router"]), repeats=3 if quick else 9

@@ -1,20 +1,23 @@
 """The learned cluster policy: a residual on the cost router, trained by PPO in the cluster simulator.
 
-:class:`ResidualRouter` is :class:`~kvray.policy.cluster.CostRouter` with three deviations
-a ``decide`` function chooses per request, from an observation of what the runtime can
-also observe (:data:`ROW_FEATURES`, one row per node, and :data:`REQUEST_FEATURES`):
+:class:`ResidualRouter` is :class:`~kvray.policy.cluster.CostRouter` with four discrete
+deviations a ``decide`` function picks per request (:data:`ACTION_HEADS`), from an
+observation of what the runtime can also observe (:data:`REQUEST_FEATURES`, then
+:data:`CANDIDATE_FEATURES` for each of the cost router's :data:`CANDIDATES` cheapest nodes,
+the cheapest first):
 
-- ``route``: a residual per node added to the cost router's cost (in units of the
-  request's full recompute time), the node with the least sum serving;
-- ``load_pages``: the share of the cached prefix to load, ``1 + load`` clipped to [0, 1]
-  (the rest of the prefix is recomputed);
-- ``prefetch``: on when its output is above 0.
+- ``node``: which candidate serves (0: the cost router's pick);
+- ``load``: the share of the cached prefix to load (:data:`LOAD_SHARES`; 0: all of it, the
+  rest of the prefix is recomputed);
+- ``prefetch``: load the prefix while the request waits in the queue (1) or not (0);
+- ``replicate``: copy the hit chain's pages the serving node lacks to it (1) or not (0).
 
-The zero decision reproduces the cost router exactly (same choice, same tie-breaks; every
-hit page loaded; no prefetch), so training starts where the best heuristic is and learns
-only deviations that pay. ``decide`` is the trained network here (:class:`RLRouter`, numpy,
-weights in ``policies/cluster-default``) and the learner in the training environment
-(:mod:`kvray.rl.cluster_env`), which shows the same observation.
+Choice 0 in every head reproduces the cost router exactly (same choice, same tie-breaks;
+every hit page loaded; no prefetch; no replica), so training starts where the best
+heuristic is and learns only deviations that pay. Discrete heads, rather than thresholds
+on Gaussian outputs, let PPO see what one yes/no is worth. ``decide`` is the trained network
+here (:class:`RLRouter`, numpy, weights in ``policies/cluster-default``) and the learner in
+the training environment (:mod:`kvray.rl.cluster_env`), which shows the same observation.
 
 Example::
     from kvray.policy.cluster import make_cluster_policy
@@ -28,23 +31,28 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from kvray.core.errors import ConfigError, PolicyError
 from kvray.policy.cluster import ClusterView, CostRouter, RequestView
-from kvray.policy.rl import MLPScorer
 from kvray.resources import shipped_or_given
 
-ROW_FEATURES = (
-    "present",  # 1 for a node (0: padding in the training environment)
+REQUEST_FEATURES = (
+    "log_pages",  # log(1 + request pages) / log(1 + 4096)
+    "hit_share",  # cached prefix pages / request pages
+    "heat",  # log(1 + requests seen with this root page) / log(1 + 1000)
+    "page_prefill_ms",  # recomputing one page on these engines, ms / 100
+    "nodes",  # nodes in the cluster / 8
+    "mean_backlog",  # mean engine backlog over the nodes / the request's full recompute time
+)
+CANDIDATE_FEATURES = (
+    "present",  # 1 for a candidate (0: the cluster has fewer nodes)
     "front",  # the front end's node for this request
-    "cost_router_pick",  # the node the cost router would choose
     "backlog",  # engine backlog / the request's full recompute time
-    "cost",  # the cost router's cost / the request's full recompute time
-    "cost_above_best",  # that cost minus the least one, same unit
+    "cost_above_best",  # the cost router's cost minus the least one, same unit
     "local_hit_share",  # cached prefix pages on this node / request pages
     "local_device_share",  # of those, in the device tier
     "local_host_share",  # in host memory
@@ -59,34 +67,41 @@ ROW_FEATURES = (
     "disk_read_util",
     "disk_write_util",
 )
-REQUEST_FEATURES = (
-    "log_pages",  # log(1 + request pages) / log(1 + 4096)
-    "hit_share",  # cached prefix pages / request pages
-    "heat",  # log(1 + requests seen with this root page) / log(1 + 1000)
-    "page_prefill_ms",  # recomputing one page on these engines, ms / 100
-)
-ACTION_VERBS = ("load", "prefetch")  # after one residual per node
+CANDIDATES = 2  # the cost router's best nodes the router chooses between (the cheapest first)
+LOAD_SHARES = (1.0, 0.75, 0.5, 0.0)  # of the cached prefix, loaded (the rest recomputed)
+ACTION_HEADS = (("node", CANDIDATES), ("load", len(LOAD_SHARES)), ("prefetch", 2), ("replicate", 2))
 CLIP = 10.0
+LOG_PAGES, LOG_HEAT = math.log1p(4096), math.log1p(1000)
 DEFAULT_ROUTER = "cluster-default"  # policies/cluster-default (kvray.resources)
 WEIGHTS_FILE = "policy.safetensors"
 CARD_FILE = "card.json"
 
-Decision = tuple[np.ndarray, float, float]  # (residual per node, load, prefetch)
-Decide = Callable[[np.ndarray, np.ndarray], Decision]
+Decision = Sequence[int]  # one choice per head of ACTION_HEADS; all 0: the cost router
+Decide = Callable[[np.ndarray], Decision]
+
+
+def observation_size() -> int:
+    return len(REQUEST_FEATURES) + CANDIDATES * len(CANDIDATE_FEATURES)
 
 
 def observation_spec() -> dict:
     """What a router's weights must have been trained on to be usable here."""
-    return {"row_features": list(ROW_FEATURES), "request_features": list(REQUEST_FEATURES), "verbs": list(ACTION_VERBS)}
+    return {
+        "request_features": list(REQUEST_FEATURES),
+        "candidate_features": list(CANDIDATE_FEATURES),
+        "candidates": CANDIDATES,
+        "load_shares": list(LOAD_SHARES),
+        "heads": [list(h) for h in ACTION_HEADS],
+    }
 
 
-def zero_decision(rows: np.ndarray, request: np.ndarray) -> Decision:
-    """No deviation: the cost router's route, every hit page loaded, no prefetch."""
-    return np.zeros(len(rows), np.float32), 0.0, 0.0
+def zero_decision(obs: np.ndarray) -> Decision:
+    """No deviation: the cost router's route, every hit page loaded, no prefetch, no replica."""
+    return (0, 0, 0, 0)
 
 
 class ResidualRouter(CostRouter):
-    """The cost router plus the deviations ``decide`` returns for each request's observation."""
+    """The cost router plus the deviations ``decide`` picks for each request's observation."""
 
     name = "residual-router"
 
@@ -94,125 +109,144 @@ class ResidualRouter(CostRouter):
         super().__init__(remote_weight, local_limit)
         self.decide = decide
         self._heat: dict[int, int] = {}
-        self._verbs: tuple[tuple[int, ...], float, bool] = ((), 1.0, False)
+        self._verbs: tuple[tuple[int, ...], float, bool, bool] = ((), 1.0, False, False)
         self._state_of: ClusterView | None = None
-        self._state = np.zeros((0, 8), np.float32)
+        self._state: list[tuple[float, ...]] = []
 
-    def observe(self, request: RequestView, cluster: ClusterView) -> tuple[np.ndarray, np.ndarray, list[float]]:
-        """The rows (one per node), the request's features and the cost router's cost per node.
-        Counts the request towards its root page's heat (call once per request)."""
+    def observe(self, request: RequestView, cluster: ClusterView) -> tuple[np.ndarray, list[str]]:
+        """The observation (:func:`observation_size` floats) and the candidates' names, the
+        cost router's pick first. Counts the request towards its root page's heat (call once
+        per request). One pass in Python floats and one array: the decision's budget is 20 us."""
         keys, hits = request.keys, request.hit_nodes
         n_pages, n_hits = max(len(keys), 1), len(hits)
         page_ms = cluster.page_prefill_ms or 1.0
         missing = len(keys) - n_hits
-        local = Counter(hits)
-        by_tier = Counter(zip(hits, request.hit_tiers))
-        costs, best, best_cost = [], 0, float("inf")
-        for i, node in enumerate(cluster.nodes):  # CostRouter.route's sum, to the bit
-            cost = node.backlog_ms + page_ms * (missing + self.remote_weight * (n_hits - local[node.name]))
-            costs.append(cost)
-            if cost < best_cost or (cost == best_cost and node.name == request.requester):
-                best, best_cost = i, cost
+        local = Counter(hits) if hits else {}
+        requester, remote_weight = request.requester, self.remote_weight
+        nodes = cluster.nodes
+        ranked = []
+        for i, node in enumerate(nodes):  # CostRouter.route's sum, to the bit
+            name = node.name
+            cost = node.backlog_ms + page_ms * (missing + remote_weight * (n_hits - local.get(name, 0)))
+            ranked.append((cost, name != requester, i))
+        ranked.sort()  # least cost, then the requester, then the scenario's order: CostRouter's tie-breaks
         unit = page_ms * n_pages
-        requester = request.requester
-        flat: list[float] = []
-        for i, (node, cost) in enumerate(zip(cluster.nodes, costs)):
-            name, here = node.name, local[node.name]
-            flat += (
-                1.0,
-                name == requester,
-                i == best,
-                node.backlog_ms / unit,
-                cost / unit,
-                (cost - best_cost) / unit,
-                here / n_pages,
-                by_tier[name, "device"] / n_pages,
-                by_tier[name, "host"] / n_pages,
-                by_tier[name, "disk"] / n_pages,
-                (n_hits - here) / n_pages,
-            )
-        rows = np.array(flat, np.float32).reshape(len(costs), -1)
-        rows = np.concatenate([rows, self._node_state(cluster)], axis=1)
-        np.clip(rows, -CLIP, CLIP, out=rows)
         heat = 0
         if keys:
             heat = self._heat[keys[0]] = self._heat.get(keys[0], 0) + 1
-        features = np.array(
-            [
-                math.log1p(len(keys)) / math.log1p(4096),
-                n_hits / n_pages,
-                math.log1p(heat) / math.log1p(1000),
-                min(page_ms / 100.0, CLIP),
-            ],
-            np.float32,
-        )  # each in [0, 1] but the last, bounded
-        return rows, features, costs
+        state = self._node_state(cluster)
+        flat = [
+            math.log1p(len(keys)) / LOG_PAGES,
+            n_hits / n_pages,
+            math.log1p(heat) / LOG_HEAT,
+            min(page_ms / 100.0, CLIP),
+            len(nodes) / 8.0,
+            min(sum(n.backlog_ms for n in nodes) / (len(nodes) * unit), CLIP),
+        ]
+        by_tier = Counter(zip(hits, request.hit_tiers)) if hits else {}
+        best_cost = ranked[0][0]
+        names = []
+        for cost, _, i in ranked[:CANDIDATES]:
+            node = nodes[i]
+            name = node.name
+            here = local.get(name, 0)
+            names.append(name)
+            flat += (
+                1.0,
+                1.0 if name == requester else 0.0,
+                min(node.backlog_ms / unit, CLIP),
+                min((cost - best_cost) / unit, CLIP),
+                here / n_pages,
+                by_tier.get((name, "device"), 0) / n_pages,
+                by_tier.get((name, "host"), 0) / n_pages,
+                by_tier.get((name, "disk"), 0) / n_pages,
+                (n_hits - here) / n_pages,
+            )
+            flat += state[i]
+        flat += [0.0] * (len(CANDIDATE_FEATURES) * (CANDIDATES - len(names)))
+        return np.array(flat, np.float32), names
 
-    def _node_state(self, cluster: ClusterView) -> np.ndarray:
+    def _node_state(self, cluster: ClusterView) -> list[tuple[float, ...]]:
         """The request-independent columns (free shares, link utilisations), per cluster view:
         a view is refreshed every ``view_refresh_ms``, not every request."""
         if cluster is not self._state_of:
             self._state_of = cluster
-            self._state = np.array(
-                [
-                    (
-                        n.free_share.get("device", 0.0),
-                        n.free_share.get("host", 0.0),
-                        n.free_share.get("disk", 0.0),
-                        n.nic_in_util,
-                        n.nic_out_util,
-                        n.pcie_util,
-                        n.disk_read_util,
-                        n.disk_write_util,
-                    )
-                    for n in cluster.nodes
-                ],
-                np.float32,
-            )
+            self._state = [
+                (
+                    n.free_share.get("device", 0.0),
+                    n.free_share.get("host", 0.0),
+                    n.free_share.get("disk", 0.0),
+                    n.nic_in_util,
+                    n.nic_out_util,
+                    n.pcie_util,
+                    n.disk_read_util,
+                    n.disk_write_util,
+                )
+                for n in cluster.nodes
+            ]
         return self._state
 
     def route(self, request: RequestView, cluster: ClusterView) -> str:
-        rows, features, costs = self.observe(request, cluster)
-        residual, load, prefetch = self.decide(rows, features)
-        unit = (cluster.page_prefill_ms or 1.0) * max(len(request.keys), 1)
-        best, best_cost = None, float("inf")
-        for node, cost, extra in zip(cluster.nodes, costs, np.asarray(residual, np.float64).tolist()):
-            cost = cost + extra * unit
-            if cost < best_cost or (cost == best_cost and node.name == request.requester):
-                best, best_cost = node.name, cost
-        self._verbs = (request.keys, min(max(1.0 + float(load), 0.0), 1.0), float(prefetch) > 0.0)
-        return best
+        obs, names = self.observe(request, cluster)
+        node, load, prefetch, replicate = self.decide(obs)
+        self._verbs = (request.keys, LOAD_SHARES[load], prefetch == 1, replicate == 1)
+        return names[node] if node < len(names) else names[0]
 
     def load_pages(self, request: RequestView, cluster: ClusterView) -> int:
-        keys, share, _ = self._verbs
+        keys, share, _, _ = self._verbs
         hits = len(request.hit_nodes)
         if keys != request.keys or share >= 1.0:
             return hits
         return int(math.floor(share * hits + 0.5))
 
     def prefetch(self, request: RequestView, cluster: ClusterView) -> bool:
-        keys, _, prefetch = self._verbs
+        keys, _, prefetch, _ = self._verbs
         return prefetch and keys == request.keys
+
+    def replicate(self, request: RequestView, cluster: ClusterView) -> list[str]:
+        """The serving node (``request.requester`` once routed) receives a copy of the hit
+        chain's pages it lacks, when the decision said so."""
+        keys, _, _, replicate = self._verbs
+        if not replicate or keys != request.keys or request.requester is None:
+            return []
+        return [request.requester] if any(h != request.requester for h in request.hit_nodes) else []
 
 
 class RouterNetwork:
-    """The trained decision, numpy only: a scorer shared by every node's row (its residual),
-    and a head over the request's features and the cost router's pick's row (load, prefetch).
+    """The trained decision, numpy only: a ReLU MLP from the observation to every head's
+    logits (:data:`ACTION_HEADS`, concatenated); each head takes its most likely choice.
 
     Example::
 
-        net = RouterNetwork.load("cluster-default")
-        residual, load, prefetch = net(rows, features)
+        net, card = RouterNetwork.load("cluster-default")
+        node, load, prefetch, replicate = net(obs)
     """
 
-    def __init__(self, route: MLPScorer, verbs: MLPScorer) -> None:
-        self.route = route
-        self.verbs = verbs
+    def __init__(self, weights: list[np.ndarray], biases: list[np.ndarray]) -> None:
+        self.layers = [(w.T.astype(np.float32).copy(), b.astype(np.float32)) for w, b in zip(weights, biases)]
+        self._last = len(self.layers) - 1
+        bounds, at = [], 0
+        for _, size in ACTION_HEADS:
+            bounds.append((at, at + size))
+            at += size
+        self._heads = bounds
 
-    def __call__(self, rows: np.ndarray, features: np.ndarray) -> Decision:
-        pick = rows[int(rows[:, 2].argmax())]
-        head = self.verbs.forward(np.concatenate([features, pick])[None, :])[0]
-        return self.route.forward(rows)[:, 0], float(head[0]), float(head[1])
+    def logits(self, obs: np.ndarray) -> list[float]:
+        x = obs
+        for i, (w, b) in enumerate(self.layers):
+            x = x @ w
+            x += b
+            if i < self._last:
+                np.maximum(x, 0.0, out=x)
+        return x.tolist()
+
+    def __call__(self, obs: np.ndarray) -> Decision:
+        logits = self.logits(obs)
+        choices = []
+        for lo, hi in self._heads:  # argmax, the first on ties (as torch's)
+            head = logits[lo:hi]
+            choices.append(head.index(max(head)))
+        return choices
 
     @classmethod
     def load(cls, path: str | Path) -> tuple[RouterNetwork, dict]:
@@ -237,21 +271,16 @@ class RouterNetwork:
             tensors = load_file(str(weights_path))
         except (SafetensorError, OSError) as exc:
             raise PolicyError(f"{weights_path}: unreadable weights ({exc})") from None
-
-        def mlp(prefix: str, inputs: int, outputs: int) -> MLPScorer:
-            n = sum(1 for k in tensors if k.startswith(f"{prefix}.") and k.endswith(".weight"))
-            try:
-                weights = [tensors[f"{prefix}.layer{i}.weight"] for i in range(n)]
-                biases = [tensors[f"{prefix}.layer{i}.bias"] for i in range(n)]
-            except KeyError as exc:
-                raise PolicyError(f"{weights_path}: missing tensor {exc}") from None
-            if not weights or weights[0].shape[1] != inputs or weights[-1].shape[0] != outputs:
-                raise PolicyError(f"{weights_path}: {prefix} does not take {inputs} features to {outputs} outputs")
-            return MLPScorer(weights, biases)
-
-        route = mlp("route", len(ROW_FEATURES), 1)
-        verbs = mlp("verbs", len(REQUEST_FEATURES) + len(ROW_FEATURES), len(ACTION_VERBS))
-        return cls(route, verbs), card
+        n = sum(1 for k in tensors if k.startswith("layer") and k.endswith(".weight"))
+        try:
+            weights = [tensors[f"layer{i}.weight"] for i in range(n)]
+            biases = [tensors[f"layer{i}.bias"] for i in range(n)]
+        except KeyError as exc:
+            raise PolicyError(f"{weights_path}: missing tensor {exc}") from None
+        outputs = sum(size for _, size in ACTION_HEADS)
+        if not weights or weights[0].shape[1] != observation_size() or weights[-1].shape[0] != outputs:
+            raise PolicyError(f"{weights_path}: does not take {observation_size()} features to {outputs} logits")
+        return cls(weights, biases), card
 
 
 class RLRouter(ResidualRouter):

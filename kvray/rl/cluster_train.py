@@ -1,11 +1,12 @@
 """Training the cluster router: PPO (stable-baselines3) as a residual on the cost router.
 
-The actor is the network :class:`~kvray.policy.residual.RouterNetwork` runs in numpy: one
-MLP shared by every node's row (its residual on the cost router's cost) and a head over
-the request's features and the cost router's pick's row (the share of the hit to load,
-prefetch). Both last layers start at zero and SB3's orthogonal initialisation is off, so
-the policy's mean action starts as the cost router exactly; PPO's Gaussian noise explores
-around it. The critic is a plain MLP over the whole observation and is dropped.
+The actor is the network :class:`~kvray.policy.residual.RouterNetwork` runs in numpy: a
+ReLU MLP from the observation to the logits of every discrete head (which of the cost
+router's cheapest nodes serves, the share of the hit to load, prefetch yes/no, replicate
+yes/no). Its last layer starts with zero weights and a bias that favours choice 0 in each
+head (:data:`HEAD_PRIOR`), so the deployed policy (each head's most likely choice) starts
+as the cost router exactly while PPO's samples try the other choices a share of the time.
+The critic is a plain MLP over the observation and is dropped.
 
 Training data: the generated workload families (:data:`kvray.sim.workloads.FAMILIES`, seeds
 never evaluated on) on the training scenarios (``h100-2node-train`` by default) at several
@@ -33,52 +34,48 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvray.policy.residual import ACTION_VERBS, CARD_FILE, REQUEST_FEATURES, ROW_FEATURES, WEIGHTS_FILE, observation_spec
+from kvray.policy.residual import ACTION_HEADS, CARD_FILE, WEIGHTS_FILE, observation_size, observation_spec
 from kvray.progress import progress_bar
-from kvray.rl.cluster_env import MAX_NODES, observation_size
 from kvray.rl.train import _reward_curve, identity_head_policy
 from kvray.scenario import Scenario
 from kvray.sim.workloads import FAMILIES
 from kvray.traces import TraceRequest
 
-
-def _mlp(inputs: int, hidden: int, outputs: int) -> nn.ModuleList:
-    layers = nn.ModuleList([nn.Linear(inputs, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, outputs)])
-    nn.init.zeros_(layers[-1].weight)  # no deviation yet: the policy starts as the cost router
-    nn.init.zeros_(layers[-1].bias)
-    return layers
-
-
-def _run(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
-    for i, layer in enumerate(layers):
-        x = layer(x)
-        if i < len(layers) - 1:
-            x = torch.relu(x)
-    return x
+HEAD_PRIOR = 1.5  # the initial logit of choice 0 over the others in every head: the cost router, explored around
 
 
 class RouterActor(nn.Module):
-    """The actor: per-node residuals from the shared row MLP, then the verbs' head."""
+    """The actor: observation -> every head's logits (concatenated, :data:`ACTION_HEADS`' order)."""
 
-    def __init__(self, hidden: int = 32, max_nodes: int = MAX_NODES) -> None:
+    def __init__(self, hidden: int = 32) -> None:
         super().__init__()
-        self.max_nodes = max_nodes
-        self.route = _mlp(len(ROW_FEATURES), hidden, 1)
-        self.verbs = _mlp(len(REQUEST_FEATURES) + len(ROW_FEATURES), hidden, len(ACTION_VERBS))
+        outputs = sum(size for _, size in ACTION_HEADS)
+        self.layers = nn.ModuleList(
+            [nn.Linear(observation_size(), hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, outputs)]
+        )
+        last = self.layers[-1]
+        nn.init.zeros_(last.weight)  # no deviation yet: the most likely action is the cost router's
+        with torch.no_grad():
+            last.bias.zero_()
+            at = 0
+            for _, size in ACTION_HEADS:
+                last.bias[at] = HEAD_PRIOR
+                at += size
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        rows = obs[:, : self.max_nodes * len(ROW_FEATURES)].view(-1, self.max_nodes, len(ROW_FEATURES))
-        features = obs[:, self.max_nodes * len(ROW_FEATURES) :]
-        pick = (rows * (rows[:, :, 2:3] > 0.5)).sum(dim=1)  # the cost router's pick's row
-        residual = _run(self.route, rows).squeeze(-1)
-        return torch.cat([residual, _run(self.verbs, torch.cat([features, pick], dim=1))], dim=1)
+        x = obs
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
 
 
 class _RouterExtractor(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.actor = RouterActor()
-        self.latent_dim_pi = MAX_NODES + len(ACTION_VERBS)
+        self.latent_dim_pi = sum(size for _, size in ACTION_HEADS)
         self.latent_dim_vf = 64
         self.value = nn.Sequential(nn.Linear(observation_size(), 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
 
@@ -96,9 +93,8 @@ def export_actor(actor: RouterActor, folder: Path) -> None:
     from safetensors.torch import save_file
 
     tensors = {
-        f"{head}.layer{i}.{name}": p.detach().cpu().contiguous()
-        for head in ("route", "verbs")
-        for i, layer in enumerate(getattr(actor, head))
+        f"layer{i}.{name}": p.detach().cpu().contiguous()
+        for i, layer in enumerate(actor.layers)
         for name, p in layer.named_parameters()
     }
     save_file(tensors, str(folder / WEIGHTS_FILE))
@@ -149,18 +145,21 @@ def train_router(
     capacity_fraction: float = 0.05,
     requests: int = 1200,
     episode_requests: int = 256,
-    n_steps: int = 128,
+    n_steps: int = 64,
     gamma: float = 0.9,
     policy: str = "lru",
     progress: bool = True,
-    learning_rate: float = 3e-4,
-    n_epochs: int = 4,
+    learning_rate: float = 2e-3,
+    n_epochs: int = 10,
+    warmup_requests: int = 256,
+    engine_weight: float = 4.0,
 ) -> dict:
     """Train the router's residual with PPO, export it and its card into ``out``; returns the card.
 
     The steps, in this order (the order fixes what the seed reproduces): the training
     traces and their loads, PPO and its environments (one per cell, in a DummyVecEnv), PPO's
-    steps, the actor and its card written out."""
+    steps, the actor and its card written out. The card on disk holds only what the seed
+    fixes (the folder is reproducible byte for byte); the returned one adds ``wall_s``."""
     import gymnasium as gym
     from stable_baselines3 import PPO
     from stable_baselines3.common.vec_env import DummyVecEnv
@@ -173,18 +172,26 @@ def train_router(
         [
             (
                 lambda s=s, t=t, c=c: gym.make(
-                    "kvray/Cluster-v0", trace=t, scenario=s, policy=policy, capacities=c, episode_requests=episode_requests
+                    "kvray/Cluster-v0",
+                    trace=t,
+                    scenario=s,
+                    policy=policy,
+                    capacities=c,
+                    episode_requests=episode_requests,
+                    warmup_requests=warmup_requests,
+                    engine_weight=engine_weight,
                 )
             )
             for s, t, c in cells
         ]
     )
     env.seed(seed)
+    rollout = n_steps * len(cells)
     model = PPO(
         identity_head_policy(_RouterExtractor),
         env,
         n_steps=n_steps,
-        batch_size=min(256, n_steps * len(cells)),
+        batch_size=rollout // max(1, round(rollout / 256)),  # minibatches of about 256, none truncated when it divides
         n_epochs=n_epochs,
         gamma=gamma,
         gae_lambda=0.9,
@@ -193,7 +200,7 @@ def train_router(
         seed=seed,
         device="cpu",
         verbose=0,
-        policy_kwargs={"ortho_init": False, "log_std_init": -1.5},
+        policy_kwargs={"ortho_init": False},
     )
     started = time.time()
     curve: list[dict] = []
@@ -205,10 +212,11 @@ def train_router(
     export_actor(actor, out)
     card = {
         "name": out.name,
-        "algorithm": "PPO (stable-baselines3) residual on the cost router: a row MLP shared by every node adds a "
-        "residual to the router's per-node cost; a head over the request and the router's pick sets the share of "
-        "the hit to load and prefetch; zero output is the cost router exactly. Reward: minus each request's "
-        "realised modeled TTFT (queueing included) over the trace's mean full-prefill time, discounted",
+        "algorithm": "PPO (stable-baselines3) residual on the cost router: an MLP over the request and the cost "
+        "router's cheapest nodes picks, per discrete head, the serving candidate, the share of the hit to load, "
+        "prefetch yes/no and replicate yes/no; choice 0 everywhere is the cost router exactly. Reward: minus each "
+        "request's realised modeled TTFT (queueing included) plus engine_weight x the time it held its prefill engine "
+        "(the delay it imposes on the requests queued behind it), over the trace's mean full-prefill time, discounted",
         "observation": observation_spec(),
         "training": {
             "scenarios": sorted({s.name for s in scenarios}),
@@ -216,19 +224,20 @@ def train_router(
             "per_node_policy": policy,
             "capacity_fraction": capacity_fraction,
             "episode_requests": episode_requests,
+            "warmup_requests": warmup_requests,
             "environments": len(cells),
             "n_steps": n_steps,
             "n_epochs": n_epochs,
             "learning_rate": learning_rate,
             "gamma": gamma,
+            "engine_weight": engine_weight,
             "timesteps": int(model.num_timesteps),
             "seed": seed,
-            "wall_s": round(time.time() - started, 1),
-            "log_std": [round(float(x), 4) for x in model.policy.log_std.detach()],
             "curve": curve,
         },
     }
     write_card(out, card)
+    card["training"]["wall_s"] = round(time.time() - started, 1)
     return card
 
 

@@ -1,7 +1,7 @@
 """The cluster environment and the PPO residual on the cost router: the env is registered and
-valid for gymnasium; the zero action (and the zero residual network) is the cost router to the
-bit; the action's verbs reach the simulator (route, load share, prefetch); tiny training is
-deterministic for a seed, exports the actor PPO trained, and the shipped weights load."""
+valid for gymnasium; the zero action (and the untrained network) is the cost router to the
+bit; every head's choices reach the simulator (route, load share, prefetch, replicate); tiny
+training is deterministic for a seed, exports the actor PPO trained, and the shipped weights load."""
 
 from pathlib import Path
 
@@ -14,8 +14,19 @@ from gymnasium.utils.env_checker import check_env
 import kvray.rl.cluster_env  # noqa: F401  (registers the id)
 from kvray.core.errors import PolicyError
 from kvray.policy.cluster import CostRouter, make_cluster_policy
-from kvray.policy.residual import CARD_FILE, REQUEST_FEATURES, ROW_FEATURES, WEIGHTS_FILE, ResidualRouter, RLRouter
-from kvray.rl.cluster_env import MAX_NODES, ClusterEnv, action_size, observation_size
+from kvray.policy.residual import (
+    ACTION_HEADS,
+    CANDIDATE_FEATURES,
+    CANDIDATES,
+    CARD_FILE,
+    REQUEST_FEATURES,
+    WEIGHTS_FILE,
+    ResidualRouter,
+    RLRouter,
+    observation_size,
+    observation_spec,
+)
+from kvray.rl.cluster_env import ClusterEnv
 from kvray.scenario import load_scenario
 from kvray.sim.cluster import ClusterSimulator
 from kvray.sim.node import node_capacities
@@ -29,8 +40,8 @@ CAPACITY = node_capacities(SCENARIO, TRACE, 0.05)
 def test_env_is_registered_and_passes_gymnasium_checks():
     env = gym.make("kvray/Cluster-v0", trace=TRACE, scenario=SCENARIO, capacities=CAPACITY, episode_requests=16)
     check_env(env.unwrapped)
-    assert env.observation_space.shape == (observation_size(),) == (MAX_NODES * len(ROW_FEATURES) + len(REQUEST_FEATURES),)
-    assert env.action_space.shape == (action_size(),) == (MAX_NODES + 2,)
+    assert env.observation_space.shape == (observation_size(),) == (len(REQUEST_FEATURES) + CANDIDATES * len(CANDIDATE_FEATURES),)
+    assert list(env.action_space.nvec) == [size for _, size in ACTION_HEADS] == [CANDIDATES, 4, 2, 2]
 
 
 def episode(env: ClusterEnv, action) -> tuple[list[np.ndarray], list[float]]:
@@ -39,7 +50,8 @@ def episode(env: ClusterEnv, action) -> tuple[list[np.ndarray], list[float]]:
     while True:
         obs, reward, terminated, _, info = env.step(action)
         ttft.append(info["ttft_ms"])
-        assert reward == -min(info["ttft_ms"] / env.reward_unit_ms, env.max_cost)
+        assert info["engine_ms"] > 0.0
+        assert reward == -min((info["ttft_ms"] + info["engine_ms"]) / env.reward_unit_ms, env.max_cost)
         if terminated:
             return seen, ttft
         seen.append(obs)
@@ -49,7 +61,7 @@ def test_zero_action_is_the_cost_router_to_the_bit():
     """An episode over the whole trace with the zero action realises the cost router's TTFTs
     exactly, and so does the residual router with no deviation, in a whole replay."""
     env = ClusterEnv(TRACE, SCENARIO, capacities=CAPACITY, episode_requests=len(TRACE))
-    _, ttft = episode(env, np.zeros(action_size(), np.float32))
+    _, ttft = episode(env, np.zeros(len(ACTION_HEADS), np.int64))
     sim = ClusterSimulator(SCENARIO, "lru", CostRouter(), CAPACITY)
     assert ttft == [sim.serve(r)[1] for r in TRACE]
     router = ClusterSimulator(SCENARIO, "lru", CostRouter(), CAPACITY).replay(TRACE)
@@ -58,40 +70,46 @@ def test_zero_action_is_the_cost_router_to_the_bit():
     assert residual.extra["link_bytes"] == router.extra["link_bytes"]
 
 
-def test_the_actions_verbs_reach_the_simulator():
-    """A large residual on node 0 sends every request elsewhere; load -1 recomputes every hit
-    (no hit tokens); prefetch on books prefetch loads on the links."""
-    zero = np.zeros(action_size(), np.float32)
-    away = zero.copy()
-    away[0] = 5.0
+def link_bytes(env: ClusterEnv, kind: str) -> int:
+    return sum(sum(link.bytes_by_kind.get(kind, 0) for link in n.links) for n in env.sim.nodes)
+
+
+def test_every_heads_choices_reach_the_simulator():
+    """The runner-up candidate serves other requests than the cost router's pick; load share
+    0 recomputes every hit (no loads); prefetch yes books prefetch loads; replicate yes
+    copies hit chains to the serving node."""
     env = ClusterEnv(TRACE, SCENARIO, capacities=CAPACITY, episode_requests=len(TRACE))
-    seen, _ = episode(env, away)
-    assert env.sim.nodes[0].queue.busy_ms == 0.0 and any(obs[2] == 1.0 for obs in seen)  # node 0 was the pick at times
-    recompute = zero.copy()
-    recompute[MAX_NODES] = -1.0
-    episode(env, recompute)
-    assert sum(sum(link.bytes_by_kind.get("load", 0) for link in n.links) for n in env.sim.nodes) == 0
-    prefetch = zero.copy()
-    prefetch[MAX_NODES + 1] = 1.0
-    episode(env, prefetch)
-    assert sum(sum(link.bytes_by_kind.get("prefetch", 0) for link in n.links) for n in env.sim.nodes) > 0
+    episode(env, [0, 0, 0, 0])
+    assert link_bytes(env, "load") > 0 and link_bytes(env, "prefetch") == link_bytes(env, "replicate") == 0
+    picked = [n.queue.busy_ms for n in env.sim.nodes]
+    episode(env, [1, 0, 0, 0])
+    assert [n.queue.busy_ms for n in env.sim.nodes] != picked
+    episode(env, [0, 3, 0, 0])
+    assert link_bytes(env, "load") == 0
+    episode(env, [0, 0, 1, 0])
+    assert link_bytes(env, "prefetch") > 0
+    episode(env, [0, 0, 0, 1])
+    assert link_bytes(env, "replicate") > 0
 
 
-def test_observation_counts_matched_pages_per_node_and_tier():
+def test_observation_shows_the_cost_routers_cheapest_nodes_first():
     router = ResidualRouter()
     sim = ClusterSimulator(SCENARIO, "lru", router, CAPACITY)
     for r in TRACE[:-1]:
         sim.serve(r)
     request, cluster = sim.views(TRACE[-1], node="node-1")
-    rows, features, costs = router.observe(request, cluster)
+    obs, names = router.observe(request, cluster)
+    assert len(names) == CANDIDATES and names[0] == CostRouter().route(request, cluster)
     pages = max(len(request.keys), 1)
-    for i, name in enumerate(cluster.names):
+    rows = obs[len(REQUEST_FEATURES) :].reshape(CANDIDATES, -1)
+    column = {name: i for i, name in enumerate(CANDIDATE_FEATURES)}
+    for row, name in zip(rows, names):
         local = sum(h == name for h in request.hit_nodes)
-        assert rows[i, ROW_FEATURES.index("local_hit_share")] == pytest.approx(local / pages)
-        assert rows[i, 7:10].sum() == pytest.approx(local / pages)  # device + host + disk shares
-    assert rows[:, ROW_FEATURES.index("cost_router_pick")].sum() == 1.0
-    assert cluster.names[int(np.argmax(rows[:, 2]))] == CostRouter().route(request, cluster)
-    assert features[REQUEST_FEATURES.index("hit_share")] == pytest.approx(len(request.hit_nodes) / pages)
+        assert row[column["local_hit_share"]] == pytest.approx(local / pages)
+        assert row[column["local_device_share"] : column["local_disk_share"] + 1].sum() == pytest.approx(local / pages)
+        assert row[column["front"]] == (name == request.requester)
+    assert rows[0, column["cost_above_best"]] == 0.0 <= rows[1, column["cost_above_best"]]
+    assert obs[REQUEST_FEATURES.index("hit_share")] == pytest.approx(len(request.hit_nodes) / pages)
 
 
 @pytest.fixture(scope="module")
@@ -130,18 +148,30 @@ def test_tiny_training_is_deterministic_and_the_numpy_router_runs_its_actor(tiny
 
     actor = RouterActor()
     tensors = load_file(str(first / WEIGHTS_FILE))
-    for head in ("route", "verbs"):
-        for i, layer in enumerate(getattr(actor, head)):
-            layer.weight.data, layer.bias.data = tensors[f"{head}.layer{i}.weight"], tensors[f"{head}.layer{i}.bias"]
+    for i, layer in enumerate(actor.layers):
+        layer.weight.data, layer.bias.data = tensors[f"layer{i}.weight"], tensors[f"layer{i}.bias"]
     env = ClusterEnv(TRACE, SCENARIO, capacities=CAPACITY, episode_requests=8)
     obs, _ = env.reset(seed=0)
-    rows = obs[: MAX_NODES * len(ROW_FEATURES)].reshape(MAX_NODES, -1)
-    nodes = int(rows[:, 0].sum())
-    residual, load, prefetch = policy.decide(rows[:nodes], obs[MAX_NODES * len(ROW_FEATURES) :])
     expected = actor(torch.from_numpy(obs[None, :]))[0].detach().numpy()
-    np.testing.assert_allclose(
-        np.concatenate([residual, [load, prefetch]]), np.r_[expected[:nodes], expected[MAX_NODES:]], atol=1e-5
-    )
+    np.testing.assert_allclose(policy.decide.logits(obs), expected, atol=1e-5)
+    at, choices = 0, []
+    for _, size in ACTION_HEADS:
+        choices.append(int(np.argmax(expected[at : at + size])))
+        at += size
+    assert policy.decide(obs) == choices
+
+
+def test_the_untrained_network_is_the_cost_router(tmp_path):
+    """RouterActor's initial weights (zero last layer, each head's bias on choice 0), run by the
+    numpy router, replay exactly as the cost router: training starts at the heuristic."""
+    from kvray.rl.cluster_train import RouterActor, export_actor, write_card
+
+    export_actor(RouterActor(), tmp_path)
+    write_card(tmp_path, {"observation": observation_spec()})
+    untrained = ClusterSimulator(SCENARIO, "lru", make_cluster_policy(f"rl-router:{tmp_path}"), CAPACITY).replay(TRACE)
+    router = ClusterSimulator(SCENARIO, "lru", CostRouter(), CAPACITY).replay(TRACE)
+    assert untrained.mean_ttft_ms == router.mean_ttft_ms and untrained.p99_ttft_ms == router.p99_ttft_ms
+    assert untrained.extra["link_bytes"] == router.extra["link_bytes"]
 
 
 def test_shipped_router_loads_and_replays():
