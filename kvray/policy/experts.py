@@ -131,9 +131,13 @@ class ShadowCache:
     def __init__(self, expert: PlacementPolicy, capacities: Mapping[Tier, int]) -> None:
         self.manager = CacheManager(capacities, expert, page_nbytes=1)
 
-    def serve(self, keys: Sequence[int], tier_cost: Mapping[Tier, float]) -> tuple[float, int]:
-        """The request's cost in page prefills and its hit pages; then its pages are stored."""
+    def serve(self, keys: Sequence[int], tier_cost: Mapping[Tier, float], info: RequestInfo | None = None) -> tuple[float, int]:
+        """The request's cost in page prefills and its hit pages; then its pages are stored.
+        With ``info`` the expert is told of the request first (one that keeps per-request
+        state, such as the learned policy's features)."""
         manager = self.manager
+        if info is not None:
+            manager.policy.on_request(info)
         match = manager.lookup(keys, count=False)
         cost = float(len(keys) - len(match))
         for tier in match.tiers.tolist():

@@ -33,21 +33,23 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 
 from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT, PrefixIndex
-from kvray.core.placement import PageContext, PlacementPolicy, RequestInfo
+from kvray.core.placement import LRUPolicy, PageContext, PlacementPolicy, RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy.page_features import SOURCES, PageFeatures
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
 from kvray.policy.reuse_online import DelayedLabels, ShadowTripwire
+from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.resources import shipped_or_given
 
-TRIPWIRE = 0.05  # the shipped policy follows LRU while it trails an LRU shadow by 5% of its decayed hits
+TRIPWIRE = 0.05  # follow a heuristic once its shadow costs 5% less than the model's (docs/sim-eval: worst held-out cell 1.18x, at 0.02 1.20x)
+TRIPWIRE_HEURISTICS: dict[str, Callable[[], PlacementPolicy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
 REFIT_BATCH = 64  # decisions per online refit step
 POOL = (64, 32, 32)  # candidates per ordering: LRU's oldest, lowest decayed frequency, oldest never read (the shipped model's)
 POOL_HALF_LIFE = 256.0  # requests: the frequency ordering's decayed counter (the insert counts one)
@@ -79,7 +81,7 @@ class ReusePolicy(PlacementPolicy):
         self.candidates = sum(self.pool)
         self.model = model
         self.refit = refit and model is not None  # online refit on delayed labels (reuse_online)
-        self.tripwire_margin = tripwire  # follow LRU while the cache trails an LRU shadow by this share of hits
+        self.tripwire_margin = tripwire  # follow a heuristic while the cache's cost runs this share above its shadow's
         self.refits = 0
         self.teacher = teacher
         self.needs_future = teacher  # the simulator tells a teacher the future, as it tells Belady
@@ -114,8 +116,13 @@ class ReusePolicy(PlacementPolicy):
         self._labels = DelayedLabels() if self.refit else None
         self._ready_rows: list[np.ndarray] = []
         self._ready_labels: list[np.ndarray] = []
-        pages = sum(capacities[t] for t in self.tiers)
-        self._tripwire = ShadowTripwire(pages, self.tripwire_margin) if self.tripwire_margin is not None else None
+        self._tripwire = None
+        self._advisors: list[PlacementPolicy] = []
+        if self.tripwire_margin is not None:
+            learned = ReusePolicy(self.model, pool=self.pool)  # the model alone, in the tripwire's shadow
+            self._tripwire = ShadowTripwire(learned, TRIPWIRE_HEURISTICS, capacities, self.tripwire_margin)
+            self._tripwire.bind(index, capacities)
+            self._advisors = self._tripwire.advisors
 
     # -- what the policy is told ---------------------------------------------------------
     def on_request(self, info: RequestInfo) -> None:
@@ -125,7 +132,9 @@ class ReusePolicy(PlacementPolicy):
         self._pending.clear()
         self._leaving = None
         if self._tripwire is not None:
-            self._tripwire.request(info.keys)
+            self._tripwire.request(info)
+        for advisor in self._advisors:
+            advisor.on_request(info)
         if self._labels is not None:
             self._refit()
         if self.teacher:
@@ -138,6 +147,8 @@ class ReusePolicy(PlacementPolicy):
                     self._next[handle] = nxt
 
     def on_insert(self, handle: int, tier: Tier) -> None:
+        for advisor in self._advisors:
+            advisor.on_insert(handle, tier)
         self._order[tier][handle] = None
         self._tier_of[handle] = tier
         key = self.index.key_of(handle)
@@ -185,6 +196,8 @@ class ReusePolicy(PlacementPolicy):
 
     def on_admitted(self, handle: int, ctx: PageContext) -> None:
         self.features.request_pages[handle] = max(ctx.request_pages, 1)
+        for advisor in self._advisors:
+            advisor.on_admitted(handle, ctx)
 
     def on_access(self, handles: np.ndarray) -> None:
         for h in reversed(handles.tolist()):
@@ -196,8 +209,8 @@ class ReusePolicy(PlacementPolicy):
             for h in handles.tolist():
                 self._fresh[self._tier_of[h]].pop(h, None)
         self.features.access(handles)
-        if self._tripwire is not None:
-            self._tripwire.hit(len(handles))
+        for advisor in self._advisors:
+            advisor.on_access(handles)
         if self._labels is not None:
             key_of = self._key_of
             self._labels.used([key_of[h] for h in handles.tolist()], self.features.now)
@@ -205,6 +218,8 @@ class ReusePolicy(PlacementPolicy):
         self._leaving = None
 
     def on_remove(self, handle: int, tier: Tier) -> None:
+        for advisor in self._advisors:
+            advisor.on_remove(handle, tier)
         del self._order[tier][handle]
         del self._tier_of[handle]
         self._fresh[tier].pop(handle, None)
@@ -216,6 +231,10 @@ class ReusePolicy(PlacementPolicy):
 
     # -- the decision --------------------------------------------------------------------
     def victim(self, tier: Tier) -> int | None:
+        followed = self._tripwire.follow() if self._tripwire is not None else None
+        if followed is not None:  # the tripwire: a heuristic's shadow is ahead of the model
+            self._pending.clear()
+            return followed.victim(tier)
         pins = self.index.pins
         pending = self._pending.get(tier)
         while pending:
@@ -279,8 +298,7 @@ class ReusePolicy(PlacementPolicy):
     def _rank(self, handles: np.ndarray, tier: Tier, source: np.ndarray) -> list[int]:
         """``handles`` in eviction order: furthest predicted next use first."""
         recording = self.teacher and self.record > 0 and self._rng.random() < self.record
-        heuristic = self._tripwire is not None and self._tripwire.follow_heuristic()
-        if (self.model is None or heuristic) and not recording and not self.teacher and self._labels is None:
+        if self.model is None and not recording and not self.teacher and self._labels is None:
             return handles.tolist()  # LRU order
         leaf = ~self.index.has_children(handles)
         rows = self.features.matrix(handles, leaf, int(tier))
@@ -291,8 +309,6 @@ class ReusePolicy(PlacementPolicy):
         if self._labels is not None:
             key_of = self._key_of
             self._labels.decided(rows, [key_of[h] for h in handles.tolist()], self.features.now)
-        if heuristic:
-            return handles.tolist()
         if self.model is not None:
             score = self.model.predict(rows)
         else:  # a teacher without a model acts as the oracle among the candidates

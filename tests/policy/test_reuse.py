@@ -10,11 +10,13 @@ from hypothesis import strategies as st
 from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
+from kvray.core.placement import LRUPolicy
 from kvray.core.tiers import Tier
 from kvray.policy import make_policy
 from kvray.policy.page_features import FEATURES, HALF_LIVES, NEVER, SOURCES, PageFeatures
 from kvray.policy.reuse import ReusePolicy, decision_time_us
 from kvray.policy.reuse_model import ReuseModel
+from kvray.policy.s3fifo import S3FIFOPolicy
 from tests.policy.cache_ops import NO_MOVE, apply, chain, operations
 from tests.properties import examples
 
@@ -136,10 +138,7 @@ def test_without_a_model_it_evicts_as_lru():
 
 def test_the_model_decides_among_the_tail_candidates():
     """A model that scores the most-read page highest evicts it, where LRU would not."""
-    weights = np.zeros((len(FEATURES), 1), dtype=np.float32)
-    weights[FEATURES.index("log_hits"), 0] = 1.0
-    model = ReuseModel(np.zeros(len(FEATURES)), np.ones(len(FEATURES)), weights, np.zeros(1), np.ones(1), np.zeros(1))
-    manager = CacheManager({Tier.HOST: 3}, ReusePolicy(model))
+    manager = CacheManager({Tier.HOST: 3}, ReusePolicy(most_read_first_model()))
     for key in (1, 2, 3):
         manager.store_chain([key], NO_MOVE)
     manager.touch(np.array([manager.index.handle_of(3)]))
@@ -236,34 +235,75 @@ def test_delayed_labels_are_the_requests_until_next_use_or_never_after_the_horiz
     assert got[0] == pytest.approx([math.log1p(NEVER_REQUESTS), math.log1p(3), math.log1p(NEVER_REQUESTS)])
 
 
-def test_the_tripwire_follows_the_heuristic_while_the_cache_trails_its_shadow_and_recovers():
-    from kvray.policy.reuse_online import ShadowTripwire
-
-    wire = ShadowTripwire(capacity=8, margin=0.1)
-    wire.request([1, 2])
-    for _ in range(5):  # the shadow hits both pages every time; the real cache hits none
-        wire.request([1, 2])
-    assert wire.follow_heuristic() and wire.trips == 1
-    for _ in range(1000):  # then hits as many: its decayed count catches up (half-life 256 requests)
-        wire.request([1, 2])
-        wire.hit(2)
-    assert wire.shadow > 0 and wire.real >= wire.shadow * 0.95
-    assert not wire.follow_heuristic() and wire.trips == 1
-
-
-def test_a_tripped_policy_evicts_as_lru_whatever_its_model_says():
+def most_read_first_model() -> ReuseModel:
+    """A model that predicts the most-read page is used furthest ahead: it evicts the hot pages."""
     weights = np.zeros((len(FEATURES), 1), dtype=np.float32)
     weights[FEATURES.index("log_hits"), 0] = 1.0
-    model = ReuseModel(np.zeros(len(FEATURES)), np.ones(len(FEATURES)), weights, np.zeros(1), np.ones(1), np.zeros(1))
-    policy = ReusePolicy(model, tripwire=0.05)
-    manager = CacheManager({Tier.HOST: 3}, policy)
-    for key in (1, 2, 3):
-        manager.store_chain([key], NO_MOVE)
-    manager.touch(np.array([manager.index.handle_of(3)]))
-    policy._tripwire.tripped = True
-    policy._tripwire.real, policy._tripwire.shadow = 0.0, 10.0
-    manager.store_chain([4], NO_MOVE)
-    assert 1 not in manager.index and {2, 3, 4} <= set(manager.index.keys())  # LRU's choice, not the model's (3)
+    return ReuseModel(np.zeros(len(FEATURES)), np.ones(len(FEATURES)), weights, np.zeros(1), np.ones(1), np.zeros(1))
+
+
+def test_the_tripwire_follows_a_heuristic_only_while_its_shadow_leads_the_model_s_by_the_margin():
+    from kvray.policy.reuse_online import ShadowTripwire
+
+    wire = ShadowTripwire(LRUPolicy(), {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}, {Tier.HOST: 4}, margin=0.1)
+    wire.bind(CacheManager({Tier.HOST: 4}, LRUPolicy()).index, {Tier.HOST: 4})
+    steps = [
+        ([10.0, 9.5, 9.4], None),  # a 6% lead: under the margin, the model stays
+        ([10.0, 9.5, 8.5], 1),  # S3-FIFO leads by 15%: followed
+        ([10.0, 9.5, 9.0], 1),  # LRU is 5% ahead of S3-FIFO now: under the margin, no switch
+        ([10.0, 8.0, 9.0], 0),  # LRU leads S3-FIFO by 11%
+        ([7.0, 8.0, 9.0], None),  # the model leads LRU by 12.5%: back to it
+    ]
+    for cost, following in steps:
+        wire.cost = np.array(cost)
+        wire._follow()
+        assert wire.following == following
+        assert wire.follow() is (None if following is None else wire.advisors[following])
+    assert wire.trips == 1
+
+
+def test_a_model_that_evicts_the_hot_pages_trips_and_the_cache_then_hits_like_lru():
+    """A cyclic working set that fits the cache: LRU hits every page once warm; the model
+    evicts the most-read page each time. Its own shadow pays for that, LRU's does not, so
+    the real cache follows LRU and hits nearly as often (costs in page prefills here)."""
+    from kvray.core.placement import RequestInfo
+
+    def replay(policy):
+        manager = CacheManager({Tier.HOST: 16}, policy)
+        hits = 0
+        for i in range(600):
+            keys = (100 + i % 6, 1000 + i)  # a hot root, then a page never read again
+            policy.on_request(RequestInfo(keys=keys, tier_cost={Tier.HOST: 0.1}))
+            match = manager.lookup(keys)
+            hits += len(match)
+            manager.touch(match.handles)
+            manager.store_chain(keys, NO_MOVE)
+        return hits
+
+    alone = replay(ReusePolicy(most_read_first_model()))
+    guarded = ReusePolicy(most_read_first_model(), tripwire=0.05)
+    lru = replay(LRUPolicy())
+    assert replay(guarded) >= lru - 20 > alone + 100 and guarded._tripwire.trips == 1
+
+
+@pytest.mark.parametrize("following", [0, 1])
+@settings(max_examples=examples(40), deadline=None)
+@given(ops=operations)
+def test_a_tripped_policy_evicts_as_the_followed_heuristic(following, ops):
+    """While the tripwire follows LRU (0) or S3-FIFO (1), every victim is the one that
+    heuristic, told of every event of the real cache, names: an unpinned page of the tier."""
+    policy = ReusePolicy(random_model(), tripwire=0.05)
+    manager = CacheManager({Tier.DEVICE: 2, Tier.HOST: 3, Tier.DISK: 4}, policy)
+    policy._tripwire.following = following
+    advisor = policy._tripwire.advisors[following]
+    index, pinned = manager.index, []
+    for op, path in ops:
+        apply(manager, op, path, pinned)
+        for tier in manager.tiers:
+            unpinned = {h for k in index.keys() if index.tier[h := index.handle_of(k)] == tier and index.pins[h] == 0}
+            expected = advisor.victim(tier)
+            assert policy.victim(tier) == expected
+            assert expected in unpinned if unpinned else expected is None
 
 
 def test_online_refit_fits_the_model_to_labels_that_arrive_later(monkeypatch):
