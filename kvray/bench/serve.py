@@ -338,12 +338,11 @@ def long_document(group: EngineGroup, size: Size, vocab: int) -> dict:
 def contenders_of(workload: int, size: Size, started: dict[str, EngineGroup], routable: bool) -> list[str]:
     """The contenders a workload is swept with, of those whose engines started (the route
     verb's where its engines are on distinct nodes): on the primary workload all (a quick
-    run leaves session-sticky out), on the others vLLM alone and kvray's (the full run adds
-    kvray in process)."""
+    run leaves session-sticky out), on the others vLLM alone and kvray's."""
     running = [c for c, (group, _) in CONTENDERS.items() if group in started and (routable or c != ROUTE)]
     if workload == 0:
         return running if size is FULL else [c for c in running if c != STICKY]
-    return [c for c in running if c in ((BASE, KVRAY, INPROC) if size is FULL else (BASE, KVRAY))]
+    return [c for c in running if c in (BASE, KVRAY)]
 
 
 def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
