@@ -206,7 +206,9 @@ def workloads(size: Size, vocab: int, trace: str | None) -> dict[str, Factory]:
 
         return {"trace": from_trace}
     return {
-        "multiround": lambda seed: conversations(size.users, size.rounds, PAGE, vocab, seed, shared_pages=USER_SHARED_PAGES, own_pages=USER_OWN_PAGES),
+        "multiround": lambda seed: conversations(
+            size.users, size.rounds, PAGE, vocab, seed, shared_pages=USER_SHARED_PAGES, own_pages=USER_OWN_PAGES
+        ),
         "agentic": lambda seed: conversations(
             size.agents,
             size.steps,
