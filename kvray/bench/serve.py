@@ -92,9 +92,10 @@ class Size:
     """How much to run. Both sizes' agents, and the full size's users, hold more than 5x
     vLLM's own KV space in all and more than kvray's host tiers, so kvray's disk and the
     other node serve too (``serve.json`` records both figures per workload). The full size
-    fits 25 minutes on the 2-core machine, not 300 requests per point: a point at 0.25x
-    saturation took 0.83 s per measured request in a quick run (26.5 s for 32), so 300 per
-    point, 8 rates, 3 repeats and 5 contenders would take over two hours."""
+    is sized for 25 minutes on the 2-core machine at a load average near 12 (its one run
+    took 32 at 9-106), not 300 requests per point: a point at 0.25x saturation took 0.83 s
+    per measured request in a quick run (26.5 s for 32), so 300 per point, 8 rates, 3
+    repeats and 5 contenders would take over two hours."""
 
     users: int  # multi-round QA
     rounds: int
