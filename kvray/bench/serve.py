@@ -89,9 +89,13 @@ ROUTE_POLICY = "cost-router"
 
 @dataclass(frozen=True)
 class Size:
-    """How much to run. The full size's sessions hold more than 5x vLLM's own KV space in all
-    and more than kvray's host tiers, so kvray's disk and the other node serve too; the quick
-    size's about 3.5x, to finish in minutes (``serve.json`` records both figures per workload)."""
+    """How much to run. Both sizes' agents, and the full size's users, hold more than 5x
+    vLLM's own KV space in all and more than kvray's host tiers, so kvray's disk and the
+    other node serve too (``serve.json`` records both figures per workload). The full size
+    is sized for 25 minutes on the 2-core machine at a load average near 12 (its one run
+    took 32 at 9-106), not 300 requests per point: a point at 0.25x saturation took 0.83 s
+    per measured request in a quick run (26.5 s for 32), so 300 per point, 8 rates, 3
+    repeats and 5 contenders would take over two hours."""
 
     users: int  # multi-round QA
     rounds: int
@@ -105,11 +109,17 @@ class Size:
     long_docs: int  # long-document pairs (cold, hit) per tier
 
 
-QUICK = Size(users=16, rounds=2, agents=16, steps=2, trace_requests=48, rates=(0.25, 0.75, 1.5, 3.0), repeats=1,
+QUICK = Size(users=16, rounds=2, agents=24, steps=2, trace_requests=48, rates=(0.25, 0.75, 1.5, 3.0), repeats=1,
              host_pages=48, disk_pages=1024, long_docs=2)  # fmt: skip
-FULL = Size(users=60, rounds=5, agents=50, steps=6, trace_requests=300, rates=(0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0),
-            repeats=3, host_pages=96, disk_pages=4096, long_docs=4)  # fmt: skip
+FULL = Size(users=20, rounds=2, agents=24, steps=2, trace_requests=64, rates=(0.25, 0.75, 1.0, 1.5, 2.0, 3.0), repeats=2,
+            host_pages=48, disk_pages=1024, long_docs=3)  # fmt: skip
+USER_SHARED_PAGES, USER_OWN_PAGES = 2, 6  # multi-round QA: a system prompt, a user's own context longer than it
 LONG_DOC_PAGES = 10
+# an agent: a tool prefix every agent shares, its own task, then steps that each append a
+# tool's output (the step's new prompt tokens) and the agent's next action, 50 ms apart.
+# Sized so that the agents' own pages, not the shared prefix, are most of each prompt:
+# vLLM's own cache keeps the prefix, only a cache larger than vLLM's keeps the rest.
+AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_OUTPUT_TOKENS, AGENT_ACTION_TOKENS, AGENT_GAP_S = 4, 2, 64, 32, 0.05
 
 BASE, INPROC, RR, STICKY, ROUTE, LMCACHE = (
     "vllm",
@@ -135,23 +145,28 @@ KVRAY = RR  # the rows' kvray figure: the runtime behind a plain router (the rou
 def split_warmup(sessions: list[Session]) -> tuple[list[Session], list[Session]]:
     """(each session's warm-up prompts, its measured ones) as two lists of sessions."""
     warm = [Session(s.name, s.prompts[: s.warmup], 0.0) for s in sessions if s.warmup]
-    measured = [Session(s.name, s.prompts[s.warmup :], s.gap_s) for s in sessions]
+    measured = [Session(s.name, s.prompts[s.warmup :], s.gap_s, arrivals=s.arrivals[s.warmup :]) for s in sessions]
     return warm, measured
 
 
-def play(sessions: list[Session], group: EngineGroup, router: Router, rate: float) -> tuple[list[Answer], dict]:
-    """Warm-up at full speed, then the measured prompts at ``rate``; the measured answers and
-    kvray's hit pages by tier over the run."""
+def play(sessions: list[Session], group: EngineGroup, router: Router, rate: float) -> tuple[list[Answer], dict, dict]:
+    """Warm-up at full speed, then the measured prompts at ``rate``; the measured answers,
+    kvray's hit tokens by tier over the run, and its connectors' lookup and load time per
+    measured request (ms)."""
     warm, measured = split_warmup(sessions)
     if warm:
         run_closed_loop(warm, group, router, float("inf"))
     before = group.stats()
     answers = run_closed_loop(measured, group, router, rate)
     tiers: dict[str, int] = {}
+    spent = {"lookup_us": 0, "load_us": 0}
     for b, a in zip(before, group.stats()):
         for tier, pages in a["pages_by_tier"].items():
             tiers[tier] = tiers.get(tier, 0) + pages - b["pages_by_tier"].get(tier, 0)
-    return answers, {t: n * PAGE for t, n in tiers.items() if n}
+        for k in spent:
+            spent[k] += a["counters"].get(k, 0) - b["counters"].get(k, 0)
+    per_request = {k.removesuffix("_us"): v / 1e3 / max(1, len(answers)) for k, v in spent.items()}
+    return answers, {t: n * PAGE for t, n in tiers.items() if n}, per_request
 
 
 def cold_ttft_s(group: EngineGroup, length: int, vocab: int, seed: int) -> float:
@@ -192,18 +207,20 @@ def workloads(size: Size, vocab: int, trace: str | None) -> dict[str, Factory]:
 
         return {"trace": from_trace}
     return {
-        "multiround": lambda seed: conversations(size.users, size.rounds, PAGE, vocab, seed, shared_pages=2, own_pages=4),
+        "multiround": lambda seed: conversations(
+            size.users, size.rounds, PAGE, vocab, seed, shared_pages=USER_SHARED_PAGES, own_pages=USER_OWN_PAGES
+        ),
         "agentic": lambda seed: conversations(
             size.agents,
             size.steps,
             PAGE,
             vocab,
             seed,
-            shared_pages=6,
-            own_pages=1,
-            question_tokens=48,
-            answer_tokens=16,
-            gap_s=0.05,
+            shared_pages=AGENT_TOOL_PAGES,
+            own_pages=AGENT_TASK_PAGES,
+            question_tokens=AGENT_OUTPUT_TOKENS,
+            answer_tokens=AGENT_ACTION_TOKENS,
+            gap_s=AGENT_GAP_S,
         ),  # fmt: skip
     }
 
@@ -218,7 +235,7 @@ def sweep(
     median_len = int(statistics.median(measured_lengths))
     base = groups[CONTENDERS[BASE][0]]
     cold_s = cold_ttft_s(base, median_len, vocab, index)
-    answers, _ = play(factory(10_000 * index + 1), base, Sticky(len(base.actors)), float("inf"))
+    answers, _, _ = play(factory(10_000 * index + 1), base, Sticky(len(base.actors)), float("inf"))
     saturation = summarize(answers, float("inf"))["throughput_rps"]
     slo_s = SLO_SCALE * cold_s
     page_ms = 1e3 * cold_s / max(1.0, median_len / PAGE)
@@ -237,25 +254,26 @@ def sweep(
                     group = groups[group_name]
                     seed = 10_000 * index + 100 * (r * len(size.rates) + p + 1) + contenders.index(c) + 2
                     load_before = os.getloadavg()[0]
-                    answers, tiers = play(factory(seed), group, router_for(kind, group, locate, page_ms), m * saturation)
+                    answers, tiers, connector_ms = play(
+                        factory(seed), group, router_for(kind, group, locate, page_ms), m * saturation
+                    )
                     point = summarize(answers, slo_s)
                     point.update(
                         offered_rps=m * saturation,
                         hit_tokens_by_tier=tiers,
+                        connector_ms_per_request=connector_ms,  # within the TTFT's parts (wait or step)
                         reuse_share=point["cached_tokens"] / ceiling if ceiling else float("nan"),
                         load_average_1min=[load_before, os.getloadavg()[0]],  # the machine's other work
                     )
                     runs[c][m].append(point)
+                    parts = ", ".join(f"{k} {v:.0f}" for k, v in {**point["mean_ttft_parts_ms"], **connector_ms}.items())
                     say(f"serve {name}, repeat {r + 1}: {c} at {m:g} x saturation ({m * saturation:.2f} req/s): "
-                        f"mean TTFT {point['mean_ttft_ms']:.0f} ms, {point['slo_attainment']:.0%} within the SLO")  # fmt: skip
+                        f"mean TTFT {point['mean_ttft_ms']:.0f} ms ({parts} ms), {point['slo_attainment']:.0%} within "
+                        f"the SLO; load {load_before:.1f}")  # fmt: skip
                     done += 1
                     if tick:
                         tick(done - 1)
-    med = {
-        c: {m: {k: statistics.median(pt[k] for pt in pts) for k in pts[0] if isinstance(pts[0][k], (int, float))}
-            for m, pts in by_rate.items()}
-        for c, by_rate in runs.items()
-    }  # fmt: skip
+    med = {c: {m: median_point(pts) for m, pts in by_rate.items()} for c, by_rate in runs.items()}
     return {
         "sessions": len(probe),
         "measured_requests": len(measured_lengths),
@@ -275,6 +293,17 @@ def sweep(
             c: goodput({m * saturation: v["slo_attainment"] for m, v in by_rate.items()}) for c, by_rate in med.items()
         },
     }
+
+
+def median_point(points: list[dict]) -> dict:
+    """The repeats' median of every figure of a sweep point (and of each part of a split one)."""
+    out: dict = {}
+    for k, v in points[0].items():
+        if isinstance(v, (int, float)):
+            out[k] = statistics.median(p[k] for p in points)
+        elif k in ("mean_ttft_parts_ms", "connector_ms_per_request"):
+            out[k] = {part: statistics.median(p[k].get(part, 0.0) for p in points) for part in v}
+    return out
 
 
 def long_document(group: EngineGroup, size: Size, vocab: int) -> dict:
@@ -310,13 +339,13 @@ def long_document(group: EngineGroup, size: Size, vocab: int) -> dict:
 
 
 def contenders_of(workload: int, size: Size, started: dict[str, EngineGroup], routable: bool) -> list[str]:
-    """The contenders a workload is swept with: all whose engines started (the route verb's
-    where its engines are on distinct nodes); in a quick run, all but session-sticky on the
-    primary workload and vLLM alone and kvray's on the others."""
+    """The contenders a workload is swept with, of those whose engines started (the route
+    verb's where its engines are on distinct nodes): on the primary workload all (a quick
+    run leaves session-sticky out), on the others vLLM alone and kvray's."""
     running = [c for c, (group, _) in CONTENDERS.items() if group in started and (routable or c != ROUTE)]
-    if size is FULL:
-        return running
-    return [c for c in running if c != STICKY] if workload == 0 else [c for c in running if c in (BASE, KVRAY)]
+    if workload == 0:
+        return running if size is FULL else [c for c in running if c != STICKY]
+    return [c for c in running if c in (BASE, KVRAY)]
 
 
 def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:

@@ -6,8 +6,12 @@ back and its think gap has passed, and not before the session's pace allows: at 
 offered rate of ``rate`` requests/s over ``U`` sessions each session sends at most one
 prompt every ``U / rate`` seconds (LMCache's multi-round QA paces users the same way), so
 the offered rate is ``rate`` until the engines fall behind, and then the closed loop
-slows the clients down instead of queueing without bound. ``rate=inf`` sends as fast as
-the answers come: the engines' saturation.
+slows the clients down instead of queueing without bound. Sessions with ``arrivals`` (a
+trace's) are paced by the workload's own arrival order instead: the n-th prompt in that
+order goes out no sooner than n / ``rate`` seconds after the start (and, as always, not
+before its session's previous answer), so a session whose turns are far apart in the
+trace does not stretch a run. ``rate=inf`` sends as fast as the answers come: the
+engines' saturation.
 
 Routers pick an engine per request: :class:`RoundRobin`, :class:`Sticky` (a session's
 requests on one engine) and :class:`PolicyRouter`, which asks a kvray cluster policy's
@@ -25,7 +29,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -134,6 +138,7 @@ class Answer:
     prompt_tokens: int
     cached_tokens: int
     measured: bool
+    ttft_parts_s: dict[str, float] = field(default_factory=dict)  # the engine's split of the TTFT, if it gives one
 
 
 def run_closed_loop(
@@ -147,7 +152,13 @@ def run_closed_loop(
     every answer, warm-up ones included (``measured`` False). ``on_answer(n)``: n answers so far."""
     pace = len(sessions) / rate if math.isfinite(rate) and rate > 0 else 0.0
     start = time.time()
-    due = [(start + i * pace / len(sessions), i) for i in range(len(sessions))]  # staggered first prompts
+    slots = arrival_slots(sessions)
+    if slots is not None:  # the workload's own order: the n-th prompt no sooner than n / rate
+        pace = 0.0
+        release = [[start + n / rate if math.isfinite(rate) and rate > 0 else start for n in ns] for ns in slots]
+    else:  # staggered first prompts, then one prompt per session every `pace` seconds
+        release = [[start + i * pace / len(sessions)] + [start] * (len(s.prompts) - 1) for i, s in enumerate(sessions)]
+    due = [(release[i][0], i) for i in range(len(sessions))]
     heapq.heapify(due)
     turn = [0] * len(sessions)
     last_sent = [-math.inf] * len(sessions)
@@ -172,23 +183,38 @@ def run_closed_loop(
             session = sessions[s]
             answers.append(
                 Answer(session.name, k, engine, a["sent_at"], a["done_at"], a["ttft_s"], a["prompt_tokens"],
-                       a["cached_tokens"], k >= session.warmup)
+                       a["cached_tokens"], k >= session.warmup, a.get("ttft_parts_s", {}))
             )  # fmt: skip
             if on_answer:
                 on_answer(len(answers))
             turn[s] = k + 1
             if turn[s] < len(session.prompts):
-                heapq.heappush(due, (max(a["done_at"] + session.gap_s, last_sent[s] + pace), s))
+                heapq.heappush(due, (max(a["done_at"] + session.gap_s, last_sent[s] + pace, release[s][turn[s]]), s))
     return answers
+
+
+def arrival_slots(sessions: Sequence[Session]) -> list[list[int]] | None:
+    """Each prompt's rank in the sessions' joint arrival order, or None unless every
+    session gives its arrivals."""
+    if not sessions or not all(len(s.arrivals) == len(s.prompts) for s in sessions):
+        return None
+    order = sorted((t, i, k) for i, s in enumerate(sessions) for k, t in enumerate(s.arrivals))
+    slots = [[0] * len(s.prompts) for s in sessions]
+    for n, (_, i, k) in enumerate(order):
+        slots[i][k] = n
+    return slots
 
 
 def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
     """A sweep point's figures over its measured answers: TTFT mean and percentiles, the
-    share within the SLO, the throughput achieved, prompt and cached tokens."""
+    share within the SLO, the throughput achieved, prompt and cached tokens, and the mean
+    of each part of the TTFT the engines split it into."""
     measured = [a for a in answers if a.measured]
     ttft = np.array([a.ttft_s for a in measured])
     span = max(a.done_at for a in measured) - min(a.sent_at for a in measured)
+    parts = sorted({p for a in measured for p in a.ttft_parts_s})
     return {
+        "mean_ttft_parts_ms": {p: float(np.mean([a.ttft_parts_s.get(p, 0.0) for a in measured]) * 1e3) for p in parts},
         "requests": len(measured),
         "mean_ttft_ms": float(ttft.mean() * 1e3),
         "p50_ttft_ms": float(np.percentile(ttft, 50) * 1e3),

@@ -42,7 +42,9 @@ TRACE_ENV = "KVRAY_SERVE_TRACE"  # `kvray bench --only serve --trace PATH` names
 @dataclass(frozen=True)
 class Session:
     """One closed-loop client: ``prompts`` in order, ``gap_s`` after each answer; its first
-    ``warmup`` prompts fill caches and are not measured.
+    ``warmup`` prompts fill caches and are not measured; ``arrivals``, where given, each
+    prompt's place in the workload's own arrival order (a trace's timestamps), which the
+    driver then paces the workload by instead of pacing each session on its own.
 
     Example::
 
@@ -54,6 +56,7 @@ class Session:
     prompts: tuple[tuple[int, ...], ...]
     gap_s: float
     warmup: int = 0
+    arrivals: tuple[float, ...] = ()
 
 
 def draw(vocab: int, n: int, *seed: int) -> tuple[int, ...]:
@@ -116,7 +119,7 @@ def trace_sessions(trace: list[TraceRequest], page: int, vocab: int, seed: int, 
     ``max_pages`` pages is cut there (the engines' context). Sessions keep the trace's order
     of first turns; a request that extends no earlier request's full blocks beyond the
     blocks most requests share (a system prompt: in ``SHARED_SHARE`` of the requests and
-    at least 3) starts one."""
+    at least 3) starts one. Each prompt's arrival is its request's timestamp."""
     if not trace:
         raise ConfigError("the trace has no requests")
     counts = Counter(h for r in trace for h in r.hash_ids)
@@ -140,7 +143,7 @@ def trace_sessions(trace: list[TraceRequest], page: int, vocab: int, seed: int, 
             length = min(max_pages * page, max(1, round(r.input_length * page / MOONCAKE_BLOCK_TOKENS)))
             tokens = [t for h in r.hash_ids[: -(-length // page)] for t in block_tokens(h, page, vocab, seed)]
             prompts.append(tuple(tokens[:length]))
-        sessions.append(Session(f"trace-session{s}", tuple(prompts), 0.0))
+        sessions.append(Session(f"trace-session{s}", tuple(prompts), 0.0, arrivals=tuple(r.timestamp_ms for r in requests)))
     return sessions
 
 

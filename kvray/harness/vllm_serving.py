@@ -10,7 +10,11 @@ and steps it whenever it has work; the driver, a closed-loop client
 
 Times are wall-clock (``time.time()``) on both sides: the driver stamps ``sent_at`` when it
 sends, the engine the moment a request's first token is out, so a TTFT includes the call
-that carried the request and its queueing, as a front end's would.
+that carried the request and its queueing, as a front end's would. Each answer splits its
+TTFT (``ttft_parts_s``): ``transit`` (sent until added to the engine: the call and the
+step in progress), ``wait`` (added until the step that produced its first token began:
+other requests' steps, an asynchronous KV load) and ``step`` (that step: its prefill,
+with whatever else the step batched, and the connector's lookup and copy).
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ from kvray.harness.vllm_engine import close_llm, connector_of, counters_of, make
 # where a runtime connector's pages came from (its load paths, kvray.cluster.client) -> tier label
 PATH_TIERS = {"mapped": "host", "local": "local store", "tcp": "remote", "collective": "remote", "object_store": "remote"}
 IDLE_WAIT_S = 0.2  # how long an idle engine thread sleeps between looks at the stop flag (a request wakes it at once)
+# After a step that computed nothing (every unfinished request waits for its KV to load),
+# the engine thread waits this long before stepping again, rather than spinning on the
+# GIL that the connector's I/O thread needs to load that KV: in vLLM's own server the
+# worker, and so the I/O thread, is another process. A request arriving meanwhile wakes it.
+LOAD_POLL_S = 0.002
 
 
 def kvray_hits(llm, connector) -> tuple[dict[str, int], Counter]:
@@ -105,32 +114,45 @@ class ServingEngine:
 
         engine = self.llm.llm_engine
         sent: dict[str, dict] = {}
-        first: dict[str, float] = {}
+        added: dict[str, float] = {}
+        first: dict[str, tuple[float, float]] = {}  # request -> (its first token's step began, ended)
+        computed = True  # the last step produced output
         try:
             while not self.stopped:
+                busy = engine.has_unfinished_requests()
                 try:
-                    batch = self.inbox.get(timeout=0 if engine.has_unfinished_requests() else IDLE_WAIT_S)
+                    batch = self.inbox.get(timeout=IDLE_WAIT_S if not busy else 0 if computed else LOAD_POLL_S)
                 except queue.Empty:
                     batch = []
                 with self.engine_lock:
                     for r in batch:
                         sent[r["id"]] = r
                         engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["tokens"]), self.params)
+                        added[r["id"]] = time.time()
                     if not engine.has_unfinished_requests():
                         continue
+                    began = time.time()
                     outputs = engine.step()
                 now = time.time()
+                computed = bool(outputs)
                 finished = []
                 for out in outputs:
                     if out.request_id not in first and out.outputs and out.outputs[0].token_ids:
-                        first[out.request_id] = now
+                        first[out.request_id] = (began, now)
                     if out.finished:
                         r = sent.pop(out.request_id)
+                        step_began, first_at = first.pop(out.request_id)
+                        queued_at = added.pop(out.request_id)
                         finished.append(
                             {
                                 "id": out.request_id,
                                 "sent_at": r["sent_at"],
-                                "ttft_s": first.pop(out.request_id) - r["sent_at"],
+                                "ttft_s": first_at - r["sent_at"],
+                                "ttft_parts_s": {
+                                    "transit": queued_at - r["sent_at"],
+                                    "wait": step_began - queued_at,
+                                    "step": first_at - step_began,
+                                },
                                 "done_at": now,
                                 "prompt_tokens": len(r["tokens"]),
                                 "cached_tokens": int(out.num_cached_tokens or 0),

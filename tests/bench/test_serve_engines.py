@@ -36,6 +36,10 @@ def test_a_real_engine_answers_closed_loop_and_hits_a_users_history(ray_cluster)
         assert all(a.cached_tokens >= 3 * PAGE for a in later)  # shared + own context at least
         point = summarize(later, slo_s=60.0)
         assert point["requests"] == 4 and point["slo_attainment"] == 1.0 and point["mean_ttft_ms"] > 0
-        assert group.stats()[0]["counters"]["lookups"] >= 6
+        counters = group.stats()[0]["counters"]
+        assert counters["lookups"] >= 6 and counters["lookup_us"] > 0 and counters["load_us"] > 0
+        for a in answers:  # the engine's split of each TTFT adds up to it
+            assert set(a.ttft_parts_s) == {"transit", "wait", "step"} and min(a.ttft_parts_s.values()) >= 0
+            assert abs(sum(a.ttft_parts_s.values()) - a.ttft_s) < 1e-3
     finally:
         group.kill()

@@ -10,7 +10,16 @@ from collections import Counter
 
 import pytest
 
-from kvray.bench.serve_loop import Answer, PolicyRouter, RoundRobin, Sticky, goodput, run_closed_loop, summarize
+from kvray.bench.serve_loop import (
+    Answer,
+    PolicyRouter,
+    RoundRobin,
+    Sticky,
+    arrival_slots,
+    goodput,
+    run_closed_loop,
+    summarize,
+)
 from kvray.bench.serve_workload import Session, conversations
 from kvray.policy.cluster import make_cluster_policy
 
@@ -73,6 +82,30 @@ def test_the_offered_rate_paces_sessions():
     for s in sessions:
         times = sorted(a.sent_at for a in answers if a.session == s.name)
         assert all(b - a >= 0.1 - 1e-3 for a, b in zip(times, times[1:]))
+
+
+def test_sessions_with_arrivals_are_paced_by_the_workloads_own_order():
+    """Two sessions whose turns interleave in a trace: at 20 requests/s the n-th arrival goes
+    out no sooner than n / 20 s, whatever the session, and a turn still waits for its
+    answer; a session with sparse turns is not spread one pace apart per turn."""
+    a = Session("a", ((1,), (2,), (3,)), 0.0, arrivals=(0.0, 900.0, 901.0))
+    b = Session("b", ((4,), (5,)), 0.0, arrivals=(100.0, 902.0))
+    answers = run_closed_loop([a, b], FifoServers(2, 0.001), RoundRobin(2), rate=20.0)
+    assert_closed_loop([a, b], answers)
+    start = min(x.sent_at for x in answers)
+    sent = {(x.session, x.turn): x.sent_at - start for x in answers}
+    order = [("a", 0), ("b", 0), ("a", 1), ("a", 2), ("b", 1)]
+    for n, key in enumerate(order):
+        assert n / 20 - 1e-3 <= sent[key] <= n / 20 + 0.05
+    assert arrival_slots([a, b]) == [[0, 2, 3], [1, 4]]
+    assert arrival_slots([a, Session("c", ((1,),), 0.0)]) is None  # one session without: paced per session
+
+
+def test_summarize_averages_the_parts_an_engine_splits_a_ttft_into():
+    answers = [Answer("s", i, 0, 0.0, 1.0, 0.3, 10, 0, True, {"wait": 0.1 * i, "step": 0.2}) for i in range(3)]
+    parts = summarize(answers, slo_s=1.0)["mean_ttft_parts_ms"]
+    assert math.isclose(parts["wait"], 100.0) and math.isclose(parts["step"], 200.0)
+    assert summarize(answers[:1] + [Answer("s", 9, 0, 0.0, 1.0, 0.3, 10, 0, True)], 1.0)["mean_ttft_parts_ms"]["step"] == 100.0
 
 
 def test_sticky_keeps_a_session_on_one_engine_and_round_robin_spreads_it():

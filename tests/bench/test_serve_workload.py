@@ -95,6 +95,7 @@ def test_trace_sessions_follow_turns_and_scale_blocks_to_pages(tmp_path):
     assert len(a.prompts[0]) == 3 * PAGE + round(100 * PAGE / 512) and len(a.prompts[1]) == 5 * PAGE
     assert a.prompts[1][: 3 * PAGE] == a.prompts[0][: 3 * PAGE]  # the same blocks, the same tokens
     assert b.prompts[0][:PAGE] == a.prompts[0][:PAGE] and b.prompts[0][PAGE : 2 * PAGE] != a.prompts[0][PAGE : 2 * PAGE]
+    assert a.arrivals == (0, 9) and b.arrivals == (5,)  # the trace's timestamps, the driver's pacing order
     capped = trace_sessions(trace, PAGE, 8192, seed=0, max_pages=2)
     assert max(len(p) for s in capped for p in s.prompts) == 2 * PAGE
 

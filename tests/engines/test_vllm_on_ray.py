@@ -87,6 +87,7 @@ def test_instance_b_loads_a_pages_across_nodes_and_matches_vllm_alone(run):
     assert b["counters"]["loaded_pages"] == PREFIX // BLOCK
     assert b["counters"]["tcp_pages"] == PREFIX // BLOCK  # every page came from A's node, by its page server
     assert b["counters"]["mapped_pages"] == 0 and b["counters"]["lost_pages"] == 0
+    assert b["counters"]["lookup_us"] > 0 and b["counters"]["load_us"] > 0  # the connector timed its own work
     assert b["tokens"] == baseline[0]["tokens"]
 
 

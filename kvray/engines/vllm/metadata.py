@@ -26,8 +26,12 @@ def new_counters() -> dict[str, int]:
     of the two (what a test or benchmark reads) has every one: the scheduler counts
     lookups and hits (and, with an in-process store, pages loaded and saved), the worker
     what it loaded and stored on a kvray runtime (``<path>_pages``: pages by transfer
-    path; ``lost_pages``: pages a plan promised that did not arrive)."""
-    counters = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "saved_pages": 0, "failures": 0, "lost_pages": 0}
+    path; ``lost_pages``: pages a plan promised that did not arrive); ``lookup_us`` and
+    ``load_us``: wall time the scheduler side spent looking prefixes up (in-process: read
+    and verified too) and the worker copying or reading pages into blocks, so a served
+    benchmark can split a request's TTFT."""
+    counters = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "saved_pages": 0, "failures": 0, "lost_pages": 0,
+                "lookup_us": 0, "load_us": 0}  # fmt: skip
     counters.update({f"{path}_pages": 0 for path in LOAD_PATHS})
     return counters
 

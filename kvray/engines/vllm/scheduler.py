@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -138,18 +139,28 @@ class ConnectorScheduler:
         if first >= loadable:
             return 0, False
         self.counters["lookups"] += 1
+        started = time.perf_counter()
+        try:
+            return self._look_up(request.request_id, tracked, first, loadable, num_computed_tokens)
+        finally:
+            self.counters["lookup_us"] += int((time.perf_counter() - started) * 1e6)
+
+    def _look_up(self, req_id: str, tracked: TrackedRequest, first: int, loadable: int, computed: int) -> tuple[int, bool]:
+        """Pages ``first``..``loadable`` of the request's prompt: read and verified from the
+        store now, or pinned on the runtime."""
+        page = self.layout.page_tokens
         if self.runtime is not None:
-            return self._pin_on_runtime(request.request_id, tracked, first, loadable, num_computed_tokens)
+            return self._pin_on_runtime(req_id, tracked, first, loadable, computed)
         try:
             found, pages = self.store.get_pages(tracked.keys[first:loadable])
         except Exception as exc:  # a cache must never fail a request: any store failure is a miss
             self.counters["failures"] += 1
-            log.warning("kvray lookup failed, request %s recomputes: %r", request.request_id, exc)
+            log.warning("kvray lookup failed, request %s recomputes: %r", req_id, exc)
             return 0, False
         if not found:
             return 0, False
         self.counters["hit_pages"] += len(found)
-        self._staged[request.request_id] = StagedHit(first, num_computed_tokens, pages)
+        self._staged[req_id] = StagedHit(first, computed, pages)
         return len(found) * page, False
 
     def _pin_on_runtime(self, req_id: str, tracked: TrackedRequest, first: int, loadable: int, computed: int) -> tuple[int, bool]:

@@ -23,6 +23,7 @@ converts.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -85,8 +86,10 @@ class ConnectorWorker:
 
     def start_load_kv(self, meta: KVRayMetadata) -> None:
         """Copy staged pages into their blocks now; start the step's runtime loads."""
+        started = time.perf_counter()
         for load in meta.loads:
             self.codec.write_bytes(load.block_ids, load.pages)
+        self.counters["load_us"] += int((time.perf_counter() - started) * 1e6)
         for load in meta.runtime_loads:
             if self._io is None:  # this worker could not reach the runtime: every page is a miss
                 self._loading[load.req_id] = LoadInFlight(load.block_ids, _done(0))
@@ -96,9 +99,11 @@ class ConnectorWorker:
     def _load_from_runtime(self, load: RuntimeLoad) -> int:
         """On the I/O thread: read the plan's pages (mapped host tier, or TCP from a peer)
         straight into the request's blocks; returns how many leading blocks hold their page."""
+        started = time.perf_counter()
         loaded, pages = self.runtime.read(load.keys, load.plan)
         if loaded.pages:
             self.codec.write_bytes(load.block_ids[: loaded.pages], pages)
+        self.counters["load_us"] += int((time.perf_counter() - started) * 1e6)
         self.counters["loaded_pages"] += loaded.pages
         self.counters["lost_pages"] += len(load.keys) - loaded.pages
         for path, n in loaded.paths.items():
