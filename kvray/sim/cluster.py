@@ -324,7 +324,7 @@ class ClusterSimulator:
         if self.single:
             node = self.nodes[0]
             node.clock = end
-            node.manager.store_chain(keys, node.mover, node.write, tenant=tenant)
+            node.store_chain(keys, node.write, tenant=tenant)
             return
         targets = self.cluster_policy.place(view, len(keys) - hits, cluster)
         if len(targets) != len(keys) - hits:
@@ -341,9 +341,7 @@ class ClusterSimulator:
             parent = index.handle_of(keys[i - 1]) if i else ROOT
             node.clock = end
             node.write = self._writer(at, p)
-            node.manager.store_chain(
-                keys, node.mover, node.write, parent=parent if parent is not None else ROOT, tenant=tenant, start=i, stop=j
-            )
+            node.store_chain(keys, node.write, parent=parent if parent is not None else ROOT, tenant=tenant, start=i, stop=j)
             if index.handle_of(keys[j - 1]) is None:
                 return  # the chain broke here: pages after it could never be matched
             i = j
@@ -379,7 +377,7 @@ class ClusterSimulator:
                 return 0
 
             node.clock = end
-            node.manager.store_chain(view.keys, node.mover, copy, tenant=tenant, stop=hits)
+            node.store_chain(view.keys, copy, tenant=tenant, stop=hits)
 
     # -- replay --------------------------------------------------------------------------
     def replay(

@@ -2,7 +2,9 @@
 must not change a single replayed figure: small replays of every heuristic policy, Belady,
 a 4-node cluster under the cost router and the oracle, compared to the bit with the results
 committed in ``tests/sim/data/replay_fingerprint.json`` (whole ReplayResults: mean and p99
-TTFT, hit tokens by tier, bytes moved, per-link bytes and utilisation).
+TTFT, hit tokens by tier, bytes moved, per-link bytes and utilisation). Every replay runs
+twice: with the chain writer in C (``kvray.sim._chain``, what LRU replays use) and with the
+manager's Python, the reference it transcribes.
 
 The committed results were recorded before the core's speed work (docs/design.md,
 "Replay speed"). A change that is *meant* to change replays (a new cost model, a policy's
@@ -24,8 +26,10 @@ from pathlib import Path
 
 import pytest
 
+import kvray.sim.node
 from kvray.report import ReplayResult
 from kvray.scenario import DEFAULT_SCENARIO, load_scenario
+from kvray.sim import _chain  # the compiled chain writer: built by setup.py, as kvray.core's extensions
 from kvray.sim.simulator import simulate
 from kvray.sim.workloads import FAMILIES, generate
 from kvray.traces import read_trace
@@ -67,9 +71,29 @@ def test_fingerprint_covers_every_replay(recorded):
     assert set(recorded) == set(replays())
 
 
+@pytest.fixture(params=["compiled", "python"])
+def core(request, monkeypatch) -> str:
+    """The chain writer the replays run: kvray.sim._chain where it applies, or Python only."""
+    monkeypatch.setattr(kvray.sim.node, "_chain", _chain if request.param == "compiled" else None)
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(replays()))
-def test_replay_is_bit_identical_to_the_recorded_one(name, recorded):
+def test_replay_is_bit_identical_to_the_recorded_one(name, recorded, core):
     assert fingerprint(replays()[name]()) == recorded[name]
+
+
+def test_lru_replays_run_the_compiled_chain_writer(monkeypatch):
+    """The compiled path is the one taken (else the test above would compare Python twice)."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args[2])
+        return _chain.store_chain(*args)
+
+    monkeypatch.setattr(kvray.sim.node, "_chain", type("Counted", (), {"store_chain": staticmethod(counted)}))
+    assert fingerprint(replays()["lru/trace/0.02"]()) == json.loads(FINGERPRINT.read_text())["lru/trace/0.02"]
+    assert len(calls) > REQUESTS // 2
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:

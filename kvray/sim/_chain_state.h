@@ -1,0 +1,402 @@
+/* The state the compiled chain writer (kvray/sim/_chain.c) works on: the Python objects of one
+ * node (its CacheManager, PrefixIndex, LRUPolicy, SlotAllocators, SimNode and links), reached
+ * through their own containers and written exactly as their Python methods write them:
+ * the index's numpy columns through the buffer protocol, its key dict and free-handle list,
+ * the slot heaps in heapq's own sift order, LRU's OrderedDicts, the metrics' Counters,
+ * and an unqueued link's counters as Link.occupy keeps them (kvray/sim/links.py). Each
+ * function names the Python it transcribes; included once, by _chain.c.
+ */
+#ifndef KVRAY_CHAIN_STATE_H
+#define KVRAY_CHAIN_STATE_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NTIERS 4
+#define ROOT (-1)
+#define NONE (-1)
+#define NO_SLOT (-1)
+#define ERR (-2)
+#define REFUSALS_PER_RESERVE 32
+#define MAX_KEPT 16
+
+enum { C_TIER, C_SLOT, C_NODE, C_CHECKSUM, C_PINS, C_HITS, C_LAST, C_DEPTH, C_PARENT, C_FIRST, C_NEXT, C_PREV, NCOLS };
+static const char *COL_NAMES[NCOLS] = {"tier", "slot", "node", "checksum", "pins", "hits", "last_access",
+                                       "depth", "parent", "first_child", "next_sibling", "prev_sibling"};
+static const Py_ssize_t COL_SIZES[NCOLS] = {1, 4, 4, 8, 4, 4, 8, 4, 4, 4, 4, 4};
+
+/* set once at import: heapq.heappush (the links' pending heaps), kvray.sim.links.book, the Tier
+ * members by value, their labels and the metrics' "src->dst" move names, the kind "store" */
+static PyObject *heappush, *book_fn, *TIER[NTIERS], *LABEL[NTIERS], *MOVE_NAME[NTIERS][NTIERS], *store_kind;
+static PyObject *A_queued, *A_bytes_by_kind, *A_busy_ms, *A_last_end_ms, *A_pending; /* Link's attributes, interned */
+
+typedef struct {
+    PyObject *manager, *node, *index;
+    /* index */
+    PyObject *handles, *keys, *free_handles, *cols;
+    Py_buffer buf[NCOLS];
+    int have_buf;
+    Py_ssize_t ncap;
+    int8_t *tier;
+    int32_t *slot, *node_col, *pins, *hits, *depth, *parent, *first, *next, *prev;
+    uint64_t *checksum;
+    int64_t *last;
+    long long clock;
+    /* policy (LRU) */
+    PyObject *order[NTIERS], *tier_of;
+    int below[NTIERS]; /* demotion target present in this cache, or -1 */
+    /* slots */
+    PyObject *free_list[NTIERS];
+    char *used[NTIERS];
+    int present[NTIERS];
+    /* listeners, metrics, node */
+    PyObject *slot_freed, *page_placed, *page_dropped;
+    PyObject *moved_pages, *stored_by_tier;
+    long long stored, evicted;
+    PyObject *moves, *stores, *clock_obj, *nbytes_obj, *move[NTIERS][NTIERS]; /* move: node._moves' entries, borrowed */
+    double node_clock, background;
+    /* kept pages (the chain's parent, pages being moved) */
+    long kept[MAX_KEPT];
+    int kept_count[MAX_KEPT], nkept;
+} State;
+
+/* -- columns ------------------------------------------------------------------------- */
+static void release_columns(State *s) {
+    if (!s->have_buf) return;
+    for (int i = 0; i < NCOLS; i++) PyBuffer_Release(&s->buf[i]);
+    s->have_buf = 0;
+}
+
+static int load_columns(State *s) {
+    release_columns(s);
+    for (int i = 0; i < NCOLS; i++) {
+        PyObject *col = PyDict_GetItemString(s->cols, COL_NAMES[i]);
+        if (col == NULL || PyObject_GetBuffer(col, &s->buf[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            for (int j = 0; j < i; j++) PyBuffer_Release(&s->buf[j]);
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "index column %s", COL_NAMES[i]);
+            return -1;
+        }
+        if (s->buf[i].itemsize != COL_SIZES[i]) {
+            for (int j = 0; j <= i; j++) PyBuffer_Release(&s->buf[j]);
+            PyErr_Format(PyExc_TypeError, "index column %s has items of %zd bytes", COL_NAMES[i], s->buf[i].itemsize);
+            return -1;
+        }
+    }
+    s->have_buf = 1;
+    s->ncap = s->buf[C_TIER].len;
+    s->tier = s->buf[C_TIER].buf;
+    s->slot = s->buf[C_SLOT].buf;
+    s->node_col = s->buf[C_NODE].buf;
+    s->checksum = s->buf[C_CHECKSUM].buf;
+    s->pins = s->buf[C_PINS].buf;
+    s->hits = s->buf[C_HITS].buf;
+    s->last = s->buf[C_LAST].buf;
+    s->depth = s->buf[C_DEPTH].buf;
+    s->parent = s->buf[C_PARENT].buf;
+    s->first = s->buf[C_FIRST].buf;
+    s->next = s->buf[C_NEXT].buf;
+    s->prev = s->buf[C_PREV].buf;
+    return 0;
+}
+
+/* -- SlotAllocator: heapq's sift order on its list of ints ------------------------------ */
+static int item_lt(PyObject *a, PyObject *b, int *lt) {
+    long x = PyLong_AsLong(a), y = PyLong_AsLong(b);
+    if ((x == -1 || y == -1) && PyErr_Occurred()) return -1;
+    *lt = x < y;
+    return 0;
+}
+
+static int sift_down(PyObject *heap, Py_ssize_t start, Py_ssize_t pos) {
+    PyObject *item = PyList_GET_ITEM(heap, pos);
+    while (pos > start) {
+        Py_ssize_t up = (pos - 1) >> 1;
+        PyObject *parent = PyList_GET_ITEM(heap, up);
+        int lt;
+        if (item_lt(item, parent, &lt) < 0) return -1;
+        if (!lt) break;
+        PyList_SET_ITEM(heap, pos, parent);
+        pos = up;
+    }
+    PyList_SET_ITEM(heap, pos, item);
+    return 0;
+}
+
+static int sift_up(PyObject *heap, Py_ssize_t pos) {
+    Py_ssize_t end = PyList_GET_SIZE(heap), start = pos, child = 2 * pos + 1;
+    PyObject *item = PyList_GET_ITEM(heap, pos);
+    while (child < end) {
+        Py_ssize_t right = child + 1;
+        int lt = 1;
+        if (right < end && item_lt(PyList_GET_ITEM(heap, child), PyList_GET_ITEM(heap, right), &lt) < 0) return -1;
+        if (right < end && !lt) child = right;
+        PyList_SET_ITEM(heap, pos, PyList_GET_ITEM(heap, child));
+        pos = child;
+        child = 2 * pos + 1;
+    }
+    PyList_SET_ITEM(heap, pos, item);
+    return sift_down(heap, start, pos);
+}
+
+static long alloc_slot(State *s, int t) {
+    PyObject *heap = s->free_list[t];
+    Py_ssize_t n = PyList_GET_SIZE(heap);
+    if (n == 0) return NO_SLOT;
+    PyObject *last = PyList_GET_ITEM(heap, n - 1), *out;
+    Py_INCREF(last);
+    if (PyList_SetSlice(heap, n - 1, n, NULL) < 0) { Py_DECREF(last); return ERR; }
+    if (n > 1) {
+        out = PyList_GET_ITEM(heap, 0);
+        PyList_SET_ITEM(heap, 0, last);
+        if (sift_up(heap, 0) < 0) { Py_DECREF(out); return ERR; }
+    } else {
+        out = last;
+    }
+    long slot = PyLong_AsLong(out);
+    Py_DECREF(out);
+    if (slot == -1 && PyErr_Occurred()) return ERR;
+    s->used[t][slot] = 1;
+    return slot;
+}
+
+static int free_slot(State *s, int t, long slot) {
+    if (!s->used[t][slot]) {
+        PyErr_Format(PyExc_ValueError, "slot %ld is not in use", slot);
+        return -1;
+    }
+    s->used[t][slot] = 0;
+    PyObject *heap = s->free_list[t], *item = PyLong_FromLong(slot);
+    if (item == NULL || PyList_Append(heap, item) < 0) { Py_XDECREF(item); return -1; }
+    Py_DECREF(item);
+    if (sift_down(heap, 0, PyList_GET_SIZE(heap) - 1) < 0) return -1;
+    if (s->slot_freed != Py_None) {
+        PyObject *r = PyObject_CallFunction(s->slot_freed, "Ol", TIER[t], slot);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
+/* -- LRUPolicy's hooks ------------------------------------------------------------------ */
+static int lru_insert(State *s, long h, int t) {
+    PyObject *key = PyLong_FromLong(h);
+    if (key == NULL) return -1;
+    int rc = PyObject_SetItem(s->order[t], key, Py_None);
+    if (rc == 0) rc = PyDict_SetItem(s->tier_of, key, TIER[t]);
+    Py_DECREF(key);
+    return rc;
+}
+
+static int lru_remove(State *s, long h, int t) {
+    PyObject *key = PyLong_FromLong(h);
+    if (key == NULL) return -1;
+    int rc = PyObject_DelItem(s->order[t], key);
+    if (rc == 0) rc = PyDict_DelItem(s->tier_of, key);
+    Py_DECREF(key);
+    return rc;
+}
+
+/* LRU's victim: the first unpinned page of the tier's order; NONE when all are pinned. */
+static long lru_victim(State *s, int t) {
+    PyObject *it = PyObject_GetIter(s->order[t]), *key;
+    if (it == NULL) return ERR;
+    long found = NONE;
+    while ((key = PyIter_Next(it)) != NULL) {
+        long h = PyLong_AsLong(key);
+        Py_DECREF(key);
+        if (h == -1 && PyErr_Occurred()) break;
+        if (s->pins[h] == 0) { found = h; break; }
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? ERR : found;
+}
+
+/* -- index -------------------------------------------------------------------------------- */
+static int placed(State *s, long h, int t, long slot) {
+    if (s->page_placed == Py_None) return 0;
+    PyObject *r = PyObject_CallFunction(s->page_placed, "OOlK", PyList_GET_ITEM(s->keys, h), TIER[t], slot,
+                                        (unsigned long long)s->checksum[h]);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static long index_add(State *s, PyObject *key, int t, long slot, uint64_t checksum, long parent, long depth) {
+    long h;
+    Py_ssize_t nfree = PyList_GET_SIZE(s->free_handles);
+    if (nfree) {
+        PyObject *last = PyList_GET_ITEM(s->free_handles, nfree - 1);
+        h = PyLong_AsLong(last);
+        if (h == -1 && PyErr_Occurred()) return ERR;
+        if (PyList_SetSlice(s->free_handles, nfree - 1, nfree, NULL) < 0) return ERR;
+        Py_INCREF(key);
+        if (PyList_SetItem(s->keys, h, key) < 0) return ERR;
+    } else {
+        h = (long)PyList_GET_SIZE(s->keys);
+        if (PyList_Append(s->keys, key) < 0) return ERR;
+        if (h >= s->ncap) { /* the index doubles its columns: take the new ones */
+            release_columns(s);
+            PyObject *r = PyObject_CallMethod(s->index, "_grow", NULL);
+            if (r == NULL) return ERR;
+            Py_DECREF(r);
+            if (load_columns(s) < 0) return ERR;
+        }
+    }
+    PyObject *hobj = PyLong_FromLong(h);
+    if (hobj == NULL) return ERR;
+    int rc = PyDict_SetItem(s->handles, key, hobj);
+    Py_DECREF(hobj);
+    if (rc < 0) return ERR;
+    s->tier[h] = (int8_t)t;
+    s->slot[h] = (int32_t)slot;
+    s->node_col[h] = 0;
+    s->checksum[h] = checksum;
+    s->pins[h] = 0;
+    s->hits[h] = 0;
+    s->depth[h] = (int32_t)depth;
+    s->parent[h] = (int32_t)parent;
+    s->first[h] = s->prev[h] = s->next[h] = NONE;
+    if (parent != ROOT) {
+        int32_t first = s->first[parent];
+        s->next[h] = first;
+        if (first != NONE) s->prev[first] = (int32_t)h;
+        s->first[parent] = (int32_t)h;
+    }
+    s->last[h] = ++s->clock;
+    return h;
+}
+
+static int index_remove(State *s, long h) {
+    if (s->pins[h] > 0 || s->first[h] != NONE) {
+        PyErr_Format(PyExc_ValueError, "handle %ld is pinned or still has cached children", h);
+        return -1;
+    }
+    int32_t prev = s->prev[h], next = s->next[h];
+    if (prev != NONE) s->next[prev] = next;
+    else if (s->parent[h] != ROOT) s->first[s->parent[h]] = next;
+    if (next != NONE) s->prev[next] = prev;
+    PyObject *key = PyList_GET_ITEM(s->keys, h), *hobj;
+    Py_INCREF(key);
+    int rc = PyDict_DelItem(s->handles, key);
+    if (rc == 0 && s->page_dropped != Py_None) {
+        PyObject *r = PyObject_CallOneArg(s->page_dropped, key);
+        rc = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(key);
+    if (rc < 0) return -1;
+    Py_INCREF(Py_None);
+    if (PyList_SetItem(s->keys, h, Py_None) < 0) return -1;
+    if ((hobj = PyLong_FromLong(h)) == NULL) return -1;
+    rc = PyList_Append(s->free_handles, hobj);
+    Py_DECREF(hobj);
+    return rc;
+}
+
+/* -- kept pages and their lineages (the page and its ancestors) --------------------------- */
+static int keep(State *s, long h) {
+    for (int i = 0; i < s->nkept; i++)
+        if (s->kept[i] == h) { s->kept_count[i]++; return 0; }
+    if (s->nkept == MAX_KEPT) { PyErr_SetString(PyExc_RuntimeError, "too many kept pages"); return -1; }
+    s->kept[s->nkept] = h;
+    s->kept_count[s->nkept++] = 1;
+    return 0;
+}
+
+static void release(State *s, long h) {
+    for (int i = 0; i < s->nkept; i++)
+        if (s->kept[i] == h && --s->kept_count[i] == 0) {
+            s->kept[i] = s->kept[--s->nkept];
+            s->kept_count[i] = s->kept_count[s->nkept];
+            return;
+        }
+}
+
+static int in_lineage(State *s, long h, long kept) {
+    for (long up = kept; up != ROOT; up = s->parent[up])
+        if (up == h) return 1;
+    return 0;
+}
+
+static int keeps_descendant(State *s, long h) {
+    for (int i = 0; i < s->nkept; i++)
+        if (in_lineage(s, h, s->kept[i])) return 1;
+    return 0;
+}
+
+/* -- links --------------------------------------------------------------------------------- */
+static int book(State *s, PyObject *path, double duration, PyObject *kind) {
+    Py_ssize_t n = PyTuple_GET_SIZE(path);
+    for (Py_ssize_t i = 0; i < n; i++) { /* a queued link: the Python booking fits it in */
+        PyObject *queued = PyObject_GetAttr(PyTuple_GET_ITEM(path, i), A_queued);
+        if (queued == NULL) return -1;
+        int q = PyObject_IsTrue(queued);
+        Py_DECREF(queued);
+        if (q) {
+            PyObject *r = PyObject_CallFunction(book_fn, "OOdOO", path, s->clock_obj, duration, s->nbytes_obj, kind);
+            Py_XDECREF(r);
+            return r == NULL ? -1 : 0;
+        }
+    }
+    double start = s->node_clock, end = start + duration;
+    for (Py_ssize_t i = 0; i < n; i++) { /* Link.occupy of an unqueued link */
+        PyObject *link = PyTuple_GET_ITEM(path, i), *r = NULL, *pending = NULL, *entry = NULL;
+        PyObject *by_kind = PyObject_GetAttr(link, A_bytes_by_kind), *busy = NULL, *last = NULL, *sum = NULL;
+        int rc = -1;
+        if (by_kind == NULL) return -1;
+        PyObject *had = PyDict_GetItemWithError(by_kind, kind);
+        if (had == NULL && PyErr_Occurred()) goto done;
+        sum = had ? PyNumber_Add(had, s->nbytes_obj) : (Py_INCREF(s->nbytes_obj), s->nbytes_obj);
+        if (sum == NULL || PyDict_SetItem(by_kind, kind, sum) < 0) goto done;
+        if ((busy = PyObject_GetAttr(link, A_busy_ms)) == NULL) goto done;
+        double b = PyFloat_AsDouble(busy);
+        if (b == -1.0 && PyErr_Occurred()) goto done;
+        Py_DECREF(busy);
+        if ((busy = PyFloat_FromDouble(b + (end - start))) == NULL || PyObject_SetAttr(link, A_busy_ms, busy) < 0)
+            goto done;
+        if ((last = PyObject_GetAttr(link, A_last_end_ms)) == NULL) goto done;
+        double l = PyFloat_AsDouble(last);
+        if (l == -1.0 && PyErr_Occurred()) goto done;
+        Py_DECREF(last);
+        last = PyFloat_FromDouble(end);
+        if (last == NULL || (end > l && PyObject_SetAttr(link, A_last_end_ms, last) < 0)) goto done;
+        if ((pending = PyObject_GetAttr(link, A_pending)) == NULL) goto done;
+        if ((entry = PyTuple_Pack(2, last, s->nbytes_obj)) == NULL) goto done;
+        r = PyObject_CallFunctionObjArgs(heappush, pending, entry, NULL);
+        rc = r == NULL ? -1 : 0;
+    done:
+        Py_XDECREF(r); Py_XDECREF(entry); Py_XDECREF(pending); Py_XDECREF(last);
+        Py_XDECREF(busy); Py_XDECREF(sum); Py_DECREF(by_kind);
+        if (rc < 0) return -1;
+    }
+    return 0;
+}
+
+/* SimNode.mover / _write_local: book node._moves[src, dst] or node._stores[tier]. */
+static int book_move(State *s, int src, int dst) {
+    PyObject *move = s->move[src][dst];
+    if (move == NULL) {
+        PyObject *pair = PyTuple_Pack(2, TIER[src], TIER[dst]);
+        if (pair == NULL) return -1;
+        move = s->move[src][dst] = PyDict_GetItemWithError(s->moves, pair);
+        Py_DECREF(pair);
+        if (move == NULL) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "no path for a move"); return -1; }
+    }
+    double duration = PyFloat_AsDouble(PyTuple_GET_ITEM(move, 1));
+    if (duration == -1.0 && PyErr_Occurred()) return -1;
+    if (book(s, PyTuple_GET_ITEM(move, 0), duration, PyTuple_GET_ITEM(move, 2)) < 0) return -1;
+    s->background += duration;
+    return 0;
+}
+
+static int count(PyObject *counter, PyObject *name) {
+    PyObject *had = PyDict_GetItemWithError(counter, name);
+    if (had == NULL && PyErr_Occurred()) return -1;
+    long n = had ? PyLong_AsLong(had) : 0;
+    PyObject *v = PyLong_FromLong(n + 1);
+    int rc = v == NULL ? -1 : PyDict_SetItem(counter, name, v);
+    Py_XDECREF(v);
+    return rc;
+}
+
+#endif

@@ -1,0 +1,118 @@
+"""The compiled chain writer (kvray/sim/_chain.c) leaves a node exactly as the manager's
+Python does: the same index (keys, handles, columns, free handles), LRU order, slot heaps,
+metrics, link counters and modeled move time, after every store of random chains in caches
+far smaller than them (eviction cascades, refusals of a kept lineage, chains longer than the
+whole cache), on unqueued and queued links, and when a writer fails mid-chain."""
+
+import numpy as np
+import pytest
+
+from kvray.core.errors import KvrayError
+from kvray.core.index import ROOT
+from kvray.core.tiers import Tier
+from kvray.policy import make_policy
+from kvray.scenario import DEFAULT_SCENARIO, load_scenario
+from kvray.sim import _chain
+from kvray.sim.node import SimNode
+
+
+def state(node: SimNode) -> dict:
+    """Everything a store may change, as plain values."""
+    index, manager = node.manager.index, node.manager
+    live = sorted(index._handles.values())
+    columns = {name: col[live].tolist() for name, col in index._cols.items()}
+    return {
+        "handles": dict(index._handles),
+        "keys": list(index._keys),
+        "free_handles": list(index._free_handles),
+        "columns": columns,
+        "clock": index.clock,
+        "lru": {t: list(order) for t, order in node.policy._order.items()},
+        "tier_of": dict(node.policy._tier_of),
+        "slots": {t: (list(a._free), bytes(a._used)) for t, a in manager.slots.items()},
+        "metrics": manager.metrics.snapshot(),
+        "kept": (dict(manager._kept), dict(manager._lineage)),
+        "links": [
+            (link.name, dict(link.bytes_by_kind), link.busy_ms, link.last_end_ms, sorted(link._pending)) for link in node.links
+        ],
+        "background_ms": node.background_ms,
+    }
+
+
+def nodes(capacities: dict[Tier, int], queued: bool) -> tuple[SimNode, SimNode]:
+    scenario = load_scenario(DEFAULT_SCENARIO)
+    return tuple(SimNode(0, scenario, make_policy("lru"), capacities, queued=queued) for _ in range(2))
+
+
+def chains(rng: np.random.Generator, count: int, longest: int) -> list[list[int]]:
+    """Requests that share prefixes (a random tree of page keys), some longer than the cache."""
+    made: list[list[int]] = []
+    next_key = 1
+    for _ in range(count):
+        base = made[rng.integers(len(made))] if made and rng.random() < 0.8 else []
+        chain = base[: rng.integers(len(base) + 1)]
+        for _ in range(int(rng.integers(1, longest))):
+            chain.append(next_key)
+            next_key += 1
+        made.append(chain)
+    return made
+
+
+@pytest.mark.parametrize("queued", [False, True])
+@pytest.mark.parametrize(("seed", "scale"), [(seed, 1) for seed in range(12)] + [(seed, 10) for seed in range(4)])
+def test_compiled_stores_leave_the_python_paths_state(seed, queued, scale):
+    """scale 10: tiers of tens of pages, so that a chain longer than the cache refuses more
+    than the 32 victims a reserve may (REFUSALS_PER_RESERVE) in one kept lineage."""
+    rng = np.random.default_rng(seed)
+    capacities = {
+        t: int(rng.integers(low, high * scale)) for t, low, high in ((Tier.DEVICE, 1, 5), (Tier.HOST, 0, 8), (Tier.DISK, 0, 12))
+    }
+    compiled, python = nodes(capacities, queued)
+    for i, chain in enumerate(chains(rng, 60, longest=24 * scale)):
+        for node in (compiled, python):
+            node.clock = float(i)
+            hits = node.manager.lookup(chain).handles
+            node.manager.touch(hits)  # LRU order moves between stores
+        stored = _chain.store_chain(compiled.manager, compiled, chain, None, ROOT, 0, len(chain))
+        assert stored == python.manager.store_chain(chain, python.mover, python.write)
+        assert state(compiled) == state(python), f"store {i} of {chain}"
+    assert python.manager.metrics.moved_pages and python.manager.metrics.evicted_pages  # cascades ran
+
+
+def test_a_failing_writer_gives_its_slot_back_on_both_paths():
+    compiled, python = nodes({Tier.DEVICE: 2, Tier.HOST: 3, Tier.DISK: 4}, queued=False)
+    for node in (compiled, python):
+        node.manager.store_chain([1, 2, 3, 4, 5], node.mover, node.write)
+    calls = {"compiled": 0, "python": 0}
+
+    def failing(which: str):
+        def write(depth: int, key: int, tier: Tier, slot: int, parent: int) -> int:
+            calls[which] += 1
+            if calls[which] == 3:
+                raise KvrayError("the copy failed")
+            return 7
+
+        return write
+
+    with pytest.raises(KvrayError):
+        _chain.store_chain(compiled.manager, compiled, [1, 2, 6, 7, 8, 9], failing("compiled"), ROOT, 0, 6)
+    with pytest.raises(KvrayError):
+        python.manager.store_chain([1, 2, 6, 7, 8, 9], python.mover, failing("python"))
+    assert state(compiled) == state(python)
+    assert compiled.manager.lookup([1, 2, 6, 7, 8]).checksums.tolist() == [0, 0, 7, 7]  # stored before the failure
+
+
+def test_store_chain_takes_the_compiled_path_only_where_it_is_exact(monkeypatch):
+    """LRU itself, nothing kept from outside: else the manager's Python runs."""
+    import kvray.sim.node
+
+    taken = []
+    monkeypatch.setattr(kvray.sim.node, "_chain", type("Spy", (), {"store_chain": staticmethod(lambda *a: taken.append(a) or 0)}))
+    scenario = load_scenario(DEFAULT_SCENARIO)
+    capacities = {Tier.DEVICE: 2, Tier.HOST: 2}
+    lru, arc = SimNode(0, scenario, make_policy("lru"), capacities), SimNode(0, scenario, make_policy("arc"), capacities)
+    lru.store_chain([1, 2], lru.write)
+    assert len(taken) == 1 and taken[0][3] is None  # the node's own writer: booked in C
+    assert arc.store_chain([1, 2], arc.write) == 2 and len(taken) == 1
+    lru.manager.keep(0)
+    assert lru.store_chain([1, 2, 3], lru.write) == 3 and len(taken) == 1  # the spy stored nothing: Python all 3
