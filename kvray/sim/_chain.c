@@ -160,7 +160,7 @@ static long store_pages(State *s, PyObject *keys, PyObject *write, long parent, 
             if (path != NULL) book(s, PyTuple_GET_ITEM(path, 0), PyFloat_AsDouble(PyTuple_GET_ITEM(path, 1)), store_kind);
             else if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "no path for a store");
         } else {
-            PyObject *r = PyObject_CallFunction(write, "nOOll", depth, key, TIER[admit], slot, parent);
+            PyObject *r = flush_links(s) < 0 ? NULL : PyObject_CallFunction(write, "nOOll", depth, key, TIER[admit], slot, parent);
             if (r != NULL) checksum = PyLong_AsUnsignedLongLongMask(r);
             Py_XDECREF(r);
         }
@@ -228,6 +228,7 @@ static PyObject *store_chain(PyObject *module, PyObject *args) {
     if ((s.clock = PyLong_AsLongLong(clock)) == -1 && PyErr_Occurred()) goto fail;
     if ((s.node_clock = PyFloat_AsDouble(s.clock_obj)) == -1.0 && PyErr_Occurred()) goto fail;
     if ((s.background = PyFloat_AsDouble(bg)) == -1.0 && PyErr_Occurred()) goto fail;
+    if ((s.nbytes = PyLong_AsLongLong(s.nbytes_obj)) == -1 && PyErr_Occurred()) goto fail;
     for (int t = 0; t < NTIERS; t++) {
         PyObject *alloc = TIER_ITEM(slots, t), *used = NULL;
         if ((s.order[t] = TIER_ITEM(order, t)) == NULL) {
@@ -263,7 +264,7 @@ fail:
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         PyObject *c = PyLong_FromLongLong(s.clock), *b = PyFloat_FromDouble(s.background);
-        int rc = c == NULL || b == NULL || PyObject_SetAttrString(s.index, "clock", c) < 0 ||
+        int rc = flush_links(&s) < 0 || c == NULL || b == NULL || PyObject_SetAttrString(s.index, "clock", c) < 0 ||
                  PyObject_SetAttrString(node, "background_ms", b) < 0 || add_long(metrics, "stored_pages", s.stored) < 0 ||
                  add_long(metrics, "evicted_pages", s.evicted) < 0;
         Py_XDECREF(c); Py_XDECREF(b);

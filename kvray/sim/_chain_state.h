@@ -31,6 +31,18 @@ static const Py_ssize_t COL_SIZES[NCOLS] = {1, 4, 4, 8, 4, 4, 8, 4, 4, 4, 4, 4};
 static PyObject *heappush, *book_fn, *TIER[NTIERS], *LABEL[NTIERS], *MOVE_NAME[NTIERS][NTIERS], *store_kind;
 static PyObject *A_queued, *A_bytes_by_kind, *A_busy_ms, *A_last_end_ms, *A_pending; /* Link's attributes, interned */
 
+#define MAX_LINKS 16
+#define MAX_KINDS 4
+#define MAX_ENDS 8
+typedef struct {
+    PyObject *link;
+    int queued, nkinds, nends;
+    double busy, last, last0;
+    PyObject *kinds[MAX_KINDS];
+    long long kind_count[MAX_KINDS], end_count[MAX_ENDS];
+    double ends[MAX_ENDS];
+} LinkSums;
+
 typedef struct {
     PyObject *manager, *node, *index;
     /* index */
@@ -55,11 +67,16 @@ typedef struct {
     PyObject *moved_pages, *stored_by_tier;
     long long stored, evicted;
     PyObject *moves, *stores, *clock_obj, *nbytes_obj, *move[NTIERS][NTIERS]; /* move: node._moves' entries, borrowed */
+    long long nbytes;
     double node_clock, background;
     /* kept pages (the chain's parent, pages being moved) */
     long kept[MAX_KEPT];
     int kept_count[MAX_KEPT], nkept;
+    LinkSums links[MAX_LINKS]; /* the links booked since the last write-back */
+    int nlinks;
 } State;
+
+static int flush_links(State *s); /* before any Python code runs: see "links" below */
 
 /* -- columns ------------------------------------------------------------------------- */
 static void release_columns(State *s) {
@@ -171,6 +188,7 @@ static int free_slot(State *s, int t, long slot) {
     Py_DECREF(item);
     if (sift_down(heap, 0, PyList_GET_SIZE(heap) - 1) < 0) return -1;
     if (s->slot_freed != Py_None) {
+        if (flush_links(s) < 0) return -1;
         PyObject *r = PyObject_CallFunction(s->slot_freed, "Ol", TIER[t], slot);
         if (r == NULL) return -1;
         Py_DECREF(r);
@@ -215,6 +233,7 @@ static long lru_victim(State *s, int t) {
 /* -- index -------------------------------------------------------------------------------- */
 static int placed(State *s, long h, int t, long slot) {
     if (s->page_placed == Py_None) return 0;
+    if (flush_links(s) < 0) return -1;
     PyObject *r = PyObject_CallFunction(s->page_placed, "OOlK", PyList_GET_ITEM(s->keys, h), TIER[t], slot,
                                         (unsigned long long)s->checksum[h]);
     Py_XDECREF(r);
@@ -278,7 +297,7 @@ static int index_remove(State *s, long h) {
     PyObject *key = PyList_GET_ITEM(s->keys, h), *hobj;
     Py_INCREF(key);
     int rc = PyDict_DelItem(s->handles, key);
-    if (rc == 0 && s->page_dropped != Py_None) {
+    if (rc == 0 && s->page_dropped != Py_None && (rc = flush_links(s)) == 0) {
         PyObject *r = PyObject_CallOneArg(s->page_dropped, key);
         rc = r == NULL ? -1 : 0;
         Py_XDECREF(r);
@@ -324,50 +343,118 @@ static int keeps_descendant(State *s, long h) {
     return 0;
 }
 
-/* -- links --------------------------------------------------------------------------------- */
+/* -- links: an unqueued link's Link.occupy, added up over the call ---------------------------
+ * Each booking adds its bytes to bytes_by_kind, its time to busy_ms (one float addition per
+ * booking, in order, as Python does), raises last_end_ms and pushes (end, bytes) on the
+ * pending heap that Link.utilisation drains. Those sums are kept here and written back before
+ * any Python code runs (a writer, a listener, a queued booking) and when the call ends; the
+ * bookings of one call that end together are pushed as one entry of their summed bytes, which
+ * Link.utilisation counts alike (it only adds up the bytes that arrived by a time). */
+
+static int flush_link(State *s, LinkSums *l) {
+    PyObject *link = l->link, *by_kind = PyObject_GetAttr(link, A_bytes_by_kind), *pending = NULL, *v = NULL;
+    int rc = -1;
+    if (by_kind == NULL) return -1;
+    for (int k = 0; k < l->nkinds; k++) {
+        PyObject *had = PyDict_GetItemWithError(by_kind, l->kinds[k]);
+        long long n = had ? PyLong_AsLongLong(had) : 0;
+        if (PyErr_Occurred() || (v = PyLong_FromLongLong(n + l->kind_count[k] * s->nbytes)) == NULL) goto done;
+        if (PyDict_SetItem(by_kind, l->kinds[k], v) < 0) goto done;
+        Py_CLEAR(v);
+    }
+    l->nkinds = 0;
+    if ((v = PyFloat_FromDouble(l->busy)) == NULL || PyObject_SetAttr(link, A_busy_ms, v) < 0) goto done;
+    Py_CLEAR(v);
+    if (l->last > l->last0 && ((v = PyFloat_FromDouble(l->last)) == NULL || PyObject_SetAttr(link, A_last_end_ms, v) < 0)) goto done;
+    Py_CLEAR(v);
+    l->last0 = l->last;
+    if ((pending = PyObject_GetAttr(link, A_pending)) == NULL) goto done;
+    for (int e = 0; e < l->nends; e++) {
+        if ((v = Py_BuildValue("(dL)", l->ends[e], l->end_count[e] * s->nbytes)) == NULL) goto done;
+        PyObject *r = PyObject_CallFunctionObjArgs(heappush, pending, v, NULL);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+        Py_CLEAR(v);
+    }
+    l->nends = 0;
+    rc = 0;
+done:
+    Py_XDECREF(v);
+    Py_XDECREF(pending);
+    Py_DECREF(by_kind);
+    return rc;
+}
+
+/* Write every link's sums back (they start again from the link's values at its next booking). */
+static int flush_links(State *s) {
+    int rc = 0;
+    for (int i = 0; i < s->nlinks; i++) {
+        if (!s->links[i].queued && rc == 0) rc = flush_link(s, &s->links[i]);
+        Py_DECREF(s->links[i].link);
+    }
+    s->nlinks = 0;
+    return rc;
+}
+
+static LinkSums *link_sums(State *s, PyObject *link) {
+    for (int i = 0; i < s->nlinks; i++)
+        if (s->links[i].link == link) return &s->links[i];
+    if (s->nlinks == MAX_LINKS && flush_links(s) < 0) return NULL;
+    LinkSums *l = &s->links[s->nlinks];
+    PyObject *queued = PyObject_GetAttr(link, A_queued), *busy = NULL, *last = NULL;
+    if (queued == NULL) return NULL;
+    l->queued = PyObject_IsTrue(queued);
+    Py_DECREF(queued);
+    if (l->queued < 0) return NULL;
+    if (!l->queued) {
+        if ((busy = PyObject_GetAttr(link, A_busy_ms)) == NULL || (last = PyObject_GetAttr(link, A_last_end_ms)) == NULL) {
+            Py_XDECREF(busy);
+            return NULL;
+        }
+        l->busy = PyFloat_AsDouble(busy);
+        l->last = l->last0 = PyFloat_AsDouble(last);
+        Py_DECREF(busy);
+        Py_DECREF(last);
+        if (PyErr_Occurred()) return NULL;
+    }
+    l->nkinds = l->nends = 0;
+    Py_INCREF(link);
+    l->link = link;
+    s->nlinks++;
+    return l;
+}
+
+/* links.book at the node's clock: in the sums when every link of the path is unqueued, else
+ * by kvray.sim.links.book itself (which fits the transfer into the queued links' lanes). */
 static int book(State *s, PyObject *path, double duration, PyObject *kind) {
     Py_ssize_t n = PyTuple_GET_SIZE(path);
-    for (Py_ssize_t i = 0; i < n; i++) { /* a queued link: the Python booking fits it in */
-        PyObject *queued = PyObject_GetAttr(PyTuple_GET_ITEM(path, i), A_queued);
-        if (queued == NULL) return -1;
-        int q = PyObject_IsTrue(queued);
-        Py_DECREF(queued);
-        if (q) {
+    LinkSums *sums[MAX_LINKS];
+    if (n > MAX_LINKS) return PyErr_SetString(PyExc_ValueError, "a path of too many links"), -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((sums[i] = link_sums(s, PyTuple_GET_ITEM(path, i))) == NULL) return -1;
+        if (sums[i]->queued) {
+            if (flush_links(s) < 0) return -1;
             PyObject *r = PyObject_CallFunction(book_fn, "OOdOO", path, s->clock_obj, duration, s->nbytes_obj, kind);
             Py_XDECREF(r);
             return r == NULL ? -1 : 0;
         }
     }
     double start = s->node_clock, end = start + duration;
-    for (Py_ssize_t i = 0; i < n; i++) { /* Link.occupy of an unqueued link */
-        PyObject *link = PyTuple_GET_ITEM(path, i), *r = NULL, *pending = NULL, *entry = NULL;
-        PyObject *by_kind = PyObject_GetAttr(link, A_bytes_by_kind), *busy = NULL, *last = NULL, *sum = NULL;
-        int rc = -1;
-        if (by_kind == NULL) return -1;
-        PyObject *had = PyDict_GetItemWithError(by_kind, kind);
-        if (had == NULL && PyErr_Occurred()) goto done;
-        sum = had ? PyNumber_Add(had, s->nbytes_obj) : (Py_INCREF(s->nbytes_obj), s->nbytes_obj);
-        if (sum == NULL || PyDict_SetItem(by_kind, kind, sum) < 0) goto done;
-        if ((busy = PyObject_GetAttr(link, A_busy_ms)) == NULL) goto done;
-        double b = PyFloat_AsDouble(busy);
-        if (b == -1.0 && PyErr_Occurred()) goto done;
-        Py_DECREF(busy);
-        if ((busy = PyFloat_FromDouble(b + (end - start))) == NULL || PyObject_SetAttr(link, A_busy_ms, busy) < 0)
-            goto done;
-        if ((last = PyObject_GetAttr(link, A_last_end_ms)) == NULL) goto done;
-        double l = PyFloat_AsDouble(last);
-        if (l == -1.0 && PyErr_Occurred()) goto done;
-        Py_DECREF(last);
-        last = PyFloat_FromDouble(end);
-        if (last == NULL || (end > l && PyObject_SetAttr(link, A_last_end_ms, last) < 0)) goto done;
-        if ((pending = PyObject_GetAttr(link, A_pending)) == NULL) goto done;
-        if ((entry = PyTuple_Pack(2, last, s->nbytes_obj)) == NULL) goto done;
-        r = PyObject_CallFunctionObjArgs(heappush, pending, entry, NULL);
-        rc = r == NULL ? -1 : 0;
-    done:
-        Py_XDECREF(r); Py_XDECREF(entry); Py_XDECREF(pending); Py_XDECREF(last);
-        Py_XDECREF(busy); Py_XDECREF(sum); Py_DECREF(by_kind);
-        if (rc < 0) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        LinkSums *l = sums[i];
+        int k = 0, e = 0;
+        while (k < l->nkinds && l->kinds[k] != kind) k++;
+        while (e < l->nends && l->ends[e] != end) e++;
+        if (k == MAX_KINDS || e == MAX_ENDS) {
+            if (flush_link(s, l) < 0) return -1;
+            k = e = 0;
+        }
+        if (k == l->nkinds) l->nkinds++, l->kinds[k] = kind, l->kind_count[k] = 0;
+        if (e == l->nends) l->nends++, l->ends[e] = end, l->end_count[e] = 0;
+        l->kind_count[k]++;
+        l->end_count[e]++;
+        l->busy += end - start;
+        if (end > l->last) l->last = end;
     }
     return 0;
 }

@@ -13,6 +13,7 @@ from kvray.core.tiers import Tier
 from kvray.policy import make_policy
 from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim import _chain
+from kvray.sim.links import Link
 from kvray.sim.node import SimNode
 
 
@@ -32,11 +33,18 @@ def state(node: SimNode) -> dict:
         "slots": {t: (list(a._free), bytes(a._used)) for t, a in manager.slots.items()},
         "metrics": manager.metrics.snapshot(),
         "kept": (dict(manager._kept), dict(manager._lineage)),
-        "links": [
-            (link.name, dict(link.bytes_by_kind), link.busy_ms, link.last_end_ms, sorted(link._pending)) for link in node.links
-        ],
+        "links": [(link.name, dict(link.bytes_by_kind), link.busy_ms, link.last_end_ms, arrivals(link)) for link in node.links],
         "background_ms": node.background_ms,
     }
+
+
+def arrivals(link: Link) -> dict[float, int]:
+    """Bytes by the time they arrive, what Link.utilisation reads off its pending heap (the
+    compiled path pushes a call's bookings that end together as one entry)."""
+    by_end: dict[float, int] = {}
+    for end, nbytes in link._pending:
+        by_end[end] = by_end.get(end, 0) + nbytes
+    return by_end
 
 
 def nodes(capacities: dict[Tier, int], queued: bool) -> tuple[SimNode, SimNode]:
