@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import bisect
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -42,6 +43,18 @@ except ImportError:  # a checkout whose extensions are not built
     _chain = None
 
 TIERS = tuple(Tier)
+
+
+@contextmanager
+def python_chain_writer() -> Iterator[None]:
+    """Replays in this block store chains with the manager's Python only: the reference that
+    :mod:`kvray.sim._chain` transcribes, which tests and the benchmark compare it with."""
+    global _chain
+    compiled, _chain = _chain, None
+    try:
+        yield
+    finally:
+        _chain = compiled
 
 
 def session_of(request: TraceRequest) -> str:
@@ -189,9 +202,15 @@ class SimNode:
         self.background_ms += duration
 
     def store_chain(
-        self, keys: Sequence[int], write: Callable[[int, int, Tier, int, int], int], *,
-        parent: int = ROOT, tenant: str = "", start: int = 0, stop: int | None = None,
-    ) -> int:  # fmt: skip
+        self,
+        keys: Sequence[int],
+        write: Callable[[int, int, Tier, int, int], int],
+        *,
+        parent: int = ROOT,
+        tenant: str = "",
+        start: int = 0,
+        stop: int | None = None,
+    ) -> int:
         """``manager.store_chain`` of ``keys`` with this node's mover: in C (:mod:`kvray.sim._chain`,
         a transcription of the manager's chain writer, LRU's hooks and the links' bookings, one
         call per request instead of ~60 Python calls per stored page) where it is exact (the

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from functools import cache
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import kvray.sim.node
 from kvray.report import ReplayResult
 from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim import _chain  # the compiled chain writer: built by setup.py, as kvray.core's extensions
+from kvray.sim.node import python_chain_writer
 from kvray.sim.simulator import simulate
 from kvray.sim.workloads import FAMILIES, generate
 from kvray.traces import read_trace
@@ -72,10 +74,10 @@ def test_fingerprint_covers_every_replay(recorded):
 
 
 @pytest.fixture(params=["compiled", "python"])
-def core(request, monkeypatch) -> str:
+def core(request) -> Iterator[str]:
     """The chain writer the replays run: kvray.sim._chain where it applies, or Python only."""
-    monkeypatch.setattr(kvray.sim.node, "_chain", _chain if request.param == "compiled" else None)
-    return request.param
+    with python_chain_writer() if request.param == "python" else nullcontext():
+        yield request.param
 
 
 @pytest.mark.parametrize("name", list(replays()))
