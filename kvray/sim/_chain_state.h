@@ -100,20 +100,12 @@ static int load_columns(State *s) {
             return -1;
         }
     }
+    void **columns[NCOLS] = {(void **)&s->tier,   (void **)&s->slot,  (void **)&s->node_col, (void **)&s->checksum,
+                             (void **)&s->pins,   (void **)&s->hits,  (void **)&s->last,     (void **)&s->depth,
+                             (void **)&s->parent, (void **)&s->first, (void **)&s->next,     (void **)&s->prev};
+    for (int i = 0; i < NCOLS; i++) *columns[i] = s->buf[i].buf; /* in COL_NAMES' order */
     s->have_buf = 1;
     s->ncap = s->buf[C_TIER].len;
-    s->tier = s->buf[C_TIER].buf;
-    s->slot = s->buf[C_SLOT].buf;
-    s->node_col = s->buf[C_NODE].buf;
-    s->checksum = s->buf[C_CHECKSUM].buf;
-    s->pins = s->buf[C_PINS].buf;
-    s->hits = s->buf[C_HITS].buf;
-    s->last = s->buf[C_LAST].buf;
-    s->depth = s->buf[C_DEPTH].buf;
-    s->parent = s->buf[C_PARENT].buf;
-    s->first = s->buf[C_FIRST].buf;
-    s->next = s->buf[C_NEXT].buf;
-    s->prev = s->buf[C_PREV].buf;
     return 0;
 }
 
