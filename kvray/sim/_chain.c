@@ -15,8 +15,8 @@
  *
  * store_chain(manager, node, keys, write, parent, start, stop) -> pages stored
  *   write: None for the node's own engine (node._stores' booking, checksum 0), else the
- *   Python writer; moves book node._moves[src, dst]; a path with a queued link is booked by
- *   kvray.sim.links.book itself.
+ *   Python writer; moves book node._moves[src, dst] (links.book's search of the lanes of
+ *   queued links included).
  */
 #include "_chain_state.h"
 
@@ -307,13 +307,14 @@ PyMODINIT_FUNC PyInit__chain(void) {
         for (int d = 0; ok && d < NTIERS; d++) ok = (MOVE_NAME[t][d] = PyUnicode_FromFormat("%U->%U", LABEL[t], LABEL[d])) != NULL;
     Py_XDECREF(tiers);
     Py_XDECREF(labels);
-    if (!ok || (heappush = import("heapq", "heappush")) == NULL || (book_fn = import("kvray.sim.links", "book")) == NULL ||
+    if (!ok || (heappush = import("heapq", "heappush")) == NULL ||
         (store_kind = PyUnicode_InternFromString("store")) == NULL ||
         (A_queued = PyUnicode_InternFromString("queued")) == NULL ||
         (A_bytes_by_kind = PyUnicode_InternFromString("bytes_by_kind")) == NULL ||
         (A_busy_ms = PyUnicode_InternFromString("busy_ms")) == NULL ||
         (A_last_end_ms = PyUnicode_InternFromString("last_end_ms")) == NULL ||
-        (A_pending = PyUnicode_InternFromString("_pending")) == NULL) {
+        (A_pending = PyUnicode_InternFromString("_pending")) == NULL ||
+        (A_starts = PyUnicode_InternFromString("_starts")) == NULL || (A_ends = PyUnicode_InternFromString("_ends")) == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ImportError, "kvray.core.tiers: four tiers expected");
         return NULL;
     }

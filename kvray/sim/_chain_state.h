@@ -26,16 +26,17 @@ static const char *COL_NAMES[NCOLS] = {"tier", "slot", "node", "checksum", "pins
                                        "depth", "parent", "first_child", "next_sibling", "prev_sibling"};
 static const Py_ssize_t COL_SIZES[NCOLS] = {1, 4, 4, 8, 4, 4, 8, 4, 4, 4, 4, 4};
 
-/* set once at import: heapq.heappush (the links' pending heaps), kvray.sim.links.book, the Tier
+/* set once at import: heapq.heappush (the links' pending heaps), the Tier
  * members by value, their labels and the metrics' "src->dst" move names, the kind "store" */
-static PyObject *heappush, *book_fn, *TIER[NTIERS], *LABEL[NTIERS], *MOVE_NAME[NTIERS][NTIERS], *store_kind;
-static PyObject *A_queued, *A_bytes_by_kind, *A_busy_ms, *A_last_end_ms, *A_pending; /* Link's attributes, interned */
+static PyObject *heappush, *TIER[NTIERS], *LABEL[NTIERS], *MOVE_NAME[NTIERS][NTIERS], *store_kind;
+static PyObject *A_queued, *A_bytes_by_kind, *A_busy_ms, *A_last_end_ms, *A_pending, *A_starts, *A_ends; /* Link's, interned */
 
 #define MAX_LINKS 16
 #define MAX_KINDS 4
-#define MAX_ENDS 8
+#define MAX_ENDS 32
 typedef struct {
-    PyObject *link;
+    PyObject *link, *lane_starts, *lane_ends; /* a queued link's lanes: per lane, its bookings' sorted starts, ends */
+    Py_ssize_t lanes;
     int queued, nkinds, nends;
     double busy, last, last0;
     PyObject *kinds[MAX_KINDS];
@@ -381,8 +382,10 @@ done:
 static int flush_links(State *s) {
     int rc = 0;
     for (int i = 0; i < s->nlinks; i++) {
-        if (!s->links[i].queued && rc == 0) rc = flush_link(s, &s->links[i]);
+        if (rc == 0) rc = flush_link(s, &s->links[i]);
         Py_DECREF(s->links[i].link);
+        Py_XDECREF(s->links[i].lane_starts);
+        Py_XDECREF(s->links[i].lane_ends);
     }
     s->nlinks = 0;
     return rc;
@@ -398,17 +401,25 @@ static LinkSums *link_sums(State *s, PyObject *link) {
     l->queued = PyObject_IsTrue(queued);
     Py_DECREF(queued);
     if (l->queued < 0) return NULL;
-    if (!l->queued) {
-        if ((busy = PyObject_GetAttr(link, A_busy_ms)) == NULL || (last = PyObject_GetAttr(link, A_last_end_ms)) == NULL) {
-            Py_XDECREF(busy);
-            return NULL;
-        }
-        l->busy = PyFloat_AsDouble(busy);
-        l->last = l->last0 = PyFloat_AsDouble(last);
-        Py_DECREF(busy);
-        Py_DECREF(last);
-        if (PyErr_Occurred()) return NULL;
+    if ((busy = PyObject_GetAttr(link, A_busy_ms)) == NULL || (last = PyObject_GetAttr(link, A_last_end_ms)) == NULL) {
+        Py_XDECREF(busy);
+        return NULL;
     }
+    l->busy = PyFloat_AsDouble(busy);
+    l->last = l->last0 = PyFloat_AsDouble(last);
+    Py_DECREF(busy);
+    Py_DECREF(last);
+    l->lane_starts = l->queued ? PyObject_GetAttr(link, A_starts) : NULL;
+    l->lane_ends = l->queued && l->lane_starts ? PyObject_GetAttr(link, A_ends) : NULL;
+    if (l->queued && (l->lane_ends == NULL || !PyList_Check(l->lane_starts) || !PyList_Check(l->lane_ends) ||
+                      PyList_GET_SIZE(l->lane_starts) != PyList_GET_SIZE(l->lane_ends))) {
+        Py_XDECREF(l->lane_starts);
+        Py_XDECREF(l->lane_ends);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a queued link's lanes");
+        return NULL;
+    }
+    if (PyErr_Occurred()) return NULL;
+    l->lanes = l->queued ? PyList_GET_SIZE(l->lane_starts) : 0;
     l->nkinds = l->nends = 0;
     Py_INCREF(link);
     l->link = link;
@@ -416,24 +427,95 @@ static LinkSums *link_sums(State *s, PyObject *link) {
     return l;
 }
 
-/* links.book at the node's clock: in the sums when every link of the path is unqueued, else
- * by kvray.sim.links.book itself (which fits the transfer into the queued links' lanes). */
+/* Link._fit: the earliest start at or after ready at which a lane (its sorted bookings) is
+ * idle for duration; bisect_right's search. -1 with an error set if a booking is not a number. */
+static double lane_fit(PyObject *starts, PyObject *ends, double ready, double duration) {
+    Py_ssize_t lo = 0, hi = PyList_GET_SIZE(ends), n = hi;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (ready < PyFloat_AsDouble(PyList_GET_ITEM(ends, mid))) hi = mid;
+        else lo = mid + 1;
+    }
+    double start = ready;
+    for (Py_ssize_t i = lo; i < n; i++) {
+        if (start + duration <= PyFloat_AsDouble(PyList_GET_ITEM(starts, i))) break;
+        double e = PyFloat_AsDouble(PyList_GET_ITEM(ends, i));
+        if (e > start) start = e;
+    }
+    return PyErr_Occurred() ? -1.0 : start;
+}
+
+#define LANE(l, list, i) PyList_GET_ITEM((l)->lane_##list, i)
+
+/* Link.earliest of a queued link: the earliest start at which some lane is idle. */
+static double earliest(LinkSums *l, double ready, double duration) {
+    double best = lane_fit(LANE(l, starts, 0), LANE(l, ends, 0), ready, duration);
+    for (Py_ssize_t lane = 1; lane < l->lanes && best != ready && !PyErr_Occurred(); lane++) {
+        double fits = lane_fit(LANE(l, starts, lane), LANE(l, ends, lane), ready, duration);
+        if (fits < best) best = fits;
+    }
+    return best;
+}
+
+/* insort_right of x into a sorted list of floats. */
+static int insort(PyObject *list, double x) {
+    Py_ssize_t lo = 0, hi = PyList_GET_SIZE(list);
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (x < PyFloat_AsDouble(PyList_GET_ITEM(list, mid))) hi = mid;
+        else lo = mid + 1;
+    }
+    PyObject *v = PyFloat_FromDouble(x);
+    int rc = v == NULL || PyErr_Occurred() ? -1 : PyList_Insert(list, lo, v);
+    Py_XDECREF(v);
+    return rc;
+}
+
+/* The lanes' part of Link.occupy: the first lane idle from start to end holds the booking. */
+static int occupy_lane(LinkSums *l, double start, double end) {
+    for (Py_ssize_t lane = 0; lane < l->lanes; lane++) {
+        PyObject *starts = LANE(l, starts, lane), *ends = LANE(l, ends, lane);
+        double fits = lane_fit(starts, ends, start, end - start);
+        if (PyErr_Occurred()) return -1;
+        if (fits > start) continue;
+        Py_ssize_t n = PyList_GET_SIZE(ends);
+        if (n == 0 || start >= PyFloat_AsDouble(PyList_GET_ITEM(ends, n - 1))) {
+            PyObject *a = PyFloat_FromDouble(start), *b = PyFloat_FromDouble(end);
+            int rc = a == NULL || b == NULL || PyErr_Occurred() || PyList_Append(starts, a) < 0 || PyList_Append(ends, b) < 0;
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            return rc ? -1 : 0;
+        }
+        return insort(starts, start) < 0 || insort(ends, end) < 0 ? -1 : 0;
+    }
+    PyErr_Format(PyExc_ValueError, "link %R: no lane idle for a booking it was fitted into", l->link);
+    return -1;
+}
+
+/* links.book at the node's clock: the earliest start at which every queued link of the path
+ * has a lane idle throughout (an unqueued link never delays), then each link holds it. */
 static int book(State *s, PyObject *path, double duration, PyObject *kind) {
     Py_ssize_t n = PyTuple_GET_SIZE(path);
     LinkSums *sums[MAX_LINKS];
     if (n > MAX_LINKS) return PyErr_SetString(PyExc_ValueError, "a path of too many links"), -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++)
         if ((sums[i] = link_sums(s, PyTuple_GET_ITEM(path, i))) == NULL) return -1;
-        if (sums[i]->queued) {
-            if (flush_links(s) < 0) return -1;
-            PyObject *r = PyObject_CallFunction(book_fn, "OOdOO", path, s->clock_obj, duration, s->nbytes_obj, kind);
-            Py_XDECREF(r);
-            return r == NULL ? -1 : 0;
+    double start = s->node_clock;
+    for (;;) {
+        double latest = start;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (!sums[i]->queued) continue;
+            double fits = earliest(sums[i], start, duration);
+            if (PyErr_Occurred()) return -1;
+            if (fits > latest) latest = fits;
         }
+        if (latest == start) break;
+        start = latest;
     }
-    double start = s->node_clock, end = start + duration;
+    double end = start + duration;
     for (Py_ssize_t i = 0; i < n; i++) {
         LinkSums *l = sums[i];
+        if (l->queued && occupy_lane(l, start, end) < 0) return -1;
         int k = 0, e = 0;
         while (k < l->nkinds && l->kinds[k] != kind) k++;
         while (e < l->nends && l->ends[e] != end) e++;

@@ -46,6 +46,7 @@ def test_wheel_installed_outside_the_checkout_runs_the_shipped_policy(tmp_path):
     assert "kvray/_bundled/data/traces/synthetic_trace.jsonl" in names
     assert not any(n.startswith(("benchmarks/", "tests/")) for n in names), "only the kvray package is installed"
     assert any(n.startswith("kvray/core/_tokens.") and n.endswith(".so") for n in names), "the token extension is compiled"
+    assert any(n.startswith("kvray/sim/_chain.") and n.endswith(".so") for n in names), "the chain writer is compiled"
 
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
@@ -58,6 +59,7 @@ def test_wheel_installed_outside_the_checkout_runs_the_shipped_policy(tmp_path):
     where = run(python, "-c", "import kvray; print(kvray.__file__)", cwd=tmp_path, env=env)
     assert where.startswith(str(site)), f"kvray imported from {where}, not the fresh environment"
     run(python, "-c", "from kvray.core.keys import _tokens; assert _tokens is not None", cwd=tmp_path, env=env)
+    run(python, "-c", "from kvray.sim.node import _chain; assert _chain is not None", cwd=tmp_path, env=env)
     out = run(
         venv / "bin" / "kvray",
         "sim",

@@ -33,7 +33,10 @@ def state(node: SimNode) -> dict:
         "slots": {t: (list(a._free), bytes(a._used)) for t, a in manager.slots.items()},
         "metrics": manager.metrics.snapshot(),
         "kept": (dict(manager._kept), dict(manager._lineage)),
-        "links": [(link.name, dict(link.bytes_by_kind), link.busy_ms, link.last_end_ms, arrivals(link)) for link in node.links],
+        "links": [
+            (link.name, dict(link.bytes_by_kind), link.busy_ms, link.last_end_ms, arrivals(link), link._starts, link._ends)
+            for link in node.links
+        ],
         "background_ms": node.background_ms,
     }
 
