@@ -14,8 +14,8 @@
   1,000,000 generated chat requests (``--quick``: 20,000), LRU on every node under the
   local-first cluster rule, against the dict LRU replay of the same trace with the whole
   cluster's pages. The goal is the whole replay in under 10 minutes; its wall time is in
-  the row's params (measured: 998,324 requests in 197.6 CPU-s, 616 s wall on the loaded
-  shared machine, docs/benchmarks.md).
+  the row's params (measured: 1,000,000 requests in 124.1 CPU-s, 435.5 s wall on the loaded
+  shared machine, with the chain writer in C; docs/benchmarks.md).
 - ``rl_policy_decision``: microseconds per decision of the trained policy (its scorer on a
   batch of decisions; and one whole ``victim`` call, rows built from the index) against
   one ``victim`` call of LRU in the same cache state.
