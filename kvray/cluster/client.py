@@ -31,7 +31,7 @@ its chain (:mod:`kvray.cluster.shards`), so that is still one round trip:
   chose (same-node by shared memory, others by direct TCP or, with ``tcp`` off, the
   object store), then the controller is told, without waiting, of the pages the stores
   hold: each store answers how much of its run it kept (``Stored.landed``), and a run
-  kept in part ends the chain the controller learns there.
+  kept in part ends the chain the controller learns there (:mod:`kvray.cluster.storing`).
 - ``release(plan, loaded)``: unpins, reports hits per tier and any page the index promised
   that a store no longer had (that page is a miss, never wrong KV: every store verifies
   its checksums and ends the prefix at the first bad page), without waiting. The store
@@ -88,7 +88,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future
@@ -98,9 +98,10 @@ import ray
 from kvray.cluster.answers import SharedAnswers
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathContext, PathSpeeds, StoreCallPath, nixl_wanted
-from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Release, Request, Run, Stored, new_lease, runs_of
+from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Release, Request, Run, new_lease, runs_of
 from kvray.cluster.shards import ControllerShards
 from kvray.cluster.shm import LandingBuffer
+from kvray.cluster.storing import ChainStores
 from kvray.cluster.transfer import PeerLinks
 from kvray.core.errors import ClusterError, RequestError, StorageError
 from kvray.core.keys import pack_keys, trace_page_keys
@@ -118,7 +119,7 @@ HOST_ANSWERS = SharedAnswers(HOST_CHECK_S)
 MEMBERS_ANSWERS = SharedAnswers(MEMBERS_CHECK_S)
 
 
-class KvrayClient:
+class KvrayClient(ChainStores):
     """Per-process handle on a kvray runtime; see the module docstring.
 
     ``mapped_reads`` False sends every same-node page through the store actor (``read_into``),
@@ -527,107 +528,6 @@ class KvrayClient:
     def _send_release(self, shard: int, report: Release) -> None:
         self._sent(self.shards.handles[shard].release.remote(*report))
 
-    # -- store --------------------------------------------------------------------------------------
-    def store(
-        self,
-        keys: Sequence[int],
-        start: int,
-        plan: Plan,
-        parent_key: int | None = None,
-        route_key: int | None = None,
-        release: Release | None = None,
-    ) -> int:
-        """Keep buffer rows ``start..len(keys)`` where the plan says; returns pages stored.
-
-        ``parent_key``: the key of the page before ``keys[0]`` when ``keys`` continue a
-        chain stored earlier (a prefix larger than the buffer, stored a buffer at a time).
-        ``route_key``: the key the whole chain is routed by (:meth:`ControllerShards.route_key
-        <kvray.cluster.shards.ControllerShards.route_key>` of it, root first), needed when
-        ``keys`` do not start at the chain's root (a continuation, or an engine's keys after
-        the part it loaded): the commit goes to the shard the chain's lookups ask, not to
-        the one ``keys`` alone would route to. None: ``keys`` are the chain from its root.
-        ``release``: the request's report for the shard holding ``plan``'s lease, not sent
-        yet (:meth:`request` leaves it to this store): it goes with the commit when that is
-        the same shard, otherwise (or when nothing is committed) on its own.
-
-        Each maximal run of pages bound for one node goes as one chain (same-node by shared
-        memory, others by direct TCP to their page server, or the object store with ``tcp``
-        off); the controller then learns the longest chain that landed, continuing the
-        cached prefix: up to the first page a store did not keep (it ran out of room, say),
-        so the index never names a page no store holds. The stores' reports of pages they
-        evicted meanwhile (from any chain) go with it, and to every other controller shard:
-        which shard indexes an evicted page is not known here. If a same-node write was given up on, ``buffer`` is a fresh
-        one afterwards (see the module docstring).
-        """
-        self._check(keys)
-        if parent_key is not None and route_key is None:
-            raise RequestError(
-                "store(parent_key=...) continues a chain stored earlier: pass route_key "
-                "(client.shards.route_key of the whole chain), or its pages commit where its lookups never ask"
-            )
-        owner = self.shards.of(keys) if route_key is None else self.shards.owner(route_key)
-        if release is not None and owner != plan.shard:
-            self._send_release(plan.shard, release)
-            release = None
-        try:
-            stored = self._store(keys, start, plan, parent_key, owner, release)
-        except BaseException:
-            if release is not None:
-                self._send_release(owner, release)
-            raise
-        finally:
-            self.context.hits = None  # hits no write here carried (it failed, or none went) are let go
-        self._renew_if_stale(keep=0)
-        return stored
-
-    def _store(
-        self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None, owner: int, release: Release | None
-    ) -> int:
-        # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
-        targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
-        runs = runs_of(targets, start)
-        if not runs:  # nothing to store (all cached, or the controller placed nothing): no commit
-            if release is not None:
-                self._send_release(owner, release)
-            return 0
-        if self._touched is not None and any(run.node == self.node_id for run in runs):
-            ray.wait([self._touched], timeout=self.timeout_s)  # the policy sees the hits before the new pages
-            self._touched = None
-        # Runs to one node land in request order (the store's policy sees the chain in order):
-        # a path that may run two calls at once waits for the node's previous run first.
-        pending: list = []
-        results: dict[int, Stored | None] = {}
-        unordered: dict[str, int] = {}  # node -> its latest run on such a path
-        for j, run in enumerate(runs):
-            store = self.stores.get(run.node)
-            path = self.paths[self.path_for(run.node, (run.stop - run.start) * self.page_nbytes)]
-            if not path.in_order and run.node in unordered:
-                k = unordered[run.node]
-                results[k] = _finished(*pending[k])
-            sub = list(keys[run.start : run.stop])
-            parent = keys[run.start - 1] if run.start else parent_key
-            pending.append((path, None if store is None else path.start_store(store, sub, run, parent)))
-            if not path.in_order:
-                unordered[run.node] = j
-        stored, landed, dropped, reports = 0, start, defaultdict(list), {}
-        for j, run in enumerate(runs):
-            result = results[j] if j in results else _finished(*pending[j])
-            if result is not None:
-                stored += result.stored
-                dropped[run.node].extend(result.dropped)
-                reports[run.node] = result.report
-                if landed == run.start:  # the chain is unbroken up to this run: it goes on as far as the store kept
-                    landed = run.start + result.landed
-        parent = keys[start - 1] if start else parent_key
-        evicted = {node: gone for node, gone in dropped.items() if gone}
-        args = (parent, list(keys[start:landed]), targets[: landed - start], start, evicted, reports, release)
-        self._sent(self.shards.handles[owner].commit.remote(*args))
-        if evicted:  # pages evicted from any chain: every other shard forgets those it indexes
-            for shard, controller in enumerate(self.shards.handles):
-                if shard != owner:
-                    self._sent(controller.commit.remote(None, [], [], 0, evicted, reports))
-        return stored
-
     def close(self) -> None:
         if self.links is not None:
             self.links.close()
@@ -636,11 +536,6 @@ class KvrayClient:
             store.release_buffer.remote(self.buffer.name)
         for buf in (*self._retired, self.buffer):
             buf.close()
-
-
-def _finished(path: StoreCallPath, transfer) -> Stored | None:
-    """A store transfer's answer (None: never started, or failed)."""
-    return None if transfer is None else path.finish_store(transfer)
 
 
 def _answer(ref, timeout_s: float, what: str):
