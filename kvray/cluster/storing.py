@@ -73,8 +73,12 @@ class ChainStores:
         cached prefix: up to the first page a store did not keep (it ran out of room, say),
         so the index never names a page no store holds. The stores' reports of pages they
         evicted meanwhile (from any chain) go with it, and to every other controller shard:
-        which shard indexes an evicted page is not known here. If a same-node write was given up on, ``buffer`` is a fresh
-        one afterwards (see the module docstring).
+        which shard indexes an evicted page is not known here. With shards routed past the
+        root (``controller_route_depth`` d >= 1), a chain stored from its root (no
+        ``parent_key``) whose new pages reach into its first d pages is also committed, up
+        to each such prefix, to the shard a lookup of just that prefix asks (it routes by
+        its last page): :meth:`_commit_short_prefixes`. If a same-node write was given up
+        on, ``buffer`` is a fresh one afterwards (see the module docstring).
         """
         self._check(keys)
         if parent_key is not None and route_key is None:
@@ -139,11 +143,23 @@ class ChainStores:
         evicted = {node: gone for node, gone in dropped.items() if gone}
         args = (parent, list(keys[start:landed]), targets[: landed - start], start, evicted, reports, release)
         self._sent(self.shards.handles[owner].commit.remote(*args))
+        if parent_key is None and start <= plan.hit_pages:
+            self._commit_short_prefixes(keys[:landed], start, [*plan.hit_nodes[:start], *targets[: landed - start]], owner)
         if evicted:  # pages evicted from any chain: every other shard forgets those it indexes
             for shard, controller in enumerate(self.shards.handles):
                 if shard != owner:
                     self._sent(controller.commit.remote(None, [], [], 0, evicted, reports))
         return stored
+
+    def _commit_short_prefixes(self, chain: Sequence[int], start: int, nodes: Sequence[str], owner: int) -> None:
+        """Commit each prefix of ``chain`` (from its root, on ``nodes``) that has pages new
+        from ``start`` on and whose own lookup asks another shard than ``owner``: there the
+        prefix is looked up alone (a prompt that short), and without it the lookup missed
+        pages the cluster holds. A prefix with no new page was committed there by the store
+        that added it. Nothing at ``controller_route_depth`` 0."""
+        for shard, length in self.shards.short_prefix_owners(chain).items():
+            if shard != owner and length > start:
+                self._sent(self.shards.handles[shard].commit.remote(None, list(chain[:length]), list(nodes[:length]), 0, {}))
 
 
 def _finished(path: StoreCallPath, transfer) -> Stored | None:
