@@ -304,16 +304,20 @@ class KvrayClient(ChainStores):
             request.stored = self.store(keys, loaded.pages, plan, release=held)
 
     # -- lookup + pin ---------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[int], backlog_ms: float = 0.0) -> Plan:
+    def lookup(self, keys: Sequence[int], backlog_ms: float = 0.0, route_key: int | None = None) -> Plan:
         """Where the cached prefix of ``keys`` is (pinned) and where the rest goes; a request
         larger than the landing buffer (up to ``max_request_pages``) is loaded with
         :meth:`load_chunks`. ``backlog_ms``: the engine's work queued ahead of it, which the
-        controller's and this node's policies are told."""
+        controller's and this node's policies are told. ``route_key``: the key of the chain
+        the request will store (:meth:`ControllerShards.route_key
+        <kvray.cluster.shards.ControllerShards.route_key>`) when that chain is longer than
+        ``keys`` (an engine looks up all but the page holding the prompt's last token, and
+        stores that page too): the lookup asks the shard the store commits to. None: ``keys``."""
         self._check(keys, max(self.buffer.capacity, self.config.max_request_pages))
         self._poll_members()
         packed = pack_keys(keys)  # for the controller too: a list of 128-bit ints is serialized int by int
         self.context.arrival = (packed, float(backlog_ms))
-        shard = self.shards.of(keys)
+        shard = self.shards.of(keys) if route_key is None else self.shards.owner(route_key)
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):
             return Plan(LOCAL_LEASE, [self.node_id] * len(keys), [], shard)
