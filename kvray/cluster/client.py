@@ -97,6 +97,7 @@ import ray
 
 from kvray.cluster.answers import SharedAnswers
 from kvray.cluster.config import RuntimeConfig
+from kvray.cluster.inflight import IN_FLIGHT, Claim
 from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathContext, PathSpeeds, StoreCallPath, nixl_wanted
 from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Release, Request, Run, new_lease, runs_of
 from kvray.cluster.shards import ControllerShards
@@ -288,20 +289,34 @@ class KvrayClient(ChainStores):
         request (vLLM's scheduler looks up, its worker loads) or test one step of it.
         """
         self._check(keys)  # before anything is pinned: the rows must fit the landing buffer
-        plan = self.lookup(keys, backlog_ms)
-        loaded, request, finished = Loaded(0), None, False
+        claim = self._claim_computing(keys)
         try:
-            loaded = self.load(keys, plan)
-            request = Request(keys, plan, loaded, self.buffer.pages[: len(keys)])
-            yield request
-            finished = True
-        finally:  # a lease never released would pin its pages until it expires
-            if request is not None:
-                request.close()
-            storing = finished and request.store_wanted and loaded.pages < len(keys)
-            held = self._release(plan, loaded, to_controller=not storing)
-        if request.store_wanted:
-            request.stored = self.store(keys, loaded.pages, plan, release=held)
+            plan = self.lookup(keys, backlog_ms)
+            loaded, request, finished = Loaded(0), None, False
+            try:
+                loaded = self.load(keys, plan)
+                request = Request(keys, plan, loaded, self.buffer.pages[: len(keys)])
+                yield request
+                finished = True
+            finally:  # a lease never released would pin its pages until it expires
+                if request is not None:
+                    request.close()
+                storing = finished and request.store_wanted and loaded.pages < len(keys)
+                held = self._release(plan, loaded, to_controller=not storing)
+            if request.store_wanted:
+                request.stored = self.store(keys, loaded.pages, plan, release=held)
+        finally:
+            if claim is not None:
+                claim.end()
+
+    def _claim_computing(self, keys: Sequence[int]) -> Claim | None:
+        """Claim the pages of ``keys`` from the first this node's host tier does not hold,
+        or, if another request of this process claimed that page, wait for it (at most
+        ``timeout_s``) rather than compute and store it a second time
+        (:mod:`kvray.cluster.inflight`). None: nothing to claim, or waited."""
+        host = self._mapped_host() if self.mapped_reads else None
+        held = host.held(keys) if host is not None else 0
+        return IN_FLIGHT.claim(self.config.name, keys[held:], self.timeout_s) if held < len(keys) else None
 
     # -- lookup + pin ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int], backlog_ms: float = 0.0, route_key: int | None = None) -> Plan:
