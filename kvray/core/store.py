@@ -462,10 +462,11 @@ class PageStore:
         page_runs: Callable[[int], list[list[np.ndarray]]] | None = None,
     ) -> int:
         """Store the pages of one chain (after ``parent_key``'s page, if given) through the
-        manager's chain writer, writing each page's bytes into the slot it gets; the disk
-        pages on :data:`~kvray.core.chain_writes.WRITERS` threads while the chain's next
-        pages are placed (:mod:`kvray.core.chain_writes`: every write has returned, and a
-        chain whose write failed is cut before that page, before the lock is let go).
+        manager's chain writer, writing each page's bytes into the slot it gets; with
+        ``disk_fsync`` the disk pages on :data:`~kvray.core.chain_writes.WRITERS` threads
+        while the chain's next pages are placed (:mod:`kvray.core.chain_writes`: every
+        write has returned, and a chain whose write failed is cut before that page, before
+        the lock is let go). Buffered writes stay on the caller's thread (see there why).
 
         ``page_runs(n)``, where given, is the contiguous runs of the first ``n`` sources,
         made for the whole request at once (:func:`~kvray.core.pages.request_runs`) the first
@@ -488,7 +489,7 @@ class PageStore:
                 else:
                     job = functools.partial(self._write_page, tier, slot, key, under_key, sources(i))
                 job = functools.partial(self._written, tier, job)
-                return writes.submit(i, job) if tier is Tier.DISK else job()
+                return writes.submit(i, job) if tier is Tier.DISK and self.config.disk_fsync else job()
 
             def written(i: int, checksum: int) -> None:
                 index.checksum[index.handle_of(keys[i])] = checksum

@@ -1,4 +1,5 @@
-"""A store with a disk tier writes a chain's pages concurrently and publishes them in order.
+"""A durable store (``disk_fsync``) writes a chain's disk pages concurrently and publishes
+them in order.
 
 The policy's decisions stay in chain order (kvray/core/chain_writes.py): each page is
 admitted and given a slot in turn, the disk pages written on two threads while the next
@@ -27,7 +28,7 @@ WAIT_S = 10.0
 
 
 def disk_store(directory) -> PageStore:
-    return PageStore(StoreConfig(layout=TINY, tiers=TierSizes(disk=64), disk_dir=directory))
+    return PageStore(StoreConfig(layout=TINY, tiers=TierSizes(disk=64), disk_dir=directory, disk_fsync=True))
 
 
 def chain(store: PageStore, seed: int = 0) -> tuple[list[int], np.ndarray]:
