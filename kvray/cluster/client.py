@@ -285,8 +285,11 @@ class KvrayClient(ChainStores):
         store's commit (:class:`~kvray.cluster.protocol.Release`): one controller call
         fewer per request that missed. ``r.rows`` are valid inside the block only
         (:class:`~kvray.cluster.protocol.Request`), so no caller keeps the landing buffer
-        across calls that may replace it. The verbs below stay for callers that split a
-        request (vLLM's scheduler looks up, its worker loads) or test one step of it.
+        across calls that may replace it. Before its lookup a request claims the pages it
+        may compute; one whose first such page another request of this process claimed
+        waits for that request first (:mod:`kvray.cluster.inflight`), so the page is
+        computed and stored once. The verbs below stay for callers that split a request
+        (vLLM's scheduler looks up, its worker loads) or test one step of it.
         """
         self._check(keys)  # before anything is pinned: the rows must fit the landing buffer
         claim = self._claim_computing(keys)
