@@ -33,14 +33,8 @@ _names = itertools.count()
 
 @pytest.fixture
 def clients(ray_cluster):
-    config = RuntimeConfig(
-        name=f"shortroute{next(_names)}",
-        layout=LAYOUT,
-        tiers=TierSizes(host=64),
-        controller_shards=SHARDS,
-        controller_route_depth=DEPTH,
-        max_request_pages=8,
-    )
+    routed = {"controller_shards": SHARDS, "controller_route_depth": DEPTH}
+    config = RuntimeConfig(name=f"shortroute{next(_names)}", layout=LAYOUT, tiers=TierSizes(host=64), **routed)
     runtime = Runtime.start(config)
     writer = KvrayClient.connect(config.name)
     reader = KvrayClient.connect(config.name, mapped_reads=False)
