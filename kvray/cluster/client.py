@@ -295,6 +295,8 @@ class KvrayClient(ChainStores):
         claim = self._claim_computing(keys)
         try:
             plan = self.lookup(keys, backlog_ms)
+            if claim is not None:
+                claim = claim.narrow(keys[plan.hit_pages :])
             loaded, request, finished = Loaded(0), None, False
             try:
                 loaded = self.load(keys, plan)
@@ -316,9 +318,12 @@ class KvrayClient(ChainStores):
         """Claim the pages of ``keys`` from the first this node's host tier does not hold,
         or, if another request of this process claimed that page, wait for it (at most
         ``timeout_s``) rather than compute and store it a second time
-        (:mod:`kvray.cluster.inflight`). None: nothing to claim, or waited."""
+        (:mod:`kvray.cluster.inflight`). None: nothing to claim, waited, or no mapped host
+        tier (a client that does not read it does not know what this node holds)."""
         host = self._mapped_host() if self.mapped_reads else None
-        held = host.held(keys) if host is not None else 0
+        if host is None:  # what this node holds is not known here: no claim
+            return None
+        held = host.held(keys)
         return IN_FLIGHT.claim(self.config.name, keys[held:], self.timeout_s) if held < len(keys) else None
 
     # -- lookup + pin ---------------------------------------------------------------------------

@@ -42,6 +42,29 @@ def test_a_claimed_page_makes_the_next_claimant_wait_until_the_claim_ends():
     again.end()
 
 
+def test_a_narrowed_claim_frees_the_pages_its_request_found_cached():
+    pages = InFlightPages()
+    first = pages.claim("rt", [1, 2, 3], WAIT_S)
+    answers = []
+    second = threading.Thread(target=lambda: answers.append(pages.claim("rt", [1, 2, 3], WAIT_S)))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()
+    first = first.narrow([3])  # its lookup found 1 and 2 cached elsewhere: it computes 3
+    second.join(WAIT_S)
+    assert len(answers) == 1 and answers[0] is not None  # no longer waits for 1: claims 1 and 2
+    third = []
+    waiting = threading.Thread(target=lambda: third.append(pages.claim("rt", [3], WAIT_S)))
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive()  # 3 is still being computed
+    first.end()
+    waiting.join(WAIT_S)
+    assert third == [None]
+    answers[0].end()
+    assert first.narrow([]) is None and pages.claim("rt", [1, 2, 3], WAIT_S) is not None
+
+
 def test_a_wait_is_bounded():
     pages = InFlightPages()
     pages.claim("rt", [1], WAIT_S)  # never ended
