@@ -31,7 +31,7 @@ its chain (:mod:`kvray.cluster.shards`), so that is still one round trip:
   chose (same-node by shared memory, others by direct TCP or, with ``tcp`` off, the
   object store), then the controller is told, without waiting, of the pages the stores
   hold: each store answers how much of its run it kept (``Stored.landed``), and a run
-  kept in part ends the chain the controller learns there.
+  kept in part ends the chain the controller learns there (:mod:`kvray.cluster.storing`).
 - ``release(plan, loaded)``: unpins, reports hits per tier and any page the index promised
   that a store no longer had (that page is a miss, never wrong KV: every store verifies
   its checksums and ends the prefix at the first bad page), without waiting. The store
@@ -88,7 +88,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future
@@ -97,10 +97,12 @@ import ray
 
 from kvray.cluster.answers import SharedAnswers
 from kvray.cluster.config import RuntimeConfig
+from kvray.cluster.inflight import IN_FLIGHT, Claim
 from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathContext, PathSpeeds, StoreCallPath, nixl_wanted
-from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Release, Request, Run, Stored, new_lease, runs_of
+from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Release, Request, Run, new_lease, runs_of
 from kvray.cluster.shards import ControllerShards
 from kvray.cluster.shm import LandingBuffer
+from kvray.cluster.storing import ChainStores
 from kvray.cluster.transfer import PeerLinks
 from kvray.core.errors import ClusterError, RequestError, StorageError
 from kvray.core.keys import pack_keys, trace_page_keys
@@ -118,7 +120,7 @@ HOST_ANSWERS = SharedAnswers(HOST_CHECK_S)
 MEMBERS_ANSWERS = SharedAnswers(MEMBERS_CHECK_S)
 
 
-class KvrayClient:
+class KvrayClient(ChainStores):
     """Per-process handle on a kvray runtime; see the module docstring.
 
     ``mapped_reads`` False sends every same-node page through the store actor (``read_into``),
@@ -283,36 +285,62 @@ class KvrayClient:
         store's commit (:class:`~kvray.cluster.protocol.Release`): one controller call
         fewer per request that missed. ``r.rows`` are valid inside the block only
         (:class:`~kvray.cluster.protocol.Request`), so no caller keeps the landing buffer
-        across calls that may replace it. The verbs below stay for callers that split a
-        request (vLLM's scheduler looks up, its worker loads) or test one step of it.
+        across calls that may replace it. Before its lookup a request claims the pages it
+        may compute; one whose first such page another request of this process claimed
+        waits for that request first (:mod:`kvray.cluster.inflight`), so the page is
+        computed and stored once. The verbs below stay for callers that split a request
+        (vLLM's scheduler looks up, its worker loads) or test one step of it.
         """
         self._check(keys)  # before anything is pinned: the rows must fit the landing buffer
-        plan = self.lookup(keys, backlog_ms)
-        loaded, request, finished = Loaded(0), None, False
+        claim = self._claim_computing(keys)
         try:
-            loaded = self.load(keys, plan)
-            request = Request(keys, plan, loaded, self.buffer.pages[: len(keys)])
-            yield request
-            finished = True
-        finally:  # a lease never released would pin its pages until it expires
-            if request is not None:
-                request.close()
-            storing = finished and request.store_wanted and loaded.pages < len(keys)
-            held = self._release(plan, loaded, to_controller=not storing)
-        if request.store_wanted:
-            request.stored = self.store(keys, loaded.pages, plan, release=held)
+            plan = self.lookup(keys, backlog_ms)
+            if claim is not None:
+                claim = claim.narrow(keys[plan.hit_pages :])
+            loaded, request, finished = Loaded(0), None, False
+            try:
+                loaded = self.load(keys, plan)
+                request = Request(keys, plan, loaded, self.buffer.pages[: len(keys)])
+                yield request
+                finished = True
+            finally:  # a lease never released would pin its pages until it expires
+                if request is not None:
+                    request.close()
+                storing = finished and request.store_wanted and loaded.pages < len(keys)
+                held = self._release(plan, loaded, to_controller=not storing)
+            if request.store_wanted:
+                request.stored = self.store(keys, loaded.pages, plan, release=held)
+        finally:
+            if claim is not None:
+                claim.end()
+
+    def _claim_computing(self, keys: Sequence[int]) -> Claim | None:
+        """Claim the pages of ``keys`` from the first this node's host tier does not hold,
+        or, if another request of this process claimed that page, wait for it (at most
+        ``timeout_s``) rather than compute and store it a second time
+        (:mod:`kvray.cluster.inflight`). None: nothing to claim, waited, or no mapped host
+        tier (a client that does not read it does not know what this node holds)."""
+        host = self._mapped_host() if self.mapped_reads else None
+        if host is None:  # what this node holds is not known here: no claim
+            return None
+        held = host.held(keys)
+        return IN_FLIGHT.claim(self.config.name, keys[held:], self.timeout_s) if held < len(keys) else None
 
     # -- lookup + pin ---------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[int], backlog_ms: float = 0.0) -> Plan:
+    def lookup(self, keys: Sequence[int], backlog_ms: float = 0.0, route_key: int | None = None) -> Plan:
         """Where the cached prefix of ``keys`` is (pinned) and where the rest goes; a request
         larger than the landing buffer (up to ``max_request_pages``) is loaded with
         :meth:`load_chunks`. ``backlog_ms``: the engine's work queued ahead of it, which the
-        controller's and this node's policies are told."""
+        controller's and this node's policies are told. ``route_key``: the key of the chain
+        the request will store (:meth:`ControllerShards.route_key
+        <kvray.cluster.shards.ControllerShards.route_key>`) when that chain is longer than
+        ``keys`` (an engine looks up all but the page holding the prompt's last token, and
+        stores that page too): the lookup asks the shard the store commits to. None: ``keys``."""
         self._check(keys, max(self.buffer.capacity, self.config.max_request_pages))
         self._poll_members()
         packed = pack_keys(keys)  # for the controller too: a list of 128-bit ints is serialized int by int
         self.context.arrival = (packed, float(backlog_ms))
-        shard = self.shards.of(keys)
+        shard = self.shards.of(keys) if route_key is None else self.shards.owner(route_key)
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):
             return Plan(LOCAL_LEASE, [self.node_id] * len(keys), [], shard)
@@ -527,107 +555,6 @@ class KvrayClient:
     def _send_release(self, shard: int, report: Release) -> None:
         self._sent(self.shards.handles[shard].release.remote(*report))
 
-    # -- store --------------------------------------------------------------------------------------
-    def store(
-        self,
-        keys: Sequence[int],
-        start: int,
-        plan: Plan,
-        parent_key: int | None = None,
-        route_key: int | None = None,
-        release: Release | None = None,
-    ) -> int:
-        """Keep buffer rows ``start..len(keys)`` where the plan says; returns pages stored.
-
-        ``parent_key``: the key of the page before ``keys[0]`` when ``keys`` continue a
-        chain stored earlier (a prefix larger than the buffer, stored a buffer at a time).
-        ``route_key``: the key the whole chain is routed by (:meth:`ControllerShards.route_key
-        <kvray.cluster.shards.ControllerShards.route_key>` of it, root first), needed when
-        ``keys`` do not start at the chain's root (a continuation, or an engine's keys after
-        the part it loaded): the commit goes to the shard the chain's lookups ask, not to
-        the one ``keys`` alone would route to. None: ``keys`` are the chain from its root.
-        ``release``: the request's report for the shard holding ``plan``'s lease, not sent
-        yet (:meth:`request` leaves it to this store): it goes with the commit when that is
-        the same shard, otherwise (or when nothing is committed) on its own.
-
-        Each maximal run of pages bound for one node goes as one chain (same-node by shared
-        memory, others by direct TCP to their page server, or the object store with ``tcp``
-        off); the controller then learns the longest chain that landed, continuing the
-        cached prefix: up to the first page a store did not keep (it ran out of room, say),
-        so the index never names a page no store holds. The stores' reports of pages they
-        evicted meanwhile (from any chain) go with it, and to every other controller shard:
-        which shard indexes an evicted page is not known here. If a same-node write was given up on, ``buffer`` is a fresh
-        one afterwards (see the module docstring).
-        """
-        self._check(keys)
-        if parent_key is not None and route_key is None:
-            raise RequestError(
-                "store(parent_key=...) continues a chain stored earlier: pass route_key "
-                "(client.shards.route_key of the whole chain), or its pages commit where its lookups never ask"
-            )
-        owner = self.shards.of(keys) if route_key is None else self.shards.owner(route_key)
-        if release is not None and owner != plan.shard:
-            self._send_release(plan.shard, release)
-            release = None
-        try:
-            stored = self._store(keys, start, plan, parent_key, owner, release)
-        except BaseException:
-            if release is not None:
-                self._send_release(owner, release)
-            raise
-        finally:
-            self.context.hits = None  # hits no write here carried (it failed, or none went) are let go
-        self._renew_if_stale(keep=0)
-        return stored
-
-    def _store(
-        self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None, owner: int, release: Release | None
-    ) -> int:
-        # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
-        targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
-        runs = runs_of(targets, start)
-        if not runs:  # nothing to store (all cached, or the controller placed nothing): no commit
-            if release is not None:
-                self._send_release(owner, release)
-            return 0
-        if self._touched is not None and any(run.node == self.node_id for run in runs):
-            ray.wait([self._touched], timeout=self.timeout_s)  # the policy sees the hits before the new pages
-            self._touched = None
-        # Runs to one node land in request order (the store's policy sees the chain in order):
-        # a path that may run two calls at once waits for the node's previous run first.
-        pending: list = []
-        results: dict[int, Stored | None] = {}
-        unordered: dict[str, int] = {}  # node -> its latest run on such a path
-        for j, run in enumerate(runs):
-            store = self.stores.get(run.node)
-            path = self.paths[self.path_for(run.node, (run.stop - run.start) * self.page_nbytes)]
-            if not path.in_order and run.node in unordered:
-                k = unordered[run.node]
-                results[k] = _finished(*pending[k])
-            sub = list(keys[run.start : run.stop])
-            parent = keys[run.start - 1] if run.start else parent_key
-            pending.append((path, None if store is None else path.start_store(store, sub, run, parent)))
-            if not path.in_order:
-                unordered[run.node] = j
-        stored, landed, dropped, reports = 0, start, defaultdict(list), {}
-        for j, run in enumerate(runs):
-            result = results[j] if j in results else _finished(*pending[j])
-            if result is not None:
-                stored += result.stored
-                dropped[run.node].extend(result.dropped)
-                reports[run.node] = result.report
-                if landed == run.start:  # the chain is unbroken up to this run: it goes on as far as the store kept
-                    landed = run.start + result.landed
-        parent = keys[start - 1] if start else parent_key
-        evicted = {node: gone for node, gone in dropped.items() if gone}
-        args = (parent, list(keys[start:landed]), targets[: landed - start], start, evicted, reports, release)
-        self._sent(self.shards.handles[owner].commit.remote(*args))
-        if evicted:  # pages evicted from any chain: every other shard forgets those it indexes
-            for shard, controller in enumerate(self.shards.handles):
-                if shard != owner:
-                    self._sent(controller.commit.remote(None, [], [], 0, evicted, reports))
-        return stored
-
     def close(self) -> None:
         if self.links is not None:
             self.links.close()
@@ -636,11 +563,6 @@ class KvrayClient:
             store.release_buffer.remote(self.buffer.name)
         for buf in (*self._retired, self.buffer):
             buf.close()
-
-
-def _finished(path: StoreCallPath, transfer) -> Stored | None:
-    """A store transfer's answer (None: never started, or failed)."""
-    return None if transfer is None else path.finish_store(transfer)
 
 
 def _answer(ref, timeout_s: float, what: str):

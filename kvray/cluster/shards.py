@@ -28,7 +28,7 @@ import ray
 
 from kvray.cluster.config import NAMESPACE, controller_name
 from kvray.core.errors import ClusterError
-from kvray.core.partition import route_key, shard_of
+from kvray.core.partition import route_key, shard_of, short_prefix_shards
 
 CALL_TIMEOUT_S = 60.0  # a controller shard that does not answer a metadata call within this is stuck
 SUMMED = (
@@ -88,6 +88,11 @@ class ControllerShards:
     def of(self, keys: Sequence[int]) -> int:
         """The shard a request's chain ``keys`` (root first) is routed to."""
         return self.owner(self.route_key(keys))
+
+    def short_prefix_owners(self, keys: Sequence[int]) -> dict[int, int]:
+        """Shard -> the longest prefix of ``keys`` (root first) of at most ``route_depth``
+        pages whose lookup asks it (:func:`~kvray.core.partition.short_prefix_shards`)."""
+        return short_prefix_shards(keys, len(self.handles), self.route_depth)
 
     def for_keys(self, keys: Sequence[int]) -> ray.actor.ActorHandle:
         return self.handles[self.of(keys)]

@@ -62,6 +62,19 @@ def chain_shard(keys: Sequence[int], shards: int, depth: int = 0) -> int:
     return shard_of(route_key(keys, depth), shards)
 
 
+def short_prefix_shards(keys: Sequence[int], shards: int, depth: int) -> dict[int, int]:
+    """Where lookups of a chain's short prefixes go: shard -> the longest prefix of
+    ``keys`` (root first), of at most ``depth`` pages, whose lookup routes there. A prefix
+    that short has no page at ``depth`` and routes by its last page, so each may ask a
+    shard other than the one the whole chain commits to; a store commits the prefix there
+    too (:class:`~kvray.cluster.storing.ChainStores`), or that lookup misses pages the
+    cluster holds. Empty at depth 0 (every chain routes by its root)."""
+    owners: dict[int, int] = {}
+    for length in range(1, min(depth, len(keys)) + 1):
+        owners[shard_of(keys[length - 1], shards)] = length
+    return owners
+
+
 @dataclass(frozen=True)
 class Partition:
     """One shard's share of the chains: ``shard`` of ``shards``.

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvray.core.chain_writes import ChainWriters, DiskWrites
 from kvray.core.config import PageLayout, StoreConfig
 from kvray.core.errors import FingerprintMismatch, LayoutError, RequestError, StorageError
 from kvray.core.index import ROOT, parents_first
@@ -150,6 +151,7 @@ class PageStore:
         self.manager.page_placed = self._page_placed
         self.metrics = self.manager.metrics
         self._lock = threading.RLock()
+        self._writers = ChainWriters()  # a chain's disk pages written at once
         self._recover(recovered)
 
     def _recover(self, pages: list[StoredPage]) -> None:
@@ -460,7 +462,11 @@ class PageStore:
         page_runs: Callable[[int], list[list[np.ndarray]]] | None = None,
     ) -> int:
         """Store the pages of one chain (after ``parent_key``'s page, if given) through the
-        manager's chain writer, writing each page's bytes into the slot it gets.
+        manager's chain writer, writing each page's bytes into the slot it gets; with
+        ``disk_fsync`` the disk pages on :data:`~kvray.core.chain_writes.WRITERS` threads
+        while the chain's next pages are placed (:mod:`kvray.core.chain_writes`: every
+        write has returned, and a chain whose write failed is cut before that page, before
+        the lock is let go). Buffered writes stay on the caller's thread (see there why).
 
         ``page_runs(n)``, where given, is the contiguous runs of the first ``n`` sources,
         made for the whole request at once (:func:`~kvray.core.pages.request_runs`) the first
@@ -474,20 +480,39 @@ class PageStore:
                 parent = self.manager.index.handle_of(parent_key)
                 if parent is None:
                     return 0
+            index, writes = self.manager.index, DiskWrites(self._writers)
 
             def write(i: int, key: int, tier: Tier, slot: int, under: int) -> int:
-                under_key = None if under == ROOT else self.manager.index.key_of(under)
-                try:
-                    if tier is Tier.DISK and request_runs_once is not None and isinstance(disk, DiskPool):
-                        return disk.write_runs(slot, key, under_key, request_runs_once()[i])
-                    return self._write_page(tier, slot, key, under_key, sources(i))
-                except StorageError as exc:
-                    slots = self.manager.slots[tier]
-                    raise StorageError(f"{exc} ({tier.label} tier {slots.used}/{slots.capacity} slots in use)") from None
+                under_key = None if under == ROOT else index.key_of(under)
+                if tier is Tier.DISK and request_runs_once is not None and isinstance(disk, DiskPool):
+                    job = functools.partial(disk.write_runs, slot, key, under_key, request_runs_once()[i])
+                else:
+                    job = functools.partial(self._write_page, tier, slot, key, under_key, sources(i))
+                job = functools.partial(self._written, tier, job)
+                return writes.submit(i, job) if tier is Tier.DISK and self.config.disk_fsync else job()
 
-            stored = self.manager.store_chain(keys, self._move, write, parent=parent, priority=priority)
+            def written(i: int, checksum: int) -> None:
+                index.checksum[index.handle_of(keys[i])] = checksum
+
+            cut = 0
+            try:
+                stored = self.manager.store_chain(keys, self._move, write, parent=parent, priority=priority)
+            finally:
+                failed_at, failure = writes.finish(written)
+                if failed_at is not None and (handle := index.handle_of(keys[failed_at])) is not None:
+                    cut = self.manager.drop(handle)  # the page whose write failed and every page after it
             self.metrics.observe("store", time.perf_counter() - t0)
-        return stored
+        if failure is not None:
+            raise failure
+        return stored - cut
+
+    def _written(self, tier: Tier, write: Callable[[], int]) -> int:
+        """``write()`` (a page into its slot; returns its checksum), a failure naming the tier's occupancy."""
+        try:
+            return write()
+        except StorageError as exc:
+            slots = self.manager.slots[tier]
+            raise StorageError(f"{exc} ({tier.label} tier {slots.used}/{slots.capacity} slots in use)") from None
 
     # -- data plane ----------------------------------------------------------------------
     def _write_page(self, tier: Tier, slot: int, key: int, parent_key: int | None, page: np.ndarray) -> int:
@@ -552,6 +577,7 @@ class PageStore:
         return snap
 
     def close(self) -> None:
+        self._writers.close()
         if self.directory is not None:
             self.directory.close()  # marked closed before the pool it describes goes
         for pool in self.pools.values():

@@ -160,7 +160,8 @@ class CachedCausalLM:
         cache = self._empty_cache()
         if loadable and reason is None:
             try:
-                hit = self.store.load(arr[:loadable], salt=self.salt)
+                full = self.store.keys(arr[: arr.size // page * page], salt=self.salt) if self._on_runtime else []
+                hit = self.store.load(arr[:loadable], salt=self.salt, **self._route(full))
             except (KvrayError, OSError) as exc:  # a cache must never fail the request: recompute
                 reason = f"kvray load failed: {exc!r}"
                 log.warning("%s; recomputing the prompt", reason)
@@ -197,6 +198,19 @@ class CachedCausalLM:
             self._store_new_pages(history, cache, len(tokens) // self.layout.page_tokens)
         return reply, first
 
+    @property
+    def _on_runtime(self) -> bool:
+        return isinstance(self.store, RuntimePages)
+
+    def _route(self, keys: Sequence[int]) -> dict[str, int]:
+        """On a runtime, the routing key of the chain of a prompt's full pages ``keys``, for
+        the lookup (of one page fewer when the last token ends a page) and the store alike:
+        both ask the controller shard that chain routes to (with ``controller_route_depth``
+        d a prompt of at most d + 1 pages routes by its last page, so the lookup's own
+        keys would ask another shard than the store commits to, and the prompt missed on
+        every repeat). Nothing in process, or with no full page."""
+        return {"route_key": self.store.route_key(keys)} if self._on_runtime and len(keys) else {}
+
     # -- between DynamicCache and pages ---------------------------------------------------
     def _empty_cache(self):
         from transformers import DynamicCache
@@ -231,10 +245,8 @@ class CachedCausalLM:
         pages = kv.unflatten(3, (full_pages - first, page)).permute(3, 0, 1, 4, 2, 5).contiguous().cpu()
         raw = pages.view(torch.uint8).reshape(full_pages - first, self.layout.page_nbytes).numpy()
         parent = keys[first - 1] if first else None
-        # On a runtime the new pages commit where lookups of the whole chain ask (its routing page).
-        route = {"route_key": self.store.route_key(keys)} if isinstance(self.store, RuntimePages) else {}
         try:
-            return self.store.put_pages(keys[first:], raw, self.store.fingerprint.digest, parent_key=parent, **route)
+            return self.store.put_pages(keys[first:], raw, self.store.fingerprint.digest, parent_key=parent, **self._route(keys))
         except (KvrayError, OSError) as exc:
             log.warning("kvray could not store %d pages: %r", full_pages - first, exc)
             return 0

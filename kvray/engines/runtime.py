@@ -130,11 +130,13 @@ class RuntimePages:
         return page_keys(tokens, self.fingerprint, salt)
 
     # -- the split verbs (vLLM: scheduler looks up, worker reads) ------------------------------
-    def lookup(self, keys: Sequence[int]):
+    def lookup(self, keys: Sequence[int], route_key: int | None = None):
         """Pin the runtime's cached prefix of ``keys`` (at most :attr:`capacity` of them) and
         return the :class:`~kvray.cluster.protocol.Plan`; a controller that does not
-        answer is a miss."""
-        return self.client.lookup(list(keys[: self.capacity]))
+        answer is a miss. ``route_key``: the prompt's (:meth:`route_key`) when ``keys`` are
+        fewer than the pages its saves will cover (all but the page holding the last token):
+        the lookup asks the shard the saves commit to."""
+        return self.client.lookup(list(keys[: self.capacity]), route_key=route_key)
 
     def release(self, plan) -> None:
         """End a plan's pins without loading anything (the request went away)."""
@@ -162,10 +164,11 @@ class RuntimePages:
         self.release(plan)
         return plan.hit_pages
 
-    def load(self, tokens: Sequence[int] | np.ndarray, salt: str = "") -> LoadResult:
-        """KV of the runtime's longest cached prefix of ``tokens``, like ``PageStore.load``."""
+    def load(self, tokens: Sequence[int] | np.ndarray, salt: str = "", route_key: int | None = None) -> LoadResult:
+        """KV of the runtime's longest cached prefix of ``tokens``, like ``PageStore.load``;
+        ``route_key`` as for :meth:`lookup`."""
         keys = self.keys(as_token_array(tokens, self.config.max_request_tokens), salt)
-        plan = self.lookup(keys)
+        plan = self.lookup(keys, route_key)
         loaded, raw = self.read(keys, plan)
         n, layout = loaded.pages, self.layout
         if n == 0:

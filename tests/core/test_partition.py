@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvray.core.errors import RequestError
 from kvray.core.index import parents_first
 from kvray.core.keys import ModelFingerprint, page_keys, trace_page_keys
-from kvray.core.partition import Partition, chain_shard, owned_links, shard_of
+from kvray.core.partition import Partition, chain_shard, owned_links, shard_of, short_prefix_shards
 from kvray.traces import read_trace
 from tests.conftest import TINY
 from tests.properties import examples
@@ -51,6 +51,16 @@ def forest(seed: int, chains: int) -> list[tuple[int, int | None, str]]:
 def test_a_deeper_route_is_the_page_at_that_depth_or_the_last(keys, shards, depth):
     assert chain_shard(keys, shards, depth) == shard_of(keys[min(depth, len(keys) - 1)], shards)
     assert chain_shard(keys, shards, 0) == chain_shard(keys, shards)
+
+
+@given(keys=st.lists(KEYS, min_size=1, max_size=20), shards=st.integers(1, 8), depth=st.integers(0, 6))
+def test_every_short_prefixs_lookup_shard_is_named_with_a_prefix_covering_it(keys, shards, depth):
+    owners = short_prefix_shards(keys, shards, depth)
+    for length in range(1, min(depth, len(keys)) + 1):  # a prefix with no page at depth routes by its last page
+        shard = chain_shard(keys[:length], shards, depth)
+        assert length <= owners[shard] <= min(depth, len(keys))  # committing the longer prefix there covers it
+        assert chain_shard(keys[: owners[shard]], shards, depth) == shard
+    assert set(owners) == {chain_shard(keys[:n], shards, depth) for n in range(1, min(depth, len(keys)) + 1)}
 
 
 @settings(max_examples=examples(60), deadline=None)

@@ -167,7 +167,9 @@ class ConnectorScheduler:
         """Pin the runtime's cached prefix; its pages beyond ``first`` load asynchronously."""
         if (stale := self._pinned.pop(req_id, None)) is not None:
             self.runtime.release(stale.plan)
-        plan = self.runtime.lookup(tracked.keys[:loadable])
+        # Routed as the prompt's saves are (all its full pages): a prompt of at most
+        # controller_route_depth + 1 pages would otherwise ask another shard than it saves to.
+        plan = self.runtime.lookup(tracked.keys[:loadable], self.runtime.route_key(tracked.keys))
         tracked.cached_pages = max(tracked.cached_pages, plan.hit_pages)
         if plan.hit_pages <= first:
             self.runtime.release(plan)
