@@ -108,6 +108,7 @@ from kvray.core.tiers import Tier
 from kvray.core.tiers.directory import SharedHostTier
 
 HOST = Tier.HOST.label
+LOCAL = "local"  # the same-node path (kvray.cluster.paths.LocalPath)
 HOST_CHECK_S = 1.0  # how often a client asks its node's store which host segment it serves
 DEFAULT_TIMEOUT_S = 60.0  # how long a client waits for any one Ray call
 MEMBERS_CHECK_S = 5.0  # how often a client re-reads the stores and their page servers
@@ -274,7 +275,7 @@ class KvrayClient:
 
     # -- a whole request ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def request(self, keys: Sequence[int], backlog_ms: float = 0.0) -> Iterator[Request]:
+    def request(self, keys: Sequence[int], backlog_ms: float = 0.0, load_pages: int | None = None) -> Iterator[Request]:
         """``with client.request(keys) as r:``: look up and load the cached prefix of ``keys``
         on entry; the block reads ``r.rows[:r.hit]``, computes the rest into ``r.rows[r.hit:]``
         and calls ``r.store()`` to have it stored; on exit the lease is released (whether
@@ -285,22 +286,79 @@ class KvrayClient:
         (:class:`~kvray.cluster.protocol.Request`), so no caller keeps the landing buffer
         across calls that may replace it. The verbs below stay for callers that split a
         request (vLLM's scheduler looks up, its worker loads) or test one step of it.
+
+        ``load_pages``: load only that many pages of the cached prefix (the cluster policy's
+        load-or-recompute split); the caller recomputes the rest (``r.hit`` is what was
+        loaded), their holders count them as hits (recency, as in the simulator), and they
+        are not stored again: the pages after the whole cached prefix are.
         """
         self._check(keys)  # before anything is pinned: the rows must fit the landing buffer
         plan = self.lookup(keys, backlog_ms)
-        loaded, request, finished = Loaded(0), None, False
+        cut = plan.hit_pages if load_pages is None else min(max(load_pages, 0), plan.hit_pages)
+        loaded, request, finished, skipped = Loaded(0), None, False, 0
         try:
-            loaded = self.load(keys, plan)
-            request = Request(keys, plan, loaded, self.buffer.pages[: len(keys)])
+            loaded = self.load(keys, plan if cut == plan.hit_pages else dataclasses.replace(plan, hit_nodes=plan.hit_nodes[:cut]))
+            if loaded.pages == cut < plan.hit_pages:  # the split as decided (a load cut short stores from where it stopped)
+                skipped = plan.hit_pages - cut
+                self._touch_unloaded(keys, plan, cut)
+            request = Request(keys, plan, loaded, self.buffer.pages[: len(keys)], recomputed=skipped)
             yield request
             finished = True
         finally:  # a lease never released would pin its pages until it expires
             if request is not None:
                 request.close()
-            storing = finished and request.store_wanted and loaded.pages < len(keys)
-            held = self._release(plan, loaded, to_controller=not storing)
+            start = loaded.pages + skipped
+            storing = finished and request.store_wanted and start < len(keys)
+            held = self._release(plan, loaded, to_controller=not storing, unloaded=skipped)
         if request.store_wanted:
-            request.stored = self.store(keys, loaded.pages, plan, release=held)
+            request.stored = self.store(keys, start, plan, release=held)
+
+    def _touch_unloaded(self, keys: Sequence[int], plan: Plan, cut: int) -> None:
+        """The cached pages ``cut..`` a split request recomputes instead of loading: each
+        holder counts them as read (the simulator touches a request's whole cached prefix),
+        without sending a byte. This node's store hears of the request with it, if first."""
+        for run in runs_of(plan.hit_nodes[cut:], cut):
+            store = self.stores.get(run.node)
+            if store is None:
+                continue
+            packed = pack_keys(keys[run.start : run.stop])
+            if run.node == self.node_id:
+                self._touched = self._sent(store.touch.remote(packed, None, self.context.take_arrival(), 0, None))
+            else:
+                self._sent(store.touch.remote(packed, None, None, 0, None))
+
+    def replicate(self, keys: Sequence[int], plan: Plan, loaded: Loaded) -> int:
+        """Keep on this node a copy of the request's loaded prefix (the cluster policy's
+        ``replicate`` verb, for the serving node): buffer rows ``0..loaded.pages``, still
+        holding the pages just loaded, go to this node's store, and the controller indexes
+        the pages it did not place here as replicas. Call right after the request, before
+        the next load; returns pages this node's store added (0: none came from elsewhere,
+        or the buffer was replaced meanwhile)."""
+        upto = loaded.pages
+        store = self.local_store
+        if store is None or self.context.stale or all(node == self.node_id for node in plan.hit_nodes[:upto]):
+            return 0
+        if self._touched is not None:
+            ray.wait([self._touched], timeout=self.timeout_s)  # the policy sees the hits before the copies
+            self._touched = None
+        sub = list(keys[:upto])
+        path = self.paths[LOCAL]
+        result = _finished(path, path.start_store(store, sub, Run(self.node_id, 0, upto), None))
+        if result is None:
+            return 0
+        evicted = {self.node_id: result.dropped} if result.dropped else {}
+        owner = self.shards.of(sub)
+        reports = {self.node_id: result.report}
+        self._sent(
+            self.shards.handles[owner].commit.remote(
+                None, sub[: result.landed], [self.node_id] * result.landed, 0, evicted, reports, None, True
+            )
+        )
+        for shard, controller in enumerate(self.shards.handles):
+            if evicted and shard != owner:
+                self._sent(controller.commit.remote(None, [], [], 0, evicted, reports))
+        self._renew_if_stale(keep=0)
+        return result.stored
 
     # -- lookup + pin ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int], backlog_ms: float = 0.0) -> Plan:
@@ -497,16 +555,17 @@ class KvrayClient:
         """
         self._release(plan, loaded, to_controller=True)
 
-    def _release(self, plan: Plan, loaded: Loaded, to_controller: bool) -> Release | None:
+    def _release(self, plan: Plan, loaded: Loaded, to_controller: bool, unloaded: int = 0) -> Release | None:
         """:meth:`release`; with ``to_controller`` False (the request stores next) the
         controller's part (a plan it pinned) is returned instead of sent, for the store's
         commit to carry, and the mapped hits wait for the write to this node, if any, to
-        carry them (``PathContext.hits``) instead of a ``touch`` of their own."""
+        carry them (``PathContext.hits``) instead of a ``touch`` of their own. ``unloaded``:
+        cached pages the request chose to recompute (not lost, not stored again)."""
         local_pages = plan.hit_pages if plan.lease == LOCAL_LEASE else 0
         report = Release(plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes, local_pages)
         store = self.local_store
         # The request's arrival goes with this touch unless a write here will carry it.
-        writes_here = plan.hit_pages > loaded.pages or self.node_id in plan.targets
+        writes_here = plan.hit_pages - unloaded > loaded.pages or self.node_id in plan.targets
         if store is not None and plan.lease == LOCAL_LEASE:
             self._touched = self._sent(
                 store.touch.remote(pack_keys(loaded.mapped), report, self.context.take_arrival(), plan.shard, loaded.mapped_s)
