@@ -39,6 +39,7 @@ from kvray.core.config import FrozenModel, read_yaml, validate
 from kvray.core.errors import ClusterError, ConfigError
 from kvray.core.keys import pack_keys, trace_page_keys
 from kvray.core.tiers import TIER_BY_LABEL
+from kvray.policy.cluster import ClusterPolicy
 from kvray.progress import progress_bar
 from kvray.report import ReplayResult, ReplayTally
 from kvray.scenario import Scenario, TierSpec
@@ -107,11 +108,14 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
     and serves requests back to back, so a comparison scenario sets ``prefill_overhead_ms: 0``
     and enough ``servers`` that no request queues. A ``remote`` tier has no meaning on one node.
     The nodes' placement policies are told the scenario's tier costs, page prefill time and
-    engines (as the simulator tells its policy), calibrated for this machine by ``kvray calibrate``.
+    engines (as the simulator tells its policy), calibrated for this machine by ``kvray calibrate``,
+    and the scenario's ``links.window_ms`` is the window the controller measures link use over;
+    its cluster policy keeps a request on one node up to the simulator's limit
+    (``ClusterPolicy.local_limit``), not the runtime's (a node's host tier).
     A cluster scenario of identical nodes is that many nodes (its front end must be
     ``round-robin``, as the replay's), so ``kvray sim`` and ``kvray run`` replay the same cluster.
     """
-    nodes, name = scenario.node_scenarios(), scenario.name
+    nodes, name, cluster = scenario.node_scenarios(), scenario.name, scenario
     if scenario.nodes is not None:
         alike = all(node.model_copy(update={"name": nodes[0].name}) == nodes[0] for node in nodes)
         if not alike or scenario.router.kind != "round-robin":
@@ -131,6 +135,10 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
         "page_prefill_ms": model.page_prefill_ms(),
         "prefill_engines": scenario.compute.servers,
     }
+    if cluster.links is not None:  # the window policies see link utilisation over, in both worlds
+        base["runtime"]["observe_window_s"] = cluster.window_ms / 1e3
+    if cluster.nodes is not None:  # the simulator's cluster policies keep requests of up to this many pages on one node
+        base["runtime"]["local_pages_limit"] = ClusterPolicy.local_limit
     return base | {"name": name, "nodes": len(nodes), "prefill_us_per_token": scenario.compute.prefill_us_per_token}
 
 
