@@ -508,6 +508,7 @@ class Controller:
             "open_leases": len(self._leases),
             "expired_leases": self.expired_leases,
             "doomed_pages": len(self._doomed),
+            "replica_locations": sum(len(copies) for copies in self.replicas.values()),
             "rebuilt_pages": self.rebuilt_pages,
             "rebuild_s": self.rebuild_s,
         }
