@@ -103,13 +103,16 @@ def run(
     trace: str = typer.Option(..., "--trace", help="Mooncake JSONL or Parquet trace"),
     policy: str | None = typer.Option(None, "--policy", help="placement policy of every node's tiers (default lru)"),
     cluster_policy: str | None = typer.Option(
-        None, "--cluster-policy", help="which node keeps each new page (default local-first)"
+        None,
+        "--cluster-policy",
+        help="decides across nodes: which node serves, keeps each new page, how much of a hit to load, prefetch, "
+        "replicate (default local-first; counted in cluster_verbs)",
     ),
     nodes: int | None = typer.Option(
         None, "--nodes", callback=in_range(1, MAX_NODES), help="local Ray nodes to start (ignored with --address)"
     ),
     scenario: str | None = typer.Option(
-        None, "--scenario", help="YAML file of replay settings, or a kvray sim scenario (one node)"
+        None, "--scenario", help="YAML file of replay settings, or a kvray sim scenario (its nodes alike)"
     ),
     address: str | None = typer.Option(None, "--address", help="existing Ray cluster (default: $RAY_ADDRESS)"),
     name: str | None = typer.Option(

@@ -40,6 +40,7 @@ RESULT_KEYS = {
     "scenario",
 }
 RUNTIME_KEYS = {"wrong_pages", "prefill_us_per_token_measured"}  # only a replay on the runtime has these
+REPLAY_KEYS = {"cluster_policy", "cluster_verbs"}  # what `kvray run` adds: its cluster policy and what each verb did
 
 
 def prefix_kv(layout: PageLayout, tokens) -> torch.Tensor:

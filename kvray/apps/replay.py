@@ -1,8 +1,12 @@
 """Trace replay on the Ray runtime: what ``kvray run`` and ``kvray demo`` do.
 
-Requests of a trace (:func:`kvray.traces.read_trace`) go in order, round-robin, to one
-:class:`~kvray.apps.replay_engine.ReplayEngine` per node, so a conversation's next turn often
-lands on another node and its prefix must come from there (or be recomputed). Each
+Requests of a trace (:func:`kvray.traces.read_trace`) arrive in order, round-robin, at one
+:class:`~kvray.apps.replay_engine.ReplayEngine` per node (the front end), so a conversation's
+next turn often lands on another node and its prefix must come from there (or be
+recomputed). Before each request the runtime's cluster policy decides (``Controller.decide``:
+``route``, ``load_pages``, ``prefetch``, ``replicate``, from the views the simulator builds);
+the engine of the node it routed to serves it and executes the rest. What the verbs did
+is counted in ``cluster_verbs`` (``kvray run --json``). Each
 engine measures its own time to first token: lookup + pin, loading the hit pages with
 their real bytes, and computing the missed tokens (a calibrated matmul, see
 :mod:`~kvray.apps.prefill`). Page keys come from the trace's block ids; only full
@@ -33,14 +37,28 @@ from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.runtime import RayConnection, Runtime, alive_nodes, free_name, on_node
 from kvray.core.config import FrozenModel, read_yaml, validate
 from kvray.core.errors import ClusterError, ConfigError
+from kvray.core.keys import pack_keys, trace_page_keys
 from kvray.core.tiers import TIER_BY_LABEL
+from kvray.policy.cluster import ClusterPolicy
 from kvray.progress import progress_bar
 from kvray.report import ReplayResult, ReplayTally
 from kvray.scenario import Scenario, TierSpec
 from kvray.sim.cost import CostModel
 from kvray.sim.simulator import fast_capacity
-from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, cacheable_pages, read_trace
+from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, cacheable_pages, full_blocks, read_trace
 
+# What ``cluster_verbs`` counts: requests decided, served on another node than their front
+# end's, split (part of the hit recomputed), prefetched and replicated; pages of the last three.
+VERBS = (
+    "decisions",
+    "routed_elsewhere",
+    "load_splits",
+    "recomputed_hit_pages",
+    "prefetches",
+    "prefetched_pages",
+    "replications",
+    "replicated_pages",
+)
 ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 # Bounds on waiting for an actor: a request (its engine's client waits at most its own
 # timeout per Ray call, a few calls per request), and a metadata call.
@@ -90,8 +108,22 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
     and serves requests back to back, so a comparison scenario sets ``prefill_overhead_ms: 0``
     and enough ``servers`` that no request queues. A ``remote`` tier has no meaning on one node.
     The nodes' placement policies are told the scenario's tier costs, page prefill time and
-    engines (as the simulator tells its policy), calibrated for this machine by ``kvray calibrate``.
+    engines (as the simulator tells its policy), calibrated for this machine by ``kvray calibrate``,
+    and the scenario's ``links.window_ms`` is the window the controller measures link use over;
+    its cluster policy keeps a request on one node up to the simulator's limit
+    (``ClusterPolicy.local_limit``), not the runtime's (a node's host tier).
+    A cluster scenario of identical nodes is that many nodes (its front end must be
+    ``round-robin``, as the replay's), so ``kvray sim`` and ``kvray run`` replay the same cluster.
     """
+    nodes, name, cluster = scenario.node_scenarios(), scenario.name, scenario
+    if scenario.nodes is not None:
+        alike = all(node.model_copy(update={"name": nodes[0].name}) == nodes[0] for node in nodes)
+        if not alike or scenario.router.kind != "round-robin":
+            raise ConfigError(
+                f"scenario {scenario.name!r}: kvray run replays a cluster of identical nodes behind a round-robin "
+                "front end; this one has other kinds of node or another router"
+            )
+        scenario = nodes[0]
     tiers = {name: spec.capacity_pages for name, spec in scenario.tiers.items() if name != "remote"}
     model = CostModel(scenario)
     costs = model.tier_cost(TIER_BY_LABEL[name] for name in tiers)
@@ -103,7 +135,11 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
         "page_prefill_ms": model.page_prefill_ms(),
         "prefill_engines": scenario.compute.servers,
     }
-    return base | {"name": scenario.name, "nodes": 1, "prefill_us_per_token": scenario.compute.prefill_us_per_token}
+    if cluster.links is not None:  # the window policies see link utilisation over, in both worlds
+        base["runtime"]["observe_window_s"] = cluster.window_ms / 1e3
+    if cluster.nodes is not None:  # the simulator's cluster policies keep requests of up to this many pages on one node
+        base["runtime"]["local_pages_limit"] = ClusterPolicy.local_limit
+    return base | {"name": name, "nodes": len(nodes), "prefill_us_per_token": scenario.compute.prefill_us_per_token}
 
 
 # The settings `kvray run` and `kvray up` take as flags, so their errors name the flag typed
@@ -158,6 +194,9 @@ class Replay:
             for node in runtime.stores
         }
         _bounded([e.node_id.remote() for e in self.engines.values()], CALL_TIMEOUT_S, "engines starting")
+        self.fingerprint = runtime.config.fingerprint()
+        self.page_tokens = runtime.config.layout.page_tokens
+        self.verbs = dict.fromkeys(VERBS, 0)
 
     def run(
         self, trace: list[TraceRequest], progress: bool = True, on_request: Callable[[int], None] | None = None
@@ -184,6 +223,8 @@ class Replay:
             policy,
             self.settings.name,
             self._bytes_moved() - moved_before,
+            cluster_policy=self.runtime.config.cluster_policy,
+            cluster_verbs=dict(self.verbs),
             wrong_pages=wrong_pages,
             lost_nodes=lost_nodes,
             prefill_us_per_token_measured=compute_s * 1e6 / computed_tokens if computed_tokens else 0.0,
@@ -198,16 +239,46 @@ class Replay:
     def _serve(self, i: int, request: TraceRequest, lost_nodes: list[str]) -> dict:
         while self.engines:
             nodes = list(self.engines)
-            node = nodes[i % len(nodes)]
+            front = nodes[i % len(nodes)]
+            node, verbs = self._decide(request, front)
             try:
-                return _bounded(
-                    self.engines[node].serve.remote(list(request.hash_ids), request.input_length),
+                outcome = _bounded(
+                    self.engines[node].serve.remote(list(request.hash_ids), request.input_length, **verbs),
                     REQUEST_TIMEOUT_S,
                     f"request {i} on node {node[:12]}",
                 )
             except ENGINE_ERRORS:
                 self._lose_node(node, lost_nodes)
+                continue
+            self._count(front, node, verbs, outcome.get("verbs", {}))
+            return outcome
         raise ClusterError("every replay engine is gone: no node left to serve requests")
+
+    def _decide(self, request: TraceRequest, front: str) -> tuple[str, dict]:
+        """The node that serves ``request`` (arriving at ``front``) and the engine's verbs
+        for it, as the runtime's cluster policy decides (``Controller.decide``, at the shard
+        owning the request's chain); a request with no full page, or a replay without the
+        cache, is served where it arrived."""
+        keys = trace_page_keys(self.fingerprint, full_blocks(request.hash_ids, request.input_length, self.page_tokens))
+        if not (keys and self.settings.cache):
+            return front, {}
+        shards = self.runtime.shards
+        decision = _bounded(shards.handles[shards.of(keys)].decide.remote(pack_keys(keys), front), CALL_TIMEOUT_S, "decide")
+        if decision.node not in self.engines:
+            return front, {}  # its engine was lost since the controller last heard
+        verbs = {"load_pages": decision.load_pages, "prefetch": decision.prefetch}
+        verbs["replicate"] = decision.node in decision.replicate
+        return decision.node, verbs
+
+    def _count(self, front: str, node: str, verbs: dict, done: dict) -> None:
+        counts = self.verbs
+        counts["decisions"] += bool(verbs)
+        counts["routed_elsewhere"] += node != front
+        counts["load_splits"] += done.get("recomputed_hit_pages", 0) > 0
+        counts["prefetches"] += done.get("prefetched_pages", 0) > 0
+        counts["replications"] += done.get("replicated_pages", 0) > 0
+        for key in ("recomputed_hit_pages", "prefetched_pages", "replicated_pages"):
+            counts[key] += done.get(key, 0)
 
     def _lose_node(self, node: str, lost_nodes: list[str]) -> None:
         """A node's engine died: drop the node's locations and let the others re-route."""

@@ -9,6 +9,14 @@ node, finds the cache as this one left it, as in the simulator. Page bytes are d
 page key (:class:`~kvray.cluster.checked.PagePattern`), so every loaded page is checked
 against what it must contain: a wrong page is counted, never silently used.
 
+The cluster policy's verbs for the request (``Controller.decide``, asked by the driver)
+arrive with it: ``load_pages`` loads only that much of the cached prefix and recomputes
+the rest; ``prefetch`` starts the lookup and load before the request takes the node's
+prefill engine (``_engine``, held while computing), otherwise they run once it has it;
+``replicate`` keeps a copy of the loaded prefix in this node's store afterwards. The
+driver sends one request at a time, so nothing waits for the engine here and prefetch
+changes the order of the steps, not the measured time.
+
 With ``cache=False`` the engine never looks up or stores pages: it recomputes every
 prompt, as an engine without kvray does, which is the baseline kvray is measured against.
 
@@ -20,6 +28,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import numpy as np
@@ -44,6 +54,7 @@ class ReplayEngine:
         # Writing the computed KV is part of a prefill's cost per token (an engine's forward
         # pass writes it), so the matmul gets what is left of ``us_per_token`` after it.
         self.prefill = PrefillWorkload(max(us_per_token - self._kv_write_us_per_token(), 0.0))
+        self._engine = threading.Lock()  # the node's prefill engine: one request computes at a time
 
     def _kv_write_us_per_token(self) -> float:
         """The fastest of a few timed page fills, per token (as the matmul is calibrated)."""
@@ -61,19 +72,39 @@ class ReplayEngine:
     def refresh(self) -> None:
         self.client.refresh()
 
-    def serve(self, hash_ids: list[int], input_length: int) -> dict:
-        """Serve one request; returns its measured TTFT and what the cache gave it."""
+    def serve(
+        self,
+        hash_ids: list[int],
+        input_length: int,
+        load_pages: int | None = None,
+        prefetch: bool = False,
+        replicate: bool = False,
+    ) -> dict:
+        """Serve one request as the cluster policy decided (see the module docstring);
+        returns its measured TTFT, what the cache gave it and what each verb did."""
         t0 = time.perf_counter()
         keys = self.client.keys_for_trace(full_blocks(hash_ids, input_length, self.page_tokens))
         if not (keys and self.cache):  # nothing to look up: every page computed, none stored
             ttft, compute, _ = self._compute(keys, 0, self.client.buffer.pages, input_length, t0)
             return self._served(ttft, compute, input_length, {}, wrong=0)
         # The driver sends a request only when the last one is done: nothing queues here.
-        with self.client.request(keys, backlog_ms=0.0) as r:
+        with contextlib.ExitStack() as steps:
+            if not prefetch:
+                steps.enter_context(self._engine)
+            r = steps.enter_context(self.client.request(keys, backlog_ms=0.0, load_pages=load_pages))
+            if prefetch:
+                steps.enter_context(self._engine)
             ttft, compute, wrong = self._compute(keys, r.hit, r.rows, input_length, t0)
             r.store()
+        replicated = self.client.replicate(keys, r.plan, r.loaded) if replicate else 0
         self.client.settle()
-        return self._served(ttft, compute, input_length, r.loaded.by_tier, wrong)
+        served = self._served(ttft, compute, input_length, r.loaded.by_tier, wrong)
+        served["verbs"] = {
+            "prefetched_pages": r.hit if prefetch else 0,
+            "recomputed_hit_pages": r.recomputed,
+            "replicated_pages": replicated,
+        }
+        return served
 
     def _compute(self, keys: list[int], hit: int, rows: np.ndarray, input_length: int, t0: float) -> tuple[float, float, int]:
         """Prefill the tokens past the ``hit`` pages and write their KV pages into ``rows``;

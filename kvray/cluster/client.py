@@ -276,7 +276,7 @@ class KvrayClient(ChainStores):
 
     # -- a whole request ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def request(self, keys: Sequence[int], backlog_ms: float = 0.0) -> Iterator[Request]:
+    def request(self, keys: Sequence[int], backlog_ms: float = 0.0, load_pages: int | None = None) -> Iterator[Request]:
         """``with client.request(keys) as r:``: look up and load the cached prefix of ``keys``
         on entry; the block reads ``r.rows[:r.hit]``, computes the rest into ``r.rows[r.hit:]``
         and calls ``r.store()`` to have it stored; on exit the lease is released (whether
@@ -290,6 +290,11 @@ class KvrayClient(ChainStores):
         waits for that request first (:mod:`kvray.cluster.inflight`), so the page is
         computed and stored once. The verbs below stay for callers that split a request
         (vLLM's scheduler looks up, its worker loads) or test one step of it.
+
+        ``load_pages``: load only that many pages of the cached prefix (the cluster policy's
+        load-or-recompute split); the caller recomputes the rest (``r.hit`` is what was
+        loaded), their holders count them as hits (recency, as in the simulator), and they
+        are not stored again: the pages after the whole cached prefix are.
         """
         self._check(keys)  # before anything is pinned: the rows must fit the landing buffer
         claim = self._claim_computing(keys)
@@ -297,19 +302,25 @@ class KvrayClient(ChainStores):
             plan = self.lookup(keys, backlog_ms)
             if claim is not None:
                 claim = claim.narrow(keys[plan.hit_pages :])
-            loaded, request, finished = Loaded(0), None, False
+            cut = plan.hit_pages if load_pages is None else min(max(load_pages, 0), plan.hit_pages)
+            loaded, request, finished, skipped = Loaded(0), None, False, 0
             try:
-                loaded = self.load(keys, plan)
-                request = Request(keys, plan, loaded, self.buffer.pages[: len(keys)])
+                partial = dataclasses.replace(plan, hit_nodes=plan.hit_nodes[:cut])
+                loaded = self.load(keys, plan if cut == plan.hit_pages else partial)
+                if loaded.pages == cut < plan.hit_pages:  # the split as decided (a load cut short stores from where it stopped)
+                    skipped = plan.hit_pages - cut
+                    self._touch_unloaded(keys, plan, cut)
+                request = Request(keys, plan, loaded, self.buffer.pages[: len(keys)], recomputed=skipped)
                 yield request
                 finished = True
             finally:  # a lease never released would pin its pages until it expires
                 if request is not None:
                     request.close()
-                storing = finished and request.store_wanted and loaded.pages < len(keys)
-                held = self._release(plan, loaded, to_controller=not storing)
+                start = loaded.pages + skipped
+                storing = finished and request.store_wanted and start < len(keys)
+                held = self._release(plan, loaded, to_controller=not storing, unloaded=skipped)
             if request.store_wanted:
-                request.stored = self.store(keys, loaded.pages, plan, release=held)
+                request.stored = self.store(keys, start, plan, release=held)
         finally:
             if claim is not None:
                 claim.end()
@@ -325,6 +336,20 @@ class KvrayClient(ChainStores):
             return None
         held = host.held(keys)
         return IN_FLIGHT.claim(self.config.name, keys[held:], self.timeout_s) if held < len(keys) else None
+
+    def _touch_unloaded(self, keys: Sequence[int], plan: Plan, cut: int) -> None:
+        """The cached pages ``cut..`` a split request recomputes instead of loading: each
+        holder counts them as read (the simulator touches a request's whole cached prefix),
+        without sending a byte. This node's store hears of the request with it, if first."""
+        for run in runs_of(plan.hit_nodes[cut:], cut):
+            store = self.stores.get(run.node)
+            if store is None:
+                continue
+            packed = pack_keys(keys[run.start : run.stop])
+            if run.node == self.node_id:
+                self._touched = self._sent(store.touch.remote(packed, None, self.context.take_arrival(), 0, None))
+            else:
+                self._sent(store.touch.remote(packed, None, None, 0, None))
 
     # -- lookup + pin ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int], backlog_ms: float = 0.0, route_key: int | None = None) -> Plan:
@@ -525,16 +550,17 @@ class KvrayClient(ChainStores):
         """
         self._release(plan, loaded, to_controller=True)
 
-    def _release(self, plan: Plan, loaded: Loaded, to_controller: bool) -> Release | None:
+    def _release(self, plan: Plan, loaded: Loaded, to_controller: bool, unloaded: int = 0) -> Release | None:
         """:meth:`release`; with ``to_controller`` False (the request stores next) the
         controller's part (a plan it pinned) is returned instead of sent, for the store's
         commit to carry, and the mapped hits wait for the write to this node, if any, to
-        carry them (``PathContext.hits``) instead of a ``touch`` of their own."""
+        carry them (``PathContext.hits``) instead of a ``touch`` of their own. ``unloaded``:
+        cached pages the request chose to recompute (not lost, not stored again)."""
         local_pages = plan.hit_pages if plan.lease == LOCAL_LEASE else 0
         report = Release(plan.lease, loaded.by_tier, loaded.lost, loaded.bytes_between_nodes, local_pages)
         store = self.local_store
         # The request's arrival goes with this touch unless a write here will carry it.
-        writes_here = plan.hit_pages > loaded.pages or self.node_id in plan.targets
+        writes_here = plan.hit_pages - unloaded > loaded.pages or self.node_id in plan.targets
         if store is not None and plan.lease == LOCAL_LEASE:
             self._touched = self._sent(
                 store.touch.remote(pack_keys(loaded.mapped), report, self.context.take_arrival(), plan.shard, loaded.mapped_s)

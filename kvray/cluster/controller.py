@@ -30,6 +30,13 @@ over its :class:`~kvray.core.partition.Partition` (the chains whose root page ha
 with every store registered at each; clients route each request to its chain's shard
 (:mod:`kvray.cluster.shards`), and a restarted shard rebuilds only the chains it owns.
 
+Before a request is served, the replay's driver (or any front end) asks ``decide``: the
+cluster policy's ``route``, ``load_pages``, ``prefetch`` and ``replicate`` for it, from the
+same views the simulator builds (:class:`~kvray.cluster.protocol.Decision`); the serving
+engine executes them. A replica (a copy of a hit chain on the serving node) is indexed as
+a page's second location: lookups from that node find it there first, as the simulator's
+holders do, and a page evicted from one location keeps the others.
+
 Leases are named by the client (:func:`~kvray.cluster.protocol.new_lease`), so a client whose ``lookup_pin``
 timed out can still end the pins that call may have taken, and every lease expires after
 ``RuntimeConfig.lease_ttl_s``: a client that dies between ``lookup_pin`` and ``release``
@@ -59,7 +66,7 @@ import ray
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, store_name
 from kvray.cluster.metrics import export_cluster_stats
 from kvray.cluster.observe import ClusterObservations, NodeReport
-from kvray.cluster.protocol import LOCAL_LEASE, Plan, Release, new_lease
+from kvray.cluster.protocol import LOCAL_LEASE, Decision, Plan, Release, new_lease
 from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT, PrefixIndex, parents_first
 from kvray.core.keys import unpack_keys
@@ -94,6 +101,10 @@ class Controller:
         self._doomed: set[int] = set()
         self.expired_leases = 0
         self.lookups = 0
+        self.replicas: dict[int, list[int]] = {}  # handle -> nodes holding a copy besides index.node's
+        tiers_held = [tier for tier, pages in tiers.items() if pages]
+        # the tier every cached page is in when nodes have one tier (else unknown: the index keeps nodes only)
+        self._only_tier = tiers_held[0] if len(tiers_held) == 1 else None
         self.local_lookups = 0  # requests clients answered from their own node's host tier
         self.lookup_pages = 0
         self.hit_pages: Counter = Counter()
@@ -182,6 +193,9 @@ class Controller:
         self.observed.forget(node_id)
         if node_id not in self._node_ix:
             return 0
+        ix = self._node_ix[node_id]
+        for handle in [h for h, copies in self.replicas.items() if ix in copies]:
+            self._lose(handle, ix)
         return self._drop_where(self._on_node(node_id), lambda h: True)
 
     def runtime_config(self) -> RuntimeConfig:
@@ -203,7 +217,7 @@ class Controller:
         before = len(self.index)
         for handle in handles.tolist():
             if self._indexed(handle) and condition(handle):
-                self._drop(handle)
+                self._lose(handle, int(self.index.node[handle]))
         dropped = before - len(self.index)
         self.lost_pages += dropped
         return dropped
@@ -214,6 +228,20 @@ class Controller:
         except KeyError:
             return False  # went with an ancestor dropped earlier in the same sweep
         return True
+
+    def _lose(self, handle: int, ix: int) -> None:
+        """Node ``ix`` no longer holds the page: a copy elsewhere becomes its location (the
+        oldest replica), or, when none is left, the page is forgotten with its descendants."""
+        copies = self.replicas.get(handle)
+        if int(self.index.node[handle]) == ix:
+            if not copies:
+                self._drop(handle)
+                return
+            self.index.move(handle, int(self.index.tier[handle]), int(self.index.slot[handle]), node=copies.pop(0))
+        elif copies and ix in copies:
+            copies.remove(ix)
+        if copies is not None and not copies:
+            del self.replicas[handle]
 
     def _drop(self, handle: int) -> None:
         """Forget a page and its descendants (they can never match without it).
@@ -229,6 +257,9 @@ class Controller:
             self._doomed.add(handle)
             return
         self._doomed.difference_update(removed)  # their handles may be reused by new pages
+        if self.replicas:
+            for gone in removed:
+                self.replicas.pop(gone, None)
 
     def _end(self, handles: np.ndarray) -> None:
         """Unpin a lease's chain and drop the doomed pages on it that no lease holds any more:
@@ -277,8 +308,61 @@ class Controller:
         self._leases[lease] = (time.monotonic() + self.config.lease_ttl_s, handles)
         self.lookups += 1
         self.lookup_pages += len(keys)
-        hit_nodes = [self.node_ids[i] for i in self.index.node[handles].tolist()]
+        hit_nodes = self._hit_nodes(handles, requester)
         return Plan(lease, hit_nodes, self._place(RequestView(tuple(keys), requester, tuple(hit_nodes))))
+
+    def _hit_nodes(self, handles: np.ndarray, prefer: str | None) -> list[str]:
+        """The node each cached page is read from: ``prefer`` when it holds the page, else
+        the node of the page before, else its first location (the simulator's rule,
+        ``ClusterSimulator.hit_nodes``)."""
+        primary = self.index.node[handles].tolist()
+        if not self.replicas:
+            return [self.node_ids[i] for i in primary]
+        want = self._node_ix.get(prefer, NO_NODE) if prefer is not None else NO_NODE
+        out, prev = [], want
+        for handle, first in zip(handles.tolist(), primary):
+            copies = self.replicas.get(handle)
+            if copies is None:
+                node = first
+            else:
+                held = [first, *copies]
+                node = want if want in held else prev if prev in held else first
+            out.append(self.node_ids[node])
+            prev = node
+        return out
+
+    def decide(self, keys: Sequence[int] | bytes, front: str | None, backlog_ms: float = 0.0) -> Decision:
+        """The cluster policy's verbs for a request arriving at ``front`` (the front end's
+        node): which node serves it, then, as that node sees it, how much of the hit to load,
+        whether to prefetch and where to replicate (the simulator's ``ClusterSimulator.serve``
+        asks them in this order, of the same views). Nothing is pinned or counted: the serving
+        engine looks the prefix up again with ``lookup_pin``. ``backlog_ms``: the front node's
+        engine backlog."""
+        if isinstance(keys, bytes):
+            keys = unpack_keys(keys)
+        self._expire()
+        if front in self.stores:
+            self.observed.backlog(front, backlog_ms)
+        keys = tuple(keys)
+        handles = self.index.lookup(keys)
+        handles = handles[: self._first_doomed(handles)]
+        cluster = self.cluster_view()
+        view = self._request_view(keys, handles, front)
+        node = self.policy.route(view, cluster)
+        if node not in self.stores:
+            raise PolicyError(f"cluster policy {self.policy.name!r} routed to {node!r}; live nodes: {', '.join(self.stores)}")
+        if node != front:
+            view = self._request_view(keys, handles, node)
+        hits = len(handles)
+        load = min(max(int(self.policy.load_pages(view, cluster)), 0), hits) if hits else 0
+        prefetch = load > 0 and bool(self.policy.prefetch(view, cluster))
+        replicate = tuple(n for n in self.policy.replicate(view, cluster) if n in self.stores) if hits else ()
+        return Decision(node, hits, load, prefetch, replicate)
+
+    def _request_view(self, keys: tuple[int, ...], handles: np.ndarray, requester: str | None) -> RequestView:
+        hit_nodes = tuple(self._hit_nodes(handles, requester))
+        tiers = (self._only_tier,) * len(hit_nodes) if self._only_tier else ()
+        return RequestView(keys, requester, hit_nodes, hit_tiers=tiers)
 
     def locate(self, keys: Sequence[int]) -> tuple[list[str], ClusterView]:
         """Where the cached prefix of ``keys`` lives (the node of each page, root first) and
@@ -288,11 +372,12 @@ class Controller:
         self._expire()
         handles = self.index.lookup(keys)
         handles = handles[: self._first_doomed(handles)]
-        return [self.node_ids[i] for i in self.index.node[handles].tolist()], self.cluster_view()
+        return self._hit_nodes(handles, None), self.cluster_view()
 
     def cluster_view(self) -> ClusterView:
         """The live nodes, in membership order, as the cluster policy sees them now."""
-        return self.observed.view(list(self.stores), time.monotonic())
+        view = self.observed.view(list(self.stores), time.monotonic())
+        return ClusterView(view.nodes, page_prefill_ms=self.config.page_prefill_ms or 0.0)
 
     def _place(self, request: RequestView) -> list[str]:
         """The policy's node for each page after the cached prefix; checked, as a policy's
@@ -354,12 +439,15 @@ class Controller:
         dropped: Mapping[str, Sequence[int]],
         reports: Mapping[str, NodeReport] | None = None,
         release: Release | None = None,
+        replica: bool = False,
     ) -> int:
         """Publish a chain of pages stores now hold (``keys[i]`` on ``nodes[i]``, the first one
         a child of ``parent_key``); forget the pages stores report evicted, and keep the
         ``reports`` the stores answered the writes with. ``release``: the storing request's
         own report (:class:`~kvray.cluster.protocol.Release`), handled first, as if it had
-        come on its own just before. Returns pages added."""
+        come on its own just before. ``replica``: the pages are copies of a chain indexed
+        elsewhere (the ``replicate`` verb): a page indexed already gains ``nodes[i]`` as a
+        further location. Returns pages added."""
         if release is not None:
             self.release(*release)
         self._expire()
@@ -378,6 +466,10 @@ class Controller:
             if handle is None:
                 handle = self.index.add(key, parent=parent, depth=depth + i, node=self._node_ix[node_id])
                 added += 1
+            elif replica and (ix := self._node_ix[node_id]) != int(self.index.node[handle]):
+                copies = self.replicas.setdefault(handle, [])
+                if ix not in copies:
+                    copies.append(ix)
             parent = handle
         return added
 
@@ -387,8 +479,8 @@ class Controller:
         before = len(self.index)
         for key in keys:
             handle = self.index.handle_of(key)
-            if handle is not None and handle not in self._doomed and self.index.node[handle] == ix:
-                self._drop(handle)
+            if handle is not None and handle not in self._doomed:
+                self._lose(handle, ix)
         return before - len(self.index)
 
     # -- state ----------------------------------------------------------------------------------
@@ -416,6 +508,7 @@ class Controller:
             "open_leases": len(self._leases),
             "expired_leases": self.expired_leases,
             "doomed_pages": len(self._doomed),
+            "replica_locations": sum(len(copies) for copies in self.replicas.values()),
             "rebuilt_pages": self.rebuilt_pages,
             "rebuild_s": self.rebuild_s,
         }

@@ -16,6 +16,8 @@ the transfer paths and the engines exchange on the way, and import from here.
 - :class:`Loaded`: what a load delivered: the first ``pages`` rows, by tier and path.
 - :class:`Release`: what a request reports to the controller when it is done with its lease.
 - :class:`Stored`: a store's answer to the write of one run: what the client commits.
+- :class:`Decision`: the cluster policy's verbs for one request before it is served (which
+  node, how much of the hit to load, prefetch, replicate), from ``Controller.decide``.
 - :class:`Request`: one request inside its ``with`` block; its rows are the landing
   buffer's, so they are readable only there.
 
@@ -130,6 +132,20 @@ class Release(NamedTuple):
     local_pages: int = 0
 
 
+class Decision(NamedTuple):
+    """The cluster policy's verbs for one request (``Controller.decide``), which the serving
+    engine executes: ``node`` serves it; of the ``hit_pages`` cached, the first ``load_pages``
+    are loaded and the rest recomputed; ``prefetch``: the load starts before the request
+    waits for its engine; ``replicate``: nodes that keep a copy of the hit chain afterwards.
+    The default (no decision asked) is the requester serving with every hit page loaded."""
+
+    node: str
+    hit_pages: int = 0
+    load_pages: int = 0
+    prefetch: bool = False
+    replicate: tuple[str, ...] = ()
+
+
 class Stored(NamedTuple):
     """A store's answer to the write of one run, on every path (shared memory, TCP, the
     object store).
@@ -197,10 +213,11 @@ class Request:
     stays readable after the block.
     """
 
-    def __init__(self, keys: Sequence[int], plan: Plan, loaded: Loaded, rows: np.ndarray) -> None:
+    def __init__(self, keys: Sequence[int], plan: Plan, loaded: Loaded, rows: np.ndarray, recomputed: int = 0) -> None:
         self.keys = keys
         self.plan = plan
         self.loaded = loaded
+        self.recomputed = recomputed  # cached pages after ``hit`` the caller recomputes (a load split), not stored again
         self.stored: int | None = None  # pages stored on exit; None: not asked, or the block raised
         self.store_wanted = False
         self._rows: np.ndarray | None = rows

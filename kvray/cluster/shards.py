@@ -42,6 +42,7 @@ SUMMED = (
     "open_leases",
     "expired_leases",
     "doomed_pages",
+    "replica_locations",
     "rebuilt_pages",
 )
 PER_SHARD = ("indexed_pages", "index_bytes", "lookups", "open_leases", "rebuilt_pages", "rebuild_s")

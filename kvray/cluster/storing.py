@@ -1,4 +1,4 @@
-"""The store verb of :class:`~kvray.cluster.client.KvrayClient`: a request's new pages to
+"""The store verbs of :class:`~kvray.cluster.client.KvrayClient`: a request's new pages to
 the stores the plan chose, then one commit to the controller shard its chain's lookups ask.
 
 Split out of the client module (which keeps lookup, load and release) as
@@ -27,13 +27,15 @@ from collections.abc import Sequence
 import ray
 
 from kvray.cluster.paths import PathContext, StoreCallPath
-from kvray.cluster.protocol import Plan, Release, Stored, runs_of
+from kvray.cluster.protocol import Loaded, Plan, Release, Run, Stored, runs_of
 from kvray.cluster.shards import ControllerShards
 from kvray.core.errors import RequestError
 
+LOCAL = "local"  # the same-node path (kvray.cluster.paths.LocalPath)
+
 
 class ChainStores:
-    """:meth:`store` for :class:`~kvray.cluster.client.KvrayClient` (which defines the
+    """:meth:`store` and :meth:`replicate` for :class:`~kvray.cluster.client.KvrayClient` (which defines the
     attributes and helpers named below); see the module docstring."""
 
     shards: ControllerShards
@@ -160,6 +162,39 @@ class ChainStores:
         for shard, length in self.shards.short_prefix_owners(chain).items():
             if shard != owner and length > start:
                 self._sent(self.shards.handles[shard].commit.remote(None, list(chain[:length]), list(nodes[:length]), 0, {}))
+
+    def replicate(self, keys: Sequence[int], plan: Plan, loaded: Loaded) -> int:
+        """Keep on this node a copy of the request's loaded prefix (the cluster policy's
+        ``replicate`` verb, for the serving node): buffer rows ``0..loaded.pages``, still
+        holding the pages just loaded, go to this node's store, and the controller indexes
+        the pages it did not place here as replicas. Call right after the request, before
+        the next load; returns pages this node's store added (0: none came from elsewhere,
+        or the buffer was replaced meanwhile)."""
+        upto = loaded.pages
+        store = self.local_store
+        if store is None or self.context.stale or all(node == self.node_id for node in plan.hit_nodes[:upto]):
+            return 0
+        if self._touched is not None:
+            ray.wait([self._touched], timeout=self.timeout_s)  # the policy sees the hits before the copies
+            self._touched = None
+        sub = list(keys[:upto])
+        path = self.paths[LOCAL]
+        result = _finished(path, path.start_store(store, sub, Run(self.node_id, 0, upto), None))
+        if result is None:
+            return 0
+        evicted = {self.node_id: result.dropped} if result.dropped else {}
+        owner = self.shards.of(sub)
+        reports = {self.node_id: result.report}
+        self._sent(
+            self.shards.handles[owner].commit.remote(
+                None, sub[: result.landed], [self.node_id] * result.landed, 0, evicted, reports, None, True
+            )
+        )
+        for shard, controller in enumerate(self.shards.handles):
+            if evicted and shard != owner:
+                self._sent(controller.commit.remote(None, [], [], 0, evicted, reports))
+        self._renew_if_stale(keep=0)
+        return result.stored
 
 
 def _finished(path: StoreCallPath, transfer) -> Stored | None:

@@ -15,7 +15,7 @@ from kvray.cluster import Runtime, RuntimeConfig
 from kvray.cluster.runtime import name_taken
 from kvray.core.config import PageLayout, TierSizes
 from kvray.traces import read_trace
-from tests.conftest import RESULT_KEYS, RUNTIME_KEYS, kvray_command
+from tests.conftest import REPLAY_KEYS, RESULT_KEYS, RUNTIME_KEYS, kvray_command
 
 pytestmark = pytest.mark.ray
 
@@ -39,7 +39,7 @@ def test_replay_reports_the_sim_keys_from_measured_hits(ray_cluster):
     trace = trace_slice()
     result = replay_on_runtime(trace, settings(tiers=TierSizes(host=400)), progress=False)
     out = result.as_dict()
-    assert set(out) == RESULT_KEYS | RUNTIME_KEYS
+    assert set(out) == RESULT_KEYS | RUNTIME_KEYS | REPLAY_KEYS
     assert out["requests"] == len(trace)
     assert out["tokens"] == sum(r.input_length for r in trace)
     assert 0 < out["hit_tokens"] == sum(out["hit_tokens_by_tier"].values())
@@ -82,7 +82,7 @@ def test_kvray_run_joins_a_running_cluster_and_prints_json(ray_cluster, tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(out) == RESULT_KEYS | RUNTIME_KEYS and out["requests"] == 15 and out["scenario"] == "cli"
+    assert set(out) == RESULT_KEYS | RUNTIME_KEYS | REPLAY_KEYS and out["requests"] == 15 and out["scenario"] == "cli"
     assert ray.get_actor  # the session connection is untouched by the CLI's own driver
 
 

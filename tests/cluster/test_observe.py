@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.controller import Controller
 from kvray.cluster.observe import ClusterObservations, LinkSpeeds, NodeReport
+from kvray.cluster.protocol import Decision
 from kvray.core.errors import PolicyError
 from kvray.core.hashring import HashRing
 from kvray.core.tiers import Tier
-from kvray.policy.cluster import ClusterPolicy
+from kvray.policy.cluster import ClusterPolicy, RequestView
 from tests.properties import examples
 
 NIC = LinkSpeeds().nic_gbps * 1e9  # bytes/s
@@ -134,3 +135,59 @@ def test_unknown_cluster_policies_and_tier_costs_are_refused_where_they_enter():
     with pytest.raises(ValueError, match="tier_cost: unknown tier"):
         RuntimeConfig(tier_cost={"tape": 1.0})
     assert RuntimeConfig(tier_cost={"host": 0.3}).tier_costs() == {Tier.HOST: 0.3}
+
+
+class EveryVerb(ClusterPolicy):
+    """Routes to b, loads one page, prefetches, replicates to the serving node; writes down what each verb saw."""
+
+    name = "every-verb"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def route(self, request, cluster):
+        self.seen.append(("route", request, cluster))
+        return "b"
+
+    def load_pages(self, request, cluster):
+        self.seen.append(("load_pages", request, cluster))
+        return 1
+
+    def prefetch(self, request, cluster):
+        return True
+
+    def replicate(self, request, cluster):
+        return [request.requester, "gone"]
+
+
+def test_decide_asks_every_verb_what_the_simulator_asks_it():
+    ctrl = controller(["a", "b", "c"], tiers={"host": 40}, page_prefill_ms=2.5)
+    ctrl.policy = EveryVerb()
+    ctrl.commit(None, [1, 2, 3], ["a", "a", "a"], 0, {})
+    decision = ctrl.decide([1, 2, 3, 4], "c", backlog_ms=3.0)
+    assert decision == Decision("b", hit_pages=3, load_pages=1, prefetch=True, replicate=("b",))  # "gone" is no live node
+    (_, routed, cluster), (_, served, _) = ctrl.policy.seen
+    assert routed == RequestView((1, 2, 3, 4), "c", ("a", "a", "a"), hit_tiers=("host",) * 3)  # one tier: every page's
+    assert served.requester == "b" and served.hit_nodes == routed.hit_nodes
+    assert cluster.page_prefill_ms == 2.5 and cluster.node("c").backlog_ms == 3.0
+    assert ctrl.snapshot()["lookups"] == 0 and int(ctrl.index.pins[ctrl.index.handle_of(1)]) == 0  # nothing pinned or counted
+    ctrl.policy = Elsewhere()
+    ctrl.policy.route = lambda request, cluster: "nowhere"
+    with pytest.raises(PolicyError, match="routed to 'nowhere'"):
+        ctrl.decide([1], "a")
+
+
+def test_a_replica_is_read_where_it_is_and_outlives_its_original():
+    ctrl = controller(["a", "b", "c"])
+    ctrl.commit(None, [1, 2], ["a", "a"], 0, {})
+    ctrl.commit(None, [1, 2, 3], ["b", "b", "b"], 0, {}, replica=True)  # 3 was indexed nowhere: b is its location
+    assert ctrl.lookup_pin([1, 2, 3], "b").hit_nodes == ["b", "b", "b"]
+    assert ctrl.lookup_pin([1, 2, 3], "c").hit_nodes == ["a", "a", "b"]  # the first location, then the page before's
+    ctrl.commit(None, [], [], 0, {"a": [1, 2]})  # a evicted its copies: b's remain
+    assert ctrl.lookup_pin([1, 2, 3], "c").hit_nodes == ["b", "b", "b"]
+    assert ctrl.replicas == {}
+    ctrl.commit(None, [], [], 0, {"b": [2]})  # the last copy of 2: it goes, and 3 under it
+    assert ctrl.lookup_pin([1, 2, 3], "c").hit_nodes == ["b"]
+    ctrl.commit(None, [2], ["c"], 1, {}, replica=True)
+    ctrl.remove_node("b")  # 1 had no other copy; 2 hangs under it
+    assert ctrl.lookup_pin([1, 2], "c").hit_nodes == []

@@ -85,7 +85,8 @@ class ClusterReference:
         return trace_page_keys(self.fingerprint, full_blocks(request.hash_ids, request.input_length, 512))
 
     def view(self) -> ClusterView:
-        return ClusterView(tuple(NodeView(name, free_share=dict(self.free_share[name])) for name in self.names))
+        nodes = tuple(NodeView(name, free_share=dict(self.free_share[name])) for name in self.names)
+        return ClusterView(nodes, page_prefill_ms=self.config.page_prefill_ms or 0.0)  # as the controller tells its policy
 
     def serve(self, i: int, request: TraceRequest) -> None:
         keys = self.keys(request)

@@ -58,6 +58,32 @@ class RecordingRing(_Recorder, LocalFirstRing):
         return super().place(request, missing, cluster)
 
 
+class RecordingVerbs(_Recorder, LocalFirstRing):
+    """Every cluster verb, decided from what both worlds show alike (the request's page
+    count, its cached prefix's nodes, the nodes' order), writing down each (request,
+    cluster) ``route`` is shown: requests of n pages are served by node n // 2 mod N, an even
+    one loads half its cached prefix and recomputes the rest, every third prefetches,
+    and an odd one whose prefix lies partly elsewhere is copied to the node serving it."""
+
+    name = "recording-verbs"
+    kind = "route"
+
+    def route(self, request: RequestView, cluster: ClusterView) -> str:
+        self.record((request, cluster))
+        return cluster.names[(len(request.keys) // 2) % len(cluster.nodes)]
+
+    def load_pages(self, request: RequestView, cluster: ClusterView) -> int:
+        hits = len(request.hit_nodes)
+        return hits // 2 if len(request.keys) % 2 == 0 else hits
+
+    def prefetch(self, request: RequestView, cluster: ClusterView) -> bool:
+        return len(request.keys) % 3 == 0
+
+    def replicate(self, request: RequestView, cluster: ClusterView) -> list[str]:
+        elsewhere = any(node != request.requester for node in request.hit_nodes)
+        return [request.requester] if elsewhere and len(request.keys) % 2 == 1 else []
+
+
 class RecordingLRU(_Recorder, LRUPolicy):
     """LRU, writing down every request it is told of."""
 

@@ -10,6 +10,13 @@ runtime's cluster rules over modeled nodes, standing in for the cluster simulato
 merges) for the views of one and two nodes. Keys are compared as the runtime makes them:
 the simulator's trace block ids bound to the model (:func:`~kvray.core.keys.trace_page_keys`).
 
+The cluster verbs (route, load-or-recompute, prefetch, replicate) are compared with the
+cluster simulator itself (:class:`~kvray.sim.cluster.ClusterSimulator` on
+``simulations/this-machine-runtime-3node.yaml`` cut to two nodes): a recording policy that
+decides every verb from what both worlds show alike runs in the runtime's controller
+(``Controller.decide``, executed by the replay's engines) and in the simulator, and both
+must show its ``route`` the same views and end with the same hits.
+
 Quiet means nothing else runs and each request starts after the last one's reports
 landed (the replay's engines settle between requests); link utilisations are read over a
 1 microsecond window, so the runtime sees idle links as the simulator does (their
@@ -25,20 +32,25 @@ from pathlib import Path
 import pytest
 
 from kvray.apps.replay import replay_on_runtime, settings_from
+from kvray.cluster.runtime import alive_nodes
 from kvray.core.keys import trace_page_keys
 from kvray.core.placement import RequestInfo
-from kvray.scenario import load_scenario
+from kvray.policy.cluster import ClusterView, NodeView, RequestView
+from kvray.scenario import NodeSpec, load_scenario
+from kvray.sim.cluster import ClusterSimulator
 from kvray.sim.simulator import Simulator
 from kvray.traces import read_trace
 from tests.conftest import extra_nodes
 from tests.sim.cluster_reference import ClusterReference
-from tests.sim.recording import RECORDS, RecordingLRU, RecordingRing, read_records
+from tests.sim.recording import RECORDS, RecordingLRU, RecordingRing, RecordingVerbs, read_records
 
 pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = ROOT / "simulations" / "this-machine-runtime.yaml"
 TRACE = ROOT / "data" / "traces" / "synthetic_trace.jsonl"
+CLUSTER = ROOT / "simulations" / "this-machine-runtime-3node.yaml"
+CONVERSATION = ROOT / "data" / "traces" / "conversation_trace_first30min.jsonl"  # shared prefixes: hits on every node
 REQUESTS = 120
 SOLO = {"kvray_views_solo": 1.0}  # one of the two nodes
 PAIR = {"kvray_views": 1.0}  # both
@@ -122,3 +134,53 @@ def test_two_nodes_the_runtime_shows_the_policies_what_the_reference_does(two_no
     assert len(nodes) == 2 and len(infos) == 2
     assert result["hit_tokens_by_tier"].get("remote", 0) > 0
     assert_same_views(settings, result, places, infos, reference_run(settings, nodes))
+
+
+def _as_runtime(request: RequestView, cluster: ClusterView, nodes: dict[str, str], fingerprint: bytes) -> tuple:
+    """A simulator's route views in the runtime's terms: keys bound to the model, node
+    names by membership order, no session (the runtime's front end has none), floats to 12
+    digits (a free share is 1 - used/capacity in one world, free/capacity in the other)."""
+    req = RequestView(
+        tuple(trace_page_keys(fingerprint, request.keys)),
+        nodes[request.requester],
+        tuple(nodes[n] for n in request.hit_nodes),
+        hit_tiers=request.hit_tiers,
+    )
+    return req, _rounded(ClusterView(tuple(replace(n, name=nodes[n.name]) for n in cluster.nodes), cluster.page_prefill_ms))
+
+
+def _rounded(cluster: ClusterView) -> ClusterView:
+    def node(n: NodeView) -> NodeView:
+        floats = {f: round(getattr(n, f), 12) for f in ("backlog_ms", "nic_in_util", "nic_out_util", "pcie_util")}
+        disk = {f: round(getattr(n, f), 12) for f in ("disk_read_util", "disk_write_util")}
+        return replace(n, free_share={t: round(v, 12) for t, v in n.free_share.items()}, **floats, **disk)
+
+    return ClusterView(tuple(node(n) for n in cluster.nodes), cluster.page_prefill_ms)
+
+
+def test_the_runtime_executes_every_cluster_verb_as_the_simulator_does(two_nodes):
+    shutil.rmtree(RECORDS, ignore_errors=True)
+    runtime = {
+        "name": "verbs-two",
+        "cluster_policy": "tests.sim.recording:RecordingVerbs",
+        "store_resources": PAIR,
+        "observe_window_s": 1e-6,
+    }
+    settings = settings_from(CLUSTER, runtime, {}, {"prefill_us_per_token": 0.0})
+    trace = read_trace(CONVERSATION, limit=60)
+    members = alive_nodes(PAIR)  # the runtime's membership order, which the front end goes round
+    result = replay_on_runtime(trace, settings, progress=False).as_dict()
+    assert result["wrong_pages"] == 0
+    verbs = result["cluster_verbs"]
+    assert min(verbs["routed_elsewhere"], verbs["load_splits"], verbs["prefetches"], verbs["replications"]) > 0, verbs
+    (routes,) = read_records("route")  # one controller
+
+    two = load_scenario(CLUSTER).model_copy(update={"nodes": [NodeSpec(name="node", count=2)]})
+    policy = RecordingVerbs()
+    policy.sink = None
+    simulated = ClusterSimulator(two, "lru", policy).replay(trace).as_dict()
+    names = dict(zip(["node-0", "node-1"], members))
+    fingerprint = settings.runtime.fingerprint()
+    expected = [_as_runtime(request, cluster, names, fingerprint) for request, cluster in policy.seen if request.keys]
+    assert [(request, _rounded(cluster)) for request, cluster in routes] == expected
+    assert result["hit_tokens_by_tier"] == simulated["hit_tokens_by_tier"] and result["hit_tokens"] > 0
