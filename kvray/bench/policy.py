@@ -18,6 +18,11 @@
 - ``rl_policy_decision``: microseconds per decision of the trained policy (its scorer on a
   batch of decisions; and one whole ``victim`` call, rows built from the index) against
   one ``victim`` call of LRU in the same cache state.
+- ``reuse_replay``: the per-page learned policy (``reuse``, shipped model, its sampled
+  shadow tripwire on) replaying the same slice as ``sim_replay_requests_per_s`` against LRU
+  replaying it, alternating, CPU time; the goal is at least half LRU's speed. Beside it,
+  one scoring (the pool gathered from the three orderings, features read, model run) in
+  microseconds per candidate page, against one LRU ``victim`` call; the goal is 1 us.
 - ``rl_router_decision``: microseconds per request of the trained cluster router
   (``rl-router``: route, load_pages, prefetch and replicate) against the cost router's, on the same
   views of a warm 8-node heterogeneous cluster. The goal is 20 us.
@@ -165,6 +170,60 @@ def rl_policy_decision(quick: bool) -> list[BenchResult]:
             params={"goal_us": 5.0, "decisions_per_batch": 1024},
         ),
         BenchResult("rl_policy_decision[victim call vs lru victim]", kvray=rl_us, baseline=lru_us, unit="us/decision"),
+    ]
+
+
+REUSE_REPLAY_GOAL = 0.5  # issue 29: a learned replay at >= 0.5x an LRU replay's speed
+REUSE_PAGE_GOAL_US = 1.0  # issue 29: <= 1 us per page decision, batched
+
+
+@benchmark("reuse_replay")
+def reuse_replay(quick: bool) -> list[BenchResult]:
+    from kvray.policy.reuse import ReusePolicy
+
+    requests = read_trace(TRACE, limit=500 if quick else 2000)
+    scenario = load_scenario(DEFAULT_SCENARIO)
+    capacities = fast_capacity(scenario, requests, fraction=0.05)
+    sims: dict[str, Simulator] = {}
+
+    def replay(name: str) -> None:
+        sims[name] = Simulator(scenario, ReusePolicy.load() if name == "reuse" else make_policy(name), capacities)
+        sims[name].replay(requests)
+
+    reuse_s, lru_s = paired_medians(
+        lambda: replay("reuse"), lambda: replay("lru"), repeats=1 if quick else 3, warmup=0, clock=time.process_time
+    )
+    policy, lru = sims["reuse"].policy, sims["lru"].policy
+    policy._tripwire = None  # score with the model, the decision measured here
+    calls = 200 if quick else 2000
+
+    def scorings() -> None:
+        for _ in range(calls):
+            policy._pending.clear()
+            policy.victim(Tier.HOST)
+
+    def victims() -> None:
+        for _ in range(calls):
+            lru.victim(Tier.HOST)
+
+    score_s, lru_victim_s = paired_medians(scorings, victims, repeats=3)
+    pages = policy.scored  # the pool's pages after deduplication
+    return [
+        BenchResult(
+            "reuse_replay[reuse vs lru, 3 tiers]",
+            kvray=len(requests) / reuse_s,
+            baseline=len(requests) / lru_s,
+            unit="requests/CPU-s",
+            goal=f">= {REUSE_REPLAY_GOAL}",
+            params={"requests": len(requests), "pages": sum(capacities.values()), "reuse_cpu_s": reuse_s, "lru_cpu_s": lru_s},
+        ),
+        BenchResult(
+            "reuse_replay[one scoring per candidate page vs one lru victim call]",
+            kvray=score_s / calls / pages * 1e6,
+            baseline=lru_victim_s / calls * 1e6,
+            unit="us",
+            params={"goal_us_per_page": REUSE_PAGE_GOAL_US, "pool": pages, "evictions_per_scoring": policy.take},
+        ),
     ]
 
 
