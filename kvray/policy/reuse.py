@@ -41,6 +41,7 @@ from kvray.core.index import ROOT, PrefixIndex
 from kvray.core.placement import LRUPolicy, PageContext, PlacementPolicy, RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy.page_features import SOURCES, PageFeatures
+from kvray.policy.reuse_admission import DiskGate
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
 from kvray.policy.reuse_online import SAMPLE, DelayedLabels, ShadowTripwire
 from kvray.policy.s3fifo import S3FIFOPolicy
@@ -74,6 +75,7 @@ class ReusePolicy(PlacementPolicy):
         pool: tuple[int, int, int] | None = None,
         shadow_sample: int = SAMPLE,
         depth_scale: int = 1,
+        disk_gate: bool = False,
     ):
         self.pool = pool or (model.pool if model is not None else POOL)
         if model is not None and model.pool != self.pool:
@@ -87,6 +89,8 @@ class ReusePolicy(PlacementPolicy):
         self.shadow_sample = shadow_sample  # the tripwire's shadows see one page in this many
         self.depth_scale = depth_scale  # pages per page seen: a sampled shadow's depths and request lengths scaled back
         self.teacher = teacher
+        self.disk_gate = disk_gate and model is not None  # write to disk only what predicted reuse pays for (reuse_admission)
+        self.needs_disk_util = self.disk_gate
         self.needs_future = teacher  # the simulator tells a teacher the future, as it tells Belady
         self.record = record  # share of decisions whose candidates are kept as training rows
         self._rng = np.random.default_rng(seed)
@@ -95,9 +99,12 @@ class ReusePolicy(PlacementPolicy):
         self.weights: list[float] = []
 
     @classmethod
-    def load(cls, path: str | Path | None = None, refit: bool = False, tripwire: float | None = TRIPWIRE) -> ReusePolicy:
+    def load(
+        cls, path: str | Path | None = None, refit: bool = False, tripwire: float | None = TRIPWIRE, disk_gate: bool = False
+    ) -> ReusePolicy:
         """The model in ``path`` (a folder or weights file), else the shipped one."""
-        return cls(ReuseModel.load(shipped_or_given(path or DEFAULT_MODEL, "policies")), refit=refit, tripwire=tripwire)
+        model = ReuseModel.load(shipped_or_given(path or DEFAULT_MODEL, "policies"))
+        return cls(model, refit=refit, tripwire=tripwire, disk_gate=disk_gate)
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         super().bind(index, capacities)
@@ -122,6 +129,10 @@ class ReusePolicy(PlacementPolicy):
         self._ready_labels: list[np.ndarray] = []
         self._tripwire = None
         self._advisors: list[PlacementPolicy] = []
+        self._gate = None
+        self._gate_rows: dict[int, np.ndarray] = {}  # feature rows of the next pages to leave for disk
+        if self.disk_gate and capacities.get(Tier.DISK, 0) > 0:
+            self._gate = DiskGate(self.model.mean, self.model.scale, capacities[Tier.DISK])
         if self.tripwire_margin is not None:
             learned = ReusePolicy(self.model, pool=self.pool, depth_scale=self.shadow_sample)  # the model alone, in a shadow
             self._tripwire = ShadowTripwire(
@@ -139,6 +150,9 @@ class ReusePolicy(PlacementPolicy):
         self._leaving = None
         if self._tripwire is not None:
             self._tripwire.request(info)
+        if self._gate is not None:
+            self._gate_rows.clear()
+            self._gate.request(self.features.now, self._tier_cost.get(Tier.DISK, 0.0), info.disk_write_util)
         for advisor in self._advisors:
             advisor.on_request(info)
         if self._labels is not None:
@@ -177,6 +191,8 @@ class ReusePolicy(PlacementPolicy):
             self._counted[handle] = now
             self._frequency[handle] = self._pool_decay * now
             self._key_of[handle] = key
+            if self._gate is not None:
+                self._gate.used([key], self.features.now)  # recomputed after it was dropped: reused
             if self._labels is not None:
                 self._labels.used([key], self.features.now)  # stored again after it left: used
             parent = int(self.index.parent[handle])
@@ -206,6 +222,9 @@ class ReusePolicy(PlacementPolicy):
         self.features.access(handles)
         for advisor in self._advisors:
             advisor.on_access(handles)
+        if self._gate is not None:
+            key_of = self._key_of
+            self._gate.used([key_of[h] for h in handles.tolist()], self.features.now)
         if self._labels is not None:
             key_of = self._key_of
             self._labels.used([key_of[h] for h in handles.tolist()], self.features.now)
@@ -289,7 +308,21 @@ class ReusePolicy(PlacementPolicy):
         else:  # a teacher without a model acts as the oracle among the candidates
             score = log_next_use(self._next[handles] - (self.features.now - 1.0))
         order = np.lexsort((-self.index.depth[handles], -score))
+        if self._gate is not None and self._below[tier] == Tier.DISK:
+            self._gate_rows = dict(zip(handles[order[: self.take]].tolist(), rows[order[: self.take]]))
         return handles[order].tolist()
+
+    def demote_target(self, handle: int, tier: Tier) -> Tier | None:
+        """One tier down; into disk, only when the gate says the write pays (with a gate)."""
+        below = self._below[tier]
+        if self._gate is None or below != Tier.DISK:
+            return below
+        row = self._gate_rows.pop(handle, None)
+        if row is None:  # not from a scoring (a followed heuristic's victim): its row now
+            row = self.features.matrix(np.array([handle]), ~self.index.has_children([handle]), int(tier))[0]
+            if len(self.model.mean) > len(row):
+                row = np.concatenate([row, np.zeros(len(self.model.mean) - len(row), dtype=np.float32)])
+        return below if self._gate.admit(self._key_of[handle], row, self.features.now) else None
 
     def _refit(self) -> None:
         """Fit the model to the decisions whose labels are complete, a batch at a time."""
