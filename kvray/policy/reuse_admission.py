@@ -20,9 +20,11 @@ write link about as long as a load, which delays what queues behind it by the M/
 at utilisation ``u``: ``c * u / (1 - u)`` (free on an idle link, the link being the drive's
 write side only); and the page it pushes off a full disk tier would have saved
 ``r * (1 - c)``, ``r`` the share of demoted pages read again within the horizon so far.
-Write iff ``(P - r) * (1 - c) >= c * u / (1 - u)``: on the cluster scenarios the second term
-is what halves the bytes (without it 0.60x / 0.79x LRU's NVMe bytes; twice it cost 3-6% of
-mean TTFT; docs/sim-eval "Disk admission"). Until :data:`WARMUP` labels have
+Write iff ``(P - r) * (1 - c) > c * u / (1 - u)``, and never where ``c >= 1`` (at half
+bandwidth the cluster scenarios' disks load a page slower than the engine recomputes it; a
+page written there is a slower hit). On the cluster scenarios the ``r`` term is what halves
+the bytes (without it 0.60x / 0.79x LRU's NVMe bytes; twice it cost 3-6% of mean TTFT;
+docs/sim-eval, "Disk admission"). Until :data:`WARMUP` labels have
 arrived, every page is written (what every heuristic does).
 
 Example::
@@ -97,7 +99,8 @@ class DiskGate:
         self._queue.append((now, key))
         c = self._disk_cost
         displaced = self.reused / max(self.resolved, 1)  # a demoted page's base rate of reuse
-        write = self.labelled < WARMUP or (self.probability(x) - displaced) * (1.0 - c) >= c * self._util / (1.0 - self._util)
+        pays = (self.probability(x) - displaced) * (1.0 - c) > c * self._util / (1.0 - self._util)
+        write = c < 1.0 and (self.labelled < WARMUP or pays)  # a disk no faster than recomputing is never written
         if write:
             self.written += 1
         else:

@@ -67,3 +67,9 @@ def test_reuse_admit_drops_pages_at_demotion_into_disk_and_the_simulator_tells_i
     assert sorted(manager.index.keys()) == [4, 5] and all(
         manager.index.tier[manager.index.handle_of(k)] == Tier.HOST for k in (4, 5)
     )
+
+
+def test_a_disk_no_faster_than_recomputing_is_never_written_not_even_while_warming_up():
+    gate = DiskGate(mean=np.zeros(1), scale=np.ones(1), disk_pages=100)
+    gate.request(1, disk_cost=1.2, util=0.0)
+    assert not gate.admit(1, np.array([5.0]), 1) and gate.dropped == 1
