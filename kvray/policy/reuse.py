@@ -1,9 +1,12 @@
 """The learned per-page policy: cheap orderings' tail candidates, re-ranked by a reuse model (HALP-style).
 
-Each tier keeps LRU order (a cheap heuristic that already puts the likely victims at its
-tail) and, when the pool asks for them, two more orderings kept in O(log n) / O(1) per
-access: the lowest decayed read frequency (a heap, LFU-like) and the oldest pages never read
-since stored (a FIFO, S3-FIFO's one-hit pages). The LRU tail alone misses the victims LFU,
+Each tier offers the pages at the tail of three cheap orderings: LRU (a cheap heuristic that
+already puts the likely victims at its tail), the lowest decayed read frequency (LFU-like)
+and the oldest pages never read since stored (S3-FIFO's one-hit pages). They are kept as
+numpy columns by handle (the page's tier, a recency stamp, a frequency key), written in O(1)
+per event and read with one partial sort per ordering when the pool is scored (a scoring
+serves several evictions, so this costs less than keeping a heap and three linked orders
+per event: docs/sim-eval, "Replay speed"). The LRU tail alone misses the victims LFU,
 ARC or S3-FIFO would pick where those rules are far ahead of LRU; the pool
 (:data:`POOL`: how many unpinned pages each ordering offers, deduplicated, with the
 orderings that offered each as features) brings them in. To evict, the pool's pages are scored by
