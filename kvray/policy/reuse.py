@@ -118,6 +118,8 @@ class ReusePolicy(PlacementPolicy):
         self._count = np.zeros(1024)  # decayed read count as of _counted (the insert counts one)
         self._counted = np.zeros(1024)
         self._frequency = np.zeros(1024)  # log(count) + decay * _counted: orders pages as their counts decayed to any later time
+        self._bits = np.zeros(1024, dtype=np.int8)  # scratch: which orderings offered a page to the pool
+        self._first_at = np.zeros(1024, dtype=np.int64)  # scratch: where a page was first offered
         self._pool_decay = math.log(2.0) / POOL_HALF_LIFE
         self._key_of: dict[int, int] = {}
         self._leaving: tuple[int, int] | None = None  # the page on_remove was last told of (a move re-inserts it)
@@ -171,7 +173,8 @@ class ReusePolicy(PlacementPolicy):
 
     def _grow(self, handle: int) -> None:
         n = max(handle + 1, 2 * len(self._where))
-        for name, fill in (("_where", -1), ("_recency", 0), ("_count", 0.0), ("_counted", 0.0), ("_frequency", 0.0)):
+        columns = ("_where", "_recency", "_count", "_counted", "_frequency", "_bits", "_first_at")
+        for name, fill in zip(columns, (-1, 0, 0.0, 0.0, 0.0, 0, 0)):
             old = getattr(self, name)
             new = np.full(n, fill, dtype=old.dtype)
             new[: len(old)] = old
@@ -260,36 +263,36 @@ class ReusePolicy(PlacementPolicy):
         candidates = self._first(pages, self._recency[pages], lru)
         source = np.zeros((0, 3), dtype=np.float32)
         if lfu or fifo:
-            members = dict.fromkeys(candidates, 0)
             unread = pages[self.features.hits[pages] == 0]
-            for ordering, picked in (
-                (1, self._first(pages, self._frequency[pages], lfu)),
-                (2, self._first(unread, self._recency[unread], fifo)),
-            ):
-                for h in picked:
-                    members[h] = members.get(h, 0) | (1 << ordering)
-            for h in candidates:
-                members[h] |= 1
-            candidates = list(members)
-            bits = np.fromiter(members.values(), dtype=np.int64, count=len(members))
-            source = ((bits[:, None] >> np.arange(3)) & 1).astype(np.float32)
+            offered = (
+                candidates,
+                self._first(pages, self._frequency[pages], lfu),
+                self._first(unread, self._recency[unread], fifo),
+            )
+            every = np.concatenate(offered)
+            bits, first = self._bits, self._first_at  # scratch columns by handle
+            bits[every] = 0
+            for ordering, picked in enumerate(offered):  # an ordering offers a page once
+                bits[picked] |= 1 << ordering
+            first[every[::-1]] = np.arange(len(every) - 1, -1, -1)  # each page's first offer wins
+            candidates = every[first[every] == np.arange(len(every))]  # deduplicated, in the order offered
+            source = ((bits[candidates][:, None] >> np.arange(3)) & 1).astype(np.float32)
         if len(candidates) <= 1:
-            return candidates[0] if candidates else None
-        handles = np.array(candidates, dtype=np.int64)
-        ranked = self._rank(handles, tier, source)
+            return int(candidates[0]) if len(candidates) else None
+        ranked = self._rank(candidates, tier, source)
         self._pending[tier] = ranked[1 : self.take][::-1]  # popped from the end
         return ranked[0]
 
     @staticmethod
-    def _first(pages: np.ndarray, order: np.ndarray, n: int) -> list[int]:
+    def _first(pages: np.ndarray, order: np.ndarray, n: int) -> np.ndarray:
         """The ``n`` pages of lowest ``order`` (ties: lowest handle first; ``pages`` ascend), in that order."""
         if n == 0 or len(pages) == 0:
-            return []
+            return pages[:0]
         if len(pages) > n:
             kth = np.partition(order, n - 1)[n - 1]
             keep = np.flatnonzero(order <= kth)
             pages, order = pages[keep], order[keep]
-        return pages[np.argsort(order, kind="stable")[:n]].tolist()
+        return pages[np.argsort(order, kind="stable")[:n]]
 
     def _rank(self, handles: np.ndarray, tier: Tier, source: np.ndarray) -> list[int]:
         """``handles`` in eviction order: furthest predicted next use first."""
