@@ -34,7 +34,13 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
     "kvray.bench.fresh": ("host_store_fresh_process",),
     "kvray.bench.vs_lmcache": ("lmcache",),
     "kvray.bench.load": ("load_clients",),
-    "kvray.bench.policy": ("sim_replay_requests_per_s", "sim_cluster_replay", "rl_policy_decision", "rl_router_decision"),
+    "kvray.bench.policy": (
+        "sim_replay_requests_per_s",
+        "sim_cluster_replay",
+        "rl_policy_decision",
+        "reuse_replay",
+        "rl_router_decision",
+    ),
     "kvray.bench.engines": ("hf_ttft", "vllm_ttft_kvray_hit_vs_vllm_prefix_cache"),
     "kvray.bench.runtime": (
         "same_node_load_vs_memcpy",

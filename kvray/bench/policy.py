@@ -19,6 +19,11 @@
 - ``rl_policy_decision``: microseconds per decision of the trained policy (its scorer on a
   batch of decisions; and one whole ``victim`` call, rows built from the index) against
   one ``victim`` call of LRU in the same cache state.
+- ``reuse_replay``: the per-page learned policy (``reuse``, shipped model, its sampled
+  shadow tripwire on) replaying the same slice as ``sim_replay_requests_per_s`` against LRU
+  replaying it, alternating, CPU time; the goal is at least half LRU's speed. Beside it,
+  one scoring (the pool gathered from the three orderings, features read, model run) in
+  microseconds per candidate page, against one LRU ``victim`` call; the goal is 1 us.
 - ``rl_router_decision``: microseconds per request of the trained cluster router
   (``rl-router``: route, load_pages, prefetch and replicate) against the cost router's, on the same
   views of a warm 8-node heterogeneous cluster. The goal is 20 us.
@@ -91,28 +96,30 @@ def sim_replay_requests_per_s(quick: bool) -> list[BenchResult]:
         clock=time.process_time,
     )
     rate = len(requests) / sim_s
-    params = {"requests": len(requests), "pages": pages}
+    goal = f">= {REPLAY_GOAL_REQUESTS_PER_S / DICT_LRU_REQUESTS_PER_S:.3f}"
+    params = {
+        "pages": pages,
+        "goal_requests_per_s": REPLAY_GOAL_REQUESTS_PER_S,
+        "goal_met_requests_per_s": rate >= REPLAY_GOAL_REQUESTS_PER_S,
+    }
     return [
-        BenchResult(
-            "sim_replay_requests_per_s[lru,3 tiers vs dict LRU]",
-            kvray=rate,
-            baseline=len(requests) / dict_s,
-            unit="requests/CPU-s",
-            goal=f">= {REPLAY_GOAL_REQUESTS_PER_S / DICT_LRU_REQUESTS_PER_S:.3f}",
-            params={
-                **params,
-                "goal_requests_per_s": REPLAY_GOAL_REQUESTS_PER_S,
-                "goal_met_requests_per_s": rate >= REPLAY_GOAL_REQUESTS_PER_S,
-            },
-        ),
-        BenchResult(
-            "sim_replay_requests_per_s[lru, C chain writer vs Python]",
-            kvray=rate,
-            baseline=len(requests) / python_s,
-            unit="requests/CPU-s",
-            params=params,
+        _replay_rate("sim_replay_requests_per_s[lru,3 tiers vs dict LRU]", len(requests), sim_s, dict_s, goal, params),
+        _replay_rate(
+            "sim_replay_requests_per_s[lru, C chain writer vs Python]", len(requests), sim_s, python_s, "", {"pages": pages}
         ),
     ]
+
+
+def _replay_rate(name: str, requests: int, ours_s: float, base_s: float, goal: str, params: dict) -> BenchResult:
+    """A replay's requests per CPU-second beside its baseline's over the same slice."""
+    return BenchResult(
+        name,
+        kvray=requests / ours_s,
+        baseline=requests / base_s,
+        unit="requests/CPU-s",
+        goal=goal,
+        params={"requests": requests, **params},
+    )
 
 
 CLUSTER_SCENARIO = "h100-64node"
@@ -191,6 +198,54 @@ def rl_policy_decision(quick: bool) -> list[BenchResult]:
             params={"goal_us": 5.0, "decisions_per_batch": 1024},
         ),
         BenchResult("rl_policy_decision[victim call vs lru victim]", kvray=rl_us, baseline=lru_us, unit="us/decision"),
+    ]
+
+
+REUSE_REPLAY_GOAL = 0.5  # issue 29: a learned replay at >= 0.5x an LRU replay's speed
+REUSE_PAGE_GOAL_US = 1.0  # issue 29: <= 1 us per page decision, batched
+
+
+@benchmark("reuse_replay")
+def reuse_replay(quick: bool) -> list[BenchResult]:
+    from kvray.policy.reuse import ReusePolicy
+
+    requests = read_trace(TRACE, limit=500 if quick else 2000)
+    scenario = load_scenario(DEFAULT_SCENARIO)
+    capacities = fast_capacity(scenario, requests, fraction=0.05)
+    sims: dict[str, Simulator] = {}
+
+    def replay(name: str) -> None:
+        sims[name] = Simulator(scenario, ReusePolicy.load() if name == "reuse" else make_policy(name), capacities)
+        sims[name].replay(requests)
+
+    reuse_s, lru_s = paired_medians(
+        lambda: replay("reuse"), lambda: replay("lru"), repeats=1 if quick else 3, warmup=0, clock=time.process_time
+    )
+    policy, lru = sims["reuse"].policy, sims["lru"].policy
+    policy._tripwire = None  # score with the model, the decision measured here
+    calls = 200 if quick else 2000
+
+    def scorings() -> None:
+        for _ in range(calls):
+            policy._pending.clear()
+            policy.victim(Tier.HOST)
+
+    def victims() -> None:
+        for _ in range(calls):
+            lru.victim(Tier.HOST)
+
+    score_s, lru_victim_s = paired_medians(scorings, victims, repeats=3, clock=time.process_time)
+    pages = policy.scored  # the pool's pages after deduplication
+    params = {"pages": sum(capacities.values()), "reuse_cpu_s": reuse_s, "lru_cpu_s": lru_s}
+    return [
+        _replay_rate("reuse_replay[reuse vs lru, 3 tiers]", len(requests), reuse_s, lru_s, f">= {REUSE_REPLAY_GOAL}", params),
+        BenchResult(
+            "reuse_replay[one scoring per candidate page vs one lru victim call]",
+            kvray=score_s / calls / pages * 1e6,
+            baseline=lru_victim_s / calls * 1e6,
+            unit="us",
+            params={"goal_us_per_page": REUSE_PAGE_GOAL_US, "pool": pages, "evictions_per_scoring": policy.take},
+        ),
     ]
 
 

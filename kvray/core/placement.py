@@ -61,6 +61,7 @@ class RequestInfo:
     arrival_ms: float = 0.0
     page_prefill_ms: float = 0.0
     engines: int = 1
+    disk_write_util: float = 0.0  # the NVMe write link's recent busy share, told to a policy that gates disk writes
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class PlacementPolicy(ABC):
 
     name: ClassVar[str] = "base"
     needs_future: ClassVar[bool] = False  # an offline oracle: only the simulator can run it
+    needs_disk_util: bool = False  # told the NVMe write link's utilisation with each request (RequestInfo)
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         """Attach to the index and tier sizes of the manager that consults this policy."""

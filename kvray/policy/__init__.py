@@ -28,10 +28,10 @@ from kvray.policy.threshold import ThresholdPolicy
 from kvray.policy.wfq import WFQPolicy
 
 
-def _reuse(path: str | None = None, refit: bool = False) -> PlacementPolicy:
+def _reuse(path: str | None = None, refit: bool = False, disk_gate: bool = False) -> PlacementPolicy:
     from kvray.policy.reuse import ReusePolicy  # loads weights; kept out of plain imports
 
-    return ReusePolicy.load(path or None, refit=refit)
+    return ReusePolicy.load(path or None, refit=refit, disk_gate=disk_gate)
 
 
 def _rl(path: str | None = None) -> PlacementPolicy:
@@ -55,6 +55,7 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "rl": _rl,
     "reuse": _reuse,
     "reuse-online": lambda: _reuse(refit=True),
+    "reuse-admit": lambda: _reuse(disk_gate=True),  # and NVMe writes gated by predicted reuse (reuse_admission)
 }
 
 

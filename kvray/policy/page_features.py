@@ -96,11 +96,17 @@ class PageFeatures:
         self.now += 1.0
         self.now_ms = max(self.now_ms, float(arrival_ms))
 
-    def insert(self, handles: np.ndarray, depth: np.ndarray, request_pages: int, root: np.ndarray, keys=None) -> None:
+    def insert(
+        self, handles: np.ndarray | int, depth: np.ndarray | int, request_pages: int, root: np.ndarray | int, keys=None
+    ) -> None:
         """New pages (their handles may have held other pages before): fresh history; a
-        page whose key left recently (``keys``) records how long ago (its ghost's age)."""
-        if len(handles) and int(handles.max()) >= len(self.inserted):
-            self._grow(int(handles.max()))
+        page whose key left recently (``keys``) records how long ago (its ghost's age).
+        One page may come as plain ints (a store inserts one page at a time: scalar writes
+        cost a fifth of one-element arrays')."""
+        one = isinstance(handles, int)
+        top = handles if one else (int(handles.max()) if len(handles) else -1)
+        if top >= len(self.inserted):
+            self._grow(top)
         self.inserted[handles] = self.now
         self.last[handles] = self.now
         self.last_ms[handles] = self.now_ms
@@ -113,7 +119,7 @@ class PageFeatures:
         self.root[handles] = root
         self.ghost_age[handles] = NEVER
         if keys is not None:
-            for handle, key in zip(np.atleast_1d(handles).tolist(), keys):
+            for handle, key in zip([handles] if one else handles.tolist(), keys):
                 left = self._ghosts.pop(key, None)
                 if left is not None:
                     self.ghost_age[handle] = self.now - left

@@ -1,9 +1,12 @@
 """The learned per-page policy: cheap orderings' tail candidates, re-ranked by a reuse model (HALP-style).
 
-Each tier keeps LRU order (a cheap heuristic that already puts the likely victims at its
-tail) and, when the pool asks for them, two more orderings kept in O(log n) / O(1) per
-access: the lowest decayed read frequency (a heap, LFU-like) and the oldest pages never read
-since stored (a FIFO, S3-FIFO's one-hit pages). The LRU tail alone misses the victims LFU,
+Each tier offers the pages at the tail of three cheap orderings: LRU (a cheap heuristic that
+already puts the likely victims at its tail), the lowest decayed read frequency (LFU-like)
+and the oldest pages never read since stored (S3-FIFO's one-hit pages). They are kept as
+numpy columns by handle (the page's tier, a recency stamp, a frequency key), written in O(1)
+per event and read with one partial sort per ordering when the pool is scored (a scoring
+serves several evictions, so this costs less than keeping a heap and three linked orders
+per event: docs/sim-eval, "Replay speed"). The LRU tail alone misses the victims LFU,
 ARC or S3-FIFO would pick where those rules are far ahead of LRU; the pool
 (:data:`POOL`: how many unpinned pages each ordering offers, deduplicated, with the
 orderings that offered each as features) brings them in. To evict, the pool's pages are scored by
@@ -30,9 +33,7 @@ Example::
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -43,8 +44,9 @@ from kvray.core.index import ROOT, PrefixIndex
 from kvray.core.placement import LRUPolicy, PageContext, PlacementPolicy, RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy.page_features import SOURCES, PageFeatures
+from kvray.policy.reuse_admission import DiskGate
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
-from kvray.policy.reuse_online import DelayedLabels, ShadowTripwire
+from kvray.policy.reuse_online import SAMPLE, DelayedLabels, ShadowTripwire
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.resources import shipped_or_given
 
@@ -74,6 +76,9 @@ class ReusePolicy(PlacementPolicy):
         refit: bool = False,
         tripwire: float | None = None,
         pool: tuple[int, int, int] | None = None,
+        shadow_sample: int = SAMPLE,
+        depth_scale: int = 1,
+        disk_gate: bool = False,
     ):
         self.pool = pool or (model.pool if model is not None else POOL)
         if model is not None and model.pool != self.pool:
@@ -83,7 +88,12 @@ class ReusePolicy(PlacementPolicy):
         self.refit = refit and model is not None  # online refit on delayed labels (reuse_online)
         self.tripwire_margin = tripwire  # follow a heuristic while the cache's cost runs this share above its shadow's
         self.refits = 0
+        self.scored = 0  # candidates of the last scoring
+        self.shadow_sample = shadow_sample  # the tripwire's shadows see one page in this many
+        self.depth_scale = depth_scale  # pages per page seen: a sampled shadow's depths and request lengths scaled back
         self.teacher = teacher
+        self.disk_gate = disk_gate and model is not None  # write to disk only what predicted reuse pays for (reuse_admission)
+        self.needs_disk_util = self.disk_gate
         self.needs_future = teacher  # the simulator tells a teacher the future, as it tells Belady
         self.record = record  # share of decisions whose candidates are kept as training rows
         self._rng = np.random.default_rng(seed)
@@ -92,19 +102,25 @@ class ReusePolicy(PlacementPolicy):
         self.weights: list[float] = []
 
     @classmethod
-    def load(cls, path: str | Path | None = None, refit: bool = False, tripwire: float | None = TRIPWIRE) -> ReusePolicy:
+    def load(
+        cls, path: str | Path | None = None, refit: bool = False, tripwire: float | None = TRIPWIRE, disk_gate: bool = False
+    ) -> ReusePolicy:
         """The model in ``path`` (a folder or weights file), else the shipped one."""
-        return cls(ReuseModel.load(shipped_or_given(path or DEFAULT_MODEL, "policies")), refit=refit, tripwire=tripwire)
+        model = ReuseModel.load(shipped_or_given(path or DEFAULT_MODEL, "policies"))
+        return cls(model, refit=refit, tripwire=tripwire, disk_gate=disk_gate)
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         super().bind(index, capacities)
-        self._order: dict[Tier, OrderedDict[int, None]] = {t: OrderedDict() for t in Tier}
-        self._fresh: dict[Tier, OrderedDict[int, None]] = {t: OrderedDict() for t in Tier}  # never read, oldest first
-        self._heap: dict[Tier, list[tuple[float, int, int]]] = {t: [] for t in Tier}  # (frequency key, handle, stamp)
-        self._stamp: dict[int, int] = {}
-        self._freq: dict[int, tuple[float, float]] = {}  # handle -> (decayed count at last touch, last touch)
+        # the orderings, as columns by handle, read with one partial sort per scoring
+        self._where = np.full(1024, -1, dtype=np.int8)  # the page's tier, -1: not cached
+        self._recency = np.zeros(1024, dtype=np.int64)  # LRU: larger is more recent
+        self._clock = 0
+        self._count = np.zeros(1024)  # decayed read count as of _counted (the insert counts one)
+        self._counted = np.zeros(1024)
+        self._frequency = np.zeros(1024)  # log(count) + decay * _counted: orders pages as their counts decayed to any later time
+        self._bits = np.zeros(1024, dtype=np.int8)  # scratch: which orderings offered a page to the pool
+        self._first_at = np.zeros(1024, dtype=np.int64)  # scratch: where a page was first offered
         self._pool_decay = math.log(2.0) / POOL_HALF_LIFE
-        self._tier_of: dict[int, Tier] = {}
         self._key_of: dict[int, int] = {}
         self._leaving: tuple[int, int] | None = None  # the page on_remove was last told of (a move re-inserts it)
         self._pending: dict[Tier, list[int]] = {}
@@ -118,21 +134,30 @@ class ReusePolicy(PlacementPolicy):
         self._ready_labels: list[np.ndarray] = []
         self._tripwire = None
         self._advisors: list[PlacementPolicy] = []
+        self._gate = None
+        self._gate_rows: dict[int, np.ndarray] = {}  # feature rows of the next pages to leave for disk
+        if self.disk_gate and capacities.get(Tier.DISK, 0) > 0:
+            self._gate = DiskGate(self.model.mean, self.model.scale, capacities[Tier.DISK])
         if self.tripwire_margin is not None:
-            learned = ReusePolicy(self.model, pool=self.pool)  # the model alone, in the tripwire's shadow
-            self._tripwire = ShadowTripwire(learned, TRIPWIRE_HEURISTICS, capacities, self.tripwire_margin)
+            learned = ReusePolicy(self.model, pool=self.pool, depth_scale=self.shadow_sample)  # the model alone, in a shadow
+            self._tripwire = ShadowTripwire(
+                learned, TRIPWIRE_HEURISTICS, capacities, self.tripwire_margin, sample=self.shadow_sample
+            )
             self._tripwire.bind(index, capacities)
             self._advisors = self._tripwire.advisors
 
     # -- what the policy is told ---------------------------------------------------------
     def on_request(self, info: RequestInfo) -> None:
         self.features.tick(info.arrival_ms)
-        self._request_pages = max(len(info.keys), 1)
+        self._request_pages = max(len(info.keys) * self.depth_scale, 1)
         self._tier_cost = info.tier_cost or {}
         self._pending.clear()
         self._leaving = None
         if self._tripwire is not None:
             self._tripwire.request(info)
+        if self._gate is not None:
+            self._gate_rows.clear()
+            self._gate.request(self.features.now, self._tier_cost.get(Tier.DISK, 0.0), info.disk_write_util)
         for advisor in self._advisors:
             advisor.on_request(info)
         if self._labels is not None:
@@ -146,71 +171,66 @@ class ReusePolicy(PlacementPolicy):
                 if handle is not None:
                     self._next[handle] = nxt
 
+    def _grow(self, handle: int) -> None:
+        n = max(handle + 1, 2 * len(self._where))
+        columns = ("_where", "_recency", "_count", "_counted", "_frequency", "_bits", "_first_at")
+        for name, fill in zip(columns, (-1, 0, 0.0, 0.0, 0.0, 0, 0)):
+            old = getattr(self, name)
+            new = np.full(n, fill, dtype=old.dtype)
+            new[: len(old)] = old
+            setattr(self, name, new)
+
     def on_insert(self, handle: int, tier: Tier) -> None:
         for advisor in self._advisors:
             advisor.on_insert(handle, tier)
-        self._order[tier][handle] = None
-        self._tier_of[handle] = tier
+        if handle >= len(self._where):
+            self._grow(handle)
+        self._where[handle] = tier
+        self._clock += 1
+        self._recency[handle] = self._clock  # a page moved between tiers is the newest of its new tier
         key = self.index.key_of(handle)
         if self._leaving == (handle, key):  # moved between tiers: the same page, its history stays
             self.features.returned(key)
         else:
+            now = self.features.now
+            self._count[handle] = 1.0
+            self._counted[handle] = now
+            self._frequency[handle] = self._pool_decay * now
             self._key_of[handle] = key
+            if self._gate is not None:
+                self._gate.used([key], self.features.now)  # recomputed after it was dropped: reused
             if self._labels is not None:
                 self._labels.used([key], self.features.now)  # stored again after it left: used
             parent = int(self.index.parent[handle])
             root = handle if parent == ROOT else int(self.features.root[parent])
-            self.features.insert(
-                np.array([handle]), np.array([self.index.depth[handle]]), self._request_pages, np.array([root]), [key]
-            )
+            self.features.insert(handle, self.index.depth.item(handle) * self.depth_scale, self._request_pages, root, [key])
             if self.teacher:
                 if handle >= len(self._next):
                     self._next = np.concatenate([self._next, np.full(len(self._next) + handle, np.inf)])
                 depth = int(self.index.depth[handle])
                 self._next[handle] = self._upcoming[depth] if depth < len(self._upcoming) else np.inf
-        if self.pool[1]:
-            moved = handle in self._freq and self._leaving == (handle, key)
-            self._touch(handle, tier, 0.0 if moved else 1.0, fresh=not moved)
-        if self.pool[2] and self.features.hits[handle] == 0:
-            self._fresh[tier][handle] = None
         self._leaving = None
 
-    def _touch(self, handle: int, tier: Tier, count: float, fresh: bool) -> None:
-        """The frequency ordering: decayed count plus ``count`` (restarted when ``fresh``); the heap
-        key log(count) + decay * last touch orders pages as their counts decayed to any later time."""
-        now = self.features.now
-        if fresh:
-            value = count
-        else:
-            old, last = self._freq[handle]
-            value = old * math.exp(-self._pool_decay * (now - last)) + count
-        self._freq[handle] = (value, now)
-        stamp = self._stamp.get(handle, 0) + 1
-        self._stamp[handle] = stamp
-        heap = self._heap[tier]
-        heapq.heappush(heap, (math.log(max(value, 1e-30)) + self._pool_decay * now, handle, stamp))
-        if len(heap) > 4 * len(self._order[tier]) + 64:  # drop stale entries
-            stamps, tier_of = self._stamp, self._tier_of
-            self._heap[tier] = [e for e in heap if stamps.get(e[1]) == e[2] and tier_of.get(e[1]) == tier]
-            heapq.heapify(self._heap[tier])
-
     def on_admitted(self, handle: int, ctx: PageContext) -> None:
-        self.features.request_pages[handle] = max(ctx.request_pages, 1)
+        self.features.request_pages[handle] = max(ctx.request_pages * self.depth_scale, 1)
         for advisor in self._advisors:
             advisor.on_admitted(handle, ctx)
 
     def on_access(self, handles: np.ndarray) -> None:
-        for h in reversed(handles.tolist()):
-            self._order[self._tier_of[h]].move_to_end(h)
-        if self.pool[1]:
-            for h in handles.tolist():
-                self._touch(h, self._tier_of[h], 1.0, fresh=False)
-        if self.pool[2]:
-            for h in handles.tolist():
-                self._fresh[self._tier_of[h]].pop(h, None)
+        n = len(handles)
+        self._recency[handles[::-1]] = np.arange(self._clock + 1, self._clock + n + 1)  # the first read is the newest
+        self._clock += n
+        now = self.features.now
+        count = self._count[handles] * np.exp(-self._pool_decay * (now - self._counted[handles])) + 1.0
+        self._count[handles] = count
+        self._counted[handles] = now
+        self._frequency[handles] = np.log(count) + self._pool_decay * now
         self.features.access(handles)
         for advisor in self._advisors:
             advisor.on_access(handles)
+        if self._gate is not None:
+            key_of = self._key_of
+            self._gate.used([key_of[h] for h in handles.tolist()], self.features.now)
         if self._labels is not None:
             key_of = self._key_of
             self._labels.used([key_of[h] for h in handles.tolist()], self.features.now)
@@ -220,11 +240,7 @@ class ReusePolicy(PlacementPolicy):
     def on_remove(self, handle: int, tier: Tier) -> None:
         for advisor in self._advisors:
             advisor.on_remove(handle, tier)
-        del self._order[tier][handle]
-        del self._tier_of[handle]
-        self._fresh[tier].pop(handle, None)
-        if handle in self._stamp:
-            self._stamp[handle] += 1  # its heap entries are stale
+        self._where[handle] = -1
         key = self._key_of[handle]
         self.features.left(key)
         self._leaving = (handle, key)
@@ -238,68 +254,52 @@ class ReusePolicy(PlacementPolicy):
         pins = self.index.pins
         pending = self._pending.get(tier)
         while pending:
-            handle = pending.pop(0)
-            if self._tier_of.get(handle) == tier and pins.item(handle) == 0:
+            handle = pending.pop()
+            if self._where.item(handle) == tier and pins.item(handle) == 0:
                 return handle
         lru, lfu, fifo = self.pool
-        candidates = self._oldest(self._order[tier], lru, pins)
+        n = min(len(self._where), len(pins))
+        pages = np.flatnonzero((self._where[:n] == tier) & (pins[:n] == 0))  # unpinned, ascending handles
+        candidates = self._first(pages, self._recency[pages], lru)
         source = np.zeros((0, 3), dtype=np.float32)
         if lfu or fifo:
-            members = dict.fromkeys(candidates, 0)
-            for ordering, picked in (
-                (1, self._least_frequent(tier, lfu, pins)),
-                (2, self._oldest(self._fresh[tier], fifo, pins)),
-            ):
-                for h in picked:
-                    members[h] = members.get(h, 0) | (1 << ordering)
-            for h in candidates:
-                members[h] |= 1
-            candidates = list(members)
-            bits = np.fromiter(members.values(), dtype=np.int64, count=len(members))
-            source = ((bits[:, None] >> np.arange(3)) & 1).astype(np.float32)
+            unread = pages[self.features.hits[pages] == 0]
+            offered = (
+                candidates,
+                self._first(pages, self._frequency[pages], lfu),
+                self._first(unread, self._recency[unread], fifo),
+            )
+            every = np.concatenate(offered)
+            bits, first = self._bits, self._first_at  # scratch columns by handle
+            bits[every] = 0
+            for ordering, picked in enumerate(offered):  # an ordering offers a page once
+                bits[picked] |= 1 << ordering
+            first[every[::-1]] = np.arange(len(every) - 1, -1, -1)  # each page's first offer wins
+            candidates = every[first[every] == np.arange(len(every))]  # deduplicated, in the order offered
+            source = ((bits[candidates][:, None] >> np.arange(3)) & 1).astype(np.float32)
         if len(candidates) <= 1:
-            return candidates[0] if candidates else None
-        handles = np.array(candidates, dtype=np.int64)
-        ranked = self._rank(handles, tier, source)
-        self._pending[tier] = ranked[1 : self.take]
+            return int(candidates[0]) if len(candidates) else None
+        ranked = self._rank(candidates, tier, source)
+        self._pending[tier] = ranked[1 : self.take][::-1]  # popped from the end
         return ranked[0]
 
     @staticmethod
-    def _oldest(order: OrderedDict[int, None], n: int, pins: np.ndarray) -> list[int]:
-        """The first ``n`` unpinned pages of an ordering."""
-        picked: list[int] = []
-        if n:
-            for h in order:
-                if pins.item(h) == 0:
-                    picked.append(h)
-                    if len(picked) == n:
-                        break
-        return picked
-
-    def _least_frequent(self, tier: Tier, n: int, pins: np.ndarray) -> list[int]:
-        """The ``n`` unpinned pages of ``tier`` with the lowest decayed count (stale heap entries
-        are dropped on the way; the live ones go back)."""
-        heap = self._heap[tier]
-        stamps, tier_of = self._stamp, self._tier_of
-        picked: list[int] = []
-        back = []
-        while heap and len(picked) < n:
-            entry = heapq.heappop(heap)
-            h = entry[1]
-            if stamps.get(h) != entry[2] or tier_of.get(h) != tier:
-                continue
-            back.append(entry)
-            if pins.item(h) == 0:
-                picked.append(h)
-        for entry in back:
-            heapq.heappush(heap, entry)
-        return picked
+    def _first(pages: np.ndarray, order: np.ndarray, n: int) -> np.ndarray:
+        """The ``n`` pages of lowest ``order`` (ties: lowest handle first; ``pages`` ascend), in that order."""
+        if n == 0 or len(pages) == 0:
+            return pages[:0]
+        if len(pages) > n:
+            kth = np.partition(order, n - 1)[n - 1]
+            keep = np.flatnonzero(order <= kth)
+            pages, order = pages[keep], order[keep]
+        return pages[np.argsort(order, kind="stable")[:n]]
 
     def _rank(self, handles: np.ndarray, tier: Tier, source: np.ndarray) -> list[int]:
         """``handles`` in eviction order: furthest predicted next use first."""
         recording = self.teacher and self.record > 0 and self._rng.random() < self.record
         if self.model is None and not recording and not self.teacher and self._labels is None:
             return handles.tolist()  # LRU order
+        self.scored = len(handles)
         leaf = ~self.index.has_children(handles)
         rows = self.features.matrix(handles, leaf, int(tier))
         if len(source):
@@ -314,7 +314,21 @@ class ReusePolicy(PlacementPolicy):
         else:  # a teacher without a model acts as the oracle among the candidates
             score = log_next_use(self._next[handles] - (self.features.now - 1.0))
         order = np.lexsort((-self.index.depth[handles], -score))
+        if self._gate is not None and self._below[tier] == Tier.DISK:
+            self._gate_rows = dict(zip(handles[order[: self.take]].tolist(), rows[order[: self.take]]))
         return handles[order].tolist()
+
+    def demote_target(self, handle: int, tier: Tier) -> Tier | None:
+        """One tier down; into disk, only when the gate says the write pays (with a gate)."""
+        below = self._below[tier]
+        if self._gate is None or below != Tier.DISK:
+            return below
+        row = self._gate_rows.pop(handle, None)
+        if row is None:  # not from a scoring (a followed heuristic's victim): its row now
+            row = self.features.matrix(np.array([handle]), ~self.index.has_children([handle]), int(tier))[0]
+            if len(self.model.mean) > len(row):
+                row = np.concatenate([row, np.zeros(len(self.model.mean) - len(row), dtype=np.float32)])
+        return below if self._gate.admit(self._key_of[handle], row, self.features.now) else None
 
     def _refit(self) -> None:
         """Fit the model to the decisions whose labels are complete, a batch at a time."""

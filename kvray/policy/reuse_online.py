@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -43,6 +44,20 @@ from kvray.scenario import PrefillQueue
 
 HORIZON = 1024  # requests after which a candidate not used again is labelled never reused
 HALF_LIFE = 256.0  # requests: the tripwire's decayed costs
+SAMPLE = 8  # the shadows see one page key in SAMPLE, chosen by hash, at 1/SAMPLE of the tier sizes
+_MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: trace keys may be small sequential ids
+_MASK = (1 << 64) - 1
+
+
+def sampled(keys: Sequence[int], sample: int) -> tuple[int, ...]:
+    """The keys a ``1/sample`` spatial sample keeps (SHARDS): a key is in or out by its hash
+    alone, so every request that reads a kept page reads it in the sample too, and a kept
+    page's kept ancestors are the same in every chain it appears in (a key names its whole
+    prefix): the kept keys of a chain are a chain of the contracted tree."""
+    if sample == 1:
+        return tuple(keys)
+    bound = (1 << 64) // sample
+    return tuple(k for k in keys if (k * _MIX) & _MASK < bound)
 
 
 class DelayedLabels:
@@ -100,6 +115,14 @@ class ShadowTripwire:
     where the model alone is 0.89x: once following, the real cache costs what the followed
     shadow costs, and nothing says the model would do better.)
 
+    The shadows are spatially sampled (SHARDS, Waldspurger et al., FAST'15): each sees only
+    the page keys whose hash falls in a ``1/sample`` share, at ``1/sample`` of the tier sizes,
+    and its costs count ``sample`` for each sampled page; a page's reuse distance in pages
+    shrinks with the sample as the tiers do, so each shadow's hits stay an estimate of its
+    full-size self's, at a ``sample``-th of the work (docs/sim-eval: the replay's CPU time).
+    The learned policy's shadow is told each sampled page's depth and request length
+    ``sample`` times its sampled ones, as its features were trained on full chains.
+
     A request's cost is its modeled time to first token where the request says what time
     costs (``RequestInfo.page_prefill_ms``: one prefill queue per shadow), else its page
     cost (a missed page 1, a hit its tier's load time relative to recomputing it). Counting
@@ -115,10 +138,13 @@ class ShadowTripwire:
         experts: Mapping[str, Callable[[], PlacementPolicy]],
         capacities: Mapping[Tier, int],
         margin: float,
+        sample: int = SAMPLE,
     ) -> None:
         self.names = tuple(experts)
         self.margin = margin
-        self.shadows = [ShadowCache(learned, capacities)] + [ShadowCache(build(), capacities) for build in experts.values()]
+        self.sample = sample
+        small = {tier: max(1, round(n / sample)) if n else 0 for tier, n in capacities.items()}
+        self.shadows = [ShadowCache(learned, small)] + [ShadowCache(build(), small) for build in experts.values()]
         self.advisors = [build() for build in experts.values()]
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
         self.cost = np.zeros(len(self.shadows))  # decayed: the learned shadow's, then each heuristic's
@@ -131,9 +157,17 @@ class ShadowTripwire:
             advisor.bind(index, capacities)
 
     def request(self, info: RequestInfo) -> None:
-        """A request arrives: every shadow serves it; the costs decay and add."""
+        """A request arrives: every shadow serves its sampled pages (each told of the request,
+        sampled pages or none, so that its clock counts every request); the costs decay and add."""
         tier_cost = info.tier_cost or {t: 0.0 for t in Tier}
-        pages = np.array([shadow.serve(info.keys, tier_cost, info)[0] for shadow in self.shadows])
+        keys = sampled(info.keys, self.sample)
+        if keys:
+            mine = replace(info, keys=keys, future=None)
+            pages = np.array([shadow.serve(keys, tier_cost, mine)[0] for shadow in self.shadows]) * self.sample
+        else:
+            for shadow in self.shadows:
+                shadow.manager.policy.on_request(replace(info, keys=()))
+            pages = np.zeros(len(self.shadows))
         if info.page_prefill_ms > 0:
             if not self._queues:
                 self._queues = [PrefillQueue(info.engines) for _ in pages]

@@ -297,6 +297,9 @@ class ClusterSimulator:
             arrival_ms=now,
             page_prefill_ms=node.cost.page_prefill_ms(),
             engines=node.engines,
+            disk_write_util=node.nvme_write.utilisation(now)
+            if node.policy.needs_disk_util and Tier.DISK in node.to_host
+            else 0.0,
         )
 
     def _tell(self, h: int, told: set[int], info: RequestInfo, now: float) -> SimNode:

@@ -96,8 +96,7 @@ def random_model(seed: int = 0, pool: tuple[int, int, int] = (64, 0, 0)) -> Reus
 def test_every_victim_is_an_unpinned_page_of_its_tier(with_model, pool, ops):
     """Chains stored through tight tiers (demotions, subtree drops, refusals under pins): a
     victim is an unpinned page of the tier asked (None only when every page is pinned), the
-    policy's LRU order holds exactly the tier's pages, the index stays prefix-closed; with
-    the three orderings, the never-read queue holds exactly the tier's unread pages."""
+    policy's tier column holds exactly the tier's pages, the index stays prefix-closed."""
     policy = ReusePolicy(random_model(pool=pool) if with_model else None, pool=pool)
     manager = CacheManager({Tier.DEVICE: 2, Tier.HOST: 3, Tier.DISK: 4}, policy)
     index, pinned = manager.index, []
@@ -106,9 +105,7 @@ def test_every_victim_is_an_unpinned_page_of_its_tier(with_model, pool, ops):
         handles = [index.handle_of(k) for k in index.keys()]
         for tier in manager.tiers:
             mine = {h for h in handles if index.tier[h] == tier}
-            assert set(policy._order[tier]) == mine
-            if pool == UNION:
-                assert set(policy._fresh[tier]) == {h for h in mine if policy.features.hits[h] == 0}
+            assert set(np.flatnonzero(policy._where == tier).tolist()) == mine
             victim = policy.victim(tier)
             unpinned = {h for h in mine if index.pins[h] == 0}
             assert victim in unpinned if unpinned else victim is None
@@ -324,3 +321,18 @@ def test_online_refit_fits_the_model_to_labels_that_arrive_later(monkeypatch):
         manager.touch(manager.lookup(keys).handles)
         manager.store_chain(keys, NO_MOVE)
     assert policy.refits > 0 and not np.array_equal(model.w1, before)
+
+
+def test_the_shadows_sample_one_key_in_eight_by_hash_at_an_eighth_of_the_tier_sizes():
+    """SHARDS: a key is kept or not by its hash alone (sequential trace ids spread evenly),
+    whichever chain it comes in, so the kept keys of a chain keep its order."""
+    from kvray.policy.reuse_online import ShadowTripwire, sampled
+
+    keys = list(range(80_000))
+    kept = sampled(keys, 8)
+    assert abs(len(kept) / len(keys) - 1 / 8) < 0.01
+    assert list(kept) == sorted(kept)
+    assert set(sampled(keys[40_000:], 8)) == {k for k in kept if k >= 40_000}
+    assert sampled(keys[:5], 1) == tuple(keys[:5])
+    wire = ShadowTripwire(LRUPolicy(), {"lru": LRUPolicy}, {Tier.HOST: 800, Tier.DISK: 0}, margin=0.05, sample=8)
+    assert all(s.manager.capacities == {Tier.HOST: 100} for s in wire.shadows)

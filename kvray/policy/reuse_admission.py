@@ -1,0 +1,129 @@
+"""Disk admission by predicted reuse: a page leaving host memory is written to NVMe only when
+its predicted chance of being read while it would stay there, times what a disk hit saves,
+beats what the write costs on the drive's write link at its current utilisation.
+
+Every heuristic writes each page it demotes; on the cluster scenarios NVMe writes are the
+busiest link under all of them, while the oracle writes ~40% of LRU's bytes
+(docs/sim-eval: "Disk admission"). The eviction model's score cannot gate: its loss is a
+softmax over one decision's candidates, blind to a shift of every score, so it ranks pages
+and says nothing of how far ahead any is used. :class:`DiskGate` is a pointwise head
+instead: a logistic regression over the same feature rows (standardised as the eviction
+model standardises them), P(read again within the disk tier's horizon), fitted online on
+delayed labels: a demoted page (written or dropped) is labelled 1 when it is read or stored
+again within the horizon, else 0 once the horizon has passed. The horizon is how long a page
+stays on disk: the tier's pages over the pages written to it per request so far. The same
+code runs in the simulator and in the runtime, both telling the policy of the same events.
+
+Cost model, in page prefills (the unit of ``RequestInfo.tier_cost``): a disk hit saves
+``1 - c`` (recomputing a page, less loading it from disk, ``c``); a write holds the drive's
+write link about as long as a load, which delays what queues behind it by the M/M/1 wait
+at utilisation ``u``: ``c * u / (1 - u)`` (free on an idle link, the link being the drive's
+write side only); and the page it pushes off a full disk tier would have saved
+``r * (1 - c)``, ``r`` the share of demoted pages read again within the horizon so far.
+Write iff ``(P - r) * (1 - c) > c * u / (1 - u)``, and never where ``c >= 1`` (at half
+bandwidth the cluster scenarios' disks load a page slower than the engine recomputes it; a
+page written there is a slower hit). On the cluster scenarios the ``r`` term is what halves
+the bytes (without it 0.60x / 0.79x LRU's NVMe bytes; twice it cost 3-6% of mean TTFT;
+docs/sim-eval, "Disk admission"). Until :data:`WARMUP` labels have
+arrived, every page is written (what every heuristic does).
+
+Example::
+
+    import numpy as np
+    from kvray.policy.reuse_admission import DiskGate
+
+    gate = DiskGate(mean=np.zeros(3), scale=np.ones(3), disk_pages=100)
+    gate.request(now=1, disk_cost=0.2, util=0.1)
+    gate.admit(key=7, row=np.zeros(3, dtype=np.float32), now=1)   # True: still warming up
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+WARMUP = 256  # labelled demotions before the gate decides
+LEARNING_RATE = 0.05
+MIN_HORIZON = 16.0  # requests
+
+
+class DiskGate:
+    """P(read again within the disk tier's horizon) for pages about to be written to disk."""
+
+    def __init__(self, mean: np.ndarray, scale: np.ndarray, disk_pages: int) -> None:
+        self.mean, self.scale = np.asarray(mean, dtype=np.float64), np.asarray(scale, dtype=np.float64)
+        self.w = np.zeros(len(self.mean))
+        self.b = 0.0
+        self.disk_pages = disk_pages
+        self.written = self.dropped = self.labelled = 0
+        self.resolved = self.reused = 0  # demotions a horizon old, and those of them read again within it
+        self._requests = 0
+        self._disk_cost = 0.0
+        self._util = 0.0
+        self._waiting: dict[int, tuple[np.ndarray, float]] = {}  # key -> (standardised row, when demoted)
+        self._queue: deque[tuple[float, int]] = deque()  # (when, key), oldest first
+        self._reads: deque[float] = deque()  # when each demotion read again within its horizon was demoted
+
+    def horizon(self) -> float:
+        """Requests a page stays on disk: the tier's pages over the pages written per request."""
+        rate = self.written / max(self._requests, 1)
+        return max(self.disk_pages / rate, MIN_HORIZON) if rate > 0 else float(self.disk_pages)
+
+    def request(self, now: float, disk_cost: float, util: float) -> None:
+        """A request arrives: the disk's relative load cost and its write link's utilisation
+        now; demotions a horizon old and not read since are labelled not reused."""
+        self._requests += 1
+        self._disk_cost = min(max(disk_cost, 0.0), 1.0)
+        self._util = min(max(util, 0.0), 0.95)
+        horizon = self.horizon()
+        while self._queue and now - self._queue[0][0] > horizon:
+            when, key = self._queue.popleft()
+            self.resolved += 1
+            entry = self._waiting.get(key)
+            if entry is not None and entry[1] == when:
+                del self._waiting[key]
+                self._learn(entry[0], 0.0)
+        while self._reads and now - self._reads[0] > horizon:  # counted as their cohort resolves: no early bias
+            self._reads.popleft()
+            self.reused += 1
+
+    def probability(self, x: np.ndarray) -> float:
+        return float(1.0 / (1.0 + np.exp(-(x @ self.w + self.b))))
+
+    def admit(self, key: int, row: np.ndarray, now: float) -> bool:
+        """Write the page ``key`` (features ``row``) to disk? Either way its reuse is watched."""
+        x = (np.asarray(row, dtype=np.float64) - self.mean) / self.scale
+        self._waiting[key] = (x, now)
+        self._queue.append((now, key))
+        c = self._disk_cost
+        displaced = self.reused / max(self.resolved, 1)  # a demoted page's base rate of reuse
+        pays = (self.probability(x) - displaced) * (1.0 - c) > c * self._util / (1.0 - self._util)
+        write = c < 1.0 and (self.labelled < WARMUP or pays)  # a disk no faster than recomputing is never written
+        if write:
+            self.written += 1
+        else:
+            self.dropped += 1
+        return write
+
+    def used(self, keys: Sequence[int], now: float) -> None:
+        """Pages read, or stored again after they left: a demotion within the horizon was reused."""
+        waiting = self._waiting
+        if not waiting:
+            return
+        horizon = self.horizon()
+        for key in keys:
+            entry = waiting.pop(key, None)
+            if entry is not None:
+                reused = now - entry[1] <= horizon
+                self._learn(entry[0], 1.0 if reused else 0.0)
+                if reused:
+                    self._reads.append(entry[1])
+
+    def _learn(self, x: np.ndarray, label: float) -> None:
+        """One step of logistic regression (log loss) towards ``label``."""
+        g = self.probability(x) - label
+        self.w -= LEARNING_RATE * g * x
+        self.b -= LEARNING_RATE * g
+        self.labelled += 1

@@ -1,0 +1,75 @@
+"""The disk gate: a pointwise head fitted online on delayed labels, deciding NVMe writes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvray.core.manager import CacheManager
+from kvray.core.placement import RequestInfo
+from kvray.core.tiers import Tier
+from kvray.policy.reuse import ReusePolicy
+from kvray.policy.reuse_admission import WARMUP, DiskGate
+
+NO_MOVE = lambda *move: None  # noqa: E731
+
+
+def test_the_gate_writes_everything_while_warming_up_then_drops_the_class_never_read_again():
+    """Two classes of pages by one feature: class 1 is read again two requests after it is
+    demoted, class 0 never. After the warm-up the gate writes class 1 and drops class 0."""
+    gate = DiskGate(mean=np.zeros(2), scale=np.ones(2), disk_pages=400)
+    decisions: dict[int, list[bool]] = {0: [], 1: []}
+    key = 0
+    for now in range(1, 3000):
+        gate.request(now, disk_cost=0.3, util=0.2)
+        for cls in (0, 1):
+            key += 1
+            decisions[cls].append(gate.admit(key, np.array([cls, 1.0], dtype=np.float32), now))
+        gate.used([key - 4], now)  # the class-1 page demoted two requests ago is read
+    assert gate.labelled > WARMUP
+    warm = WARMUP // 2  # two demotions per request, labelled within a few horizons
+    assert all(decisions[0][:warm]) and all(decisions[1][:warm])
+    assert not any(decisions[0][-500:]) and all(decisions[1][-500:])
+
+
+def test_a_write_pays_for_its_link_wait_and_for_the_page_it_displaces():
+    """Write iff (P - r) (1 - c) >= c u / (1 - u): P the page's predicted reuse, r the base
+    rate of demoted pages reused, c the disk's load cost, u the write link's utilisation."""
+    gate = DiskGate(mean=np.zeros(1), scale=np.ones(1), disk_pages=100)
+    gate.w[:] = 4.0  # P = sigmoid(4 x): x 0.1 -> 0.60, x -0.5 -> 0.12
+    gate.labelled = gate.resolved = 10 * WARMUP  # warm; no demoted page read again so far
+    gate.request(1, disk_cost=0.3, util=0.0)
+    assert gate.admit(1, np.array([-0.5]), 1)  # an idle link: any chance of reuse pays
+    gate.request(2, disk_cost=0.3, util=0.3)  # a write costs 0.3 * 0.3 / 0.7 = 0.13
+    assert gate.admit(2, np.array([0.1]), 2) and not gate.admit(3, np.array([-0.5]), 2)
+    gate.reused = 5 * WARMUP  # half the demoted pages were read again: P 0.60 displaces 0.5
+    assert not gate.admit(4, np.array([0.1]), 2)
+    assert (gate.written, gate.dropped) == (2, 2)
+
+
+def test_reuse_admit_drops_pages_at_demotion_into_disk_and_the_simulator_tells_it_the_link():
+    """The policy's demotion hook: a page leaving host for disk goes only where the gate says;
+    a dropped page is gone from every tier (a miss later, never wrong KV)."""
+    from kvray.policy.page_features import FEATURES
+    from kvray.policy.reuse_model import ReuseModel
+
+    model = ReuseModel(
+        np.zeros(len(FEATURES)), np.ones(len(FEATURES)), np.zeros((len(FEATURES), 1)), np.zeros(1), np.ones(1), np.zeros(1)
+    )
+    policy = ReusePolicy(model, pool=(64, 0, 0), disk_gate=True)
+    manager = CacheManager({Tier.HOST: 2, Tier.DISK: 8}, policy)
+    assert policy.needs_disk_util and policy._gate is not None
+    gate = policy._gate
+    gate.labelled = gate.resolved = gate.reused = 10 * WARMUP  # warm; every demoted page was read again
+    for i in range(6):
+        policy.on_request(RequestInfo(keys=(i,), tier_cost={Tier.HOST: 0.05, Tier.DISK: 0.3}, disk_write_util=0.5))
+        manager.store_chain([i], NO_MOVE)
+    assert policy._gate.dropped == 4 and policy._gate.written == 0  # P 0.5 cannot beat a base rate of 1
+    assert sorted(manager.index.keys()) == [4, 5] and all(
+        manager.index.tier[manager.index.handle_of(k)] == Tier.HOST for k in (4, 5)
+    )
+
+
+def test_a_disk_no_faster_than_recomputing_is_never_written_not_even_while_warming_up():
+    gate = DiskGate(mean=np.zeros(1), scale=np.ones(1), disk_pages=100)
+    gate.request(1, disk_cost=1.2, util=0.0)
+    assert not gate.admit(1, np.array([5.0]), 1) and gate.dropped == 1
