@@ -208,7 +208,8 @@ def arrival_slots(sessions: Sequence[Session]) -> list[list[int]] | None:
 def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
     """A sweep point's figures over its measured answers: TTFT mean and percentiles, the
     share within the SLO, the throughput achieved, prompt and cached tokens, and the mean
-    of each part of the TTFT the engines split it into."""
+    of each part of the TTFT the engines split it into. ``request_goodput_rps`` is vLLM's
+    ``benchmark_serving --goodput`` figure at this rate: requests within the SLO per second."""
     measured = [a for a in answers if a.measured]
     ttft = np.array([a.ttft_s for a in measured])
     span = max(a.done_at for a in measured) - min(a.sent_at for a in measured)
@@ -222,6 +223,7 @@ def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
         "p99_ttft_ms": float(np.percentile(ttft, 99) * 1e3),
         "slo_attainment": float((ttft <= slo_s).mean()),
         "throughput_rps": len(measured) / span if span > 0 else float("nan"),
+        "request_goodput_rps": int((ttft <= slo_s).sum()) / span if span > 0 else float("nan"),  # vLLM's, at this rate
         "prompt_tokens": sum(a.prompt_tokens for a in measured),
         "cached_tokens": sum(a.cached_tokens for a in measured),
         "requests_per_engine": dict(Counter(a.engine for a in measured)),
@@ -229,13 +231,28 @@ def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
 
 
 def goodput(attainment_by_rate: dict[float, float], share: float = SLO_SHARE) -> float:
-    """The highest offered rate up to which every swept rate had at least ``share`` of its
-    requests within the SLO (0 when the lowest did not): vLLM's ``benchmark_serving
-    --goodput`` criterion over a sweep, read conservatively, so that a lucky point above a
-    failed one (noise on a loaded machine) does not count."""
-    best = 0.0
+    """The offered rate at which the share of requests within the SLO first falls to
+    ``share``: DistServe's goodput (the highest rate meeting an SLO-attainment target) over
+    a sweep, whose points are each what vLLM's ``benchmark_serving --goodput`` measures at
+    one rate. Between the last swept rate that met ``share`` and the first that did not,
+    the crossing is interpolated linearly, so that the figure moves with the attainment
+    and not by a whole sweep step when one point's attainment moves a little; a rate that
+    passes above a failed one does not count (noise on a loaded machine). 0 when the
+    lowest rate failed; the highest swept rate, a lower bound, when every rate passed
+    (:func:`passed_every_rate`)."""
+    last: tuple[float, float] | None = None
     for rate in sorted(attainment_by_rate):
-        if attainment_by_rate[rate] < share:
-            break
-        best = rate
-    return best
+        got = attainment_by_rate[rate]
+        if got < share:
+            if last is None:
+                return 0.0
+            (low, above) = last
+            return low + (rate - low) * (above - share) / (above - got)
+        last = (rate, got)
+    return last[0] if last else 0.0
+
+
+def passed_every_rate(attainment_by_rate: dict[float, float], share: float = SLO_SHARE) -> bool:
+    """Whether every swept rate met ``share``: the :func:`goodput` is then the highest rate
+    swept, a lower bound on the contender's."""
+    return bool(attainment_by_rate) and min(attainment_by_rate.values()) >= share
