@@ -24,10 +24,11 @@ speed, then the measured turns at the offered rate; a Mooncake trace instead wit
 ``--trace`` (``$KVRAY_SERVE_TRACE``). Rates: :attr:`Size.rates` times vLLM alone's
 saturation (its throughput when every session sends as fast as answers come). SLO:
 ``SLO_SCALE`` x vLLM alone's unloaded TTFT of a cold prompt of the workload's median
-length. Goodput: the highest swept rate up to which every rate had >= 90% of its requests
-within it (:func:`~kvray.bench.serve_loop.goodput`). Repeats
-alternate the contenders' order. Long-document QA measures a document's TTFT cold and
-when kvray serves it from its host tier and from disk (LMCache's CI gates).
+length. Goodput: the offered rate at which the share of requests within it first falls
+below 90%, interpolated between the swept rates about it
+(:func:`~kvray.bench.serve_loop.goodput`). Repeats alternate the contenders' order.
+Long-document QA measures a document's TTFT cold and when kvray serves it from its host
+tier and from disk (LMCache's CI gates).
 
 Results: ``<KVRAY_BENCH_OUT or results>/serve.json`` and a plot per workload beside it
 (``serve-<workload>.png``: mean, p90 and p99 TTFT against the offered rate).
