@@ -231,28 +231,27 @@ def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
 
 
 def goodput(attainment_by_rate: dict[float, float], share: float = SLO_SHARE) -> float:
-    """The offered rate at which the share of requests within the SLO first falls to
-    ``share``: DistServe's goodput (the highest rate meeting an SLO-attainment target) over
-    a sweep, whose points are each what vLLM's ``benchmark_serving --goodput`` measures at
-    one rate. Between the last swept rate that met ``share`` and the first that did not,
-    the crossing is interpolated linearly, so that the figure moves with the attainment
-    and not by a whole sweep step when one point's attainment moves a little; a rate that
-    passes above a failed one does not count (noise on a loaded machine). 0 when the
-    lowest rate failed; the highest swept rate, a lower bound, when every rate passed
-    (:func:`passed_every_rate`)."""
-    last: tuple[float, float] | None = None
-    for rate in sorted(attainment_by_rate):
-        got = attainment_by_rate[rate]
-        if got < share:
-            if last is None:
-                return 0.0
-            (low, above) = last
-            return low + (rate - low) * (above - share) / (above - got)
-        last = (rate, got)
-    return last[0] if last else 0.0
+    """The highest offered rate at which ``share`` of the requests met the SLO: DistServe's
+    goodput (the maximum rate that meets an SLO-attainment target) over a sweep whose
+    points are each what vLLM's ``benchmark_serving --goodput`` measures at one rate.
+    Between the highest swept rate that met ``share`` and the next (which did not), the
+    crossing is interpolated linearly, so the figure moves with the attainment and not by
+    a whole sweep step. A failed rate below a passed one does not lower it: on a shared
+    machine other work only slows a point, so a pass shows what the system serves and a
+    failure below it shows the interference. 0 when no rate met ``share``; the highest
+    swept rate, a lower bound, when it met it (:func:`is_lower_bound`)."""
+    rates = sorted(attainment_by_rate)
+    passed = [i for i, rate in enumerate(rates) if attainment_by_rate[rate] >= share]
+    if not passed:
+        return 0.0
+    i = passed[-1]
+    if i == len(rates) - 1:
+        return rates[i]
+    (low, above), (high, below) = ((r, attainment_by_rate[r]) for r in rates[i : i + 2])
+    return low + (high - low) * (above - share) / (above - below)
 
 
-def passed_every_rate(attainment_by_rate: dict[float, float], share: float = SLO_SHARE) -> bool:
-    """Whether every swept rate met ``share``: the :func:`goodput` is then the highest rate
-    swept, a lower bound on the contender's."""
-    return bool(attainment_by_rate) and min(attainment_by_rate.values()) >= share
+def is_lower_bound(attainment_by_rate: dict[float, float], share: float = SLO_SHARE) -> bool:
+    """Whether the highest swept rate met ``share``: the :func:`goodput` is then that rate,
+    a lower bound on the contender's."""
+    return bool(attainment_by_rate) and attainment_by_rate[max(attainment_by_rate)] >= share
