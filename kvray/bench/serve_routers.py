@@ -139,6 +139,8 @@ def measure(spec: dict) -> dict:
 
 
 def sweep(size: Size, rates: tuple[float, ...], pools: dict[str, HandlePool], vocab: int) -> dict:
+    """The anchor's cold latency (the SLO's base) and saturation, then both routers at every
+    rate (multiples of that saturation), taking turns; fresh token ids per point."""
     factory = workloads(size, vocab, None)["multiround"]
     anchor = pools[ROUTERS[1]]
     probe = factory(0)
@@ -180,8 +182,9 @@ def rows(out: dict) -> list[BenchResult]:
     good = out["goodput_rps"]
     kvray, anchor = ROUTERS
     at = min(out["points"][anchor], key=lambda m: abs(float(m) - 1.0))
+    params = {k: out[k] for k in ("saturation_rps", "slo_latency_ms", "rates", "goodput_is_lower_bound") if k in out}
     return [
-        BenchResult("serve_router_goodput_vs_prefix_affinity", good[kvray], good[anchor], "req/s", ">= 1.0", out),
+        BenchResult("serve_router_goodput_vs_prefix_affinity", good[kvray], good[anchor], "req/s", ">= 1.0", params),
         BenchResult("serve_router_latency_vs_prefix_affinity", out["points"][kvray][at]["mean_ttft_ms"],
                     out["points"][anchor][at]["mean_ttft_ms"], "ms", "<= 1.0", {"rate_x_saturation": float(at)}),
     ]  # fmt: skip
