@@ -51,7 +51,8 @@ $(VLLM_STAMP): pyproject.toml
 	touch $@
 
 $(VLLM_RAY_STAMP): $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pip install -q 'ray[default,serve]==$(RAY_VERSION)'
+	# pyarrow: ray.serve.llm's routers (PrefixCacheAffinityRouter, kvray bench --only router_vs_prefix_affinity)
+	$(VLLM_VENV)/bin/python -m pip install -q 'ray[default,serve]==$(RAY_VERSION)' 'pyarrow==26.0.1'
 	touch $@
 
 vllm-env: $(VLLM_STAMP) $(VLLM_RAY_STAMP)

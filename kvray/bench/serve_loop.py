@@ -208,7 +208,8 @@ def arrival_slots(sessions: Sequence[Session]) -> list[list[int]] | None:
 def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
     """A sweep point's figures over its measured answers: TTFT mean and percentiles, the
     share within the SLO, the throughput achieved, prompt and cached tokens, and the mean
-    of each part of the TTFT the engines split it into."""
+    of each part of the TTFT the engines split it into. ``request_goodput_rps`` is vLLM's
+    ``benchmark_serving --goodput`` figure at this rate: requests within the SLO per second."""
     measured = [a for a in answers if a.measured]
     ttft = np.array([a.ttft_s for a in measured])
     span = max(a.done_at for a in measured) - min(a.sent_at for a in measured)
@@ -222,6 +223,7 @@ def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
         "p99_ttft_ms": float(np.percentile(ttft, 99) * 1e3),
         "slo_attainment": float((ttft <= slo_s).mean()),
         "throughput_rps": len(measured) / span if span > 0 else float("nan"),
+        "request_goodput_rps": int((ttft <= slo_s).sum()) / span if span > 0 else float("nan"),  # vLLM's, at this rate
         "prompt_tokens": sum(a.prompt_tokens for a in measured),
         "cached_tokens": sum(a.cached_tokens for a in measured),
         "requests_per_engine": dict(Counter(a.engine for a in measured)),
@@ -229,13 +231,27 @@ def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
 
 
 def goodput(attainment_by_rate: dict[float, float], share: float = SLO_SHARE) -> float:
-    """The highest offered rate up to which every swept rate had at least ``share`` of its
-    requests within the SLO (0 when the lowest did not): vLLM's ``benchmark_serving
-    --goodput`` criterion over a sweep, read conservatively, so that a lucky point above a
-    failed one (noise on a loaded machine) does not count."""
-    best = 0.0
-    for rate in sorted(attainment_by_rate):
-        if attainment_by_rate[rate] < share:
-            break
-        best = rate
-    return best
+    """The highest offered rate at which ``share`` of the requests met the SLO: DistServe's
+    goodput (the maximum rate that meets an SLO-attainment target) over a sweep whose
+    points are each what vLLM's ``benchmark_serving --goodput`` measures at one rate.
+    Between the highest swept rate that met ``share`` and the next (which did not), the
+    crossing is interpolated linearly, so the figure moves with the attainment and not by
+    a whole sweep step. A failed rate below a passed one does not lower it: on a shared
+    machine other work only slows a point, so a pass shows what the system serves and a
+    failure below it shows the interference. 0 when no rate met ``share``; the highest
+    swept rate, a lower bound, when it met it (:func:`is_lower_bound`)."""
+    rates = sorted(attainment_by_rate)
+    passed = [i for i, rate in enumerate(rates) if attainment_by_rate[rate] >= share]
+    if not passed:
+        return 0.0
+    i = passed[-1]
+    if i == len(rates) - 1:
+        return rates[i]
+    (low, above), (high, below) = ((r, attainment_by_rate[r]) for r in rates[i : i + 2])
+    return low + (high - low) * (above - share) / (above - below)
+
+
+def is_lower_bound(attainment_by_rate: dict[float, float], share: float = SLO_SHARE) -> bool:
+    """Whether the highest swept rate met ``share``: the :func:`goodput` is then that rate,
+    a lower bound on the contender's."""
+    return bool(attainment_by_rate) and attainment_by_rate[max(attainment_by_rate)] >= share

@@ -33,14 +33,14 @@ def vllm_python() -> Path:
     return path
 
 
-def run_in_vllm_env(spec: dict, timeout: float = 300) -> dict:
-    """Run :func:`kvray.harness.vllm_runs.main` with ``spec`` in the vLLM environment; return
-    its JSON result."""
+def run_in_vllm_env(spec: dict, timeout: float = 300, module: str = "kvray.harness.vllm_runs") -> dict:
+    """Run ``module`` (its ``main``: :func:`kvray.harness.vllm_runs.main` by default) with
+    ``spec`` in the vLLM environment; return the last JSON object it prints."""
     # the vLLM environment imports this very kvray: the folder that holds the package
     package_root = Path(kvray.__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": f"{package_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
-        [str(vllm_python()), "-m", "kvray.harness.vllm_runs", json.dumps(spec)],
+        [str(vllm_python()), "-m", module, json.dumps(spec)],
         capture_output=True,
         text=True,
         timeout=timeout,

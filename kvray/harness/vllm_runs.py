@@ -16,6 +16,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kvray.harness.faults import break_store
 from kvray.harness.tiny import model_path
@@ -162,14 +164,59 @@ def run_serve_on_ray(spec: dict) -> dict:
         stored: the next step starts once the runtime holds every full block before the last
         token of the prompts so far (or after 60 s), so that the run measures reuse, not that
         race."""
-    import socket
     from concurrent.futures import ThreadPoolExecutor
 
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     from kvray.engines.vllm.serve import start_runtime_for, vllm_app
+
+    with serve_cluster(spec.get("nodes", 1)) as port:
+        runtime = None
+        try:
+            args = engine_args(spec["model"], False, spec["block_size"])
+            model, block_size, dtype = args.pop("model"), args.pop("block_size"), args.pop("dtype")
+            runtime = start_runtime_for(model, block_size, dtype, name=spec["runtime"], host_pages=64, detached=False)
+            nodes = sorted(runtime.stores, key=lambda n: n != ray.get_runtime_context().get_node_id())  # head first
+            app = vllm_app(
+                model,
+                block_size,
+                dtype,
+                runtime=spec["runtime"],
+                num_replicas=spec.get("replicas", 1),
+                kvray={"host_pages": 0},
+                engine=args,
+                router=spec.get("router", "kvray"),
+                router_settings=spec.get("router_settings"),
+                replica_options={"max_replicas_per_node": 1},
+            )
+            serve.run(app, name="kvray-vllm")
+            steps = []
+            blocks: set[tuple[int, ...]] = set()  # distinct full blocks before each prompt's last token
+            with ThreadPoolExecutor(max_workers=max(len(step) for step in spec["steps"])) as pool:
+                for step in spec["steps"]:
+                    steps.append(list(pool.map(lambda prompt: _post(port, prompt, spec["max_tokens"]), step)))
+                    for prompt in step:
+                        blocks.update(tuple(prompt[:end]) for end in range(block_size, len(prompt), block_size))
+                    deadline = time.monotonic() + 60
+                    while sum(s["pages"] for s in runtime.store_stats().values()) < len(blocks) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+            return {"nodes": nodes, "steps": steps}
+        finally:
+            if runtime is not None:
+                runtime.close()
+
+
+@contextmanager
+def serve_cluster(nodes: int) -> Iterator[int]:
+    """``nodes`` local Ray nodes (``ray.cluster_utils.Cluster``, one CPU each) joined by this
+    process, with Ray Serve's HTTP proxy on a free port of the head (yielded); all shut
+    down on exit."""
+    import socket
+
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
 
     with socket.socket() as probe:  # a free port: other Serve instances may hold 8000
         probe.bind(("127.0.0.1", 0))
@@ -180,45 +227,15 @@ def run_serve_on_ray(spec: dict) -> dict:
     for setting in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
         os.environ.setdefault(setting, "120")
     cluster = Cluster(initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False})
-    for _ in range(spec.get("nodes", 1) - 1):
+    for _ in range(nodes - 1):
         cluster.add_node(**NODE_ARGS)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    runtime = None
     try:
-        args = engine_args(spec["model"], False, spec["block_size"])
-        model, block_size, dtype = args.pop("model"), args.pop("block_size"), args.pop("dtype")
-        runtime = start_runtime_for(model, block_size, dtype, name=spec["runtime"], host_pages=64, detached=False)
-        nodes = sorted(runtime.stores, key=lambda n: n != ray.get_runtime_context().get_node_id())  # head first
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        app = vllm_app(
-            model,
-            block_size,
-            dtype,
-            runtime=spec["runtime"],
-            num_replicas=spec.get("replicas", 1),
-            kvray={"host_pages": 0},
-            engine=args,
-            router=spec.get("router", "kvray"),
-            router_settings=spec.get("router_settings"),
-            replica_options={"max_replicas_per_node": 1},
-        )
-        serve.run(app, name="kvray-vllm")
-        steps = []
-        blocks: set[tuple[int, ...]] = set()  # distinct full blocks before each prompt's last token
-        with ThreadPoolExecutor(max_workers=max(len(step) for step in spec["steps"])) as pool:
-            for step in spec["steps"]:
-                steps.append(list(pool.map(lambda prompt: _post(port, prompt, spec["max_tokens"]), step)))
-                for prompt in step:
-                    blocks.update(tuple(prompt[:end]) for end in range(block_size, len(prompt), block_size))
-                deadline = time.monotonic() + 60
-                while sum(s["pages"] for s in runtime.store_stats().values()) < len(blocks) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-        return {"nodes": nodes, "steps": steps}
+        yield port
     finally:
         serve.shutdown()
-        if runtime is not None:
-            runtime.close()
         ray.shutdown()
         cluster.shutdown()
 

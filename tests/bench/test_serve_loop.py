@@ -17,6 +17,7 @@ from kvray.bench.serve_loop import (
     Sticky,
     arrival_slots,
     goodput,
+    is_lower_bound,
     run_closed_loop,
     summarize,
 )
@@ -132,10 +133,17 @@ def test_the_route_verb_follows_the_cached_pages_and_counts_backlog():
         PolicyRouter(["a", "a"], make_cluster_policy("cost-router"), lambda t: ([], []), 1.0)
 
 
-def test_goodput_is_the_highest_rate_up_to_which_every_rate_met_the_slo_share():
-    assert goodput({1.0: 1.0, 2.0: 0.95, 4.0: 0.89, 8.0: 0.2}) == 2.0
-    assert goodput({1.0: 0.5, 2.0: 0.1}) == 0.0
-    assert goodput({1.0: 0.9, 3.0: 0.95, 2.0: 0.5}) == 1.0  # a point above a failed one does not count
+def test_goodput_is_the_highest_rate_meeting_the_slo_share_interpolated():
+    # 95% at 2/s, 85% at 4/s: the 90% crossing lies halfway between them
+    assert math.isclose(goodput({1.0: 1.0, 2.0: 0.95, 4.0: 0.85, 8.0: 0.2}), 3.0)
+    assert math.isclose(goodput({1.0: 1.0, 2.0: 0.95, 4.0: 0.6}), 2.0 + 2.0 * 0.05 / 0.35)
+    assert goodput({1.0: 0.5, 2.0: 0.1}) == 0.0  # no rate met it
+    # a failed rate below a passed one (another process slowed that point) does not lower it
+    assert math.isclose(goodput({1.0: 0.9, 3.0: 0.95, 2.0: 0.5, 4.0: 0.85}), 3.5)
+    # a little more attainment moves the figure a little, not by a whole sweep step
+    assert 3.0 < goodput({1.0: 1.0, 2.0: 0.95, 4.0: 0.87}) < 3.5
+    assert goodput({1.0: 1.0, 2.0: 0.95}) == 2.0 and is_lower_bound({1.0: 1.0, 2.0: 0.95})  # a lower bound
+    assert not is_lower_bound({1.0: 1.0, 2.0: 0.5}) and is_lower_bound({1.0: 0.5, 2.0: 0.95})
 
 
 def test_summarize_ttft_percentiles_and_slo_share():
@@ -144,3 +152,4 @@ def test_summarize_ttft_percentiles_and_slo_share():
     assert math.isclose(point["mean_ttft_ms"], 550.0) and point["slo_attainment"] == 0.5
     assert point["p90_ttft_ms"] > point["p50_ttft_ms"] and point["requests"] == 10
     assert math.isclose(point["throughput_rps"], 10 / 10.0) and point["cached_tokens"] == 400
+    assert math.isclose(point["request_goodput_rps"], 5 / 10.0)  # vLLM's --goodput: within the SLO per second

