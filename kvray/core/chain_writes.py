@@ -22,10 +22,16 @@ waits for the device too; that case is not measured here.
 
 Example::
 
+    from kvray.core.chain_writes import PENDING, ChainWriters, DiskWrites
+
+    writers = ChainWriters()
     writes = DiskWrites(writers)
-    checksum = writes.submit(depth, lambda: disk.write_runs(slot, key, parent_key, runs))  # 0 until done
-    ... the chain's other pages ...
-    failed_at, failure = writes.finish(lambda depth, checksum: ...)  # every write returned
+    assert writes.submit(3, lambda: 0xBEEF) == PENDING  # placed at once, its checksum to come
+    writes.submit(1, lambda: 0xCAFE)  # ... the chain's other pages meanwhile ...
+    published = []
+    failed_at, failure = writes.finish(lambda position, checksum: published.append((position, checksum)))
+    assert (failed_at, failure) == (None, None) and published == [(1, 0xCAFE), (3, 0xBEEF)]  # chain order
+    writers.close()
 """
 
 from __future__ import annotations
