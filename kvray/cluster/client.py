@@ -305,8 +305,8 @@ class KvrayClient(ChainStores):
             cut = plan.hit_pages if load_pages is None else min(max(load_pages, 0), plan.hit_pages)
             loaded, request, finished, skipped = Loaded(0), None, False, 0
             try:
-                partial = dataclasses.replace(plan, hit_nodes=plan.hit_nodes[:cut])
-                loaded = self.load(keys, plan if cut == plan.hit_pages else partial)
+                to_load = plan if cut == plan.hit_pages else dataclasses.replace(plan, hit_nodes=plan.hit_nodes[:cut])
+                loaded = self.load(keys, to_load)
                 if loaded.pages == cut < plan.hit_pages:  # the split as decided (a load cut short stores from where it stopped)
                     skipped = plan.hit_pages - cut
                     self._touch_unloaded(keys, plan, cut)
