@@ -39,6 +39,7 @@ import heapq
 from bisect import bisect_right, insort
 from collections import deque
 from collections.abc import Sequence
+from functools import lru_cache
 
 
 class Link:
@@ -170,15 +171,14 @@ class Link:
         return self.busy_ms / (span_ms * self.lanes) if span_ms > 0 else 0.0
 
 
-_PATHS: dict[tuple[Link, ...], tuple[float, float]] = {}  # path -> (its links' latency, bottleneck bytes/ms)
+@lru_cache(maxsize=4096)  # bounded: links belong to one simulator, and an eval creates many
+def _path_shape(path: tuple[Link, ...]) -> tuple[float, float]:
+    """A path's summed latency and bottleneck bytes/ms (fixed for a link's life)."""
+    return sum(link.latency_ms for link in path), min(link.bytes_per_ms for link in path)
 
 
 def _shape(path: Sequence[Link]) -> tuple[float, float]:
-    key = tuple(path)
-    shape = _PATHS.get(key)
-    if shape is None:
-        shape = _PATHS[key] = (sum(link.latency_ms for link in key), min(link.bytes_per_ms for link in key))
-    return shape
+    return _path_shape(tuple(path))
 
 
 def transfer(path: Sequence[Link], ready_ms: float, nbytes: int, kind: str, latency_ms: float = 0.0, ops: int = 1) -> float:
