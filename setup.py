@@ -1,10 +1,12 @@
-"""Build steps: kvray's three C extensions, and kvray's shipped defaults in the wheel (see kvray/resources.py).
+"""Build steps: kvray's four C extensions, and kvray's shipped defaults in the wheel (see kvray/resources.py).
 
 ``kvray.core._tokens`` packs a Python list of token ids in C (kvray/core/_tokens.c; why:
 kvray/core/keys.py); ``kvray.core._pagecopy`` copies a page and computes its xxh3-64 in
 one pass (kvray/core/_pagecopy.c; why: kvray/core/pages.py); ``kvray.sim._chain`` is the
 simulator's chain writer under LRU, eviction cascade and link bookings included
-(kvray/sim/_chain.c; why: kvray/sim/node.py, ``SimNode.store_chain``). ``pip install -e .``
+(kvray/sim/_chain.c; why: kvray/sim/node.py, ``SimNode.store_chain``); ``kvray.policy._pool``
+gathers the learned policy's candidate pool in one pass (kvray/policy/_pool.c; why:
+kvray/policy/reuse.py, ``ReusePolicy._gather``). ``pip install -e .``
 (``make install``) builds them in place; a checkout used through ``PYTHONPATH`` builds them
 with ``python setup.py build_ext --inplace``, and without them kvray converts lists, copies,
 hashes and replays in Python, only slower.
@@ -44,5 +46,6 @@ setup(
         Extension("kvray.core._tokens", ["kvray/core/_tokens.c"], extra_compile_args=["-O2"]),
         Extension("kvray.core._pagecopy", ["kvray/core/_pagecopy.c"], extra_compile_args=["-O2"]),
         Extension("kvray.sim._chain", ["kvray/sim/_chain.c"], depends=["kvray/sim/_chain_state.h"], extra_compile_args=["-O2"]),
+        Extension("kvray.policy._pool", ["kvray/policy/_pool.c"], extra_compile_args=["-O2"]),
     ],
 )

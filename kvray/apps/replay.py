@@ -243,7 +243,9 @@ class Replay:
             node, verbs = self._decide(request, front)
             try:
                 outcome = _bounded(
-                    self.engines[node].serve.remote(list(request.hash_ids), request.input_length, **verbs),
+                    self.engines[node].serve.remote(
+                        list(request.hash_ids), request.input_length, arrival_ms=request.timestamp_ms, **verbs
+                    ),
                     REQUEST_TIMEOUT_S,
                     f"request {i} on node {node[:12]}",
                 )

@@ -79,9 +79,12 @@ class ReplayEngine:
         load_pages: int | None = None,
         prefetch: bool = False,
         replicate: bool = False,
+        arrival_ms: float | None = None,
     ) -> dict:
         """Serve one request as the cluster policy decided (see the module docstring);
-        returns its measured TTFT, what the cache gave it and what each verb did."""
+        returns its measured TTFT, what the cache gave it and what each verb did.
+        ``arrival_ms``: the trace's arrival time, the clock the stores' policies are told
+        (as the simulator tells them; None: the stores' own clocks)."""
         t0 = time.perf_counter()
         keys = self.client.keys_for_trace(full_blocks(hash_ids, input_length, self.page_tokens))
         if not (keys and self.cache):  # nothing to look up: every page computed, none stored
@@ -91,7 +94,7 @@ class ReplayEngine:
         with contextlib.ExitStack() as steps:
             if not prefetch:
                 steps.enter_context(self._engine)
-            r = steps.enter_context(self.client.request(keys, backlog_ms=0.0, load_pages=load_pages))
+            r = steps.enter_context(self.client.request(keys, backlog_ms=0.0, load_pages=load_pages, arrival_ms=arrival_ms))
             if prefetch:
                 steps.enter_context(self._engine)
             ttft, compute, wrong = self._compute(keys, r.hit, r.rows, input_length, t0)

@@ -276,7 +276,9 @@ class KvrayClient(ChainStores):
 
     # -- a whole request ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def request(self, keys: Sequence[int], backlog_ms: float = 0.0, load_pages: int | None = None) -> Iterator[Request]:
+    def request(
+        self, keys: Sequence[int], backlog_ms: float = 0.0, load_pages: int | None = None, arrival_ms: float | None = None
+    ) -> Iterator[Request]:
         """``with client.request(keys) as r:``: look up and load the cached prefix of ``keys``
         on entry; the block reads ``r.rows[:r.hit]``, computes the rest into ``r.rows[r.hit:]``
         and calls ``r.store()`` to have it stored; on exit the lease is released (whether
@@ -295,11 +297,14 @@ class KvrayClient(ChainStores):
         load-or-recompute split); the caller recomputes the rest (``r.hit`` is what was
         loaded), their holders count them as hits (recency, as in the simulator), and they
         are not stored again: the pages after the whole cached prefix are.
+
+        ``arrival_ms``: when the request arrived, as the stores' policies are told (None: now,
+        on each store's clock; a trace replay gives the trace's time, as the simulator does).
         """
         self._check(keys)  # before anything is pinned: the rows must fit the landing buffer
         claim = self._claim_computing(keys)
         try:
-            plan = self.lookup(keys, backlog_ms)
+            plan = self.lookup(keys, backlog_ms, arrival_ms=arrival_ms)
             if claim is not None:
                 claim = claim.narrow(keys[plan.hit_pages :])
             cut = plan.hit_pages if load_pages is None else min(max(load_pages, 0), plan.hit_pages)
@@ -352,7 +357,9 @@ class KvrayClient(ChainStores):
                 self._sent(store.touch.remote(packed, None, None, 0, None))
 
     # -- lookup + pin ---------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[int], backlog_ms: float = 0.0, route_key: int | None = None) -> Plan:
+    def lookup(
+        self, keys: Sequence[int], backlog_ms: float = 0.0, route_key: int | None = None, arrival_ms: float | None = None
+    ) -> Plan:
         """Where the cached prefix of ``keys`` is (pinned) and where the rest goes; a request
         larger than the landing buffer (up to ``max_request_pages``) is loaded with
         :meth:`load_chunks`. ``backlog_ms``: the engine's work queued ahead of it, which the
@@ -360,11 +367,12 @@ class KvrayClient(ChainStores):
         the request will store (:meth:`ControllerShards.route_key
         <kvray.cluster.shards.ControllerShards.route_key>`) when that chain is longer than
         ``keys`` (an engine looks up all but the page holding the prompt's last token, and
-        stores that page too): the lookup asks the shard the store commits to. None: ``keys``."""
+        stores that page too): the lookup asks the shard the store commits to. None: ``keys``.
+        ``arrival_ms``: as :meth:`request` takes it."""
         self._check(keys, max(self.buffer.capacity, self.config.max_request_pages))
         self._poll_members()
         packed = pack_keys(keys)  # for the controller too: a list of 128-bit ints is serialized int by int
-        self.context.arrival = (packed, float(backlog_ms))
+        self.context.arrival = (packed, float(backlog_ms), arrival_ms)
         shard = self.shards.of(keys) if route_key is None else self.shards.owner(route_key)
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):

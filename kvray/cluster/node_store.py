@@ -62,11 +62,11 @@ import ray
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.metrics import export_store_stats
 from kvray.cluster.observe import NodeReport
-from kvray.cluster.protocol import Stored
+from kvray.cluster.protocol import Arrival, Stored
 from kvray.cluster.shm import LandingBuffer, reap_orphans
 from kvray.cluster.transfer import PageServer
 from kvray.core.keys import unpack_keys
-from kvray.core.placement import RequestInfo
+from kvray.core.placement import RequestInfo, RunPlace
 from kvray.core.store import PageStore
 from kvray.core.tiers import LOCAL_TIERS, Tier
 from kvray.core.tiers.directory import retire_predecessors
@@ -191,17 +191,19 @@ class NodeStore:
             (nic_in, nic_out, pages[Tier.DEVICE] * nbytes, traffic[Tier.DISK][2] * nbytes, traffic[Tier.DISK][3] * nbytes),
         )
 
-    def _arrived(self, request: tuple[bytes, float] | None) -> None:
+    def _arrived(self, request: Arrival | None) -> None:
         """A request's first call here: tell the policy it arrived (``request``: its packed
-        keys and the engine's backlog in ms; None: told already, or not this call's to tell)."""
+        keys, the engine's backlog in ms and its arrival time in ms, None for now on this
+        node's clock; a replay gives the trace's, the clock the simulator's policies see;
+        None: told already, or not this call's to tell)."""
         if request is not None:
-            keys, backlog_ms = request
+            keys, backlog_ms, arrival_ms = request
             self.store.on_request(
                 RequestInfo(
                     tuple(unpack_keys(keys)),
                     backlog_ms,
                     self.tier_cost,
-                    arrival_ms=time.monotonic() * 1000.0,
+                    arrival_ms=time.monotonic() * 1000.0 if arrival_ms is None else arrival_ms,
                     page_prefill_ms=self.config.page_prefill_ms or 0.0,
                     engines=self.config.prefill_engines,
                 )
@@ -264,7 +266,7 @@ class NodeStore:
 
     # -- same-node data plane -----------------------------------------------------------
     def read_into(
-        self, keys: Sequence[int], buffer: str, capacity: int, row: int, request: tuple[bytes, float] | None = None
+        self, keys: Sequence[int], buffer: str, capacity: int, row: int, request: Arrival | None = None
     ) -> tuple[int, dict[str, int]]:
         """Copy the cached, verified prefix of ``keys`` into buffer rows ``row..`` (``request``:
         see :meth:`_arrived`)."""
@@ -279,8 +281,9 @@ class NodeStore:
         capacity: int,
         row: int,
         parent: int | None = None,
-        request: tuple[bytes, float] | None = None,
+        request: Arrival | None = None,
         hits: tuple[bytes, float] | None = None,
+        place: RunPlace | None = None,
     ) -> Stored:
         """Store buffer rows ``row..`` as one chain under ``keys`` (``parent``: the key before
         ``keys[0]`` in the request, None at its start); returns what was stored and is held
@@ -288,12 +291,13 @@ class NodeStore:
         (:class:`~kvray.cluster.protocol.Stored`). ``request``: see :meth:`_arrived`.
         ``hits``: the request's pages copied from the mapped host tier and how long that
         took, counted first as :meth:`touch` counts them (the engine sends them here
-        rather than in a touch of their own when it writes to this node next)."""
+        rather than in a touch of their own when it writes to this node next). ``place``:
+        where the run sits in its request (:class:`~kvray.core.placement.RunPlace`)."""
         self._arrived(request)
         if hits is not None:
             self.store.touch_pages(unpack_keys(hits[0]), hits[1])
         with self._mapped(buffer, capacity) as pages:
-            return self._put(keys, pages[row : row + len(keys)], parent)
+            return self._put(keys, pages[row : row + len(keys)], parent, place)
 
     def _read(self, keys: Sequence[int], targets) -> tuple[int, dict[str, int]]:
         """``PageStore.read_pages``, where a page evicted here but still in the controller's
@@ -317,7 +321,7 @@ class NodeStore:
         self,
         keys: bytes,
         report: tuple | None = None,
-        request: tuple[bytes, float] | None = None,
+        request: Arrival | None = None,
         shard: int = 0,
         load_s: float | None = None,
     ) -> None:
@@ -369,16 +373,20 @@ class NodeStore:
         self._count_bytes(sent=got * self.page_nbytes)
         return pages[:got]
 
-    def put_pages(self, keys: Sequence[int], pages: np.ndarray, parent: int | None = None) -> Stored:
+    def put_pages(
+        self, keys: Sequence[int], pages: np.ndarray, parent: int | None = None, place: RunPlace | None = None
+    ) -> Stored:
         self._count_bytes(received=pages.nbytes)
-        return self._put(keys, pages, parent)
+        return self._put(keys, pages, parent, place)
 
-    def _put(self, keys: Sequence[int], pages: np.ndarray, parent: int | None) -> Stored:
+    def _put(self, keys: Sequence[int], pages: np.ndarray, parent: int | None, place: RunPlace | None = None) -> Stored:
         """Store one run. It joins its parent's chain when that page is here, so evicting the
         parent drops the run too (as in the simulator and a single PageStore); otherwise it
-        starts a root here."""
+        starts a root here. Either way its pages keep their depths in the request (``place``),
+        as the simulator's nodes store a chain spread over them."""
         local = parent if parent is not None and parent in self.store else None
-        return self._stored(keys, self.store.put_pages(keys, pages, self.store.fingerprint.digest, local), parent)
+        stored = self.store.put_pages(keys, pages, self.store.fingerprint.digest, local, place)
+        return self._stored(keys, stored, parent)
 
     # -- cross-node data plane: NIXL (Ray's tensor transport) ------------------------------
     def get_pages_nixl(self, keys: Sequence[int]) -> torch.Tensor:
@@ -429,7 +437,7 @@ class NodeStore:
         buffer: str,
         capacity: int,
         offset: int,
-        request: tuple[bytes, float] | None = None,
+        request: Arrival | None = None,
     ) -> int:
         """Have ``source`` send the cached prefix of ``keys`` and receive it into buffer rows
         ``offset..`` (``request``: see :meth:`_arrived`).

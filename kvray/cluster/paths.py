@@ -36,7 +36,7 @@ from typing import Any
 
 import ray
 
-from kvray.cluster.protocol import Run, Stored
+from kvray.cluster.protocol import Arrival, Run, Stored
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks, PendingLoad, PendingStore
 from kvray.core.tiers import Tier
@@ -73,12 +73,12 @@ class PathContext:
         # restarting), ``store_error`` (the store raised).
         self.faults: Counter[str] = Counter()
         self.stale = False  # a call given up on may still copy into or out of ``buffer``
-        self.arrival: tuple[bytes, float] | None = None  # the request's, until this node's store has it
+        self.arrival: Arrival | None = None  # the request's, until this node's store has it
         # The request's pages copied from the mapped host tier (packed keys, seconds), for the
         # write to this node's store that follows to report (the client sets it instead of a ``touch``).
         self.hits: tuple[bytes, float] | None = None
 
-    def take_arrival(self) -> tuple[bytes, float] | None:
+    def take_arrival(self) -> Arrival | None:
         """The request's arrival, for the first call to this node's store to carry (once)."""
         arrival, self.arrival = self.arrival, None
         return arrival
@@ -131,8 +131,10 @@ class StoreCallPath(ABC):
     def loaded(self, run: Run, answer: Any) -> tuple[int, dict[str, int]]:
         """A finished load's answer as (pages now in the buffer, pages by tier)."""
 
-    def start_store(self, store, keys: list[int], run: Run, parent: int | None) -> Any:
-        return store.put_pages.remote(keys, self.context.buffer.pages[run.start : run.stop], parent)
+    def start_store(self, store, keys: list[int], run: Run, parent: int | None, request_pages: int) -> Any:
+        """Send ``keys`` (run ``run`` of a request of ``request_pages`` pages, after ``parent``)
+        to be stored, without waiting; a pending store."""
+        return store.put_pages.remote(keys, self.context.buffer.pages[run.start : run.stop], parent, run.place(request_pages))
 
     def finish_load(self, run: Run, pending: Any) -> tuple[int, dict[str, int]]:
         answer = self._answer(pending, self.load_maps_buffer)
@@ -165,11 +167,18 @@ class LocalPath(StoreCallPath):
     def loaded(self, run, answer):
         return answer  # the store copied the pages and says how many, by tier
 
-    def start_store(self, store, keys, run, parent):
+    def start_store(self, store, keys, run, parent, request_pages):
         buffer = self.context.buffer
         context = self.context
         return store.write_from.remote(
-            keys, buffer.name, buffer.capacity, run.start, parent, context.take_arrival(), context.take_hits()
+            keys,
+            buffer.name,
+            buffer.capacity,
+            run.start,
+            parent,
+            context.take_arrival(),
+            context.take_hits(),
+            run.place(request_pages),
         )
 
 
@@ -241,9 +250,10 @@ class TcpPath(StoreCallPath):
         got = pending.receive(self.context.buffer.pages[run.start : run.stop])
         return got, {REMOTE: got}
 
-    def start_store(self, store, keys, run, parent) -> PendingStore:
+    def start_store(self, store, keys, run, parent, request_pages) -> PendingStore:
         context = self.context
-        return context.links.store(context.servers[run.node], keys, context.buffer.pages[run.start : run.stop], parent)
+        pages = context.buffer.pages[run.start : run.stop]
+        return context.links.store(context.servers[run.node], keys, pages, parent, run.place(request_pages))
 
     def finish_store(self, pending: PendingStore) -> Stored | None:
         return pending.receive()

@@ -41,12 +41,14 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from kvray.core.errors import RequestError
+from kvray.core.placement import RunPlace
 
 if TYPE_CHECKING:
     from kvray.cluster.observe import NodeReport
 
 NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
 LOCAL_LEASE = -1  # a plan the client answered from its node's host tier alone: nothing pinned at a controller
+Arrival = tuple[bytes, float, "float | None"]  # a request as a store's policy is told of it: packed keys, backlog ms, arrival ms
 
 
 def new_lease() -> int:
@@ -101,6 +103,10 @@ class Run:
     node: str
     start: int
     stop: int
+
+    def place(self, request_pages: int) -> RunPlace:
+        """Where the run sits in its request of ``request_pages`` pages (its rows are its depths)."""
+        return RunPlace(self.start, request_pages)
 
 
 def runs_of(nodes: Sequence[str], start: int) -> list[Run]:

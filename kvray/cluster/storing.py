@@ -129,7 +129,7 @@ class ChainStores:
                 results[k] = _finished(*pending[k])
             sub = list(keys[run.start : run.stop])
             parent = keys[run.start - 1] if run.start else parent_key
-            pending.append((path, None if store is None else path.start_store(store, sub, run, parent)))
+            pending.append((path, None if store is None else path.start_store(store, sub, run, parent, len(keys))))
             if not path.in_order:
                 unordered[run.node] = j
         stored, landed, dropped, reports = 0, start, defaultdict(list), {}
@@ -179,7 +179,7 @@ class ChainStores:
             self._touched = None
         sub = list(keys[:upto])
         path = self.paths[LOCAL]
-        result = _finished(path, path.start_store(store, sub, Run(self.node_id, 0, upto), None))
+        result = _finished(path, path.start_store(store, sub, Run(self.node_id, 0, upto), None, len(keys)))
         if result is None:
             return 0
         evicted = {self.node_id: result.dropped} if result.dropped else {}

@@ -46,7 +46,8 @@ Wire format, little-endian, requests pipelined on a connection, answers in order
                client -> server   HMAC(token, "kvray page client" c s)
     requests   client -> server   u8 op, u32 n (<= max_pages), and
                                     LOAD:  n x 16-byte keys
-                                    STORE: u8 has_parent, 16-byte parent key, n x 16-byte keys,
+                                    STORE: u8 has_parent, 16-byte parent key, u32 first depth,
+                                           u32 request pages (0: the run alone), n x 16-byte keys,
                                            n x page_nbytes bytes, n x u64 xxh3-64 of them
     answers    server -> client   LOAD:  u32 got (<= n), got x page_nbytes bytes, got x u64 xxh3-64
                                   STORE: u32 stored (<= n), u32 landed (<= n), u32 d (<= MAX_DROPPED),
@@ -85,6 +86,7 @@ from kvray.cluster.protocol import Stored
 from kvray.core.config import FrozenModel
 from kvray.core.errors import ClusterError
 from kvray.core.keys import KEY_BYTES, pack_keys, unpack_keys
+from kvray.core.placement import RunPlace
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ SERVER_PROOF, CLIENT_PROOF = b"kvray page server", b"kvray page client"
 REQUEST = struct.Struct("<BI")  # op, pages
 COUNT = struct.Struct("<I")
 REPORT = struct.Struct("<11Q")  # NodeReport.flat()
-PARENT = struct.Struct("<B16s")  # has parent, parent key
+PARENT = struct.Struct("<B16sII")  # has parent, parent key, the run's place in its request (RunPlace; 0 pages: none)
 CHECKSUM = np.dtype("<u8")
 LOAD, STORE = 1, 2
 BATCH_BYTES = 1 << 20  # pages cross in batches of about this much, each hashed while the next one moves
@@ -105,7 +107,7 @@ WARN_EVERY_S = 10.0
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 PageReader = Callable[[Sequence[int], np.ndarray], int]  # (keys, out rows) -> pages written
-PageWriter = Callable[[Sequence[int], np.ndarray, "int | None"], Stored]  # (keys, rows, parent) -> its answer
+PageWriter = Callable[[Sequence[int], np.ndarray, "int | None", "RunPlace | None"], Stored]  # (keys, rows, parent, place)
 
 
 class Keepalive(FrozenModel):
@@ -251,7 +253,7 @@ class PageServer:
 
     ``read(keys, out)`` writes the cached, verified prefix of ``keys`` into rows of ``out``
     and returns how many; the server never sends a page it did not get from it.
-    ``write(keys, pages, parent)`` keeps a run of pages and returns its
+    ``write(keys, pages, parent, place)`` keeps a run of pages and returns its
     :class:`~kvray.cluster.protocol.Stored` answer; it only ever sees pages that passed
     their checksum. ``keepalive`` probes idle connections; ``request_s`` bounds each wait
     of the server within a request (see the module docstring).
@@ -455,7 +457,7 @@ class PageServer:
         claimed = _recv_bytes(conn, n * CHECKSUM.itemsize) if arrived is not None else None
         if claimed is None:
             return False
-        has_parent, parent = PARENT.unpack_from(head)
+        has_parent, parent, first_depth, request_pages = PARENT.unpack_from(head)
         if has_parent > 1:
             return False  # not a kvray client: hang up
         keys = unpack_keys(head[PARENT.size :])
@@ -464,7 +466,8 @@ class PageServer:
             self.received_bytes += rows.nbytes
             self.corrupt += int(good < n)
         # Even with no good page: the answer carries the store's report.
-        answer = self._write(keys[:good], rows[:good], int.from_bytes(parent, "little") if has_parent else None)
+        place = RunPlace(first_depth, request_pages) if request_pages else None
+        answer = self._write(keys[:good], rows[:good], int.from_bytes(parent, "little") if has_parent else None, place)
         dropped = self._reportable(answer.dropped)
         counts = COUNT.pack(answer.stored) + COUNT.pack(answer.landed) + COUNT.pack(len(dropped))
         conn.sendall(counts + pack_keys(dropped) + REPORT.pack(*answer.report.flat()))
@@ -640,10 +643,15 @@ class PeerLinks:
         request = REQUEST.pack(LOAD, len(keys)) + pack_keys(keys)
         return PendingLoad(self, self._send(address, lambda sock: sock.sendall(request)), len(keys))
 
-    def store(self, address: tuple[str, int], keys: Sequence[int], pages: np.ndarray, parent: int | None) -> PendingStore:
-        """Send a run of pages (rows of ``pages``, one per key) continuing ``parent``'s chain."""
+    def store(
+        self, address: tuple[str, int], keys: Sequence[int], pages: np.ndarray, parent: int | None, place: RunPlace | None = None
+    ) -> PendingStore:
+        """Send a run of pages (rows of ``pages``, one per key) continuing ``parent``'s chain,
+        at ``place`` in its request."""
         pages = np.ascontiguousarray(pages)
-        head = REQUEST.pack(STORE, len(keys)) + PARENT.pack(parent is not None, (parent or 0).to_bytes(KEY_BYTES, "little"))
+        first_depth, request_pages = place or (0, 0)
+        parent_key = (parent or 0).to_bytes(KEY_BYTES, "little")
+        head = REQUEST.pack(STORE, len(keys)) + PARENT.pack(parent is not None, parent_key, first_depth, request_pages)
 
         def write(sock: socket.socket) -> None:
             sock.sendall(head + pack_keys(keys))

@@ -274,11 +274,16 @@ class CacheManager:
         tenant: str = "",
         start: int = 0,
         stop: int | None = None,
+        first_depth: int = 0,
+        request_pages: int | None = None,
     ) -> int:
         """Store the pages of one chain of ``keys`` (below ``parent``) that are not cached
         yet, in order; returns how many were stored. With ``start``/``stop`` only
         ``keys[start:stop]`` are this cache's (a cluster spreads one chain over nodes): the
         first of them goes below ``parent`` and each keeps its depth in the whole chain.
+        A caller given only its run of a request's chain (a cluster node's store) says where
+        the run sits instead: ``keys[0]`` at depth ``first_depth`` of a request of
+        ``request_pages`` pages (default ``len(keys)``), as the policy is told of each page.
 
         Each page is admitted by the policy, given a slot (evicting by the policy while the
         page it joins is kept, so making room never drops its own chain), written by
@@ -292,7 +297,9 @@ class CacheManager:
             key = keys[depth]
             handle = index.handle_of(key)
             if handle is None:
-                ctx = PageContext(depth=depth, request_pages=len(keys), priority=priority, tenant=tenant)
+                ctx = PageContext(
+                    depth=first_depth + depth, request_pages=request_pages or len(keys), priority=priority, tenant=tenant
+                )
                 tier = self.admit(ctx)
                 if tier is None:
                     break
@@ -306,7 +313,7 @@ class CacheManager:
                     except BaseException:
                         self.abort_store(tier, slot)
                         raise
-                handle = self.complete_store(key, tier, slot, checksum, parent=parent, depth=depth, ctx=ctx)
+                handle = self.complete_store(key, tier, slot, checksum, parent=parent, depth=ctx.depth, ctx=ctx)
                 stored += 1
             parent = handle
         return stored

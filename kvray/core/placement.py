@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -72,6 +72,15 @@ class PageContext:
     request_pages: int
     priority: int = 0
     tenant: str = ""
+
+
+class RunPlace(NamedTuple):
+    """Where a run of pages a cluster node stores sits in its request's chain: its first
+    page's depth and the request's length, which the node's policy is told of each page
+    (:class:`PageContext`) as the simulator tells it, the chain being spread over nodes."""
+
+    first_depth: int
+    request_pages: int
 
 
 class PlacementPolicy(ABC):

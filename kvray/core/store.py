@@ -47,7 +47,7 @@ from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.manager import TIERS, CacheManager
 from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, request_runs, runs, torch_dtype
-from kvray.core.placement import LRUPolicy, PlacementPolicy, RequestInfo
+from kvray.core.placement import LRUPolicy, PlacementPolicy, RequestInfo, RunPlace
 from kvray.core.tiers import LOCAL_TIERS, DiskPool, HostPool, Pool, StoredPage, Tier
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 from kvray.core.tiers.disk import verified
@@ -330,12 +330,21 @@ class PageStore:
                     return
 
     # -- page verbs (runtime transfers) --------------------------------------------------
-    def put_pages(self, keys: Sequence[int], pages: np.ndarray, fingerprint: bytes, parent_key: int | None = None) -> int:
+    def put_pages(
+        self,
+        keys: Sequence[int],
+        pages: np.ndarray,
+        fingerprint: bytes,
+        parent_key: int | None = None,
+        place: RunPlace | None = None,
+    ) -> int:
         """Store raw pages (``[n, page_nbytes]`` uint8) of one chain of ``keys``; returns pages stored.
 
         ``parent_key`` is the key of the page just before ``keys[0]`` in its chain when the
         pages continue a cached prefix (an engine storing only the pages it computed);
-        nothing is stored if that parent is no longer cached.
+        nothing is stored if that parent is no longer cached. ``place``: where ``keys`` sit
+        in their request (a node storing its run of a chain another node began), as the
+        policy is told; default a request of these pages alone.
         """
         if fingerprint != self.fingerprint.digest:
             raise FingerprintMismatch(
@@ -344,7 +353,7 @@ class PageStore:
         pages = np.ascontiguousarray(pages)
         if pages.dtype != np.uint8 or pages.shape != (len(keys), self.layout.page_nbytes):
             raise LayoutError(f"pages must be uint8 [{len(keys)}, {self.layout.page_nbytes}], got {pages.dtype} {pages.shape}")
-        return self._store_pages(list(keys), lambda i: pages[i], parent_key=parent_key)
+        return self._store_pages(list(keys), lambda i: pages[i], parent_key=parent_key, place=place)
 
     def get_pages(self, keys: Sequence[int]) -> tuple[list[int], np.ndarray]:
         """Raw bytes of the longest cached, verified prefix of ``keys``: (keys found, pages)."""
@@ -460,6 +469,7 @@ class PageStore:
         priority: int = 0,
         parent_key: int | None = None,
         page_runs: Callable[[int], list[list[np.ndarray]]] | None = None,
+        place: RunPlace | None = None,
     ) -> int:
         """Store the pages of one chain (after ``parent_key``'s page, if given) through the
         manager's chain writer, writing each page's bytes into the slot it gets; with
@@ -496,7 +506,16 @@ class PageStore:
 
             cut = 0
             try:
-                stored = self.manager.store_chain(keys, self._move, write, parent=parent, priority=priority)
+                first_depth, request_pages = place or (0, None)
+                stored = self.manager.store_chain(
+                    keys,
+                    self._move,
+                    write,
+                    parent=parent,
+                    priority=priority,
+                    first_depth=first_depth,
+                    request_pages=request_pages,
+                )
             finally:
                 failed_at, failure = writes.finish(written)
                 if failed_at is not None and (handle := index.handle_of(keys[failed_at])) is not None:

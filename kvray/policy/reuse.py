@@ -50,6 +50,11 @@ from kvray.policy.reuse_online import SAMPLE, DelayedLabels, ShadowTripwire
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.resources import shipped_or_given
 
+try:  # the pool's gathering in C (kvray/policy/_pool.c); without it ReusePolicy.gather_python
+    from kvray.policy import _pool
+except ImportError:  # pragma: no cover - a checkout whose extensions were not built
+    _pool = None
+
 TRIPWIRE = 0.05  # follow a heuristic once its shadow costs 5% less than the model's (docs/sim-eval: worst held-out cell 1.18x, at 0.02 1.20x)
 TRIPWIRE_HEURISTICS: dict[str, Callable[[], PlacementPolicy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
 REFIT_BATCH = 64  # decisions per online refit step
@@ -257,7 +262,32 @@ class ReusePolicy(PlacementPolicy):
             handle = pending.pop()
             if self._where.item(handle) == tier and pins.item(handle) == 0:
                 return handle
+        candidates, source = self._gather(tier)
+        if len(candidates) <= 1:
+            return int(candidates[0]) if len(candidates) else None
+        ranked = self._rank(candidates, tier, source)
+        self._pending[tier] = ranked[1 : self.take][::-1]  # popped from the end
+        return ranked[0]
+
+    def _gather(self, tier: Tier) -> tuple[np.ndarray, np.ndarray]:
+        """The pool of ``tier``: its candidates in the order offered, deduplicated, and which
+        orderings offered each (no columns when LRU alone offers). In C where built
+        (:mod:`kvray.policy._pool`, one pass over the tier's pages), else :meth:`gather_python`,
+        the reference it transcribes."""
         lru, lfu, fifo = self.pool
+        if _pool is None:
+            return self.gather_python(tier)
+        columns = (self._where, self.index.pins, self._recency, self._frequency, self.features.hits)
+        handles, bits = _pool.pool(int(tier), lru, lfu, fifo, *columns)
+        candidates = np.frombuffer(handles, dtype=np.int64)
+        if not (lfu or fifo):
+            return candidates, np.zeros((0, 3), dtype=np.float32)
+        return candidates, ((np.frombuffer(bits, dtype=np.uint8)[:, None] >> np.arange(3)) & 1).astype(np.float32)
+
+    def gather_python(self, tier: Tier) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_gather` in numpy: a mask of the tier's unpinned pages, one partial sort per ordering."""
+        lru, lfu, fifo = self.pool
+        pins = self.index.pins
         n = min(len(self._where), len(pins))
         pages = np.flatnonzero((self._where[:n] == tier) & (pins[:n] == 0))  # unpinned, ascending handles
         candidates = self._first(pages, self._recency[pages], lru)
@@ -277,11 +307,7 @@ class ReusePolicy(PlacementPolicy):
             first[every[::-1]] = np.arange(len(every) - 1, -1, -1)  # each page's first offer wins
             candidates = every[first[every] == np.arange(len(every))]  # deduplicated, in the order offered
             source = ((bits[candidates][:, None] >> np.arange(3)) & 1).astype(np.float32)
-        if len(candidates) <= 1:
-            return int(candidates[0]) if len(candidates) else None
-        ranked = self._rank(candidates, tier, source)
-        self._pending[tier] = ranked[1 : self.take][::-1]  # popped from the end
-        return ranked[0]
+        return candidates, source
 
     @staticmethod
     def _first(pages: np.ndarray, order: np.ndarray, n: int) -> np.ndarray:

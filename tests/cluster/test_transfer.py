@@ -34,6 +34,7 @@ from kvray.cluster.transfer import (
 )
 from kvray.core.errors import ClusterError
 from kvray.core.keys import pack_keys
+from kvray.core.placement import RunPlace
 from tests.properties import examples
 
 PAGE = 4096
@@ -53,9 +54,10 @@ class DictStore:
     def __init__(self, keys, room: int = 1000) -> None:
         self.pages = {k: page_of(k) for k in keys}
         self.parents: dict[int, int | None] = {}
+        self.places: dict[int, RunPlace | None] = {}
         self.room = room
 
-    def write(self, keys, rows: np.ndarray, parent) -> Stored:
+    def write(self, keys, rows: np.ndarray, parent, place: RunPlace | None = None) -> Stored:
         if not len(keys):
             return Stored(0, 0, [], self.report())
         stored = 0
@@ -68,6 +70,7 @@ class DictStore:
             stored += 1
         if stored:
             self.parents[keys[0]] = parent
+            self.places[keys[0]] = place
         dropped = [min(self.pages)]
         del self.pages[dropped[0]]
         landed = next((i for i, key in enumerate(keys) if key not in self.pages), len(keys))
@@ -166,11 +169,12 @@ def test_a_server_that_goes_away_is_a_miss_and_a_new_one_is_reached(served):
 def test_stores_land_with_their_parent_and_report_what_was_dropped(served):
     server, links, store, _ = served
     rows = np.stack([page_of(k) for k in (100, 101, 102)])
-    first = links.store(server.address, [100, 101, 102], rows, parent=39)
+    first = links.store(server.address, [100, 101, 102], rows, parent=39, place=RunPlace(5, 9))
     second = links.store(server.address, [200], rows[:1], parent=None)  # pipelined behind the first
     assert first.receive() == Stored(3, 3, [1], NodeReport((0, 959, 0), (0, 1000, 0), (0, 0, 0, 0, 41)))
     assert second.receive() == Stored(1, 1, [2], NodeReport((0, 959, 0), (0, 1000, 0), (0, 0, 0, 0, 41)))
     assert store.parents == {100: 39, 200: None}
+    assert store.places == {100: RunPlace(5, 9), 200: None}  # where each run sits in its request, as sent
     assert np.array_equal(store.pages[101], page_of(101)) and np.array_equal(store.pages[200], page_of(100))
     out = np.zeros((3, PAGE), dtype=np.uint8)
     assert links.load(server.address, [100, 101, 102]).receive(out) == 3 and np.array_equal(out, rows)

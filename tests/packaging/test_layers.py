@@ -149,9 +149,11 @@ class _Imports(ast.NodeVisitor):
 
 
 def scan(root: Path) -> tuple[set[str], list[Import]]:
-    """The modules of the package at ``root`` and every import they make."""
+    """The modules of the package at ``root`` (its C extensions too, which import nothing
+    of kvray: ``from kvray.policy import _pool`` names the extension, not the package) and
+    every import they make."""
     paths = {module_name(p, root.parent): p for p in sorted(root.rglob("*.py"))}
-    known = set(paths)
+    known = set(paths) | {module_name(p, root.parent) for p in root.rglob("*.c")}
     found: list[Import] = []
     for name, path in paths.items():
         visitor = _Imports(name, path.name == "__init__.py", known)

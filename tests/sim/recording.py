@@ -14,7 +14,7 @@ import pickle
 from dataclasses import replace
 from pathlib import Path
 
-from kvray.core.placement import LRUPolicy, RequestInfo
+from kvray.core.placement import LRUPolicy, PageContext, RequestInfo
 from kvray.policy.cluster import ClusterView, LocalFirstRing, RequestView
 
 RECORDS = Path(__file__).resolve().parents[2] / ".pytest_cache" / "kvray-recorded-views"
@@ -92,3 +92,20 @@ class RecordingLRU(_Recorder, LRUPolicy):
 
     def on_request(self, info: RequestInfo) -> None:
         self.record(replace(info, arrival_ms=0.0))  # the runtime's clock is the wall's, the simulator's the trace's
+
+
+class RecordingPlaces(_Recorder, LRUPolicy):
+    """LRU, writing down the arrival time of each request it is told of and each page it
+    admits: its key, depth and request length, the chain position a per-page policy
+    (``reuse``) reads as features."""
+
+    name = "recording-places"
+    kind = "placed"
+
+    def on_request(self, info: RequestInfo) -> None:
+        self.record(("request", info.arrival_ms))
+        super().on_request(info)
+
+    def on_admitted(self, handle: int, ctx: PageContext) -> None:
+        self.record(("page", self.index.key_of(handle), ctx.depth, ctx.request_pages))
+        super().on_admitted(handle, ctx)
