@@ -16,7 +16,13 @@ from kvray.sim.simulator import Simulator, fast_capacity
 from kvray.traces import read_trace
 from tests.properties import examples
 
-pytestmark = pytest.mark.skipif(reuse._pool is None, reason="kvray.policy._pool not built (setup.py build_ext)")
+
+@pytest.fixture(autouse=True)
+def pool_built() -> None:
+    """Failing, not skipping: an install that lost the extension runs every replay slower."""
+    assert reuse._pool is not None, "kvray.policy._pool is not built: make install, or python setup.py build_ext --inplace"
+
+
 TRACE = "data/traces/conversation_trace_first30min.jsonl"
 
 
