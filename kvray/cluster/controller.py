@@ -331,13 +331,16 @@ class Controller:
             prev = node
         return out
 
-    def decide(self, keys: Sequence[int] | bytes, front: str | None, backlog_ms: float = 0.0) -> Decision:
+    def decide(self, keys: Sequence[int] | bytes, front: str | None, backlog_ms: float = 0.0, route: bool = True) -> Decision:
         """The cluster policy's verbs for a request arriving at ``front`` (the front end's
         node): which node serves it, then, as that node sees it, how much of the hit to load,
         whether to prefetch and where to replicate (the simulator's ``ClusterSimulator.serve``
         asks them in this order, of the same views). Nothing is pinned or counted: the serving
         engine looks the prefix up again with ``lookup_pin``. ``backlog_ms``: the front node's
-        engine backlog."""
+        engine backlog. ``route=False``: ``front`` serves it whatever ``route`` answers (an
+        engine already routed to, as by the Ray Serve router, asks the other verbs;
+        :mod:`kvray.engines.vllm.verbs`); ``route`` is still asked, as a learned policy
+        (``rl-router``) decides every verb of a request there."""
         if isinstance(keys, bytes):
             keys = unpack_keys(keys)
         self._expire()
@@ -348,7 +351,8 @@ class Controller:
         handles = handles[: self._first_doomed(handles)]
         cluster = self.cluster_view()
         view = self._request_view(keys, handles, front)
-        node = self.policy.route(view, cluster)
+        routed = self.policy.route(view, cluster)  # asked even for route=False: a policy may decide every verb there
+        node = front if not route and front in self.stores else routed
         if node not in self.stores:
             raise PolicyError(f"cluster policy {self.policy.name!r} routed to {node!r}; live nodes: {', '.join(self.stores)}")
         if node != front:
@@ -364,15 +368,16 @@ class Controller:
         tiers = (self._only_tier,) * len(hit_nodes) if self._only_tier else ()
         return RequestView(keys, requester, hit_nodes, hit_tiers=tiers)
 
-    def locate(self, keys: Sequence[int]) -> tuple[list[str], ClusterView]:
-        """Where the cached prefix of ``keys`` lives (the node of each page, root first) and
-        the cluster view, for a request router choosing an engine before any engine asks
-        (:mod:`kvray.engines.vllm.router`): nothing is pinned, touched or counted, as the
-        engine that serves the request looks it up again with ``lookup_pin``."""
+    def locate(self, keys: Sequence[int]) -> tuple[RequestView, ClusterView]:
+        """The request as the cluster policy's ``route`` sees it before any engine asks (where
+        its cached prefix lives, the node of each page root first, and their tiers as
+        :meth:`decide` shows them; no requester) and the cluster view, for a request router
+        choosing an engine (:mod:`kvray.engines.vllm.router`): nothing is pinned, touched or
+        counted, as the engine that serves the request looks it up again with ``lookup_pin``."""
         self._expire()
         handles = self.index.lookup(keys)
         handles = handles[: self._first_doomed(handles)]
-        return self._hit_nodes(handles, None), self.cluster_view()
+        return self._request_view(tuple(keys), handles, None), self.cluster_view()
 
     def cluster_view(self) -> ClusterView:
         """The live nodes, in membership order, as the cluster policy sees them now."""
