@@ -67,10 +67,11 @@ from kvray.cluster.config import NAMESPACE, RuntimeConfig, store_name
 from kvray.cluster.metrics import export_cluster_stats
 from kvray.cluster.observe import ClusterObservations, NodeReport
 from kvray.cluster.protocol import LOCAL_LEASE, Decision, Plan, Release, new_lease
-from kvray.core.errors import PolicyError
+from kvray.core.errors import ConfigError, PolicyError
 from kvray.core.index import ROOT, PrefixIndex, parents_first
 from kvray.core.keys import unpack_keys
 from kvray.core.partition import Partition, owned_links
+from kvray.core.write_budget import checked_rate
 from kvray.policy.cluster import ClusterView, RequestView
 
 NO_NODE = -1
@@ -102,6 +103,7 @@ class Controller:
         self.expired_leases = 0
         self.lookups = 0
         self.replicas: dict[int, list[int]] = {}  # handle -> nodes holding a copy besides index.node's
+        self.disk_budgets: dict[str, float | None] = {}  # node -> the NVMe write budget its store was last sent
         tiers_held = [tier for tier, pages in tiers.items() if pages]
         # the tier every cached page is in when nodes have one tier (else unknown: the index keeps nodes only)
         self._only_tier = tiers_held[0] if len(tiers_held) == 1 else None
@@ -173,6 +175,7 @@ class Controller:
             self._node_ix[node_id] = len(self.node_ids)
             self.node_ids.append(node_id)
         self.stores[node_id] = store
+        self.disk_budgets.pop(node_id, None)  # a restarted store starts without one: sent again when asked
         if rank is None:
             self.ranks.pop(node_id, None)  # a restarted store is outside the collective group
         else:
@@ -361,7 +364,19 @@ class Controller:
         load = min(max(int(self.policy.load_pages(view, cluster)), 0), hits) if hits else 0
         prefetch = load > 0 and bool(self.policy.prefetch(view, cluster))
         replicate = tuple(n for n in self.policy.replicate(view, cluster) if n in self.stores) if hits else ()
+        self._send_disk_budget(node, cluster)
         return Decision(node, hits, load, prefetch, replicate)
+
+    def _send_disk_budget(self, node: str, cluster: ClusterView) -> None:
+        """The policy's NVMe write budget for the serving node (asked where the simulator asks
+        it), sent to the node's store when it changes; nothing waits for it."""
+        try:
+            rate = checked_rate(self.policy.disk_write_budget(cluster.node(node), cluster))
+        except ConfigError as exc:
+            raise PolicyError(f"cluster policy {self.policy.name!r}: {exc}") from exc
+        if rate != self.disk_budgets.get(node):
+            self.disk_budgets[node] = rate
+            self.stores[node].set_disk_write_budget.remote(rate)
 
     def _request_view(self, keys: tuple[int, ...], handles: np.ndarray, requester: str | None) -> RequestView:
         hit_nodes = tuple(self._hit_nodes(handles, requester))

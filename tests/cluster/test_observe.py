@@ -7,6 +7,8 @@ stand-ins because placement never calls a store.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -205,3 +207,42 @@ def test_a_replica_is_read_where_it_is_and_outlives_its_original():
     ctrl.commit(None, [2], ["c"], 1, {}, replica=True)
     ctrl.remove_node("b")  # 1 had no other copy; 2 hangs under it
     assert ctrl.lookup_pin([1, 2], "c").hit_nodes == []
+
+
+class BudgetRecorder:
+    """A store handle that records the NVMe write budgets the controller sends it."""
+
+    def __init__(self) -> None:
+        self.sent: list[float | None] = []
+        self.set_disk_write_budget = SimpleNamespace(remote=self.sent.append)
+
+
+class Budgeted(ClusterPolicy):
+    name = "budgeted"
+    rate: float | None = 5e6
+
+    def disk_write_budget(self, node, cluster):
+        return self.rate
+
+
+def test_the_policys_disk_write_budget_reaches_the_serving_store_when_it_changes():
+    ctrl = Controller(RuntimeConfig())
+    stores = {node: BudgetRecorder() for node in ("a", "b")}
+    for node, store in stores.items():
+        ctrl.register_store(node, store=store)
+    ctrl.decide([1, 2], "a")
+    assert stores["a"].sent == []  # the default policy sets no budget: nothing is sent
+    ctrl.policy = Budgeted()
+    ctrl.decide([1, 2], "a")
+    ctrl.decide([3], "a")
+    assert stores["a"].sent == [5e6] and stores["b"].sent == []  # once, to the serving node
+    ctrl.policy.rate = None
+    ctrl.decide([1], "a")
+    assert stores["a"].sent == [5e6, None]
+    ctrl.register_store("a", store=stores["a"])  # a restarted store starts without one
+    ctrl.policy.rate = 5e6
+    ctrl.decide([1], "a")
+    assert stores["a"].sent == [5e6, None, 5e6]
+    ctrl.policy.rate = float("nan")
+    with pytest.raises(PolicyError, match="'budgeted'.*disk write budget"):
+        ctrl.decide([1], "a")
