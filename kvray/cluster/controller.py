@@ -369,7 +369,8 @@ class Controller:
 
     def _send_disk_budget(self, node: str, cluster: ClusterView) -> None:
         """The policy's NVMe write budget for the serving node (asked where the simulator asks
-        it), sent to the node's store when it changes; nothing waits for it."""
+        it), sent to the node's store when it changes. Nothing waits for it: the store applies
+        it to its writes from when it arrives (the simulator, to this request's already)."""
         try:
             rate = checked_rate(self.policy.disk_write_budget(cluster.node(node), cluster))
         except ConfigError as exc:
