@@ -19,10 +19,10 @@ import random
 
 import pytest
 
-from kvray.harness.tiny import seeded_checkpoint
 from kvray.harness.vllm_env import run_in_vllm_env
+from tests.engines.conftest import RUNTIME_BLOCK as BLOCK
+from tests.engines.conftest import ray_nodes_spec, runtime_engine
 
-BLOCK = 64
 LONG, SHORT = 1024, 512  # prefix tokens: 16 and 8 pages
 
 pytestmark = pytest.mark.slow
@@ -31,34 +31,22 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     rng = random.Random(7)
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(3, 1000) for _ in range(n)]
-
-    long, short = tokens(LONG), tokens(SHORT)
-    prompts = {"a": long + tokens(40), "a2": short + tokens(40), "b": long + tokens(50), "c": short + tokens(50)}
-    model = str(seeded_checkpoint(tmp_path_factory.mktemp("tiny-llama-seeded")))
-    kvray = {"kvray_runtime": "kvray-vllm-verbs", "host_pages": 0, "model_name": "tiny-llama-seeded"}
-    spec = {
-        "run": "ray_nodes",
-        "model": model,
-        "block_size": BLOCK,
-        "max_tokens": 12,
-        "runtime": "kvray-vllm-verbs",
-        "host_pages": 64,
-        "cluster_policy": "tests.engines.verb_policy:SplitPrefetchReplicate",
-        "steps": [
-            {"node": 0, "engines": [{"kvray": {**kvray, "cluster_verbs": False}, "prompts": [prompts["a"], prompts["a2"]]}]},
-            {
-                "node": 1,
-                "engines": [
-                    {"kvray": None, "prompts": [prompts["b"], prompts["c"]]},
-                    {"kvray": {**kvray, "cluster_verbs": False}, "prompts": [prompts["b"]]},
-                    {"kvray": kvray, "prompts": [prompts["b"], prompts["c"], prompts["c"]]},
-                ],
-            },
-        ],
-    }
+    long, short, *ends = ([rng.randrange(3, 1000) for _ in range(n)] for n in (LONG, SHORT, 40, 40, 50, 50))
+    prompts = {"a": long + ends[0], "a2": short + ends[1], "b": long + ends[2], "c": short + ends[3]}
+    kvray = runtime_engine("kvray-vllm-verbs")
+    steps = [
+        {"node": 0, "engines": [{"kvray": {**kvray, "cluster_verbs": False}, "prompts": [prompts["a"], prompts["a2"]]}]},
+        {
+            "node": 1,
+            "engines": [
+                {"kvray": None, "prompts": [prompts["b"], prompts["c"]]},
+                {"kvray": {**kvray, "cluster_verbs": False}, "prompts": [prompts["b"]]},
+                {"kvray": kvray, "prompts": [prompts["b"], prompts["c"], prompts["c"]]},
+            ],
+        },
+    ]
+    policy = "tests.engines.verb_policy:SplitPrefetchReplicate"
+    spec = ray_nodes_spec(tmp_path_factory, "kvray-vllm-verbs", steps, cluster_policy=policy)
     return run_in_vllm_env(spec, timeout=900)
 
 

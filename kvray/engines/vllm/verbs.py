@@ -91,7 +91,7 @@ class ClusterVerbs:
         self.timeout_s = timeout_s
         self.failures = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvray-verbs")
-        self._asked: dict[str, tuple[float, Future]] = {}
+        self._asked: dict[str, tuple[float, Future | None]] = {}  # None: answered with the default
         self._prefetcher: KvrayClient | None = None
 
     def ask(self, req_id: str, keys: Sequence[int], route_key: int) -> None:
@@ -107,20 +107,20 @@ class ClusterVerbs:
         if asked is None:
             return DEFAULT
         deadline, future = asked
+        if future is None:
+            return DEFAULT
         if not future.done():
             if time.monotonic() < deadline:
                 return PENDING
             log.warning("kvray verbs for request %s took over %.1f s: it loads every hit page", req_id, self.timeout_s)
-            self.failures += 1
-            self._asked[req_id] = (deadline, _done(DEFAULT))
-            return DEFAULT
-        try:
-            return future.result()
-        except Exception as exc:  # a cache must never fail a request: the default verbs
-            log.warning("kvray verbs for request %s failed, it loads every hit page: %r", req_id, exc)
-            self.failures += 1
-            self._asked[req_id] = (deadline, _done(DEFAULT))
-            return DEFAULT
+        else:
+            try:
+                return future.result()
+            except Exception as exc:  # a cache must never fail a request: the default verbs
+                log.warning("kvray verbs for request %s failed, it loads every hit page: %r", req_id, exc)
+        self.failures += 1
+        self._asked[req_id] = (deadline, None)
+        return DEFAULT
 
     def forget(self, req_id: str) -> None:
         self._asked.pop(req_id, None)
@@ -161,9 +161,3 @@ class ClusterVerbs:
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
-
-
-def _done(result: Verbs) -> Future:
-    future: Future = Future()
-    future.set_result(result)
-    return future
