@@ -21,7 +21,7 @@ class Scripted(ClusterVerbs):
     """Decides by running ``script`` instead of asking a controller."""
 
     def __init__(self, script, timeout_s: float = 5.0) -> None:
-        super().__init__(runtime=None, timeout_s=timeout_s)
+        super().__init__(runtime=None, counters={}, timeout_s=timeout_s)
         self._decide = lambda keys, route_key: script()
 
 
@@ -30,7 +30,7 @@ def test_a_request_waits_for_its_verbs_then_gets_them():
 
     def decided() -> Verbs:
         gate.wait(5)
-        return Verbs(load_pages=2, replicate=True, prefetched=2)
+        return Verbs(load_pages=2, replicate=True)
 
     verbs = Scripted(decided)
     assert verbs.answer("never-asked") == DEFAULT
@@ -38,7 +38,7 @@ def test_a_request_waits_for_its_verbs_then_gets_them():
     assert verbs.answer("r") is PENDING
     gate.set()
     verbs.close()
-    assert verbs.answer("r") == Verbs(2, True, 2) and verbs.failures == 0
+    assert verbs.answer("r") == Verbs(2, True) and verbs.failures == 0
     verbs.forget("r")
     assert verbs.answer("r") == DEFAULT
 

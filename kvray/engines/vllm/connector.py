@@ -53,7 +53,7 @@ from kvray.engines.runtime import RuntimePages, runtime_target
 from kvray.engines.vllm.metadata import KVRayMetadata
 from kvray.engines.vllm.scheduler import ConnectorScheduler
 from kvray.engines.vllm.settings import ConnectorSettings, connector_settings, store_config
-from kvray.engines.vllm.verbs import cluster_verbs
+from kvray.engines.vllm.verbs import wants_verbs
 from kvray.engines.vllm.worker import ConnectorWorker
 from kvray.policy import make_policy
 
@@ -158,7 +158,7 @@ class KVRayConnector(KVConnectorBase_V1):
             if runtime is None:
                 store = open_store(vllm_config, settings)
                 log.info("kvray store for %s: %s, %d pages recovered", store.config.model_name, layout, len(store))
-            verbs = None if runtime is None else cluster_verbs(runtime, settings.cluster_verbs)
+            verbs = runtime is not None and wants_verbs(runtime, settings.cluster_verbs)
             self.connector_scheduler = ConnectorScheduler(layout, settings.salt, store, runtime, verbs)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = ConnectorWorker(vllm_config, layout, runtime)

@@ -105,7 +105,7 @@ class PinnedHit:
 class ConnectorScheduler:
     """The scheduler side (see the module docstring): pages come from ``store`` (in-process)
     or ``runtime``, exactly one of them given; ``salt`` prefixes every request's cache salt;
-    ``verbs``: the cluster policy's verbs are asked and executed (runtime only).
+    ``verbs``: the cluster policy's verbs are asked and executed (a runtime's only).
 
     Example::
 
@@ -119,16 +119,16 @@ class ConnectorScheduler:
         salt: str,
         store: PageStore | None,
         runtime: RuntimePages | None,
-        verbs: ClusterVerbs | None = None,
+        verbs: bool = False,
     ) -> None:
         assert (store is None) != (runtime is None), "pages come from a store or a runtime"
-        assert verbs is None or runtime is not None, "the cluster's verbs need a runtime"
+        assert not verbs or runtime is not None, "the cluster's verbs need a runtime"
         self.layout = layout
         self.salt = salt
         self.store = store
         self.runtime = runtime
-        self.verbs = verbs
         self.counters = new_counters()
+        self.verbs = ClusterVerbs(runtime, self.counters) if verbs else None
         self._requests: dict[str, TrackedRequest] = {}
         self._staged: dict[str, StagedHit] = {}
         self._accepted: dict[str, AcceptedHit] = {}
@@ -203,7 +203,6 @@ class ConnectorScheduler:
             self.counters["recomputed_hit_pages"] += plan.hit_pages - cut
             self.runtime.client.touch_unloaded(tracked.keys, plan, cut)  # their holders count them as read
             plan = dataclasses.replace(plan, hit_nodes=plan.hit_nodes[:cut])  # the lease still pins (and ends) them all
-        self.counters["prefetched_pages"] += verbs.prefetched
         if plan.hit_pages <= first:
             self.runtime.release(plan)
             return 0, False

@@ -27,7 +27,7 @@ unless its ``cluster_verbs`` setting says otherwise.
 
 Example::
 
-    verbs = ClusterVerbs(runtime)                 # the scheduler side's RuntimePages
+    verbs = ClusterVerbs(runtime, counters)       # the scheduler side's RuntimePages and counters
     verbs.ask("req-1", keys, runtime.route_key(keys))
     verbs.answer("req-1")                         # PENDING, then a Verbs
 """
@@ -60,21 +60,18 @@ def decides_verbs(policy: ClusterPolicy) -> bool:
     return any(getattr(type(policy), verb) is not getattr(ClusterPolicy, verb) for verb in VERBS)
 
 
-def cluster_verbs(runtime: RuntimePages, setting: bool | None) -> ClusterVerbs | None:
-    """The asker of an engine on ``runtime`` whose ``cluster_verbs`` setting is ``setting``
-    (None: ask when the runtime's cluster policy decides a verb, :func:`decides_verbs`)."""
-    wanted = decides_verbs(runtime.client.config.make_cluster_policy()) if setting is None else setting
-    return ClusterVerbs(runtime) if wanted else None
+def wants_verbs(runtime: RuntimePages, setting: bool | None) -> bool:
+    """Whether an engine on ``runtime`` whose ``cluster_verbs`` setting is ``setting`` asks
+    (None: when the runtime's cluster policy decides a verb, :func:`decides_verbs`)."""
+    return decides_verbs(runtime.client.config.make_cluster_policy()) if setting is None else setting
 
 
 class Verbs(NamedTuple):
     """What an engine does with one request's cached prefix: load the first ``load_pages``
-    (None: all of them), keep a copy here after loading (``replicate``); ``prefetched``: pages
-    the prefetch copied to this node before the lookup."""
+    (None: all of them), keep a copy here after loading (``replicate``)."""
 
     load_pages: int | None = None
     replicate: bool = False
-    prefetched: int = 0
 
 
 PENDING = object()  # the answer while a request's decision or prefetch runs
@@ -84,10 +81,12 @@ DEFAULT = Verbs()
 class ClusterVerbs:
     """The scheduler side's asker (see the module docstring): one background thread, and a
     client of its own for prefetches, opened on the first one (it has a landing buffer, as
-    every client; the scheduler side's client is used from vLLM's thread only)."""
+    every client; the scheduler side's client is used from vLLM's thread only). Pages it
+    prefetched are counted in ``counters["prefetched_pages"]`` (the scheduler side's)."""
 
-    def __init__(self, runtime: RuntimePages, timeout_s: float = WAIT_S) -> None:
+    def __init__(self, runtime: RuntimePages, counters: dict[str, int], timeout_s: float = WAIT_S) -> None:
         self.runtime = runtime
+        self.counters = counters
         self.timeout_s = timeout_s
         self.failures = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvray-verbs")
@@ -133,10 +132,9 @@ class ClusterVerbs:
         controller = client.shards.handles[client.shards.owner(route_key)]
         decision = ray.get(controller.decide.remote(pack_keys(keys), client.node_id, 0.0, False), timeout=self.timeout_s)
         load = None if decision.load_pages >= decision.hit_pages else decision.load_pages
-        prefetched = 0
         if decision.prefetch and decision.load_pages:
-            prefetched = self._prefetch(keys[: decision.load_pages], route_key)
-        return Verbs(load, client.node_id in decision.replicate, prefetched)
+            self.counters["prefetched_pages"] += self._prefetch(keys[: decision.load_pages], route_key)
+        return Verbs(load, client.node_id in decision.replicate)
 
     def _prefetch(self, keys: list[int], route_key: int) -> int:
         """Copy the cached pages of ``keys`` that live on other nodes into this node's store
