@@ -314,7 +314,7 @@ class KvrayClient(ChainStores):
                 loaded = self.load(keys, to_load)
                 if loaded.pages == cut < plan.hit_pages:  # the split as decided (a load cut short stores from where it stopped)
                     skipped = plan.hit_pages - cut
-                    self._touch_unloaded(keys, plan, cut)
+                    self.touch_unloaded(keys, plan, cut)
                 request = Request(keys, plan, loaded, self.buffer.pages[: len(keys)], recomputed=skipped)
                 yield request
                 finished = True
@@ -342,7 +342,7 @@ class KvrayClient(ChainStores):
         held = host.held(keys)
         return IN_FLIGHT.claim(self.config.name, keys[held:], self.timeout_s) if held < len(keys) else None
 
-    def _touch_unloaded(self, keys: Sequence[int], plan: Plan, cut: int) -> None:
+    def touch_unloaded(self, keys: Sequence[int], plan: Plan, cut: int) -> None:
         """The cached pages ``cut..`` a split request recomputes instead of loading: each
         holder counts them as read (the simulator touches a request's whole cached prefix),
         without sending a byte. This node's store hears of the request with it, if first."""

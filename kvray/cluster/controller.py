@@ -67,10 +67,11 @@ from kvray.cluster.config import NAMESPACE, RuntimeConfig, store_name
 from kvray.cluster.metrics import export_cluster_stats
 from kvray.cluster.observe import ClusterObservations, NodeReport
 from kvray.cluster.protocol import LOCAL_LEASE, Decision, Plan, Release, new_lease
-from kvray.core.errors import PolicyError
+from kvray.core.errors import ConfigError, PolicyError
 from kvray.core.index import ROOT, PrefixIndex, parents_first
 from kvray.core.keys import unpack_keys
 from kvray.core.partition import Partition, owned_links
+from kvray.core.write_budget import checked_rate
 from kvray.policy.cluster import ClusterView, RequestView
 
 NO_NODE = -1
@@ -102,6 +103,7 @@ class Controller:
         self.expired_leases = 0
         self.lookups = 0
         self.replicas: dict[int, list[int]] = {}  # handle -> nodes holding a copy besides index.node's
+        self.disk_budgets: dict[str, float | None] = {}  # node -> the NVMe write budget its store was last sent
         tiers_held = [tier for tier, pages in tiers.items() if pages]
         # the tier every cached page is in when nodes have one tier (else unknown: the index keeps nodes only)
         self._only_tier = tiers_held[0] if len(tiers_held) == 1 else None
@@ -173,6 +175,7 @@ class Controller:
             self._node_ix[node_id] = len(self.node_ids)
             self.node_ids.append(node_id)
         self.stores[node_id] = store
+        self.disk_budgets.pop(node_id, None)  # a restarted store starts without one: sent again when asked
         if rank is None:
             self.ranks.pop(node_id, None)  # a restarted store is outside the collective group
         else:
@@ -331,13 +334,16 @@ class Controller:
             prev = node
         return out
 
-    def decide(self, keys: Sequence[int] | bytes, front: str | None, backlog_ms: float = 0.0) -> Decision:
+    def decide(self, keys: Sequence[int] | bytes, front: str | None, backlog_ms: float = 0.0, route: bool = True) -> Decision:
         """The cluster policy's verbs for a request arriving at ``front`` (the front end's
         node): which node serves it, then, as that node sees it, how much of the hit to load,
         whether to prefetch and where to replicate (the simulator's ``ClusterSimulator.serve``
         asks them in this order, of the same views). Nothing is pinned or counted: the serving
         engine looks the prefix up again with ``lookup_pin``. ``backlog_ms``: the front node's
-        engine backlog."""
+        engine backlog. ``route=False``: ``front`` serves it whatever ``route`` answers (an
+        engine already routed to, as by the Ray Serve router, asks the other verbs;
+        :mod:`kvray.engines.vllm.verbs`); ``route`` is still asked, as a learned policy
+        (``rl-router``) decides every verb of a request there."""
         if isinstance(keys, bytes):
             keys = unpack_keys(keys)
         self._expire()
@@ -348,7 +354,8 @@ class Controller:
         handles = handles[: self._first_doomed(handles)]
         cluster = self.cluster_view()
         view = self._request_view(keys, handles, front)
-        node = self.policy.route(view, cluster)
+        routed = self.policy.route(view, cluster)  # asked even for route=False: a policy may decide every verb there
+        node = front if not route and front in self.stores else routed
         if node not in self.stores:
             raise PolicyError(f"cluster policy {self.policy.name!r} routed to {node!r}; live nodes: {', '.join(self.stores)}")
         if node != front:
@@ -357,22 +364,36 @@ class Controller:
         load = min(max(int(self.policy.load_pages(view, cluster)), 0), hits) if hits else 0
         prefetch = load > 0 and bool(self.policy.prefetch(view, cluster))
         replicate = tuple(n for n in self.policy.replicate(view, cluster) if n in self.stores) if hits else ()
+        self._send_disk_budget(node, cluster)
         return Decision(node, hits, load, prefetch, replicate)
+
+    def _send_disk_budget(self, node: str, cluster: ClusterView) -> None:
+        """The policy's NVMe write budget for the serving node (asked where the simulator asks
+        it), sent to the node's store when it changes. Nothing waits for it: the store applies
+        it to its writes from when it arrives (the simulator, to this request's already)."""
+        try:
+            rate = checked_rate(self.policy.disk_write_budget(cluster.node(node), cluster))
+        except ConfigError as exc:
+            raise PolicyError(f"cluster policy {self.policy.name!r}: {exc}") from exc
+        if rate != self.disk_budgets.get(node):
+            self.disk_budgets[node] = rate
+            self.stores[node].set_disk_write_budget.remote(rate)
 
     def _request_view(self, keys: tuple[int, ...], handles: np.ndarray, requester: str | None) -> RequestView:
         hit_nodes = tuple(self._hit_nodes(handles, requester))
         tiers = (self._only_tier,) * len(hit_nodes) if self._only_tier else ()
         return RequestView(keys, requester, hit_nodes, hit_tiers=tiers)
 
-    def locate(self, keys: Sequence[int]) -> tuple[list[str], ClusterView]:
-        """Where the cached prefix of ``keys`` lives (the node of each page, root first) and
-        the cluster view, for a request router choosing an engine before any engine asks
-        (:mod:`kvray.engines.vllm.router`): nothing is pinned, touched or counted, as the
-        engine that serves the request looks it up again with ``lookup_pin``."""
+    def locate(self, keys: Sequence[int]) -> tuple[RequestView, ClusterView]:
+        """The request as the cluster policy's ``route`` sees it before any engine asks (where
+        its cached prefix lives, the node of each page root first, and their tiers as
+        :meth:`decide` shows them; no requester) and the cluster view, for a request router
+        choosing an engine (:mod:`kvray.engines.vllm.router`): nothing is pinned, touched or
+        counted, as the engine that serves the request looks it up again with ``lookup_pin``."""
         self._expire()
         handles = self.index.lookup(keys)
         handles = handles[: self._first_doomed(handles)]
-        return self._hit_nodes(handles, None), self.cluster_view()
+        return self._request_view(tuple(keys), handles, None), self.cluster_view()
 
     def cluster_view(self) -> ClusterView:
         """The live nodes, in membership order, as the cluster policy sees them now."""

@@ -513,6 +513,10 @@ class NodeStore:
     def ping(self) -> str:
         return self.node_id
 
+    def set_disk_write_budget(self, bytes_per_s: float | None) -> None:
+        """The cluster policy's ``disk_write_budget`` for this node (the controller sends it)."""
+        self.store.set_disk_write_budget(bytes_per_s)
+
     def close(self) -> None:
         if self._server is not None:
             self._server.close()

@@ -38,6 +38,7 @@ from kvray.core.index import ROOT, PrefixIndex
 from kvray.core.metrics import CacheMetrics
 from kvray.core.placement import PageContext, PlacementPolicy
 from kvray.core.tiers import TIER_LABELS, SlotAllocator, Tier
+from kvray.core.write_budget import WriteBudget, checked_rate
 
 Mover = Callable[[int, Tier, int, Tier, int], int | None]  # returns a checksum it computed, if any
 # (depth, key, tier, slot, parent handle) -> the checksum of the page it wrote into the slot
@@ -90,6 +91,8 @@ class CacheManager:
         # a page was published in a slot: (key, tier, slot, checksum); the slot's bytes are complete
         self.page_placed: Callable[[int, Tier, int, int], None] | None = None
         self.page_dropped: Callable[[int], None] | None = None  # a key left this cache
+        # the NVMe write budget (kvray.core.write_budget): a page the disk tier cannot pay for is not written
+        self.disk_budget: WriteBudget | None = None
         self._kept: dict[int, int] = {}  # handle -> keep count
         # kept handle -> itself and its ancestors: stable while it is kept (they cannot be
         # dropped), so repeated eviction refusals along one chain walk it once
@@ -221,7 +224,10 @@ class CacheManager:
         return self.drop(handle) > 0
 
     def relocate(self, handle: int, dst: Tier, mover: Mover) -> bool:
-        """Two-phase move of one page; False (page untouched at its source) on failure."""
+        """Two-phase move of one page; False (page untouched at its source) on failure, or
+        when the disk write budget refuses a move to disk."""
+        if dst == Tier.DISK and not self._disk_allows():
+            return False
         index = self.index
         src, src_slot = TIERS[index.tier.item(handle)], index.slot.item(handle)
         dst_slot = self.slots[dst].alloc()  # a free slot needs no room made, so no keep
@@ -240,6 +246,8 @@ class CacheManager:
             return False
         if digest is not None:
             index.checksum[handle] = digest
+        if dst == Tier.DISK and self.disk_budget is not None:
+            self.disk_budget.pay()
         policy = self.policy
         policy.on_remove(handle, src)
         index.move(handle, dst, dst_slot)
@@ -249,6 +257,23 @@ class CacheManager:
         self._free(src, src_slot)
         self.metrics.count_move(TIER_LABELS[src], TIER_LABELS[dst])
         return True
+
+    def set_disk_budget(self, bytes_per_s: float | None, clock: Callable[[], float]) -> None:
+        """Give the disk tier a write budget of ``bytes_per_s`` on ``clock`` (None: no budget),
+        keeping what its bucket holds when it has one already: what a node's store and the
+        simulator's node do with the cluster policy's ``disk_write_budget``."""
+        rate = checked_rate(bytes_per_s)
+        if rate is None:
+            self.disk_budget = None
+        elif self.disk_budget is None:
+            self.disk_budget = WriteBudget(rate, self.metrics.page_nbytes, clock)
+        else:
+            self.disk_budget.set_rate(rate)
+
+    def _disk_allows(self) -> bool:
+        """Whether the disk write budget (if any) pays for one more page written to disk
+        (checked before a slot is taken; paid once the page is written)."""
+        return self.disk_budget is None or self.disk_budget.allows()
 
     def promote(self, handles: np.ndarray, mover: Mover) -> None:
         """Move hit pages up where the policy asks (pinned pages stay put). Nothing to ask
@@ -301,7 +326,7 @@ class CacheManager:
                     depth=first_depth + depth, request_pages=request_pages or len(keys), priority=priority, tenant=tenant
                 )
                 tier = self.admit(ctx)
-                if tier is None:
+                if tier is None or (tier == Tier.DISK and not self._disk_allows()):
                     break
                 slot = self._reserve_under(parent, tier, mover)
                 if slot is None:
@@ -314,6 +339,8 @@ class CacheManager:
                         self.abort_store(tier, slot)
                         raise
                 handle = self.complete_store(key, tier, slot, checksum, parent=parent, depth=ctx.depth, ctx=ctx)
+                if tier == Tier.DISK and self.disk_budget is not None:
+                    self.disk_budget.pay()
                 stored += 1
             parent = handle
         return stored

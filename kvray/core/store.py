@@ -52,6 +52,7 @@ from kvray.core.tiers import LOCAL_TIERS, DiskPool, HostPool, Pool, StoredPage, 
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 from kvray.core.tiers.disk import verified
 from kvray.core.tiers.memory import resident_empty
+from kvray.core.write_budget import budget_stats
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made (kvray.lazy)
     import torch
@@ -577,6 +578,12 @@ class PageStore:
         if tier == Tier.HOST and self.directory is not None:
             self.directory.publish(slot, key, checksum)
 
+    def set_disk_write_budget(self, bytes_per_s: float | None) -> None:
+        """Write at most ``bytes_per_s`` to the disk tier, in wall time (None: no cap); pages
+        beyond it are not written there (:mod:`kvray.core.write_budget`)."""
+        with self._lock:
+            self.manager.set_disk_budget(bytes_per_s, time.monotonic)
+
     # -- state ---------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.manager.index)
@@ -591,6 +598,7 @@ class PageStore:
         with self._lock:
             snap = self.metrics.snapshot()
             snap["tiers"] = self.manager.occupancy()
+            snap["disk_write_budget"] = budget_stats(self.manager.disk_budget)
         if Tier.DEVICE in self.pools:
             snap["tiers"]["device"]["stand_in"] = self.pools[Tier.DEVICE].stand_in
         return snap

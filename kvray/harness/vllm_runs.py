@@ -90,7 +90,8 @@ def run_on_ray_nodes(spec: dict) -> dict:
     store (its page server stops answering; the controller is not told, so its index still
     promises those pages). An engine's ``kvray`` settings name the runtime with
     ``kvray_runtime``; the actor is connected to Ray already. The runtime has
-    ``spec["controller_shards"]`` controller shards (default 1). Reports each step's node
+    ``spec["controller_shards"]`` controller shards (default 1) and ``spec["cluster_policy"]``
+    (default ``local-first``). Reports each step's node
     and engine results, and each shard's lookups and leases still open at the end.
     """
     import ray
@@ -114,6 +115,7 @@ def run_on_ray_nodes(spec: dict) -> dict:
             layout=layout,
             tiers=TierSizes(host=spec["host_pages"]),
             controller_shards=spec.get("controller_shards", 1),
+            cluster_policy=spec.get("cluster_policy", "local-first"),
         )
         runtime = Runtime.start(config)
         nodes = sorted(runtime.stores, key=lambda n: n != ray.get_runtime_context().get_node_id())  # head first

@@ -12,7 +12,9 @@ where a request meets the cluster:
   when links are congested, recomputing the tail may be faster;
 - ``prefetch``: start loading the cached prefix while the request still waits in its
   node's queue;
-- ``replicate``: copy the request's hit chain to other nodes (hot shared prefixes).
+- ``replicate``: copy the request's hit chain to other nodes (hot shared prefixes);
+- ``disk_write_budget``: how many bytes per second the serving node may write to its NVMe
+  tier under contention (:mod:`kvray.core.write_budget`; None, the default: no cap).
 
 Heuristics (:data:`CLUSTER_POLICIES`): ``local-first`` (today's controller rule),
 ``cost-router`` (prefix overlap against node load, as Dynamo's KV router), ``always-prefetch``
@@ -133,6 +135,11 @@ class ClusterPolicy:
     def replicate(self, request: RequestView, cluster: ClusterView) -> list[str]:
         """Nodes that should receive a copy of the request's hit chain (none by default)."""
         return []
+
+    def disk_write_budget(self, node: NodeView, cluster: ClusterView) -> float | None:
+        """Bytes per second ``node`` (serving a request now) may write to its disk tier; pages
+        beyond it are not written there. None (the default): no cap."""
+        return None
 
 
 class LocalFirstRing(ClusterPolicy):

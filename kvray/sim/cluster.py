@@ -50,6 +50,7 @@ from kvray.core.errors import ConfigError, PolicyError
 from kvray.core.index import ROOT
 from kvray.core.placement import PlacementPolicy, RequestInfo
 from kvray.core.tiers import TIER_LABELS, Tier
+from kvray.core.write_budget import checked_rate
 from kvray.policy.cluster import ClusterPolicy, ClusterView, LocalFirstRing, RequestView
 from kvray.report import ReplayResult, ReplayTally, hit_tokens
 from kvray.scenario import Scenario
@@ -119,6 +120,7 @@ class ClusterSimulator:
         self._view: ClusterView | None = None
         self._view_at = -np.inf
         self._paths: dict[tuple[int, int, Tier, Tier | None], tuple[Link, ...]] = {}
+        self._disk_budgets: dict[str, float | None] = {}  # node -> the policy's NVMe write budget, as last set
 
     @property
     def links(self) -> list[Link]:
@@ -219,6 +221,7 @@ class ClusterSimulator:
         hits = len(view.hit_nodes)
         load = min(max(policy.load_pages(view, cluster), 0), hits) if hits else 0
         prefetch = load > 0 and policy.prefetch(view, cluster)
+        self._disk_budget(at, cluster)
         engine, start = node.queue.start(now)
         ready = now if prefetch else start
         labels, loaded = self._load(view, at, load, ready, "prefetch" if prefetch else "load")
@@ -234,6 +237,16 @@ class ClusterSimulator:
         if hits:
             self._replicate(view, end, cluster, session_of(request), told, info, now)
         return labels, end - now
+
+    def _disk_budget(self, at: int, cluster: ClusterView) -> None:
+        """The policy's NVMe write budget for the serving node, on the node's modeled clock,
+        set when it changes (the runtime's controller sends it to the node's store)."""
+        name = self.names[at]
+        rate = checked_rate(self.cluster_policy.disk_write_budget(cluster.node(name), cluster))
+        if rate != self._disk_budgets.get(name):
+            self._disk_budgets[name] = rate
+            node = self.nodes[at]
+            node.manager.set_disk_budget(rate, lambda: node.clock / 1e3)
 
     def _prefix(self, view: RequestView, at: int) -> dict[int, np.ndarray]:
         if self.single:

@@ -214,11 +214,11 @@ class SimNode:
         """``manager.store_chain`` of ``keys`` with this node's mover: in C (:mod:`kvray.sim._chain`,
         a transcription of the manager's chain writer, LRU's hooks and the links' bookings, one
         call per request instead of ~60 Python calls per stored page) where it is exact (the
-        policy is LRU itself, no page kept from outside), else the manager's Python, which is
+        policy is LRU itself, no page kept from outside, no disk write budget), else the manager's Python, which is
         the reference: both give the same replays to the bit (tests/sim/test_replay_fingerprint.py)."""
         manager = self.manager
         stop = len(keys) if stop is None else stop
-        if _chain is not None and type(self.policy) is LRUPolicy and not manager._kept:
+        if _chain is not None and type(self.policy) is LRUPolicy and not manager._kept and manager.disk_budget is None:
             local = None if write == self._write_local else write
             return _chain.store_chain(manager, self, keys, local, parent, start, stop)
         return manager.store_chain(keys, self.mover, write, parent=parent, tenant=tenant, start=start, stop=stop)

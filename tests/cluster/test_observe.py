@@ -7,6 +7,8 @@ stand-ins because placement never calls a store.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +21,7 @@ from kvray.core.errors import PolicyError
 from kvray.core.hashring import HashRing
 from kvray.core.tiers import Tier
 from kvray.policy.cluster import ClusterPolicy, RequestView
+from kvray.policy.residual import ResidualRouter
 from tests.properties import examples
 
 NIC = LinkSpeeds().nic_gbps * 1e9  # bytes/s
@@ -103,8 +106,8 @@ def test_locate_tells_a_router_where_a_prefix_lives_without_pinning_or_counting_
     ctrl.commit(None, [1, 2, 3], ["b", "b", "a"], 0, {})
     ctrl.lookup_pin([9], "a", backlog_ms=4.0)
     before = ctrl.snapshot()
-    hit_nodes, view = ctrl.locate([1, 2, 3, 4])
-    assert hit_nodes == ["b", "b", "a"]
+    request, view = ctrl.locate([1, 2, 3, 4])
+    assert request == RequestView((1, 2, 3, 4), None, ("b", "b", "a"), hit_tiers=("host",) * 3)  # as decide shows it
     assert view.names == ["a", "b"] and view.node("a").backlog_ms == 4.0
     after = ctrl.snapshot()
     assert (after["lookups"], after["lookup_pages"], after["open_leases"]) == (
@@ -171,10 +174,23 @@ def test_decide_asks_every_verb_what_the_simulator_asks_it():
     assert served.requester == "b" and served.hit_nodes == routed.hit_nodes
     assert cluster.page_prefill_ms == 2.5 and cluster.node("c").backlog_ms == 3.0
     assert ctrl.snapshot()["lookups"] == 0 and int(ctrl.index.pins[ctrl.index.handle_of(1)]) == 0  # nothing pinned or counted
+    ctrl.policy.seen.clear()
+    kept = ctrl.decide([1, 2, 3, 4], "c", route=False)  # an engine already routed to asks the other verbs
+    assert kept.node == "c" and [verb for verb, *_ in ctrl.policy.seen] == ["route", "load_pages"]  # route: b, ignored
+    assert ctrl.policy.seen[1][1].requester == "c"
     ctrl.policy = Elsewhere()
     ctrl.policy.route = lambda request, cluster: "nowhere"
     with pytest.raises(PolicyError, match="routed to 'nowhere'"):
         ctrl.decide([1], "a")
+
+
+def test_a_learned_policy_decides_the_verbs_of_an_engine_already_routed_to():
+    """rl-router decides every verb of a request in ``route``: an engine that asks with
+    route=False (the Ray Serve router routed it) must get them, not the defaults."""
+    ctrl = controller(["a", "b"])
+    ctrl.policy = ResidualRouter(decide=lambda obs: (1, 2, 1, 1))  # the other node, load half, prefetch, replicate
+    ctrl.commit(None, [1, 2, 3, 4], ["a"] * 4, 0, {})
+    assert ctrl.decide([1, 2, 3, 4, 5], "b", route=False) == Decision("b", 4, 2, True, ("b",))
 
 
 def test_a_replica_is_read_where_it_is_and_outlives_its_original():
@@ -191,3 +207,42 @@ def test_a_replica_is_read_where_it_is_and_outlives_its_original():
     ctrl.commit(None, [2], ["c"], 1, {}, replica=True)
     ctrl.remove_node("b")  # 1 had no other copy; 2 hangs under it
     assert ctrl.lookup_pin([1, 2], "c").hit_nodes == []
+
+
+class BudgetRecorder:
+    """A store handle that records the NVMe write budgets the controller sends it."""
+
+    def __init__(self) -> None:
+        self.sent: list[float | None] = []
+        self.set_disk_write_budget = SimpleNamespace(remote=self.sent.append)
+
+
+class Budgeted(ClusterPolicy):
+    name = "budgeted"
+    rate: float | None = 5e6
+
+    def disk_write_budget(self, node, cluster):
+        return self.rate
+
+
+def test_the_policys_disk_write_budget_reaches_the_serving_store_when_it_changes():
+    ctrl = Controller(RuntimeConfig())
+    stores = {node: BudgetRecorder() for node in ("a", "b")}
+    for node, store in stores.items():
+        ctrl.register_store(node, store=store)
+    ctrl.decide([1, 2], "a")
+    assert stores["a"].sent == []  # the default policy sets no budget: nothing is sent
+    ctrl.policy = Budgeted()
+    ctrl.decide([1, 2], "a")
+    ctrl.decide([3], "a")
+    assert stores["a"].sent == [5e6] and stores["b"].sent == []  # once, to the serving node
+    ctrl.policy.rate = None
+    ctrl.decide([1], "a")
+    assert stores["a"].sent == [5e6, None]
+    ctrl.register_store("a", store=stores["a"])  # a restarted store starts without one
+    ctrl.policy.rate = 5e6
+    ctrl.decide([1], "a")
+    assert stores["a"].sent == [5e6, None, 5e6]
+    ctrl.policy.rate = float("nan")
+    with pytest.raises(PolicyError, match="'budgeted'.*disk write budget"):
+        ctrl.decide([1], "a")

@@ -9,7 +9,15 @@ import pytest
 from kvray.core.errors import PolicyError
 from kvray.core.keys import ModelFingerprint, page_keys
 from kvray.engines.vllm.routing import Candidate, choose_replica, fingerprint_stats, keys_from_stats, least_loaded
-from kvray.policy.cluster import ClusterPolicy, ClusterView, CostRouter, LocalFirstRing, NodeView
+from kvray.policy.cluster import (
+    ClusterPolicy,
+    ClusterView,
+    CostRouter,
+    LocalFirstRing,
+    NodeView,
+    RequestView,
+    make_cluster_policy,
+)
 from tests.conftest import TINY
 
 KEYS = tuple(range(10))
@@ -71,3 +79,18 @@ def test_the_router_keys_prompts_as_the_replicas_connector_does():
     stats = fingerprint_stats(fingerprint, "tenant-a")
     assert keys_from_stats(tokens, stats) == page_keys(tokens, fingerprint, "tenant-a")
     assert keys_from_stats(tokens, stats) != page_keys(tokens, fingerprint, "")
+
+
+def test_a_learned_route_serves_here_unchanged_on_the_views_the_controller_gives():
+    """rl-router (the shipped PPO weights) picks through the router what it picks when asked
+    directly, on the view with the hit pages' tiers the controller reports; the backlog
+    Serve shows can move it off the node holding the prefix, as in the simulator."""
+    hit_nodes, tiers = ["node-b"] * 8, ["host"] * 8
+    for queues in ((0, 0), (0, 6), (6, 0)):
+        replicas = [Candidate("r-a", "node-a", queues[0]), Candidate("r-b", "node-b", queues[1])]
+        routed = choose_replica(make_cluster_policy("rl-router"), KEYS, hit_nodes, replicas, None, 40.0, 5.0, tiers)
+        nodes = (NodeView("node-a", backlog_ms=queues[0] * 40.0), NodeView("node-b", backlog_ms=queues[1] * 40.0))
+        front = "node-a" if queues[0] <= queues[1] else "node-b"
+        view = RequestView(KEYS, front, tuple(hit_nodes), hit_tiers=tuple(tiers))
+        direct = make_cluster_policy("rl-router").route(view, ClusterView(nodes, 5.0))
+        assert routed == {"node-a": "r-a", "node-b": "r-b"}[direct]

@@ -18,10 +18,10 @@ import random
 
 import pytest
 
-from kvray.harness.tiny import seeded_checkpoint
 from kvray.harness.vllm_env import run_in_vllm_env
+from tests.engines.conftest import RUNTIME_BLOCK as BLOCK
+from tests.engines.conftest import ray_nodes_spec, runtime_engine
 
-BLOCK = 64
 PREFIX = 1024
 
 pytestmark = pytest.mark.slow
@@ -36,30 +36,20 @@ def run(tmp_path_factory) -> dict:
 
     prefix, other_prefix, suffix_a, suffix_b = tokens(PREFIX), tokens(PREFIX), tokens(40), tokens(50)
     prompts = {"a": prefix + suffix_a, "b": prefix + suffix_b, "other": other_prefix + suffix_b}
-    model = str(seeded_checkpoint(tmp_path_factory.mktemp("tiny-llama-seeded")))
-    # no in-process tier: every hit is the runtime's; a fixed model name (not the temporary
-    # path) fixes the prompts' page keys, so the controller shard owning their chain (1)
-    kvray = {"kvray_runtime": "kvray-vllm-nodes", "host_pages": 0, "model_name": "tiny-llama-seeded"}
-    spec = {
-        "run": "ray_nodes",
-        "model": model,
-        "block_size": BLOCK,
-        "max_tokens": 12,
-        "runtime": "kvray-vllm-nodes",
-        "host_pages": 64,
-        "controller_shards": 2,
-        "steps": [
-            {"node": 0, "engines": [{"kvray": kvray, "prompts": [prompts["a"]]}]},
-            {
-                "node": 1,
-                "engines": [
-                    {"kvray": None, "prompts": [prompts["b"], prompts["other"]]},
-                    {"kvray": kvray, "prompts": [prompts["b"]]},
-                ],
-            },
-            {"node": 1, "close_store_of": 0, "engines": [{"kvray": kvray, "prompts": [prompts["b"]]}]},
-        ],
-    }
+    # the fixed model name of runtime_engine fixes the prompts' page keys, so the controller shard owning their chain (1)
+    kvray = runtime_engine("kvray-vllm-nodes")
+    steps = [
+        {"node": 0, "engines": [{"kvray": kvray, "prompts": [prompts["a"]]}]},
+        {
+            "node": 1,
+            "engines": [
+                {"kvray": None, "prompts": [prompts["b"], prompts["other"]]},
+                {"kvray": kvray, "prompts": [prompts["b"]]},
+            ],
+        },
+        {"node": 1, "close_store_of": 0, "engines": [{"kvray": kvray, "prompts": [prompts["b"]]}]},
+    ]
+    spec = ray_nodes_spec(tmp_path_factory, "kvray-vllm-nodes", steps, controller_shards=2)
     return {"prompts": prompts, **run_in_vllm_env(spec, timeout=900)}
 
 

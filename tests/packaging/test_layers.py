@@ -71,6 +71,7 @@ RAY_EDGES = frozenset(
         "kvray.engines.runtime",  # an engine joining the Ray cluster of a named runtime
         "kvray.engines.vllm.serve",  # vLLM behind Ray Serve
         "kvray.engines.vllm.router",  # its request router, a Ray Serve RequestRouter
+        "kvray.engines.vllm.verbs",  # the connector asks the controller for the cluster policy's verbs
         "kvray.harness.vllm_runs",  # the vLLM-on-Ray runs of the tests and benchmarks
     }
 )

@@ -19,7 +19,8 @@ On a **kvray runtime** (``kvray_runtime`` / ``kvray_ray_address`` in the extra c
 ``$KVRAY_RUNTIME`` / ``$KVRAY_RAY_ADDRESS``; :mod:`kvray.engines.runtime`) every engine
 instance on every node shares one cache: the scheduler side pins the cached prefix and the
 worker side reads it and stores new pages itself, so no page byte passes between the
-sides. A runtime that cannot be reached leaves the engine on its in-process store.
+sides; the runtime's cluster policy decides how much of a hit to load, prefetch and
+replication (:mod:`kvray.engines.vllm.verbs`). A runtime that cannot be reached leaves the engine on its in-process store.
 
 Pages hold K and V as ``[layers, 2, block_size, kv_heads, head_dim]`` (kvray's canonical
 page layout, the same as the transformers adapter's); the page size is vLLM's block size.
@@ -52,6 +53,7 @@ from kvray.engines.runtime import RuntimePages, runtime_target
 from kvray.engines.vllm.metadata import KVRayMetadata
 from kvray.engines.vllm.scheduler import ConnectorScheduler
 from kvray.engines.vllm.settings import ConnectorSettings, connector_settings, store_config
+from kvray.engines.vllm.verbs import wants_verbs
 from kvray.engines.vllm.worker import ConnectorWorker
 from kvray.policy import make_policy
 
@@ -156,7 +158,8 @@ class KVRayConnector(KVConnectorBase_V1):
             if runtime is None:
                 store = open_store(vllm_config, settings)
                 log.info("kvray store for %s: %s, %d pages recovered", store.config.model_name, layout, len(store))
-            self.connector_scheduler = ConnectorScheduler(layout, settings.salt, store, runtime)
+            verbs = runtime is not None and wants_verbs(runtime, settings.cluster_verbs)
+            self.connector_scheduler = ConnectorScheduler(layout, settings.salt, store, runtime, verbs)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = ConnectorWorker(vllm_config, layout, runtime)
 
@@ -187,6 +190,9 @@ class KVRayConnector(KVConnectorBase_V1):
     # -- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)

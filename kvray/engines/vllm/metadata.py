@@ -29,9 +29,13 @@ def new_counters() -> dict[str, int]:
     path; ``lost_pages``: pages a plan promised that did not arrive); ``lookup_us`` and
     ``load_us``: wall time the scheduler side spent looking prefixes up (in-process: read
     and verified too) and the worker copying or reading pages into blocks, so a served
-    benchmark can split a request's TTFT."""
+    benchmark can split a request's TTFT. The cluster policy's verbs
+    (:mod:`kvray.engines.vllm.verbs`): ``decisions`` asked, ``recomputed_hit_pages`` (cached
+    pages vLLM computed as a load split told it), ``prefetched_pages`` (copied to this node
+    while the request waited), ``replicated_pages`` (kept here after loading, by the worker)."""
     counters = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "saved_pages": 0, "failures": 0, "lost_pages": 0,
-                "lookup_us": 0, "load_us": 0}  # fmt: skip
+                "lookup_us": 0, "load_us": 0, "decisions": 0, "recomputed_hit_pages": 0, "prefetched_pages": 0,
+                "replicated_pages": 0}  # fmt: skip
     counters.update({f"{path}_pages": 0 for path in LOAD_PATHS})
     return counters
 
@@ -61,12 +65,14 @@ class PageSave:
 @dataclass(frozen=True)
 class RuntimeLoad:
     """Pages the worker reads from the kvray runtime into ``block_ids``, by itself: the
-    pages' keys and the scheduler's plan (the pinned lease and the node of each page)."""
+    pages' keys and the scheduler's plan (the pinned lease and the node of each page);
+    ``replicate``: then keep a copy of them in this node's store (the cluster policy's verb)."""
 
     req_id: str
     keys: list[int]
     block_ids: list[int]
     plan: Plan
+    replicate: bool = False
 
 
 @dataclass(frozen=True)

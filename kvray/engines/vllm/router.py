@@ -14,7 +14,10 @@ the simulator builds (``kvray/sim/cluster.py``), so a policy learned or tuned th
 (``cost-router``, or any ``package.module:Class``) routes live traffic unchanged.
 
 What the controller's index does not hold it cannot route on: it knows each page's node,
-not its tier (stores keep tiers), so the view carries nodes only, as the simulator's does.
+and its tier only where nodes have one tier (stores keep tiers), so the view carries what
+``Controller.decide`` shows the policy for the same request; ``page_prefill_ms`` is the
+runtime's when it has one (the router's setting otherwise). The engine that serves the
+request asks the policy's other verbs itself (:mod:`kvray.engines.vllm.verbs`).
 
 When the controller cannot be reached within ``lookup_timeout_s`` (not started,
 restarting, slow) or no replica has published its fingerprint yet, the request goes to
@@ -41,7 +44,7 @@ import time
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from kvray.engines.vllm.routing import Candidate, choose_replica, keys_from_stats, least_loaded
-from kvray.policy.cluster import ClusterView, make_cluster_policy
+from kvray.policy.cluster import ClusterView, RequestView, make_cluster_policy
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +66,8 @@ class KvrayRequestRouter(FIFOMixin, RequestRouter):
 
     Settings (``request_router_kwargs``): ``runtime`` (the kvray runtime's name),
     ``policy`` (a cluster policy name or import path, default ``cost-router``),
-    ``page_prefill_ms`` (time to recompute one page on these engines; it weighs pages
-    against queues), ``request_ms`` (the time per request assumed until one is measured)
+    ``page_prefill_ms`` (time to recompute one page on these engines, which weighs pages
+    against queues, when the runtime does not say), ``request_ms`` (the time per request assumed until one is measured)
     and ``lookup_timeout_s`` (how long to wait for the controller before routing by load).
     """
 
@@ -107,8 +110,11 @@ class KvrayRequestRouter(FIFOMixin, RequestRouter):
         located = await self._locate(keys) if keys else None
         if located is None:
             return least_loaded(candidates).replica
-        hit_nodes, links = located
-        return choose_replica(self.policy, keys, hit_nodes, candidates, links, self.request_ms, self.page_prefill_ms)
+        request, links = located
+        page_ms = links.page_prefill_ms or self.page_prefill_ms  # the runtime's, which its engines' decisions see
+        return choose_replica(
+            self.policy, keys, request.hit_nodes, candidates, links, self.request_ms, page_ms, request.hit_tiers
+        )
 
     def _keys(self, tokens: list[int] | None, replicas: list[RunningReplica]) -> list[int]:
         """The request's page keys as the replicas' connectors make them (none before a
@@ -120,8 +126,8 @@ class KvrayRequestRouter(FIFOMixin, RequestRouter):
             return []
         return keys_from_stats(tokens, stats)
 
-    async def _locate(self, keys: list[int]) -> tuple[list[str], ClusterView] | None:
-        """The controller's answer (hit nodes, cluster view), or None when it cannot be had in time."""
+    async def _locate(self, keys: list[int]) -> tuple[RequestView, ClusterView] | None:
+        """The controller's answer (the request's and the cluster's views), or None when it cannot be had in time."""
         shards = await self._controller()
         if shards is None:
             return None

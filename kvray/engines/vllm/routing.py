@@ -54,9 +54,11 @@ def choose_replica(
     links: ClusterView | None = None,
     request_ms: float = 0.0,
     page_prefill_ms: float = 0.0,
+    hit_tiers: Sequence[str] = (),
 ) -> str:
     """The replica for a request of page ``keys`` whose cached prefix lives on ``hit_nodes``
-    (one node per page, root first), by ``policy.route``.
+    (one node per page, root first; ``hit_tiers``: their tiers where the controller knows
+    them), by ``policy.route``.
 
     The policy sees one node per node holding a candidate, backlog = that node's
     least-loaded candidate's queue x ``request_ms``, link utilisations and free tier shares
@@ -76,7 +78,7 @@ def choose_replica(
     nodes = tuple(
         replace(observed.get(name, NodeView(name)), backlog_ms=c.queue_len * request_ms) for name, c in per_node.items()
     )
-    request = RequestView(tuple(keys), front.node, tuple(hit_nodes))
+    request = RequestView(tuple(keys), front.node, tuple(hit_nodes), hit_tiers=tuple(hit_tiers))
     node = policy.route(request, ClusterView(nodes, page_prefill_ms))
     if node not in per_node:
         raise PolicyError(f"cluster policy {policy.name!r} routed to node {node!r}; replicas run on {', '.join(per_node)}")

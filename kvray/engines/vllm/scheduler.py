@@ -13,7 +13,9 @@ On a **kvray runtime** the lookup is one controller round trip that pins the cac
 prefix, and the hit is reported as an *asynchronous* load (vLLM's ``load_async``): the
 request waits in ``WAITING_FOR_REMOTE_KVS`` while others run, and the worker reads the
 pages itself with the plan this side hands it (:mod:`kvray.engines.vllm.worker`). No page
-byte passes through this side.
+byte passes through this side, but a prefetch's. When the runtime's cluster policy decides
+them, its verbs (load or recompute, prefetch, replicate) are asked as vLLM adds the
+request and executed here and by the worker (:mod:`kvray.engines.vllm.verbs`).
 
 Requests whose KV does not depend on their token ids alone (multimodal inputs, prompt
 embeddings, LoRA adapters) are neither loaded nor stored: equal tokens would not mean
@@ -41,6 +43,7 @@ from kvray.engines.vllm.metadata import (
     RuntimeLoad,
     new_counters,
 )
+from kvray.engines.vllm.verbs import DEFAULT, PENDING, ClusterVerbs
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -90,7 +93,8 @@ class PinnedHit:
 
     first_page: int
     computed_tokens: int
-    plan: Plan
+    plan: Plan  # cut where a load split ends the hit
+    replicate: bool = False  # the worker keeps a copy of the pages on this node after reading them
 
     @property
     def pages(self) -> int:
@@ -100,7 +104,8 @@ class PinnedHit:
 
 class ConnectorScheduler:
     """The scheduler side (see the module docstring): pages come from ``store`` (in-process)
-    or ``runtime``, exactly one of them given; ``salt`` prefixes every request's cache salt.
+    or ``runtime``, exactly one of them given; ``salt`` prefixes every request's cache salt;
+    ``verbs``: the cluster policy's verbs are asked and executed (a runtime's only).
 
     Example::
 
@@ -108,13 +113,22 @@ class ConnectorScheduler:
         tokens, load_async = scheduler.get_num_new_matched_tokens(request, 0)
     """
 
-    def __init__(self, layout: PageLayout, salt: str, store: PageStore | None, runtime: RuntimePages | None) -> None:
+    def __init__(
+        self,
+        layout: PageLayout,
+        salt: str,
+        store: PageStore | None,
+        runtime: RuntimePages | None,
+        verbs: bool = False,
+    ) -> None:
         assert (store is None) != (runtime is None), "pages come from a store or a runtime"
+        assert not verbs or runtime is not None, "the cluster's verbs need a runtime"
         self.layout = layout
         self.salt = salt
         self.store = store
         self.runtime = runtime
         self.counters = new_counters()
+        self.verbs = ClusterVerbs(runtime, self.counters) if verbs else None
         self._requests: dict[str, TrackedRequest] = {}
         self._staged: dict[str, StagedHit] = {}
         self._accepted: dict[str, AcceptedHit] = {}
@@ -138,12 +152,24 @@ class ConnectorScheduler:
         first = num_computed_tokens // page
         if first >= loadable:
             return 0, False
+        if self.verbs is not None and self.verbs.answer(request.request_id) is PENDING:
+            return None, False  # its decision or prefetch runs: vLLM asks again in a later step
         self.counters["lookups"] += 1
         started = time.perf_counter()
         try:
             return self._look_up(request.request_id, tracked, first, loadable, num_computed_tokens)
         finally:
             self.counters["lookup_us"] += int((time.perf_counter() - started) * 1e6)
+
+    def on_new_request(self, request: Request) -> None:
+        """vLLM added ``request``: ask the cluster policy's verbs for it (and start its
+        prefetch) while it waits for its turn."""
+        if self.verbs is None or (tracked := self._track(request)) is None:
+            return
+        loadable = min((len(request.prompt_token_ids) - 1) // self.layout.page_tokens, self.runtime.capacity)
+        if loadable:
+            self.counters["decisions"] += 1
+            self.verbs.ask(request.request_id, tracked.keys[:loadable], self.runtime.route_key(tracked.keys))
 
     def _look_up(self, req_id: str, tracked: TrackedRequest, first: int, loadable: int, computed: int) -> tuple[int, bool]:
         """Pages ``first``..``loadable`` of the request's prompt: read and verified from the
@@ -170,11 +196,18 @@ class ConnectorScheduler:
         # Routed as the prompt's saves are (all its full pages): a prompt of at most
         # controller_route_depth + 1 pages would otherwise ask another shard than it saves to.
         plan = self.runtime.lookup(tracked.keys[:loadable], self.runtime.route_key(tracked.keys))
-        tracked.cached_pages = max(tracked.cached_pages, plan.hit_pages)
+        tracked.cached_pages = max(tracked.cached_pages, plan.hit_pages)  # the pages a split recomputes are not saved again
+        verbs = self.verbs.answer(req_id) if self.verbs is not None else DEFAULT
+        if verbs.load_pages is not None and verbs.load_pages < plan.hit_pages:  # a load split: vLLM computes the rest
+            cut = max(verbs.load_pages, first)
+            self.counters["recomputed_hit_pages"] += plan.hit_pages - cut
+            self.runtime.client.touch_unloaded(tracked.keys, plan, cut)  # their holders count them as read
+            plan = dataclasses.replace(plan, hit_nodes=plan.hit_nodes[:cut])  # the lease still pins (and ends) them all
         if plan.hit_pages <= first:
             self.runtime.release(plan)
             return 0, False
-        pinned = self._pinned[req_id] = PinnedHit(first, computed, plan)
+        # a copy of a chain is stored from its root: only a hit vLLM computed nothing of is replicated
+        pinned = self._pinned[req_id] = PinnedHit(first, computed, plan, verbs.replicate and first == 0)
         self.counters["hit_pages"] += pinned.pages
         return pinned.pages * self.layout.page_tokens, True
 
@@ -194,7 +227,8 @@ class ConnectorScheduler:
         block_ids = blocks.get_block_ids()[0][first : first + taken]
         # the worker ends the whole lease, on the controller shard that holds it
         sub = dataclasses.replace(pinned.plan, hit_nodes=pinned.plan.hit_nodes[first : first + taken], targets=[])
-        self._runtime_loads.append(RuntimeLoad(request.request_id, keys[first : first + taken], block_ids, sub))
+        load = RuntimeLoad(request.request_id, keys[first : first + taken], block_ids, sub, pinned.replicate)
+        self._runtime_loads.append(load)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVRayMetadata:
         """The worker's orders for this step: pages to load into newly scheduled requests'
@@ -284,6 +318,8 @@ class ConnectorScheduler:
         self._requests.pop(req_id, None)
         self._staged.pop(req_id, None)
         self._accepted.pop(req_id, None)
+        if self.verbs is not None:
+            self.verbs.forget(req_id)
         if (pinned := self._pinned.pop(req_id, None)) is not None:
             self.runtime.release(pinned.plan)
 
@@ -291,6 +327,9 @@ class ConnectorScheduler:
         if self.store is not None:
             self.store.close()
             self.store = None
+        if self.verbs is not None:
+            self.verbs.close()
+            self.verbs = None
         if self.runtime is not None:
             self.runtime.close()
             self.runtime = None

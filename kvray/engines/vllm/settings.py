@@ -38,7 +38,9 @@ class ConnectorSettings(BaseModel):
     ``kvray_runtime`` and ``kvray_ray_address`` (else ``$KVRAY_RUNTIME`` and
     ``$KVRAY_RAY_ADDRESS``) put the pages on a shared kvray runtime instead
     (:mod:`kvray.engines.runtime`); the tier sizes above then apply only when it cannot be
-    reached.
+    reached. ``cluster_verbs``: ask the runtime's cluster policy how much of each hit to
+    load, whether to prefetch it and whether to keep a copy here
+    (:mod:`kvray.engines.vllm.verbs`); default: when that policy decides one of them.
 
     Example::
 
@@ -57,6 +59,7 @@ class ConnectorSettings(BaseModel):
     policy: str = "lru"
     kvray_runtime: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,40}$")
     kvray_ray_address: str | None = Field(default=None, min_length=1)
+    cluster_verbs: bool | None = None
 
 
 def connector_settings(extra: Any) -> ConnectorSettings:

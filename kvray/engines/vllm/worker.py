@@ -40,6 +40,8 @@ from kvray.engines.vllm.metadata import KVRayMetadata, KVRayWorkerMetadata, Page
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+    from kvray.cluster.protocol import Loaded
+
 log = logging.getLogger(__name__)
 
 
@@ -108,7 +110,18 @@ class ConnectorWorker:
         self.counters["lost_pages"] += len(load.keys) - loaded.pages
         for path, n in loaded.paths.items():
             self.counters[f"{path}_pages"] += n
+        if load.replicate and loaded.pages:
+            self._replicate(load, loaded)
         return loaded.pages
+
+    def _replicate(self, load: RuntimeLoad, loaded: Loaded) -> None:
+        """Keep a copy of the pages just read in this node's store (the cluster policy's
+        ``replicate``), from the client's buffer that still holds them; best effort."""
+        try:
+            self.counters["replicated_pages"] += self.runtime.client.replicate(load.keys, load.plan, loaded)
+        except Exception as exc:  # a copy not kept is a later remote read, never a failed request
+            self.counters["failures"] += 1
+            log.warning("kvray could not keep a copy of %d pages here: %r", loaded.pages, exc)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose runtime load ended; the blocks of pages that did not arrive are
