@@ -112,6 +112,46 @@ def test_observation_shows_the_cost_routers_cheapest_nodes_first():
     assert obs[REQUEST_FEATURES.index("hit_share")] == pytest.approx(len(request.hit_nodes) / pages)
 
 
+def test_candidates_break_cost_ties_as_the_cost_router():
+    """Equal costs: the requester first, then the scenario's order (CostRouter.route's rule)."""
+    from kvray.policy.cluster import ClusterView, NodeView, RequestView
+
+    view = ClusterView(tuple(NodeView(n, backlog_ms=5.0) for n in "abcd"), page_prefill_ms=10.0)
+    for requester, expected in (("c", ["c", "a"]), ("a", ["a", "b"]), (None, ["a", "b"])):
+        request = RequestView(keys=(1, 2), requester=requester)
+        assert ResidualRouter().observe(request, view)[1] == expected
+        assert CostRouter().route(request, view) == expected[0]
+    busy = ClusterView((NodeView("a", backlog_ms=1.0), NodeView("b"), NodeView("c")), page_prefill_ms=10.0)
+    request = RequestView(keys=(1, 2, 3), requester="c", hit_nodes=("a",))
+    assert ResidualRouter().observe(request, busy)[1] == ["a", "c"] and CostRouter().route(request, busy) == "a"
+
+
+def test_the_numpy_router_decides_as_sb3_predict_deterministic(tmp_path):
+    """RouterNetwork, from weights exported out of an SB3 PPO model, picks per head what the
+    model's own ``predict(deterministic=True)`` picks, on random observations."""
+    from stable_baselines3 import PPO
+
+    from kvray.policy.residual import RouterNetwork
+    from kvray.rl.cluster_train import export_actor, router_policy, write_card
+
+    env = ClusterEnv(TRACE, SCENARIO, capacities=CAPACITY, episode_requests=8)
+    model = PPO(router_policy(), env, n_steps=16, batch_size=16, seed=0, device="cpu", policy_kwargs={"ortho_init": False})
+    actor = model.policy.mlp_extractor.actor
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.normal_(0.0, 0.5)  # away from the cost router's prior, so every head's choices vary
+    export_actor(actor, tmp_path)
+    write_card(tmp_path, {"observation": observation_spec()})
+    network, _ = RouterNetwork.load(tmp_path)
+    rng = np.random.default_rng(0)
+    obs = rng.uniform(-2.0, 3.0, (500, observation_size())).astype(np.float32)
+    expected, _ = model.predict(obs, deterministic=True)
+    ours = np.array([network(o) for o in obs])
+    assert (ours == expected).all()
+    assert all(len(np.unique(ours[:, h])) == size for h, (_, size) in enumerate(ACTION_HEADS))
+
+
 @pytest.fixture(scope="module")
 def tiny_router(tmp_path_factory):
     from kvray.rl.cluster_train import train_router
