@@ -296,6 +296,12 @@ def cluster_eval(
     bandwidth_scale: list[float] = typer.Option(
         [1.0], "--bandwidth-scale", callback=POSITIVE, help="each scenario with every link this many times as fast (repeat)"
     ),
+    compare: bool = typer.Option(
+        False,
+        "--compare",
+        help="only the --policy pairs beside lru+cost-router (no other heuristic, no oracle): compare.md with each "
+        "pair's ratio to it per cell and the pairs' spread (e.g. the seeds of one training)",
+    ),
 ) -> None:
     """Every heuristic and the oracle on cluster scenarios: one table per scenario and trace."""
     import shlex
@@ -322,6 +328,7 @@ def cluster_eval(
             load,
             notify,
             bandwidth_scale,
+            compare,
         )
     console.print(f"{tables} tables; wrote {', '.join(str(p) for p in paths)}")
 
