@@ -70,6 +70,18 @@ def test_zero_action_is_the_cost_router_to_the_bit():
     assert residual.extra["link_bytes"] == router.extra["link_bytes"]
 
 
+def test_cost_prefetch_is_the_residual_router_prefetching_every_request():
+    """The fixed rule the learned prefetch is measured against: the cost router's route, every
+    hit loaded while the request waits (prefetch bytes booked; none under the cost router)."""
+    fixed = ClusterSimulator(SCENARIO, "lru", make_cluster_policy("cost-prefetch"), CAPACITY)
+    residual = ClusterSimulator(SCENARIO, "lru", ResidualRouter(lambda obs: (0, 0, 1, 0)), CAPACITY)
+    plain = ClusterSimulator(SCENARIO, "lru", CostRouter(), CAPACITY)
+    results = [sim.replay(TRACE) for sim in (fixed, residual, plain)]
+    assert results[0].mean_ttft_ms == results[1].mean_ttft_ms and results[0].extra["link_bytes"] == results[1].extra["link_bytes"]
+    prefetched = [sum(link.bytes_by_kind.get("prefetch", 0) for n in sim.nodes for link in n.links) for sim in (fixed, plain)]
+    assert prefetched[0] > 0 == prefetched[1]
+
+
 def link_bytes(env: ClusterEnv, kind: str) -> int:
     return sum(sum(link.bytes_by_kind.get(kind, 0) for link in n.links) for n in env.sim.nodes)
 
