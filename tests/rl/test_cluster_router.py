@@ -264,3 +264,26 @@ def test_the_command_line_names_what_cluster_training_and_evaluation_take(tmp_pa
     rows = json.loads((out / "cluster.json").read_text())["rows"]
     assert {r["scenario"] for r in rows} == {"h100-4node-skewed@bandwidth-x0.5", "h100-4node-skewed@bandwidth-x2"}
     assert "lru + rl-router: mean TTFT" in (out / "cluster.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.train
+@pytest.mark.timeout(1800)  # ~70 s on a quiet machine; over 600 s at a load average of 30
+def test_the_shipped_router_rebuilds_byte_for_byte(tmp_path):
+    """The command docs/sim-eval/README.md gives for policies/cluster-default writes it again,
+    weights and card byte for byte (about 70 s of CPU: 122,880 PPO steps on 30 environments)."""
+    from typer.testing import CliRunner
+
+    from kvray.cli import app
+    from kvray.resources import shipped_or_given
+
+    shipped = shipped_or_given("cluster-default", "policies")
+    out = tmp_path / "cluster-default"
+    args = ["train", "--cluster", "--bandwidth-scale", "0.7", "--bandwidth-scale", "1", "--bandwidth-scale", "1.4"]
+    args += ["--capacity-fraction", "0.05", "--timesteps", "122880", "--seed", "0", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    for name in (WEIGHTS_FILE, CARD_FILE):
+        assert (out / name).read_bytes() == (shipped / name).read_bytes(), (
+            f"{name} differs: the simulator or PPO changed; retrain"
+        )
