@@ -350,6 +350,9 @@ def train(
     cluster: bool = typer.Option(
         False, "--cluster", help="train the cluster router instead: PPO residual on the cost router (rl-router; docs/sim-eval)"
     ),
+    node_policy: str = typer.Option(
+        "lru", "--node-policy", help="with --cluster: every node's placement policy while the router trains"
+    ),
     timesteps: int = typer.Option(
         50_000, "--timesteps", callback=NON_NEGATIVE, help="PPO steps after the counterfactual fit (0: none)"
     ),
@@ -408,6 +411,7 @@ def train(
                 capacity_fractions=fraction,
                 timesteps=timesteps,
                 seed=seed,
+                node_policy=node_policy,
             )
         console.print(f"wrote {out}: {card['training']['timesteps']} PPO steps in {card['training']['wall_s']} s")
         if json_out:

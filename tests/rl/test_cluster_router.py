@@ -241,7 +241,7 @@ def test_a_folder_for_another_observation_is_refused(tmp_path):
 
 
 def test_the_command_line_names_what_cluster_training_and_evaluation_take(tmp_path):
-    """`kvray train` needs --trace unless --cluster, which refuses one; `kvray cluster-eval
+    """`kvray train` needs --trace unless --cluster, which refuses one and checks --node-policy; `kvray cluster-eval
     --bandwidth-scale` replays each scenario at each scale and reports the candidate's share
     of the oracle's headroom."""
     import json
@@ -256,6 +256,9 @@ def test_the_command_line_names_what_cluster_training_and_evaluation_take(tmp_pa
     assert no_trace.exit_code == 2 and "give at least one --trace" in " ".join(no_trace.stderr.split())
     both = CliRunner().invoke(app, ["train", "--cluster", "--trace", trace, "--out", str(tmp_path / "b")])
     assert both.exit_code == 2 and "leave out --trace" in " ".join(both.stderr.split())
+    unknown = ["train", "--cluster", "--node-policy", "nope", "--capacity-fraction", "0.05", "--out", str(tmp_path / "c")]
+    refused = CliRunner().invoke(app, unknown)
+    assert refused.exit_code == 2 and "unknown policy 'nope'" in " ".join(refused.stderr.split())
     out = tmp_path / "eval"
     scenario = str(root / "simulations" / "h100-4node-skewed.yaml")
     args = ["cluster-eval", "--scenario", scenario, "--generated", "20", "--bandwidth-scale", "0.5", "--bandwidth-scale", "2"]
