@@ -296,6 +296,12 @@ def cluster_eval(
     bandwidth_scale: list[float] = typer.Option(
         [1.0], "--bandwidth-scale", callback=POSITIVE, help="each scenario with every link this many times as fast (repeat)"
     ),
+    compare: bool = typer.Option(
+        False,
+        "--compare",
+        help="only the --policy pairs beside lru+cost-router (no other heuristic, no oracle): compare.md with each "
+        "pair's ratio to it per cell and the pairs' spread (e.g. the seeds of one training)",
+    ),
 ) -> None:
     """Every heuristic and the oracle on cluster scenarios: one table per scenario and trace."""
     import shlex
@@ -322,6 +328,7 @@ def cluster_eval(
             load,
             notify,
             bandwidth_scale,
+            compare,
         )
     console.print(f"{tables} tables; wrote {', '.join(str(p) for p in paths)}")
 
@@ -342,6 +349,9 @@ def train(
     ),
     cluster: bool = typer.Option(
         False, "--cluster", help="train the cluster router instead: PPO residual on the cost router (rl-router; docs/sim-eval)"
+    ),
+    node_policy: str = typer.Option(
+        "lru", "--node-policy", help="with --cluster: every node's placement policy while the router trains"
     ),
     timesteps: int = typer.Option(
         50_000, "--timesteps", callback=NON_NEGATIVE, help="PPO steps after the counterfactual fit (0: none)"
@@ -401,6 +411,7 @@ def train(
                 capacity_fractions=fraction,
                 timesteps=timesteps,
                 seed=seed,
+                node_policy=node_policy,
             )
         console.print(f"wrote {out}: {card['training']['timesteps']} PPO steps in {card['training']['wall_s']} s")
         if json_out:

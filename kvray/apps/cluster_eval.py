@@ -24,6 +24,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from kvray.apps.cluster_compare import REFERENCE, write_comparison
 from kvray.core.errors import ConfigError
 from kvray.policy.cluster import make_cluster_policy
 from kvray.report import ReplayResult
@@ -76,8 +77,9 @@ def evaluate(
     progress: Callable[[str], None] | None = None,
     candidates: Sequence[tuple[str, str]] = (),
     load: float | None = None,
+    oracle: bool = True,
 ) -> list[dict]:
-    """One row per (scenario, trace, heuristic, candidate or oracle)."""
+    """One row per (scenario, trace, heuristic, candidate or oracle; the oracle left out when ``oracle`` is false)."""
     rows = []
     for scenario_name, scenario in scenarios.items():
         for trace_name, trace in traces.items():
@@ -88,7 +90,7 @@ def evaluate(
                     progress(f"{scenario_name} / {trace_name} / load {load:g}")
                 found = find_load(trace, scenario, load, capacities)
                 trace, loaded = found.trace, {"load": found.as_dict()}
-            for policy, cluster in [*heuristics, *candidates, ("oracle", "oracle")]:
+            for policy, cluster in [*heuristics, *candidates, *([("oracle", "oracle")] if oracle else [])]:
                 if progress is not None:
                     progress(f"{scenario_name} / {trace_name} / {policy} + {cluster}")
                 if policy == "oracle":
@@ -247,6 +249,7 @@ def run_cluster_eval(
     load: float | None = None,
     notify: Callable[[str], None] | None = None,
     bandwidth_scales: Sequence[float] = (1.0,),
+    compare: bool = False,
 ) -> tuple[int, list[Path]]:
     """What ``kvray cluster-eval`` does: every cluster scenario x trace (the files, and a
     generated chat workload of about ``generated`` requests), the ``pairs``
@@ -254,7 +257,9 @@ def run_cluster_eval(
     and the files written into ``out``. Every name is checked before any replay. With ``load``
     each scenario and trace is replayed at that busy share (``notify`` hears the factor found).
     Each scenario is replayed at every ``bandwidth_scales`` (its links that many times as
-    fast: :meth:`~kvray.scenario.Scenario.with_bandwidth`)."""
+    fast: :meth:`~kvray.scenario.Scenario.with_bandwidth`). With ``compare`` only the pairs and
+    :data:`~kvray.apps.cluster_compare.REFERENCE` are replayed, no other heuristic and no oracle,
+    and the table compares the pairs (:mod:`kvray.apps.cluster_compare`)."""
     from kvray.policy import make_policy
     from kvray.scenario import load_scenario
     from kvray.sim.workloads import WorkloadSpec, generate
@@ -283,10 +288,14 @@ def run_cluster_eval(
             raise ConfigError(f"--policy {pair!r}: expected NODE_POLICY+CLUSTER_POLICY, e.g. rl+cost-router")
         make_policy(node_policy), make_cluster_policy(cluster_policy)  # unknown names fail before any replay
         candidates.append((node_policy, cluster_policy))
-    rows = evaluate(scenarios, traces, fraction, progress=progress, candidates=candidates, load=load)
+    if compare and not candidates:
+        raise ConfigError("--compare compares the --policy pairs: give at least one")
+    heuristics = (REFERENCE,) if compare else HEURISTICS
+    rows = evaluate(scenarios, traces, fraction, heuristics, progress, candidates, load, oracle=not compare)
     if notify is not None:
         from kvray.sim.load import describe
 
         for row in {(r["scenario"], r["trace"]): r for r in rows if "load" in r}.values():
             notify(f"{row['scenario']} / {row['trace']}: {describe(row['load'])}")
-    return len(scenarios) * len(traces), write_results(rows, out, command)
+    written = write_comparison(rows, out, command) if compare else write_results(rows, out, command)
+    return len(scenarios) * len(traces), written

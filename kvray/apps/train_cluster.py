@@ -35,14 +35,18 @@ def train_router_policy(
     capacity_fractions: Sequence[float],
     timesteps: int,
     seed: int,
+    node_policy: str = "lru",
 ) -> dict:
-    """Train the router the flags ask for into ``out``; returns its card."""
+    """Train the router the flags ask for into ``out``, over ``node_policy`` on every node;
+    returns its card."""
+    from kvray.policy import make_policy
     from kvray.rl.cluster_train import train_router
 
     if traces:
         raise ConfigError("--cluster trains on the generated families (--family): leave out --trace")
     if len(capacity_fractions) != 1:
         raise ConfigError("--cluster trains at one cache size: give one --capacity-fraction")
+    make_policy(node_policy)  # an unknown name fails before the traces are built
     bases = [load_scenario(path) for path in scenarios or [bundled(DEFAULT_CLUSTER_SCENARIO)]]
     return train_router(
         scenarios_at_bandwidths(bases, bandwidth_scales),
@@ -51,4 +55,5 @@ def train_router_policy(
         seed,
         families=families,
         capacity_fraction=capacity_fractions[0],
+        policy=node_policy,
     )

@@ -17,8 +17,8 @@ where a request meets the cluster:
   tier under contention (:mod:`kvray.core.write_budget`; None, the default: no cap).
 
 Heuristics (:data:`CLUSTER_POLICIES`): ``local-first`` (today's controller rule),
-``cost-router`` (prefix overlap against node load, as Dynamo's KV router), ``always-prefetch``
-and ``replicate-hot`` (threshold replication of hot prefixes); the simulator's oracle
+``cost-router`` (prefix overlap against node load, as Dynamo's KV router), ``always-prefetch``,
+``cost-prefetch`` (both) and ``replicate-hot`` (threshold replication of hot prefixes); the simulator's oracle
 searches :class:`PrefetchReplicate`'s settings.
 
 Every verb sees the same observation in both worlds: a :class:`RequestView` (the request's
@@ -214,6 +214,22 @@ class AlwaysPrefetch(LocalFirstRing):
         return True
 
 
+class CostPrefetch(CostRouter):
+    """:class:`CostRouter`, and every cached prefix is loaded while its request still waits
+    for an engine: the oracle's usual cluster setting (``route=cost,prefetch=on``) as a fixed
+    rule, against which the learned router's selective prefetch is measured.
+
+    Example::
+
+        CostPrefetch().prefetch(RequestView(keys=(1,), hit_nodes=("a",)), ClusterView((NodeView("a"),)))  # True
+    """
+
+    name = "cost-prefetch"
+
+    def prefetch(self, request: RequestView, cluster: ClusterView) -> bool:
+        return True
+
+
 class ReplicateHot(LocalFirstRing):
     """:class:`LocalFirstRing`, and a hit chain whose root page has been asked for
     ``threshold`` times or more is copied to the serving node when that node lacks part of
@@ -278,6 +294,7 @@ CLUSTER_POLICIES: dict[str, type[ClusterPolicy]] = {
     "local-first": LocalFirstRing,
     "cost-router": CostRouter,
     "always-prefetch": AlwaysPrefetch,
+    "cost-prefetch": CostPrefetch,
     "replicate-hot": ReplicateHot,
 }
 

@@ -111,79 +111,87 @@ class ResidualRouter(CostRouter):
         self._heat: dict[int, int] = {}
         self._verbs: tuple[tuple[int, ...], float, bool, bool] = ((), 1.0, False, False)
         self._state_of: ClusterView | None = None
-        self._state: list[tuple[float, ...]] = []
+        self._state: tuple[list[str], list[float], dict[str, int], float] = ([], [], {}, 0.0)
 
     def observe(self, request: RequestView, cluster: ClusterView) -> tuple[np.ndarray, list[str]]:
         """The observation (:func:`observation_size` floats) and the candidates' names, the
         cost router's pick first. Counts the request towards its root page's heat (call once
-        per request). One pass in Python floats and one array: the decision's budget is 20 us."""
+        per request). The decision's budget is 20 us, and a view may serve one request only
+        (``view_refresh_ms: 0``): the nodes' costs in one pass, the state columns read for
+        the candidates alone, one float32 array."""
         keys, hits = request.keys, request.hit_nodes
-        n_pages, n_hits = max(len(keys), 1), len(hits)
+        n_keys, n_hits = len(keys), len(hits)
+        n_pages = n_keys or 1
         page_ms = cluster.page_prefill_ms or 1.0
-        missing = len(keys) - n_hits
+        missing = n_keys - n_hits
+        names, backlogs, index, total_backlog = self._node_state(cluster)
+        remote_weight = self.remote_weight
+        # CostRouter.route's cost, to the bit: a node holding none of the hit fetches all of it
+        far = page_ms * (missing + remote_weight * n_hits)
+        costs = [b + far for b in backlogs]
         local = Counter(hits) if hits else {}
-        requester, remote_weight = request.requester, self.remote_weight
-        nodes = cluster.nodes
-        ranked = []
-        for i, node in enumerate(nodes):  # CostRouter.route's sum, to the bit
-            name = node.name
-            cost = node.backlog_ms + page_ms * (missing + remote_weight * (n_hits - local.get(name, 0)))
-            ranked.append((cost, name != requester, i))
-        ranked.sort()  # least cost, then the requester, then the scenario's order: CostRouter's tie-breaks
+        for name, here in local.items():
+            i = index.get(name)
+            if i is not None:
+                costs[i] = backlogs[i] + page_ms * (missing + remote_weight * (n_hits - here))
+        # CostRouter's tie-breaks: least cost, then the requester, then the scenario's order
+        order = sorted(range(len(costs)), key=costs.__getitem__)
+        requester = index.get(request.requester, -1)
+        if requester >= 0:
+            at = first = order.index(requester)
+            while first > 0 and costs[order[first - 1]] == costs[requester]:
+                first -= 1
+            if first < at:
+                order.insert(first, order.pop(at))
         unit = page_ms * n_pages
         heat = 0
         if keys:
             heat = self._heat[keys[0]] = self._heat.get(keys[0], 0) + 1
-        state = self._node_state(cluster)
         flat = [
-            math.log1p(len(keys)) / LOG_PAGES,
+            math.log1p(n_keys) / LOG_PAGES,
             n_hits / n_pages,
             math.log1p(heat) / LOG_HEAT,
             min(page_ms / 100.0, CLIP),
-            len(nodes) / 8.0,
-            min(sum(n.backlog_ms for n in nodes) / (len(nodes) * unit), CLIP),
+            len(names) / 8.0,
+            min(total_backlog / (len(names) * unit), CLIP),
         ]
         by_tier = Counter(zip(hits, request.hit_tiers)) if hits else {}
-        best_cost = ranked[0][0]
-        names = []
-        for cost, _, i in ranked[:CANDIDATES]:
-            node = nodes[i]
-            name = node.name
+        best_cost = costs[order[0]]
+        picked = order[:CANDIDATES]
+        for i in picked:
+            name, node = names[i], cluster.nodes[i]
             here = local.get(name, 0)
-            names.append(name)
+            free = node.free_share
             flat += (
                 1.0,
-                1.0 if name == requester else 0.0,
-                min(node.backlog_ms / unit, CLIP),
-                min((cost - best_cost) / unit, CLIP),
+                1.0 if i == requester else 0.0,
+                min(backlogs[i] / unit, CLIP),
+                min((costs[i] - best_cost) / unit, CLIP),
                 here / n_pages,
                 by_tier.get((name, "device"), 0) / n_pages,
                 by_tier.get((name, "host"), 0) / n_pages,
                 by_tier.get((name, "disk"), 0) / n_pages,
                 (n_hits - here) / n_pages,
+                free.get("device", 0.0),
+                free.get("host", 0.0),
+                free.get("disk", 0.0),
+                node.nic_in_util,
+                node.nic_out_util,
+                node.pcie_util,
+                node.disk_read_util,
+                node.disk_write_util,
             )
-            flat += state[i]
-        flat += [0.0] * (len(CANDIDATE_FEATURES) * (CANDIDATES - len(names)))
-        return np.array(flat, np.float32), names
+        flat += [0.0] * (len(CANDIDATE_FEATURES) * (CANDIDATES - len(picked)))
+        return np.array(flat, np.float32), [names[i] for i in picked]
 
-    def _node_state(self, cluster: ClusterView) -> list[tuple[float, ...]]:
-        """The request-independent columns (free shares, link utilisations), per cluster view:
-        a view is refreshed every ``view_refresh_ms``, not every request."""
+    def _node_state(self, cluster: ClusterView) -> tuple[list[str], list[float], dict[str, int], float]:
+        """The nodes' names, engine backlogs, index by name and total backlog, kept while the
+        view is (the simulator refreshes it every ``view_refresh_ms``)."""
         if cluster is not self._state_of:
+            names = [n.name for n in cluster.nodes]
+            backlogs = [n.backlog_ms for n in cluster.nodes]
             self._state_of = cluster
-            self._state = [
-                (
-                    n.free_share.get("device", 0.0),
-                    n.free_share.get("host", 0.0),
-                    n.free_share.get("disk", 0.0),
-                    n.nic_in_util,
-                    n.nic_out_util,
-                    n.pcie_util,
-                    n.disk_read_util,
-                    n.disk_write_util,
-                )
-                for n in cluster.nodes
-            ]
+            self._state = (names, backlogs, {name: i for i, name in enumerate(names)}, sum(backlogs))
         return self._state
 
     def route(self, request: RequestView, cluster: ClusterView) -> str:
@@ -214,7 +222,14 @@ class ResidualRouter(CostRouter):
 
 class RouterNetwork:
     """The trained decision, numpy only: a ReLU MLP from the observation to every head's
-    logits (:data:`ACTION_HEADS`, concatenated); each head takes its most likely choice.
+    logits (:data:`ACTION_HEADS`, concatenated); each head takes its most likely choice, as
+    stable-baselines3's ``predict(deterministic=True)`` does (the first on ties, as torch's argmax).
+
+    Each layer is one matrix whose last row is its bias, fed by an input that ends in a
+    constant 1 (carried through the hidden layers by one more unit), and every product lands
+    in a buffer allocated once: a forward is three dot products and two in-place ReLUs. The
+    buffers make one network serve one caller at a time, as the router's own per-request
+    state already does.
 
     Example::
 
@@ -223,8 +238,18 @@ class RouterNetwork:
     """
 
     def __init__(self, weights: list[np.ndarray], biases: list[np.ndarray]) -> None:
-        self.layers = [(w.T.astype(np.float32).copy(), b.astype(np.float32)) for w, b in zip(weights, biases)]
-        self._last = len(self.layers) - 1
+        self._matrices, self._outputs = [], []
+        for i, (w, b) in enumerate(zip(weights, biases)):
+            hidden = i < len(weights) - 1
+            outputs, inputs = w.shape
+            m = np.zeros((inputs + 1, outputs + hidden), np.float32)
+            m[:inputs, :outputs] = w.T
+            m[inputs, :outputs] = b
+            if hidden:
+                m[inputs, outputs] = 1.0  # the next layer's constant input
+            self._matrices.append(m)
+            self._outputs.append(np.empty(outputs + hidden, np.float32))
+        self._input = np.ones(weights[0].shape[1] + 1, np.float32)
         bounds, at = [], 0
         for _, size in ACTION_HEADS:
             bounds.append((at, at + size))
@@ -232,12 +257,14 @@ class RouterNetwork:
         self._heads = bounds
 
     def logits(self, obs: np.ndarray) -> list[float]:
-        x = obs
-        for i, (w, b) in enumerate(self.layers):
-            x = x @ w
-            x += b
-            if i < self._last:
-                np.maximum(x, 0.0, out=x)
+        x = self._input
+        x[:-1] = obs
+        last = len(self._matrices) - 1
+        for i, (m, out) in enumerate(zip(self._matrices, self._outputs)):
+            np.dot(x, m, out=out)
+            if i < last:
+                np.maximum(out, 0.0, out=out)
+            x = out
         return x.tolist()
 
     def __call__(self, obs: np.ndarray) -> Decision:

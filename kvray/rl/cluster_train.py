@@ -89,6 +89,13 @@ class _RouterExtractor(nn.Module):
         return self.forward_actor(obs), self.forward_critic(obs)
 
 
+def router_policy() -> type:
+    """SB3's actor-critic policy for the router: the actor's logits are :class:`RouterActor`'s
+    output itself, so ``predict(deterministic=True)`` is each head's argmax of what
+    :class:`~kvray.policy.residual.RouterNetwork` computes from the exported weights."""
+    return identity_head_policy(_RouterExtractor)
+
+
 def export_actor(actor: RouterActor, folder: Path) -> None:
     from safetensors.torch import save_file
 
@@ -188,7 +195,7 @@ def train_router(
     env.seed(seed)
     rollout = n_steps * len(cells)
     model = PPO(
-        identity_head_policy(_RouterExtractor),
+        router_policy(),
         env,
         n_steps=n_steps,
         batch_size=rollout // max(1, round(rollout / 256)),  # minibatches of about 256, none truncated when it divides

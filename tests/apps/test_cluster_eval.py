@@ -22,3 +22,38 @@ def test_tables_name_the_best_heuristic_and_the_oracles_headroom(tmp_path):
     ratio = rows[2]["mean_ttft_ms"] / best["mean_ttft_ms"]
     assert f"experts + cost-router: mean TTFT {ratio:.3f}x" in text
     assert ("four / chat" in text.split("## Headroom under 10%")[1]) == (room < 0.10)
+
+
+def test_compare_replays_the_pairs_beside_the_cost_router_only_and_reports_their_spread(tmp_path):
+    """--compare: no other heuristic, no oracle; each pair's ratio to lru + cost-router and the
+    pairs' spread per cell, and the counts the seed targets are read from."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvray.apps.cluster_compare import comparison
+    from kvray.cli import app
+
+    args = ["cluster-eval", "--compare", "--scenario", "simulations/h100-4node-skewed.yaml", "--generated", "40"]
+    args += ["--bandwidth-scale", "0.5", "--bandwidth-scale", "1", "--out", str(tmp_path)]
+    result = CliRunner().invoke(app, [*args, "--policy", "lru+always-prefetch", "--policy", "lru+local-first"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    rows = saved["rows"]
+    assert {(r["policy"], r["cluster_policy"]) for r in rows} == {
+        ("lru", "cost-router"),
+        ("lru", "always-prefetch"),
+        ("lru", "local-first"),
+    }
+    summary = comparison(rows)
+    assert len(summary["cells"]) == 2 and summary == saved["summary"]
+    for cell in summary["cells"]:
+        reference = cell["reference"]["mean_ttft_ms"]
+        means = [r["mean_ttft_ms"] for r in cell["candidates"]]
+        assert cell["ratios"] == [m / reference for m in means]
+        assert cell["spread"] == max(means) / min(means) - 1.0
+    assert summary["cells_within_2pct"] == sum(c["spread"] <= 0.02 for c in summary["cells"])
+    text = (tmp_path / "compare.md").read_text()
+    assert "lru+always-prefetch: mean ratio" in text and f"{summary['cells_within_2pct']} of 2." in text
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code != 0 and "give at least one" in " ".join(refused.output.split())

@@ -70,6 +70,18 @@ def test_zero_action_is_the_cost_router_to_the_bit():
     assert residual.extra["link_bytes"] == router.extra["link_bytes"]
 
 
+def test_cost_prefetch_is_the_residual_router_prefetching_every_request():
+    """The fixed rule the learned prefetch is measured against: the cost router's route, every
+    hit loaded while the request waits (prefetch bytes booked; none under the cost router)."""
+    fixed = ClusterSimulator(SCENARIO, "lru", make_cluster_policy("cost-prefetch"), CAPACITY)
+    residual = ClusterSimulator(SCENARIO, "lru", ResidualRouter(lambda obs: (0, 0, 1, 0)), CAPACITY)
+    plain = ClusterSimulator(SCENARIO, "lru", CostRouter(), CAPACITY)
+    results = [sim.replay(TRACE) for sim in (fixed, residual, plain)]
+    assert results[0].mean_ttft_ms == results[1].mean_ttft_ms and results[0].extra["link_bytes"] == results[1].extra["link_bytes"]
+    prefetched = [sum(link.bytes_by_kind.get("prefetch", 0) for n in sim.nodes for link in n.links) for sim in (fixed, plain)]
+    assert prefetched[0] > 0 == prefetched[1]
+
+
 def link_bytes(env: ClusterEnv, kind: str) -> int:
     return sum(sum(link.bytes_by_kind.get(kind, 0) for link in n.links) for n in env.sim.nodes)
 
@@ -110,6 +122,46 @@ def test_observation_shows_the_cost_routers_cheapest_nodes_first():
         assert row[column["front"]] == (name == request.requester)
     assert rows[0, column["cost_above_best"]] == 0.0 <= rows[1, column["cost_above_best"]]
     assert obs[REQUEST_FEATURES.index("hit_share")] == pytest.approx(len(request.hit_nodes) / pages)
+
+
+def test_candidates_break_cost_ties_as_the_cost_router():
+    """Equal costs: the requester first, then the scenario's order (CostRouter.route's rule)."""
+    from kvray.policy.cluster import ClusterView, NodeView, RequestView
+
+    view = ClusterView(tuple(NodeView(n, backlog_ms=5.0) for n in "abcd"), page_prefill_ms=10.0)
+    for requester, expected in (("c", ["c", "a"]), ("a", ["a", "b"]), (None, ["a", "b"])):
+        request = RequestView(keys=(1, 2), requester=requester)
+        assert ResidualRouter().observe(request, view)[1] == expected
+        assert CostRouter().route(request, view) == expected[0]
+    busy = ClusterView((NodeView("a", backlog_ms=1.0), NodeView("b"), NodeView("c")), page_prefill_ms=10.0)
+    request = RequestView(keys=(1, 2, 3), requester="c", hit_nodes=("a",))
+    assert ResidualRouter().observe(request, busy)[1] == ["a", "c"] and CostRouter().route(request, busy) == "a"
+
+
+def test_the_numpy_router_decides_as_sb3_predict_deterministic(tmp_path):
+    """RouterNetwork, from weights exported out of an SB3 PPO model, picks per head what the
+    model's own ``predict(deterministic=True)`` picks, on random observations."""
+    from stable_baselines3 import PPO
+
+    from kvray.policy.residual import RouterNetwork
+    from kvray.rl.cluster_train import export_actor, router_policy, write_card
+
+    env = ClusterEnv(TRACE, SCENARIO, capacities=CAPACITY, episode_requests=8)
+    model = PPO(router_policy(), env, n_steps=16, batch_size=16, seed=0, device="cpu", policy_kwargs={"ortho_init": False})
+    actor = model.policy.mlp_extractor.actor
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.normal_(0.0, 0.5)  # away from the cost router's prior, so every head's choices vary
+    export_actor(actor, tmp_path)
+    write_card(tmp_path, {"observation": observation_spec()})
+    network, _ = RouterNetwork.load(tmp_path)
+    rng = np.random.default_rng(0)
+    obs = rng.uniform(-2.0, 3.0, (500, observation_size())).astype(np.float32)
+    expected, _ = model.predict(obs, deterministic=True)
+    ours = np.array([network(o) for o in obs])
+    assert (ours == expected).all()
+    assert all(len(np.unique(ours[:, h])) == size for h, (_, size) in enumerate(ACTION_HEADS))
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +241,7 @@ def test_a_folder_for_another_observation_is_refused(tmp_path):
 
 
 def test_the_command_line_names_what_cluster_training_and_evaluation_take(tmp_path):
-    """`kvray train` needs --trace unless --cluster, which refuses one; `kvray cluster-eval
+    """`kvray train` needs --trace unless --cluster, which refuses one and checks --node-policy; `kvray cluster-eval
     --bandwidth-scale` replays each scenario at each scale and reports the candidate's share
     of the oracle's headroom."""
     import json
@@ -204,6 +256,9 @@ def test_the_command_line_names_what_cluster_training_and_evaluation_take(tmp_pa
     assert no_trace.exit_code == 2 and "give at least one --trace" in " ".join(no_trace.stderr.split())
     both = CliRunner().invoke(app, ["train", "--cluster", "--trace", trace, "--out", str(tmp_path / "b")])
     assert both.exit_code == 2 and "leave out --trace" in " ".join(both.stderr.split())
+    unknown = ["train", "--cluster", "--node-policy", "nope", "--capacity-fraction", "0.05", "--out", str(tmp_path / "c")]
+    refused = CliRunner().invoke(app, unknown)
+    assert refused.exit_code == 2 and "unknown policy 'nope'" in " ".join(refused.stderr.split())
     out = tmp_path / "eval"
     scenario = str(root / "simulations" / "h100-4node-skewed.yaml")
     args = ["cluster-eval", "--scenario", scenario, "--generated", "20", "--bandwidth-scale", "0.5", "--bandwidth-scale", "2"]
@@ -212,3 +267,26 @@ def test_the_command_line_names_what_cluster_training_and_evaluation_take(tmp_pa
     rows = json.loads((out / "cluster.json").read_text())["rows"]
     assert {r["scenario"] for r in rows} == {"h100-4node-skewed@bandwidth-x0.5", "h100-4node-skewed@bandwidth-x2"}
     assert "lru + rl-router: mean TTFT" in (out / "cluster.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.train
+@pytest.mark.timeout(1800)  # ~70 s on a quiet machine; over 600 s at a load average of 30
+def test_the_shipped_router_rebuilds_byte_for_byte(tmp_path):
+    """The command docs/sim-eval/README.md gives for policies/cluster-default writes it again,
+    weights and card byte for byte (about 70 s of CPU: 122,880 PPO steps on 30 environments)."""
+    from typer.testing import CliRunner
+
+    from kvray.cli import app
+    from kvray.resources import shipped_or_given
+
+    shipped = shipped_or_given("cluster-default", "policies")
+    out = tmp_path / "cluster-default"
+    args = ["train", "--cluster", "--bandwidth-scale", "0.7", "--bandwidth-scale", "1", "--bandwidth-scale", "1.4"]
+    args += ["--capacity-fraction", "0.05", "--timesteps", "122880", "--seed", "0", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    for name in (WEIGHTS_FILE, CARD_FILE):
+        assert (out / name).read_bytes() == (shipped / name).read_bytes(), (
+            f"{name} differs: the simulator or PPO changed; retrain"
+        )
