@@ -87,7 +87,6 @@ from kvray.traces import read_trace
 SLO_SCALE = 3.0  # TTFT SLO / vLLM alone's unloaded TTFT of a cold median-length prompt
 COLD_PROBES = 3
 ROUTE_POLICY = "cost-router"
-STOP_AFTER_FAILED = 2  # a contender's sweep (within a repeat) ends after this many failed rates in a row
 
 
 @dataclass(frozen=True)
@@ -116,20 +115,24 @@ class Size:
     host_pages: int  # kvray per engine (in process) or node (runtime)
     disk_pages: int
     long_docs: int  # long-document pairs (cold, hit) per tier
+    stop_after_failed: int  # a contender's sweep (within a repeat) ends after this many failed rates in a row
 
 
 RATES = (0.25, 0.75, 1.25, 2.0, 3.0, 4.0)
-QUICK = Size(users=16, rounds=2, agents=24, steps=2, trace_requests=48, rates=RATES, repeats=1, once=(),
-             host_pages=48, disk_pages=1024, long_docs=2)  # fmt: skip
+# quick: 0.5x in place of 0.25x (every contender passed 0.25x in every run, and at 0.25x a
+# point took half the measured time), and a contender stops at its first failed rate
+QUICK = Size(users=18, rounds=2, agents=24, steps=2, trace_requests=48, rates=(0.5, *RATES[1:]), repeats=1, once=(),
+             host_pages=48, disk_pages=1024, long_docs=2, stop_after_failed=1)  # fmt: skip
 FULL = Size(users=18, rounds=2, agents=24, steps=2, trace_requests=64, rates=RATES, repeats=2, once=(0.25,),
-            host_pages=48, disk_pages=1024, long_docs=3)  # fmt: skip
+            host_pages=48, disk_pages=1024, long_docs=3, stop_after_failed=2)  # fmt: skip
 USER_SHARED_PAGES, USER_OWN_PAGES = 2, 6  # multi-round QA: a system prompt, a user's own context longer than it
 LONG_DOC_PAGES = 10
 # an agent: a tool prefix every agent shares, its own task, then steps that each append a
-# tool's output (the step's new prompt tokens) and the agent's next action, 50 ms apart.
-# Sized so that the agents' own pages, not the shared prefix, are most of each prompt:
-# vLLM's own cache keeps the prefix, only a cache larger than vLLM's keeps the rest.
-AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_OUTPUT_TOKENS, AGENT_ACTION_TOKENS, AGENT_GAP_S = 4, 2, 64, 32, 0.05
+# tool's output (two pages: the step's new prompt tokens) and the agent's next action, 50 ms
+# apart. Sized so that each agent's own context, grown by its tool outputs, is most of each
+# prompt and outgrows vLLM's cache: 24 agents hold 218 pages of KV (7.8x vLLM's 28, 2.3x
+# kvray's host tiers); vLLM's own cache keeps the shared prefix, only a larger cache the rest.
+AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_OUTPUT_TOKENS, AGENT_ACTION_TOKENS, AGENT_GAP_S = 2, 2, 128, 32, 0.05
 
 BASE, INPROC, RR, STICKY, ROUTE, LMCACHE = (
     "vllm",
@@ -193,7 +196,7 @@ def router_for(kind: str, group: EngineGroup, locate: Callable | None, page_ms: 
         return RoundRobin(len(group.actors))
     if kind == "sticky":
         return Sticky(len(group.actors))
-    return PolicyRouter(group.nodes, make_cluster_policy(ROUTE_POLICY), locate, page_ms)
+    return PolicyRouter(group.nodes, make_cluster_policy(ROUTE_POLICY), locate, page_ms, engine_pages=VLLM_KV_PAGES - 1)
 
 
 def say(line: str) -> None:
@@ -244,7 +247,7 @@ def sweep(
 ) -> dict:  # fmt: skip
     """vLLM alone's saturation and SLO, then every contender at every rate, repeats
     alternating; within a repeat a contender that failed the SLO share at
-    :data:`STOP_AFTER_FAILED` rates in a row is past its knee and skips the higher ones
+    ``size.stop_after_failed`` rates in a row is past its knee and skips the higher ones
     (they would take the time of its queues and, by then, not pass)."""
     began = time.monotonic()
     probe = factory(10_000 * index)
@@ -274,9 +277,9 @@ def sweep(
                         if tick:
                             tick(done - 1)
                         continue
-                    if failed_in_a_row[c] >= STOP_AFTER_FAILED:
+                    if failed_in_a_row[c] >= size.stop_after_failed:
                         say(f"serve {name}, repeat {r + 1}: {c} at {m:g} x saturation skipped (failed the "
-                            f"{STOP_AFTER_FAILED} rates below)")  # fmt: skip
+                            f"{size.stop_after_failed} rates below)")  # fmt: skip
                         if tick:
                             tick(done - 1)
                         continue
@@ -295,18 +298,22 @@ def sweep(
                         hit_tokens_by_tier=tiers,
                         connector_ms_per_request=connector_ms,  # within the TTFT's parts (wait or step)
                         reuse_share=point["cached_tokens"] / ceiling if ceiling else float("nan"),
+                        served_share=served_share(point, tiers),
                         load_average_1min=[load_before, os.getloadavg()[0]],  # the machine's other work
                     )
                     runs[c][m].append(point)
                     parts = ", ".join(f"{k} {v:.0f}" for k, v in {**point["mean_ttft_parts_ms"], **connector_ms}.items())
+                    served = ", ".join(f"{k} {v:.0%}" for k, v in point["served_share"].items() if v)
                     say(f"serve {name}, repeat {r + 1}: {c} at {m:g} x saturation ({m * saturation:.2f} req/s): "
-                        f"mean TTFT {point['mean_ttft_ms']:.0f} ms ({parts} ms), {point['slo_attainment']:.0%} within "
+                        f"mean TTFT {point['mean_ttft_ms']:.0f} ms ({parts} ms; prompt tokens: {served}), "
+                        f"{point['slo_attainment']:.0%} within "
                         f"the SLO; load {load_before:.1f}; {elapsed['warmup']:.0f} s warm-up, "
                         f"{elapsed['measured']:.0f} s measured")  # fmt: skip
                     if tick:
                         tick(done - 1)
     med = {c: {m: median_point(pts) for m, pts in by_rate.items() if pts} for c, by_rate in runs.items()}
     attainment = {c: {m * saturation: v["slo_attainment"] for m, v in by_rate.items()} for c, by_rate in med.items()}
+    by_repeat = {c: [goodput(a) for a in repeat_attainments(by_rate, saturation, size.repeats)] for c, by_rate in runs.items()}
     return {
         "sessions": len(probe),
         "measured_requests": len(measured_lengths),
@@ -314,6 +321,8 @@ def sweep(
         "kv_pages": kv_pages(probe, PAGE),
         "vllm_kv_pages": INSTANCES * VLLM_KV_PAGES,
         "kvray_host_pages": INSTANCES * size.host_pages,
+        "kv_over_vllm": kv_pages(probe, PAGE) / (INSTANCES * VLLM_KV_PAGES),  # the issue's rule: >= 5
+        "kv_over_host": kv_pages(probe, PAGE) / (INSTANCES * size.host_pages),  # and > 1
         "reuse_ceiling_tokens": ceiling,
         "measured_prompt_tokens": total,
         "saturation_rps": saturation,
@@ -324,6 +333,7 @@ def sweep(
         "median": {c: {str(m): v for m, v in by_rate.items()} for c, by_rate in med.items()},
         "goodput_rps": {c: goodput(a) for c, a in attainment.items()},
         "goodput_is_lower_bound": {c: is_lower_bound(a) for c, a in attainment.items()},  # goodput a lower bound
+        "goodput_by_repeat_rps": by_repeat,  # the spread the median's goodput sits in
         "elapsed_s": {
             "setup": setup_s,  # cold probes and vLLM alone's saturation
             "warmup": sum(p["elapsed_s"]["warmup"] for by_rate in runs.values() for pts in by_rate.values() for p in pts),
@@ -333,13 +343,35 @@ def sweep(
     }
 
 
+def served_share(point: dict, kvray_tokens: dict[str, int]) -> dict[str, float]:
+    """Where a point's prompt tokens came from, as shares of them: vLLM's own prefix cache
+    on the serving engine (cached tokens kvray did not load), each kvray tier (for the
+    runtime: ``host`` is the serving node's mapped host tier, ``local store`` its store
+    actor, ``remote`` another node), and computed."""
+    prompt = max(1, point["prompt_tokens"])
+    loaded = sum(kvray_tokens.values())
+    share = {"vllm own cache": max(0, point["cached_tokens"] - loaded) / prompt}
+    share.update({f"kvray {tier}": n / prompt for tier, n in kvray_tokens.items()})
+    share["computed"] = (point["prompt_tokens"] - point["cached_tokens"]) / prompt
+    return share
+
+
+def repeat_attainments(by_rate: dict[float, list[dict]], saturation: float, repeats: int) -> list[dict[float, float]]:
+    """Each repeat's SLO share by offered rate (a rate run in the first repeat only counts
+    in every repeat), for the goodput of each repeat beside the median's."""
+    out = []
+    for r in range(repeats):
+        out.append({m * saturation: pts[min(r, len(pts) - 1)]["slo_attainment"] for m, pts in by_rate.items() if pts})
+    return [a for a in out if a]
+
+
 def median_point(points: list[dict]) -> dict:
     """The repeats' median of every figure of a sweep point (and of each part of a split one)."""
     out: dict = {}
     for k, v in points[0].items():
         if isinstance(v, (int, float)):
             out[k] = statistics.median(p[k] for p in points)
-        elif k in ("mean_ttft_parts_ms", "connector_ms_per_request"):
+        elif k in ("mean_ttft_parts_ms", "connector_ms_per_request", "served_share"):
             out[k] = {part: statistics.median(p[k].get(part, 0.0) for p in points) for part in v}
     return out
 
@@ -452,6 +484,8 @@ def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
         if connection is not None:
             connection.__exit__(None, None, None)
     out["trace"] = trace
+    out["elapsed_s"]["total"] = time.monotonic() - started
+    say(f"serve: {out['elapsed_s']['total'] / 60:.1f} min wall (load average {os.getloadavg()[0]:.1f})")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "serve.json").write_text(json.dumps(out, indent=2))
     out["plots"] = [str(plot(name, w, out_dir / f"serve-{name}.png")) for name, w in out["workloads"].items()]
@@ -508,7 +542,8 @@ def rows(out: dict) -> list[BenchResult]:
     for index, name in enumerate(names):
         w = out["workloads"][name]
         params = {k: w[k] for k in ("saturation_rps", "slo_ttft_ms", "kv_pages", "vllm_kv_pages", "kvray_host_pages",
-                                    "reuse_ceiling_tokens", "measured_requests", "goodput_rps")}  # fmt: skip
+                                    "kv_over_vllm", "kv_over_host", "reuse_ceiling_tokens", "measured_requests",
+                                    "goodput_rps", "goodput_by_repeat_rps")}  # fmt: skip
         params["reuse_share_at_0.75"] = {c: point_near(w, c, "reuse_share", 0.75) for c in w["median"]}
         params["errors"] = out["errors"]
         good = w["goodput_rps"]
@@ -520,11 +555,14 @@ def rows(out: dict) -> list[BenchResult]:
             results.append(
                 BenchResult(f"serve_{name}_goodput[in-process vs vllm]", good.get(INPROC, nan), good[BASE], "req/s", None, params)
             )
+            split = {c: {m: {k: v[k] for k in ("mean_ttft_ms", "mean_ttft_parts_ms", "served_share", "slo_attainment")}
+                         for m, v in w["median"][c].items()} for c in (RR, ROUTE) if c in w["median"]}  # fmt: skip
             results.append(
                 BenchResult(
-                    "serve_router_goodput_vs_round_robin", good.get(ROUTE, nan), good.get(RR, nan), "req/s", ">= 1.2", params
+                    "serve_router_goodput_vs_round_robin", good.get(ROUTE, nan), good.get(RR, nan), "req/s", ">= 1.2",
+                    {**params, "ttft_and_tokens_by_rate": split},
                 )
-            )
+            )  # fmt: skip
             if STICKY in good:
                 results.append(BenchResult("serve_sticky_goodput_vs_round_robin", good[STICKY], good[RR], "req/s", None, params))
             if LMCACHE in w["median"]:

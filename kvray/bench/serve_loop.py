@@ -35,6 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from kvray.bench.serve_workload import Session
+from kvray.engines.vllm.routing import EngineCaches
 from kvray.policy.cluster import ClusterPolicy, ClusterView, NodeView, RequestView
 
 SLO_SHARE = 0.9  # goodput: the share of requests that must meet the TTFT SLO
@@ -97,25 +98,37 @@ Locate = Callable[[Sequence[int]], tuple[list[int], list[str]]]  # tokens -> (pa
 
 class PolicyRouter(Router):
     """A kvray cluster policy's ``route`` verb: ``locate`` asks the runtime for the prompt's
-    page keys and the node of each cached page; each engine's backlog is the pages its
-    outstanding requests must still prefill, at ``page_ms`` each (measured at warm-up)."""
+    page keys and the node of each cached page; with ``engine_pages`` (each engine's own
+    KV space, in pages) the pages an engine still holds in its own prefix cache, as far as
+    the routes sent to it tell (:class:`~kvray.engines.vllm.routing.EngineCaches`), count
+    as its node's, device tier; each engine's backlog is the pages its outstanding
+    requests must still prefill, at ``page_ms`` each (measured at warm-up)."""
 
-    def __init__(self, nodes: Sequence[str], policy: ClusterPolicy, locate: Locate, page_ms: float) -> None:
+    def __init__(
+        self, nodes: Sequence[str], policy: ClusterPolicy, locate: Locate, page_ms: float, engine_pages: int = 0
+    ) -> None:
         if len(set(nodes)) != len(nodes):
             raise ValueError(f"the route verb needs one engine per node; engines' nodes: {list(nodes)}")
         self.nodes, self.policy, self.locate, self.page_ms = list(nodes), policy, locate, page_ms
         self.name = f"route ({policy.name})"
         self.backlog_pages = [0] * len(nodes)
         self.pending: dict[str, tuple[int, int]] = {}
+        self.engine_caches = EngineCaches(engine_pages) if engine_pages > 0 else None
 
     def pick(self, request_id: str, session: str, tokens: Sequence[int]) -> int:
         keys, hit_nodes = self.locate(tokens)
+        tiers: tuple[str, ...] = ()
+        if self.engine_caches is not None:
+            hit_nodes, tiers = self.engine_caches.merge(keys, hit_nodes)
         view = ClusterView(
             tuple(NodeView(n, backlog_ms=self.backlog_pages[i] * self.page_ms) for i, n in enumerate(self.nodes)),
             page_prefill_ms=self.page_ms,
         )
-        engine = self.nodes.index(self.policy.route(RequestView(tuple(keys), None, tuple(hit_nodes), session), view))
+        request = RequestView(tuple(keys), None, tuple(hit_nodes), session, tiers)
+        engine = self.nodes.index(self.policy.route(request, view))
         work = len(keys) + 1 - sum(1 for n in hit_nodes if n == self.nodes[engine])  # + the partial last page
+        if self.engine_caches is not None:
+            self.engine_caches.served(self.nodes[engine], keys)
         self.backlog_pages[engine] += work
         self.pending[request_id] = (engine, work)
         return engine

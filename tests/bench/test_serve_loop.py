@@ -133,6 +133,24 @@ def test_the_route_verb_follows_the_cached_pages_and_counts_backlog():
         PolicyRouter(["a", "a"], make_cluster_policy("cost-router"), lambda t: ([], []), 1.0)
 
 
+def test_the_route_verb_counts_what_an_engine_still_holds_in_its_own_cache():
+    """The runtime reports nothing cached (its stores not yet written). A session's first
+    turn lands on b (a is busy); once both are idle its next turn goes by the tie (a)
+    without the engines' own caches, and back to b, whose engine still holds the first
+    turn's 3 pages, with them: b's backlog then counts the new page and the partial one only."""
+    keys = {"busy": [9], "turn1": [1, 2, 3], "turn2": [1, 2, 3, 4]}
+
+    def second_turn(engine_pages: int) -> tuple[int, list[int]]:
+        router = PolicyRouter(["a", "b"], make_cluster_policy("cost-router"), lambda t: (keys[t[0]], []), 10.0, engine_pages)
+        assert router.pick("r0", "other", ["busy"]) == 0 and router.pick("r1", "s", ["turn1"]) == 1
+        router.done("r0")
+        router.done("r1")
+        return router.pick("r2", "s", ["turn2"]), router.backlog_pages
+
+    assert second_turn(0) == (0, [5, 0])
+    assert second_turn(16) == (1, [0, 2])
+
+
 def test_goodput_is_the_highest_rate_meeting_the_slo_share_interpolated():
     # 95% at 2/s, 85% at 4/s: the 90% crossing lies halfway between them
     assert math.isclose(goodput({1.0: 1.0, 2.0: 0.95, 4.0: 0.85, 8.0: 0.2}), 3.0)

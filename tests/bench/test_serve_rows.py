@@ -9,12 +9,15 @@ from kvray.bench.serve import BASE, INPROC, KVRAY, LMCACHE, ROUTE, RR, STICKY, r
 
 
 def workload(goodputs: dict[str, float], ttft_ms: dict[str, float]) -> dict:
-    keys = ("saturation_rps", "slo_ttft_ms", "kv_pages", "vllm_kv_pages", "kvray_host_pages", "reuse_ceiling_tokens",
-            "measured_requests")  # fmt: skip
+    keys = ("saturation_rps", "slo_ttft_ms", "kv_pages", "vllm_kv_pages", "kvray_host_pages", "kv_over_vllm",
+            "kv_over_host", "reuse_ceiling_tokens", "measured_requests")  # fmt: skip
+    split = {"mean_ttft_parts_ms": {"wait": 1.0}, "served_share": {"computed": 1.0}, "slo_attainment": 1.0}
     return {
         **dict.fromkeys(keys, 1.0),
         "goodput_rps": goodputs,
-        "median": {c: {"0.25": {"mean_ttft_ms": 1.0, "reuse_share": 0.1}, "0.75": {"mean_ttft_ms": t, "reuse_share": 0.9}}
+        "goodput_by_repeat_rps": {c: [g, g] for c, g in goodputs.items()},
+        "median": {c: {"0.25": {"mean_ttft_ms": 1.0, "reuse_share": 0.1, **split},
+                       "0.75": {"mean_ttft_ms": t, "reuse_share": 0.9, **split}}
                    for c, t in ttft_ms.items()},
     }  # fmt: skip
 
@@ -54,6 +57,8 @@ def test_rows_have_kvray_beside_the_baseline_and_their_ratio():
     assert by_name["serve_multiround_goodput_vs_vllm"].ratio == 3.0 and by_name["serve_multiround_goodput_vs_vllm"].meets_goal
     assert by_name["serve_agentic_goodput_vs_vllm"].ratio == 4.0
     assert math.isclose(by_name["serve_router_goodput_vs_round_robin"].ratio, 1.2)
+    split = by_name["serve_router_goodput_vs_round_robin"].params["ttft_and_tokens_by_rate"]
+    assert set(split) == {RR, ROUTE} and split[ROUTE]["0.75"]["mean_ttft_ms"] == 300  # where each router's TTFT went
     assert by_name["serve_vs_lmcache_goodput"].ratio == 1.5 and by_name["serve_vs_lmcache_ttft"].ratio == 0.4
     assert by_name["serve_longdoc_hit_vs_cold[host]"].ratio == 0.2 and by_name["serve_longdoc_hit_vs_cold[host]"].meets_goal
     assert not by_name["serve_longdoc_hit_vs_cold[disk]"].meets_goal  # 2x faster: LMCache's gate is 2.3x

@@ -8,7 +8,14 @@ import pytest
 
 from kvray.core.errors import PolicyError
 from kvray.core.keys import ModelFingerprint, page_keys
-from kvray.engines.vllm.routing import Candidate, choose_replica, fingerprint_stats, keys_from_stats, least_loaded
+from kvray.engines.vllm.routing import (
+    Candidate,
+    EngineCaches,
+    choose_replica,
+    fingerprint_stats,
+    keys_from_stats,
+    least_loaded,
+)
 from kvray.policy.cluster import ClusterPolicy, ClusterView, CostRouter, LocalFirstRing, NodeView
 from tests.conftest import TINY
 
@@ -71,3 +78,20 @@ def test_the_router_keys_prompts_as_the_replicas_connector_does():
     stats = fingerprint_stats(fingerprint, "tenant-a")
     assert keys_from_stats(tokens, stats) == page_keys(tokens, fingerprint, "tenant-a")
     assert keys_from_stats(tokens, stats) != page_keys(tokens, fingerprint, "")
+
+
+def test_the_engines_own_caches_count_as_their_nodes_device_pages_until_evicted():
+    """What a router sent a node stays in that engine's own cache (LRU, ``capacity_pages``):
+    a session's next turn sees its history on that node's device tier, even where the
+    runtime placed the pages elsewhere; once other prompts pushed it out, the runtime's
+    answer stands."""
+    caches = EngineCaches(capacity_pages=4)
+    caches.served("node-a", [1, 2, 3])
+    nodes, tiers = caches.merge([1, 2, 3, 4], ["node-b", "node-b"])
+    assert nodes == ["node-a"] * 3 and tiers == ("device",) * 3  # longer than the runtime's prefix: extended
+    assert choose_replica(CostRouter(), [1, 2, 3, 4], nodes, REPLICAS, page_prefill_ms=10.0, hit_tiers=tiers) == "r-a"
+    caches.served("node-b", [1, 2])  # both hold the root: the runtime's node wins the tie
+    assert caches.merge([1, 2, 9], ["node-b", "node-b"]) == (["node-b", "node-b"], ("device", "device"))
+    caches.served("node-a", [7, 8, 9])  # node-a keeps 4 pages: the two oldest (1, 2) leave
+    assert caches.prefix("node-a", [1, 2, 3]) == 0
+    assert caches.merge([5, 6], ["node-b"]) == (["node-b"], ())  # no engine holds it: the runtime's answer

@@ -12,11 +12,13 @@ Example::
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvray.core.errors import PolicyError
 from kvray.core.keys import ModelFingerprint, page_keys
+from kvray.core.tiers import Tier
 from kvray.policy.cluster import ClusterPolicy, ClusterView, NodeView, RequestView
 
 
@@ -41,6 +43,59 @@ def keys_from_stats(tokens: Sequence[int], stats: dict) -> list[int]:
     return page_keys(tokens, fingerprint, stats["kvray_salt"])
 
 
+class EngineCaches:
+    """What each node's engine keeps in its own prefix cache (vLLM's, the device tier),
+    as the router last sent it: the page keys of the prompts routed to the node, least
+    recently routed evicted past ``capacity_pages`` (vLLM evicts its free blocks least
+    recently used). The runtime's index holds kvray's tiers only, so without this a router
+    cannot see that the replica that served a session's last turn still holds it on the
+    device, with no load at all.
+
+    Example::
+
+        caches = EngineCaches(capacity_pages=4)
+        caches.served("a", [1, 2, 3])
+        caches.merge([1, 2, 3, 9], ["b", "b"])   # (['a', 'a', 'a'], ('device', 'device', 'device'))
+    """
+
+    def __init__(self, capacity_pages: int) -> None:
+        self.capacity_pages = capacity_pages
+        self.held: dict[str, OrderedDict[int, None]] = {}
+
+    def served(self, node: str, keys: Sequence[int]) -> None:
+        """``node``'s engine computed or loaded ``keys``: they are its most recent pages."""
+        held = self.held.setdefault(node, OrderedDict())
+        for key in keys:
+            held[key] = None
+            held.move_to_end(key)
+        while len(held) > self.capacity_pages:
+            held.popitem(last=False)
+
+    def prefix(self, node: str, keys: Sequence[int]) -> int:
+        """How many leading pages of ``keys`` ``node``'s engine holds."""
+        held = self.held.get(node, {})
+        n = 0
+        while n < len(keys) and keys[n] in held:
+            n += 1
+        return n
+
+    def merge(self, keys: Sequence[int], hit_nodes: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
+        """The request's cached prefix with the engines' own caches counted: the pages of
+        the longest prefix an engine holds are that engine's node's, on the device tier
+        (served with no load), the rest where the runtime holds them (tier not reported:
+        ``host``, its first tier). Ties go to the node the runtime names for the page."""
+        nodes = list(hit_nodes)
+        best, depth = None, 0
+        for node in self.held:
+            n = self.prefix(node, keys)
+            if n > depth or (n == depth and n and nodes[:1] == [node]):
+                best, depth = node, n
+        if best is None:
+            return nodes, ()
+        nodes = [best] * depth + nodes[depth:]
+        return nodes, (Tier.DEVICE.label,) * depth + (Tier.HOST.label,) * (len(nodes) - depth)
+
+
 def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
     """The candidate with the shortest queue (the first such, in Serve's order)."""
     return min(candidates, key=lambda c: c.queue_len)
@@ -54,9 +109,10 @@ def choose_replica(
     links: ClusterView | None = None,
     request_ms: float = 0.0,
     page_prefill_ms: float = 0.0,
+    hit_tiers: Sequence[str] = (),
 ) -> str:
     """The replica for a request of page ``keys`` whose cached prefix lives on ``hit_nodes``
-    (one node per page, root first), by ``policy.route``.
+    (one node per page, root first; ``hit_tiers`` each page's tier where known), by ``policy.route``.
 
     The policy sees one node per node holding a candidate, backlog = that node's
     least-loaded candidate's queue x ``request_ms``, link utilisations and free tier shares
@@ -76,7 +132,7 @@ def choose_replica(
     nodes = tuple(
         replace(observed.get(name, NodeView(name)), backlog_ms=c.queue_len * request_ms) for name, c in per_node.items()
     )
-    request = RequestView(tuple(keys), front.node, tuple(hit_nodes))
+    request = RequestView(tuple(keys), front.node, tuple(hit_nodes), hit_tiers=tuple(hit_tiers))
     node = policy.route(request, ClusterView(nodes, page_prefill_ms))
     if node not in per_node:
         raise PolicyError(f"cluster policy {policy.name!r} routed to node {node!r}; replicas run on {', '.join(per_node)}")
