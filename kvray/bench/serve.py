@@ -577,6 +577,8 @@ def rows(out: dict) -> list[BenchResult]:
                     {**params, "ttft_and_tokens_by_rate": split},
                 )
             )  # fmt: skip
+            results.append(BenchResult("serve_router_ttft_vs_round_robin", point_near(w, ROUTE, "mean_ttft_ms", 0.75),
+                                       point_near(w, RR, "mean_ttft_ms", 0.75), "ms", None, params))  # fmt: skip
             if STICKY in good:
                 results.append(BenchResult("serve_sticky_goodput_vs_round_robin", good[STICKY], good[RR], "req/s", None, params))
             if LMCACHE in w["median"]:

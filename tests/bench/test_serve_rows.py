@@ -46,6 +46,7 @@ def test_rows_have_kvray_beside_the_baseline_and_their_ratio():
         "serve_multiround_goodput[in-process vs vllm]",
         "serve_agentic_goodput_vs_vllm",
         "serve_router_goodput_vs_round_robin",
+        "serve_router_ttft_vs_round_robin",
         "serve_sticky_goodput_vs_round_robin",
         "serve_vs_lmcache_goodput",
         "serve_vs_lmcache_ttft",
@@ -57,6 +58,7 @@ def test_rows_have_kvray_beside_the_baseline_and_their_ratio():
     assert by_name["serve_multiround_goodput_vs_vllm"].ratio == 3.0 and by_name["serve_multiround_goodput_vs_vllm"].meets_goal
     assert by_name["serve_agentic_goodput_vs_vllm"].ratio == 4.0
     assert math.isclose(by_name["serve_router_goodput_vs_round_robin"].ratio, 1.2)
+    assert by_name["serve_router_ttft_vs_round_robin"].ratio == 1.5  # 300 against 200 ms at 0.75 x saturation
     split = by_name["serve_router_goodput_vs_round_robin"].params["ttft_and_tokens_by_rate"]
     assert set(split) == {RR, ROUTE} and split[ROUTE]["0.75"]["mean_ttft_ms"] == 300  # where each router's TTFT went
     assert by_name["serve_vs_lmcache_goodput"].ratio == 1.5 and by_name["serve_vs_lmcache_ttft"].ratio == 0.4
