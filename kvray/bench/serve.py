@@ -284,6 +284,7 @@ def sweep(
         )
         point = summarize(answers, slo_s)
         point.update(
+            repeat=r,
             elapsed_s=elapsed,
             offered_rps=m * saturation,
             hit_tokens_by_tier=tiers,
@@ -327,7 +328,7 @@ def sweep(
                     measure(r, len(size.rates) + j, m, c)
     med = {c: {m: median_point(pts) for m, pts in by_rate.items() if pts} for c, by_rate in runs.items()}
     attainment = {c: {m * saturation: v["slo_attainment"] for m, v in by_rate.items()} for c, by_rate in med.items()}
-    by_repeat = {c: [goodput(a) for a in repeat_attainments(by_rate, saturation, size.repeats)] for c, by_rate in runs.items()}
+    by_repeat = {c: [goodput(a) for a in repeat_attainments(by_rate, saturation, size)] for c, by_rate in runs.items()}
     return {
         "sessions": len(probe),
         "measured_requests": len(measured_lengths),
@@ -370,12 +371,20 @@ def served_share(point: dict, kvray_tokens: dict[str, int]) -> dict[str, float]:
     return share
 
 
-def repeat_attainments(by_rate: dict[float, list[dict]], saturation: float, repeats: int) -> list[dict[float, float]]:
-    """Each repeat's SLO share by offered rate (a rate run in the first repeat only counts
-    in every repeat), for the goodput of each repeat beside the median's."""
+def repeat_attainments(by_rate: dict[float, list[dict]], saturation: float, size: Size) -> list[dict[float, float]]:
+    """Each repeat's SLO share by offered rate, for the goodput of each repeat beside the
+    median's: a rate run in the first repeat only counts in every repeat, a rate the repeat
+    skipped (past two failed rates) as failed."""
     out = []
-    for r in range(repeats):
-        out.append({m * saturation: pts[min(r, len(pts) - 1)]["slo_attainment"] for m, pts in by_rate.items() if pts})
+    for r in range(size.repeats):
+        shares = {}
+        for m, pts in by_rate.items():
+            mine = [p for p in pts if p["repeat"] == r] or [p for p in pts if m in size.once]
+            if mine:
+                shares[m * saturation] = mine[0]["slo_attainment"]
+            elif pts and m in size.rates:
+                shares[m * saturation] = 0.0
+        out.append(shares)
     return [a for a in out if a]
 
 
@@ -383,6 +392,8 @@ def median_point(points: list[dict]) -> dict:
     """The repeats' median of every figure of a sweep point (and of each part of a split one)."""
     out: dict = {}
     for k, v in points[0].items():
+        if k == "repeat":
+            continue
         if isinstance(v, (int, float)):
             out[k] = statistics.median(p[k] for p in points)
         elif k in ("mean_ttft_parts_ms", "connector_ms_per_request", "served_share"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from kvray.bench.serve import BASE, INPROC, KVRAY, LMCACHE, ROUTE, RR, STICKY, rows
+from kvray.bench.serve import BASE, FULL, INPROC, KVRAY, LMCACHE, ROUTE, RR, STICKY, repeat_attainments, rows
 
 
 def workload(goodputs: dict[str, float], ttft_ms: dict[str, float]) -> dict:
@@ -81,3 +81,15 @@ def test_without_lmcache_its_rows_are_absent_and_a_trace_names_its_rows():
     assert "serve_trace_ttft_vs_vllm" in names and "serve_trace_goodput_vs_vllm" in names
     assert not any("lmcache" in n or "sticky" in n for n in names)  # contenders that did not run have no row
     assert next(r for r in rows(out) if r.name == "serve_trace_goodput_vs_vllm").params["errors"] == {"lmcache": "not installed"}
+
+
+def test_each_repeats_goodput_counts_a_once_rate_in_every_repeat_and_a_skipped_one_as_failed():
+    def point(repeat: int, share: float) -> dict:
+        return {"repeat": repeat, "slo_attainment": share}
+
+    # 0.25x runs once; repeat 1 (the second) failed 0.75x and 1.25x and skipped 2x
+    by_rate = {0.25: [point(0, 1.0)], 0.75: [point(0, 1.0), point(1, 0.5)], 1.25: [point(0, 0.95), point(1, 0.4)],
+               2.0: [point(0, 0.8)], 3.0: [], 4.0: []}  # fmt: skip
+    first, second = repeat_attainments(by_rate, 2.0, FULL)
+    assert first == {0.5: 1.0, 1.5: 1.0, 2.5: 0.95, 4.0: 0.8}
+    assert second == {0.5: 1.0, 1.5: 0.5, 2.5: 0.4, 4.0: 0.0}
