@@ -13,7 +13,8 @@ no run finds another's pages.
 Contenders (:data:`CONTENDERS`): vLLM alone; vLLM + kvray in process (each engine's own
 host and disk tiers); vLLM + one kvray runtime over both nodes, routed round-robin,
 session-sticky, or by the cluster policy's ``route`` verb (``cost-router``: the runtime's
-answer to where the prompt's pages are, and each engine's backlog); LMCache's vLLM
+answer to where the prompt's pages are, what each engine's own cache still holds as far as
+the routes sent to it tell, and each engine's backlog); LMCache's vLLM
 connector (``LMCacheConnectorV1``) where it loads (:func:`lmcache_path`). Engines
 without a shared cache are routed session-sticky, their best case. The rows' kvray
 figure is the runtime's behind a round-robin router; the route verb has its own row.
