@@ -72,7 +72,9 @@ from kvray.bench.serve_loop import (
     Sticky,
     goodput,
     is_lower_bound,
+    repeat_attainments,
     run_closed_loop,
+    served_share,
     summarize,
 )
 from kvray.bench.serve_workload import TRACE_ENV, Session, conversations, draw, kv_pages, reuse_ceiling, trace_sessions
@@ -330,7 +332,10 @@ def sweep(
                     measure(r, len(size.rates) + j, m, c)
     med = {c: {m: median_point(pts) for m, pts in by_rate.items() if pts} for c, by_rate in runs.items()}
     attainment = {c: {m * saturation: v["slo_attainment"] for m, v in by_rate.items()} for c, by_rate in med.items()}
-    by_repeat = {c: [goodput(a) for a in repeat_attainments(by_rate, saturation, size)] for c, by_rate in runs.items()}
+    by_repeat = {
+        c: [goodput(a) for a in repeat_attainments(by_rate, saturation, size.repeats, size.once, size.rates)]
+        for c, by_rate in runs.items()
+    }
     return {
         "sessions": len(probe),
         "measured_requests": len(measured_lengths),
@@ -358,36 +363,6 @@ def sweep(
             "total": time.monotonic() - began,
         },
     }
-
-
-def served_share(point: dict, kvray_tokens: dict[str, int]) -> dict[str, float]:
-    """Where a point's prompt tokens came from, as shares of them: vLLM's own prefix cache
-    on the serving engine (cached tokens kvray did not load), each kvray tier (for the
-    runtime: ``host`` is the serving node's mapped host tier, ``local store`` its store
-    actor, ``remote`` another node), and computed."""
-    prompt = max(1, point["prompt_tokens"])
-    loaded = sum(kvray_tokens.values())
-    share = {"vllm own cache": max(0, point["cached_tokens"] - loaded) / prompt}
-    share.update({f"kvray {tier}": n / prompt for tier, n in kvray_tokens.items()})
-    share["computed"] = (point["prompt_tokens"] - point["cached_tokens"]) / prompt
-    return share
-
-
-def repeat_attainments(by_rate: dict[float, list[dict]], saturation: float, size: Size) -> list[dict[float, float]]:
-    """Each repeat's SLO share by offered rate, for the goodput of each repeat beside the
-    median's: a rate run in the first repeat only counts in every repeat, a rate the repeat
-    skipped (past two failed rates) as failed."""
-    out = []
-    for r in range(size.repeats):
-        shares = {}
-        for m, pts in by_rate.items():
-            mine = [p for p in pts if p["repeat"] == r] or [p for p in pts if m in size.once]
-            if mine:
-                shares[m * saturation] = mine[0]["slo_attainment"]
-            elif pts and m in size.rates:
-                shares[m * saturation] = 0.0
-        out.append(shares)
-    return [a for a in out if a]
 
 
 def median_point(points: list[dict]) -> dict:

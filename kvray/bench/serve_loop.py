@@ -18,7 +18,8 @@ requests on one engine) and :class:`PolicyRouter`, which asks a kvray cluster po
 ``route`` verb (:mod:`kvray.policy.cluster`) with the runtime's answer to where the
 prompt's cached pages are and each engine's backlog, as the simulator replays it.
 
-:func:`goodput` and :func:`summarize` are the sweep's arithmetic, pure.
+:func:`goodput`, :func:`summarize`, :func:`served_share` and :func:`repeat_attainments`
+are the sweep's arithmetic, pure.
 """
 
 from __future__ import annotations
@@ -241,6 +242,39 @@ def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
         "cached_tokens": sum(a.cached_tokens for a in measured),
         "requests_per_engine": dict(Counter(a.engine for a in measured)),
     }
+
+
+def served_share(point: dict, kvray_tokens: dict[str, int]) -> dict[str, float]:
+    """Where a point's prompt tokens came from, as shares of them: vLLM's own prefix cache
+    on the serving engine (cached tokens kvray did not load), each kvray tier (for the
+    runtime: ``host`` is the serving node's mapped host tier, ``local store`` its store
+    actor, ``remote`` another node), and computed."""
+    prompt = max(1, point["prompt_tokens"])
+    loaded = sum(kvray_tokens.values())
+    share = {"vllm own cache": max(0, point["cached_tokens"] - loaded) / prompt}
+    share.update({f"kvray {tier}": n / prompt for tier, n in kvray_tokens.items()})
+    share["computed"] = (point["prompt_tokens"] - point["cached_tokens"]) / prompt
+    return share
+
+
+def repeat_attainments(
+    by_rate: dict[float, list[dict]], saturation: float, repeats: int, once: Sequence[float], rates: Sequence[float]
+) -> list[dict[float, float]]:
+    """Each repeat's SLO share by offered rate (``by_rate``: points by multiple of
+    ``saturation``, each with its ``repeat``), for the goodput of each repeat beside the
+    median's: a rate in ``once`` (run in the first repeat only) counts in every repeat, one
+    of ``rates`` the repeat skipped (past its failed rates) as failed."""
+    out = []
+    for r in range(repeats):
+        shares = {}
+        for m, pts in by_rate.items():
+            mine = [p for p in pts if p["repeat"] == r] or [p for p in pts if m in once]
+            if mine:
+                shares[m * saturation] = mine[0]["slo_attainment"]
+            elif pts and m in rates:
+                shares[m * saturation] = 0.0
+        out.append(shares)
+    return [a for a in out if a]
 
 
 def goodput(attainment_by_rate: dict[float, float], share: float = SLO_SHARE) -> float:

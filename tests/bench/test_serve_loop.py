@@ -19,6 +19,7 @@ from kvray.bench.serve_loop import (
     goodput,
     is_lower_bound,
     run_closed_loop,
+    served_share,
     summarize,
 )
 from kvray.bench.serve_workload import Session, conversations
@@ -171,3 +172,10 @@ def test_summarize_ttft_percentiles_and_slo_share():
     assert point["p90_ttft_ms"] > point["p50_ttft_ms"] and point["requests"] == 10
     assert math.isclose(point["throughput_rps"], 10 / 10.0) and point["cached_tokens"] == 400
     assert math.isclose(point["request_goodput_rps"], 5 / 10.0)  # vLLM's --goodput: within the SLO per second
+
+
+def test_a_points_prompt_tokens_split_into_vllms_own_cache_kvrays_sources_and_computed():
+    """Cached tokens kvray did not load were vLLM's own; the rest of the prompt was computed."""
+    point = {"prompt_tokens": 1000, "cached_tokens": 700}
+    share = served_share(point, {"local store": 320, "remote": 192})
+    assert share == {"vllm own cache": 0.188, "kvray local store": 0.32, "kvray remote": 0.192, "computed": 0.3}

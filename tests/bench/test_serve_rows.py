@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from kvray.bench.serve import BASE, FULL, INPROC, KVRAY, LMCACHE, ROUTE, RR, STICKY, repeat_attainments, rows
+from kvray.bench.serve import BASE, FULL, INPROC, KVRAY, LMCACHE, ROUTE, RR, STICKY, rows
+from kvray.bench.serve_loop import repeat_attainments
 
 
 def workload(goodputs: dict[str, float], ttft_ms: dict[str, float]) -> dict:
@@ -90,6 +91,6 @@ def test_each_repeats_goodput_counts_a_once_rate_in_every_repeat_and_a_skipped_o
     # 0.25x runs once; repeat 1 (the second) failed 0.75x and 1.25x and skipped 2x
     by_rate = {0.25: [point(0, 1.0)], 0.75: [point(0, 1.0), point(1, 0.5)], 1.25: [point(0, 0.95), point(1, 0.4)],
                2.0: [point(0, 0.8)], 3.0: [], 4.0: []}  # fmt: skip
-    first, second = repeat_attainments(by_rate, 2.0, FULL)
+    first, second = repeat_attainments(by_rate, 2.0, FULL.repeats, FULL.once, FULL.rates)
     assert first == {0.5: 1.0, 1.5: 1.0, 2.5: 0.95, 4.0: 0.8}
     assert second == {0.5: 1.0, 1.5: 0.5, 2.5: 0.4, 4.0: 0.0}
