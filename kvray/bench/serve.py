@@ -13,7 +13,8 @@ no run finds another's pages.
 Contenders (:data:`CONTENDERS`): vLLM alone; vLLM + kvray in process (each engine's own
 host and disk tiers); vLLM + one kvray runtime over both nodes, routed round-robin,
 session-sticky, or by the cluster policy's ``route`` verb (``cost-router``: the runtime's
-answer to where the prompt's pages are, and each engine's backlog); LMCache's vLLM
+answer to where the prompt's pages are, what each engine's own cache still holds as far as
+the routes sent to it tell, and each engine's backlog); LMCache's vLLM
 connector (``LMCacheConnectorV1``) where it loads (:func:`lmcache_path`). Engines
 without a shared cache are routed session-sticky, their best case. The rows' kvray
 figure is the runtime's behind a round-robin router; the route verb has its own row.
@@ -71,7 +72,9 @@ from kvray.bench.serve_loop import (
     Sticky,
     goodput,
     is_lower_bound,
+    repeat_attainments,
     run_closed_loop,
+    served_share,
     summarize,
 )
 from kvray.bench.serve_workload import TRACE_ENV, Session, conversations, draw, kv_pages, reuse_ceiling, trace_sessions
@@ -87,7 +90,6 @@ from kvray.traces import read_trace
 SLO_SCALE = 3.0  # TTFT SLO / vLLM alone's unloaded TTFT of a cold median-length prompt
 COLD_PROBES = 3
 ROUTE_POLICY = "cost-router"
-STOP_AFTER_FAILED = 2  # a contender's sweep (within a repeat) ends after this many failed rates in a row
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,8 @@ class Size:
     crossing and not the sweep's end; 1.25x and 2x sit about vLLM alone's knee and kvray's.
     Not 300 requests per point: a point at 0.25x saturation took 0.83 s per measured
     request in a quick run (26.5 s for 32), so 300 per point, 6 rates, 3 repeats and 5
-    contenders would take over two hours; the full size is the quick sweep twice (two
-    more users, session-sticky added), for 25 minutes on the 2-core machine. Its 0.25x
+    contenders would take over two hours; the full size is the quick sweep twice (with
+    the 3x point and 0.25x for every contender, session-sticky added), for 25 minutes on the 2-core machine. Its 0.25x
     point runs once: at 0.87 /s it took half the measured time of a full run (405 of 757 s
     multi-round, 10:33 UTC on 2026-12-04) and every contender passed it in both repeats
     (94-100% within the SLO); a failure there would not lower a goodput read above it."""
@@ -113,23 +115,35 @@ class Size:
     rates: tuple[float, ...]  # offered rates / vLLM alone's saturation
     repeats: int
     once: tuple[float, ...]  # rates run in the first repeat only
+    fallback: tuple[float, ...]  # lower rates run only for a contender that met the SLO share at no rate of the repeat
     host_pages: int  # kvray per engine (in process) or node (runtime)
     disk_pages: int
     long_docs: int  # long-document pairs (cold, hit) per tier
+    stop_after_failed: int  # a contender's sweep (within a repeat) ends after this many failed rates in a row
 
 
 RATES = (0.25, 0.75, 1.25, 2.0, 3.0, 4.0)
-QUICK = Size(users=16, rounds=2, agents=24, steps=2, trace_requests=48, rates=RATES, repeats=1, once=(),
-             host_pages=48, disk_pages=1024, long_docs=2)  # fmt: skip
-FULL = Size(users=18, rounds=2, agents=24, steps=2, trace_requests=64, rates=RATES, repeats=2, once=(0.25,),
-            host_pages=48, disk_pages=1024, long_docs=3)  # fmt: skip
+# 19 users and 25 agents: odd counts, so that round-robin moves each session to the other engine every
+# turn (18 sessions sent in turn kept each on one engine, round-robin then being session-sticky
+# in effect: 0% of its prompt tokens loaded from the other node, against the route verb's 6-21%)
+# quick: no 3x point (one fewer above kvray's knee, interpolated between 2x and 4x), and
+# 0.25x only for a contender that failed every higher rate: a goodput above a passed rate
+# does not depend on the rates below it, and at 0.25x a point took 47 s of measured time
+# per contender (load 40), half of a quick sweep's. A contender stops after two failed
+# rates, as in the full size: stopping at the first let one slow point (kvray's agents at
+# 1.25x, 62% at load 12, 100% at 2x in the full run) end a sweep.
+QUICK = Size(users=19, rounds=2, agents=25, steps=2, trace_requests=48, rates=(0.75, 1.25, 2.0, 4.0), repeats=1, once=(),
+             fallback=(0.25,), host_pages=48, disk_pages=1024, long_docs=2, stop_after_failed=2)  # fmt: skip
+FULL = Size(users=19, rounds=2, agents=25, steps=2, trace_requests=64, rates=RATES, repeats=2, once=(0.25,),
+            fallback=(), host_pages=48, disk_pages=1024, long_docs=3, stop_after_failed=2)  # fmt: skip
 USER_SHARED_PAGES, USER_OWN_PAGES = 2, 6  # multi-round QA: a system prompt, a user's own context longer than it
 LONG_DOC_PAGES = 10
 # an agent: a tool prefix every agent shares, its own task, then steps that each append a
-# tool's output (the step's new prompt tokens) and the agent's next action, 50 ms apart.
-# Sized so that the agents' own pages, not the shared prefix, are most of each prompt:
-# vLLM's own cache keeps the prefix, only a cache larger than vLLM's keeps the rest.
-AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_OUTPUT_TOKENS, AGENT_ACTION_TOKENS, AGENT_GAP_S = 4, 2, 64, 32, 0.05
+# tool's output (two pages: the step's new prompt tokens) and the agent's next action, 50 ms
+# apart. Sized so that each agent's own context, grown by its tool outputs, is most of each
+# prompt and outgrows vLLM's cache: 25 agents hold 227 pages of KV (8.1x vLLM's 28, 2.4x
+# kvray's host tiers); vLLM's own cache keeps the shared prefix, only a larger cache the rest.
+AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_OUTPUT_TOKENS, AGENT_ACTION_TOKENS, AGENT_GAP_S = 2, 2, 128, 32, 0.05
 
 BASE, INPROC, RR, STICKY, ROUTE, LMCACHE = (
     "vllm",
@@ -193,7 +207,7 @@ def router_for(kind: str, group: EngineGroup, locate: Callable | None, page_ms: 
         return RoundRobin(len(group.actors))
     if kind == "sticky":
         return Sticky(len(group.actors))
-    return PolicyRouter(group.nodes, make_cluster_policy(ROUTE_POLICY), locate, page_ms)
+    return PolicyRouter(group.nodes, make_cluster_policy(ROUTE_POLICY), locate, page_ms, engine_pages=VLLM_KV_PAGES - 1)
 
 
 def say(line: str) -> None:
@@ -244,7 +258,7 @@ def sweep(
 ) -> dict:  # fmt: skip
     """vLLM alone's saturation and SLO, then every contender at every rate, repeats
     alternating; within a repeat a contender that failed the SLO share at
-    :data:`STOP_AFTER_FAILED` rates in a row is past its knee and skips the higher ones
+    ``size.stop_after_failed`` rates in a row is past its knee and skips the higher ones
     (they would take the time of its queues and, by then, not pass)."""
     began = time.monotonic()
     probe = factory(10_000 * index)
@@ -261,52 +275,67 @@ def sweep(
         f"serve {name}: vLLM alone saturates at {saturation:.2f} req/s; SLO {slo_s * 1e3:.0f} ms (cold TTFT {cold_s * 1e3:.0f} ms)"
     )
     setup_s = time.monotonic() - began
-    runs: dict[str, dict[float, list[dict]]] = {c: {m: [] for m in size.rates} for c in contenders}
+    runs: dict[str, dict[float, list[dict]]] = {c: {m: [] for m in sorted({*size.rates, *size.fallback})} for c in contenders}
+
+    def measure(r: int, p: int, m: float, c: str) -> bool:
+        """Contender ``c`` at ``m`` x saturation (the repeat's ``p``-th point): whether it met the SLO share."""
+        group_name, kind = CONTENDERS[c]
+        group = groups[group_name]
+        seed = 10_000 * index + 100 * (r * (len(size.rates) + len(size.fallback)) + p + 1) + contenders.index(c) + 2
+        load_before = os.getloadavg()[0]
+        answers, tiers, connector_ms, elapsed = play(
+            factory(seed), group, router_for(kind, group, locate, page_ms), m * saturation
+        )
+        point = summarize(answers, slo_s)
+        point.update(
+            repeat=r,
+            elapsed_s=elapsed,
+            offered_rps=m * saturation,
+            hit_tokens_by_tier=tiers,
+            connector_ms_per_request=connector_ms,  # within the TTFT's parts (wait or step)
+            reuse_share=point["cached_tokens"] / ceiling if ceiling else float("nan"),
+            served_share=served_share(point, tiers),
+            load_average_1min=[load_before, os.getloadavg()[0]],  # the machine's other work
+        )
+        runs[c][m].append(point)
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in {**point["mean_ttft_parts_ms"], **connector_ms}.items())
+        served = ", ".join(f"{k} {v:.0%}" for k, v in point["served_share"].items() if v)
+        say(f"serve {name}, repeat {r + 1}: {c} at {m:g} x saturation ({m * saturation:.2f} req/s): "
+            f"mean TTFT {point['mean_ttft_ms']:.0f} ms ({parts} ms; prompt tokens: {served}), "
+            f"{point['slo_attainment']:.0%} within the SLO; load {load_before:.1f}; {elapsed['warmup']:.0f} s warm-up, "
+            f"{elapsed['measured']:.0f} s measured")  # fmt: skip
+        return point["slo_attainment"] >= SLO_SHARE
+
     count = size.repeats * len(size.rates) * len(contenders)
     with progress_bar(count, f"serve {name}: {len(contenders)} contenders x {len(size.rates)} rates") as tick:
         done = 0
         for r in range(size.repeats):
             failed_in_a_row = dict.fromkeys(contenders, 0)
+            passed: set[str] = set()
             for p, m in enumerate(size.rates):
                 for c in contenders if (r + p) % 2 == 0 else contenders[::-1]:
                     done += 1
                     if r > 0 and m in size.once:
-                        if tick:
-                            tick(done - 1)
-                        continue
-                    if failed_in_a_row[c] >= STOP_AFTER_FAILED:
+                        pass
+                    elif failed_in_a_row[c] >= size.stop_after_failed:
                         say(f"serve {name}, repeat {r + 1}: {c} at {m:g} x saturation skipped (failed the "
-                            f"{STOP_AFTER_FAILED} rates below)")  # fmt: skip
-                        if tick:
-                            tick(done - 1)
-                        continue
-                    group_name, kind = CONTENDERS[c]
-                    group = groups[group_name]
-                    seed = 10_000 * index + 100 * (r * len(size.rates) + p + 1) + contenders.index(c) + 2
-                    load_before = os.getloadavg()[0]
-                    answers, tiers, connector_ms, elapsed = play(
-                        factory(seed), group, router_for(kind, group, locate, page_ms), m * saturation
-                    )
-                    point = summarize(answers, slo_s)
-                    failed_in_a_row[c] = failed_in_a_row[c] + 1 if point["slo_attainment"] < SLO_SHARE else 0
-                    point.update(
-                        elapsed_s=elapsed,
-                        offered_rps=m * saturation,
-                        hit_tokens_by_tier=tiers,
-                        connector_ms_per_request=connector_ms,  # within the TTFT's parts (wait or step)
-                        reuse_share=point["cached_tokens"] / ceiling if ceiling else float("nan"),
-                        load_average_1min=[load_before, os.getloadavg()[0]],  # the machine's other work
-                    )
-                    runs[c][m].append(point)
-                    parts = ", ".join(f"{k} {v:.0f}" for k, v in {**point["mean_ttft_parts_ms"], **connector_ms}.items())
-                    say(f"serve {name}, repeat {r + 1}: {c} at {m:g} x saturation ({m * saturation:.2f} req/s): "
-                        f"mean TTFT {point['mean_ttft_ms']:.0f} ms ({parts} ms), {point['slo_attainment']:.0%} within "
-                        f"the SLO; load {load_before:.1f}; {elapsed['warmup']:.0f} s warm-up, "
-                        f"{elapsed['measured']:.0f} s measured")  # fmt: skip
+                            f"{size.stop_after_failed} rates below)")  # fmt: skip
+                    elif measure(r, p, m, c):
+                        failed_in_a_row[c] = 0
+                        passed.add(c)
+                    else:
+                        failed_in_a_row[c] += 1
                     if tick:
                         tick(done - 1)
+            for c in (c for c in contenders if c not in passed):  # its goodput lies below the sweep: look there
+                for j, m in enumerate(size.fallback):
+                    measure(r, len(size.rates) + j, m, c)
     med = {c: {m: median_point(pts) for m, pts in by_rate.items() if pts} for c, by_rate in runs.items()}
     attainment = {c: {m * saturation: v["slo_attainment"] for m, v in by_rate.items()} for c, by_rate in med.items()}
+    by_repeat = {
+        c: [goodput(a) for a in repeat_attainments(by_rate, saturation, size.repeats, size.once, size.rates)]
+        for c, by_rate in runs.items()
+    }
     return {
         "sessions": len(probe),
         "measured_requests": len(measured_lengths),
@@ -314,16 +343,19 @@ def sweep(
         "kv_pages": kv_pages(probe, PAGE),
         "vllm_kv_pages": INSTANCES * VLLM_KV_PAGES,
         "kvray_host_pages": INSTANCES * size.host_pages,
+        "kv_over_vllm": kv_pages(probe, PAGE) / (INSTANCES * VLLM_KV_PAGES),  # the issue's rule: >= 5
+        "kv_over_host": kv_pages(probe, PAGE) / (INSTANCES * size.host_pages),  # and > 1
         "reuse_ceiling_tokens": ceiling,
         "measured_prompt_tokens": total,
         "saturation_rps": saturation,
         "cold_ttft_ms": cold_s * 1e3,
         "slo_ttft_ms": slo_s * 1e3,
-        "rates": {str(m): m * saturation for m in size.rates},
+        "rates": {str(m): m * saturation for m in sorted({*size.rates, *size.fallback})},
         "runs": {c: {str(m): pts for m, pts in by_rate.items()} for c, by_rate in runs.items()},
         "median": {c: {str(m): v for m, v in by_rate.items()} for c, by_rate in med.items()},
         "goodput_rps": {c: goodput(a) for c, a in attainment.items()},
         "goodput_is_lower_bound": {c: is_lower_bound(a) for c, a in attainment.items()},  # goodput a lower bound
+        "goodput_by_repeat_rps": by_repeat,  # the spread the median's goodput sits in
         "elapsed_s": {
             "setup": setup_s,  # cold probes and vLLM alone's saturation
             "warmup": sum(p["elapsed_s"]["warmup"] for by_rate in runs.values() for pts in by_rate.values() for p in pts),
@@ -337,9 +369,11 @@ def median_point(points: list[dict]) -> dict:
     """The repeats' median of every figure of a sweep point (and of each part of a split one)."""
     out: dict = {}
     for k, v in points[0].items():
+        if k == "repeat":
+            continue
         if isinstance(v, (int, float)):
             out[k] = statistics.median(p[k] for p in points)
-        elif k in ("mean_ttft_parts_ms", "connector_ms_per_request"):
+        elif k in ("mean_ttft_parts_ms", "connector_ms_per_request", "served_share"):
             out[k] = {part: statistics.median(p[k].get(part, 0.0) for p in points) for part in v}
     return out
 
@@ -452,6 +486,8 @@ def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
         if connection is not None:
             connection.__exit__(None, None, None)
     out["trace"] = trace
+    out["elapsed_s"]["total"] = time.monotonic() - started
+    say(f"serve: {out['elapsed_s']['total'] / 60:.1f} min wall (load average {os.getloadavg()[0]:.1f})")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "serve.json").write_text(json.dumps(out, indent=2))
     out["plots"] = [str(plot(name, w, out_dir / f"serve-{name}.png")) for name, w in out["workloads"].items()]
@@ -508,7 +544,8 @@ def rows(out: dict) -> list[BenchResult]:
     for index, name in enumerate(names):
         w = out["workloads"][name]
         params = {k: w[k] for k in ("saturation_rps", "slo_ttft_ms", "kv_pages", "vllm_kv_pages", "kvray_host_pages",
-                                    "reuse_ceiling_tokens", "measured_requests", "goodput_rps")}  # fmt: skip
+                                    "kv_over_vllm", "kv_over_host", "reuse_ceiling_tokens", "measured_requests",
+                                    "goodput_rps", "goodput_by_repeat_rps")}  # fmt: skip
         params["reuse_share_at_0.75"] = {c: point_near(w, c, "reuse_share", 0.75) for c in w["median"]}
         params["errors"] = out["errors"]
         good = w["goodput_rps"]
@@ -520,11 +557,16 @@ def rows(out: dict) -> list[BenchResult]:
             results.append(
                 BenchResult(f"serve_{name}_goodput[in-process vs vllm]", good.get(INPROC, nan), good[BASE], "req/s", None, params)
             )
+            split = {c: {m: {k: v[k] for k in ("mean_ttft_ms", "mean_ttft_parts_ms", "served_share", "slo_attainment")}
+                         for m, v in w["median"][c].items()} for c in (RR, ROUTE) if c in w["median"]}  # fmt: skip
             results.append(
                 BenchResult(
-                    "serve_router_goodput_vs_round_robin", good.get(ROUTE, nan), good.get(RR, nan), "req/s", ">= 1.2", params
+                    "serve_router_goodput_vs_round_robin", good.get(ROUTE, nan), good.get(RR, nan), "req/s", ">= 1.2",
+                    {**params, "ttft_and_tokens_by_rate": split},
                 )
-            )
+            )  # fmt: skip
+            results.append(BenchResult("serve_router_ttft_vs_round_robin", point_near(w, ROUTE, "mean_ttft_ms", 0.75),
+                                       point_near(w, RR, "mean_ttft_ms", 0.75), "ms", None, params))  # fmt: skip
             if STICKY in good:
                 results.append(BenchResult("serve_sticky_goodput_vs_round_robin", good[STICKY], good[RR], "req/s", None, params))
             if LMCACHE in w["median"]:

@@ -18,7 +18,8 @@ requests on one engine) and :class:`PolicyRouter`, which asks a kvray cluster po
 ``route`` verb (:mod:`kvray.policy.cluster`) with the runtime's answer to where the
 prompt's cached pages are and each engine's backlog, as the simulator replays it.
 
-:func:`goodput` and :func:`summarize` are the sweep's arithmetic, pure.
+:func:`goodput`, :func:`summarize`, :func:`served_share` and :func:`repeat_attainments`
+are the sweep's arithmetic, pure.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Protocol
 import numpy as np
 
 from kvray.bench.serve_workload import Session
+from kvray.engines.vllm.routing import EngineCaches
 from kvray.policy.cluster import ClusterPolicy, ClusterView, NodeView, RequestView
 
 SLO_SHARE = 0.9  # goodput: the share of requests that must meet the TTFT SLO
@@ -97,25 +99,37 @@ Locate = Callable[[Sequence[int]], tuple[list[int], list[str]]]  # tokens -> (pa
 
 class PolicyRouter(Router):
     """A kvray cluster policy's ``route`` verb: ``locate`` asks the runtime for the prompt's
-    page keys and the node of each cached page; each engine's backlog is the pages its
-    outstanding requests must still prefill, at ``page_ms`` each (measured at warm-up)."""
+    page keys and the node of each cached page; with ``engine_pages`` (each engine's own
+    KV space, in pages) the pages an engine still holds in its own prefix cache, as far as
+    the routes sent to it tell (:class:`~kvray.engines.vllm.routing.EngineCaches`), count
+    as its node's, device tier; each engine's backlog is the pages its outstanding
+    requests must still prefill, at ``page_ms`` each (measured at warm-up)."""
 
-    def __init__(self, nodes: Sequence[str], policy: ClusterPolicy, locate: Locate, page_ms: float) -> None:
+    def __init__(
+        self, nodes: Sequence[str], policy: ClusterPolicy, locate: Locate, page_ms: float, engine_pages: int = 0
+    ) -> None:
         if len(set(nodes)) != len(nodes):
             raise ValueError(f"the route verb needs one engine per node; engines' nodes: {list(nodes)}")
         self.nodes, self.policy, self.locate, self.page_ms = list(nodes), policy, locate, page_ms
         self.name = f"route ({policy.name})"
         self.backlog_pages = [0] * len(nodes)
         self.pending: dict[str, tuple[int, int]] = {}
+        self.engine_caches = EngineCaches(engine_pages) if engine_pages > 0 else None
 
     def pick(self, request_id: str, session: str, tokens: Sequence[int]) -> int:
         keys, hit_nodes = self.locate(tokens)
+        tiers: tuple[str, ...] = ()
+        if self.engine_caches is not None:
+            hit_nodes, tiers = self.engine_caches.merge(keys, hit_nodes)
         view = ClusterView(
             tuple(NodeView(n, backlog_ms=self.backlog_pages[i] * self.page_ms) for i, n in enumerate(self.nodes)),
             page_prefill_ms=self.page_ms,
         )
-        engine = self.nodes.index(self.policy.route(RequestView(tuple(keys), None, tuple(hit_nodes), session), view))
+        request = RequestView(tuple(keys), None, tuple(hit_nodes), session, tiers)
+        engine = self.nodes.index(self.policy.route(request, view))
         work = len(keys) + 1 - sum(1 for n in hit_nodes if n == self.nodes[engine])  # + the partial last page
+        if self.engine_caches is not None:
+            self.engine_caches.served(self.nodes[engine], keys)
         self.backlog_pages[engine] += work
         self.pending[request_id] = (engine, work)
         return engine
@@ -228,6 +242,39 @@ def summarize(answers: Sequence[Answer], slo_s: float) -> dict:
         "cached_tokens": sum(a.cached_tokens for a in measured),
         "requests_per_engine": dict(Counter(a.engine for a in measured)),
     }
+
+
+def served_share(point: dict, kvray_tokens: dict[str, int]) -> dict[str, float]:
+    """Where a point's prompt tokens came from, as shares of them: vLLM's own prefix cache
+    on the serving engine (cached tokens kvray did not load), each kvray tier (for the
+    runtime: ``host`` is the serving node's mapped host tier, ``local store`` its store
+    actor, ``remote`` another node), and computed."""
+    prompt = max(1, point["prompt_tokens"])
+    loaded = sum(kvray_tokens.values())
+    share = {"vllm own cache": max(0, point["cached_tokens"] - loaded) / prompt}
+    share.update({f"kvray {tier}": n / prompt for tier, n in kvray_tokens.items()})
+    share["computed"] = (point["prompt_tokens"] - point["cached_tokens"]) / prompt
+    return share
+
+
+def repeat_attainments(
+    by_rate: dict[float, list[dict]], saturation: float, repeats: int, once: Sequence[float], rates: Sequence[float]
+) -> list[dict[float, float]]:
+    """Each repeat's SLO share by offered rate (``by_rate``: points by multiple of
+    ``saturation``, each with its ``repeat``), for the goodput of each repeat beside the
+    median's: a rate in ``once`` (run in the first repeat only) counts in every repeat, one
+    of ``rates`` the repeat skipped (past its failed rates) as failed."""
+    out = []
+    for r in range(repeats):
+        shares = {}
+        for m, pts in by_rate.items():
+            mine = [p for p in pts if p["repeat"] == r] or [p for p in pts if m in once]
+            if mine:
+                shares[m * saturation] = mine[0]["slo_attainment"]
+            elif pts and m in rates:
+                shares[m * saturation] = 0.0
+        out.append(shares)
+    return [a for a in out if a]
 
 
 def goodput(attainment_by_rate: dict[float, float], share: float = SLO_SHARE) -> float:

@@ -47,6 +47,8 @@ RUNTIME = "serve-routers"
 HOST_PAGES = 48  # per node, as the served benchmark's runtime
 COLD_PROBES = 3
 # one replica of each deployment per node; both deployments' on the nodes' one CPU each
+# kvray's router counts what each replica's own vLLM cache still holds (its KV space, less vLLM's null block)
+ROUTER_SETTINGS = {"kvray": {"engine_cache_pages": VLLM_KV_PAGES - 1}}
 REPLICA_OPTIONS = {"max_replicas_per_node": 1, "ray_actor_options": {"num_cpus": 0.5}}
 
 
@@ -124,7 +126,7 @@ def measure(spec: dict) -> dict:
             for router in ROUTERS:
                 serve.run(
                     vllm_app(model, block_size, dtype, runtime=RUNTIME, num_replicas=2, engine=args, router=router,
-                             replica_options=REPLICA_OPTIONS),
+                             router_settings=ROUTER_SETTINGS.get(router), replica_options=REPLICA_OPTIONS),
                     name=router, route_prefix=f"/{router}",
                 )  # fmt: skip
             pools = {

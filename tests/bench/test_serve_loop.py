@@ -19,6 +19,7 @@ from kvray.bench.serve_loop import (
     goodput,
     is_lower_bound,
     run_closed_loop,
+    served_share,
     summarize,
 )
 from kvray.bench.serve_workload import Session, conversations
@@ -133,6 +134,24 @@ def test_the_route_verb_follows_the_cached_pages_and_counts_backlog():
         PolicyRouter(["a", "a"], make_cluster_policy("cost-router"), lambda t: ([], []), 1.0)
 
 
+def test_the_route_verb_counts_what_an_engine_still_holds_in_its_own_cache():
+    """The runtime reports nothing cached (its stores not yet written). A session's first
+    turn lands on b (a is busy); once both are idle its next turn goes by the tie (a)
+    without the engines' own caches, and back to b, whose engine still holds the first
+    turn's 3 pages, with them: b's backlog then counts the new page and the partial one only."""
+    keys = {"busy": [9], "turn1": [1, 2, 3], "turn2": [1, 2, 3, 4]}
+
+    def second_turn(engine_pages: int) -> tuple[int, list[int]]:
+        router = PolicyRouter(["a", "b"], make_cluster_policy("cost-router"), lambda t: (keys[t[0]], []), 10.0, engine_pages)
+        assert router.pick("r0", "other", ["busy"]) == 0 and router.pick("r1", "s", ["turn1"]) == 1
+        router.done("r0")
+        router.done("r1")
+        return router.pick("r2", "s", ["turn2"]), router.backlog_pages
+
+    assert second_turn(0) == (0, [5, 0])
+    assert second_turn(16) == (1, [0, 2])
+
+
 def test_goodput_is_the_highest_rate_meeting_the_slo_share_interpolated():
     # 95% at 2/s, 85% at 4/s: the 90% crossing lies halfway between them
     assert math.isclose(goodput({1.0: 1.0, 2.0: 0.95, 4.0: 0.85, 8.0: 0.2}), 3.0)
@@ -153,3 +172,10 @@ def test_summarize_ttft_percentiles_and_slo_share():
     assert point["p90_ttft_ms"] > point["p50_ttft_ms"] and point["requests"] == 10
     assert math.isclose(point["throughput_rps"], 10 / 10.0) and point["cached_tokens"] == 400
     assert math.isclose(point["request_goodput_rps"], 5 / 10.0)  # vLLM's --goodput: within the SLO per second
+
+
+def test_a_points_prompt_tokens_split_into_vllms_own_cache_kvrays_sources_and_computed():
+    """Cached tokens kvray did not load were vLLM's own; the rest of the prompt was computed."""
+    point = {"prompt_tokens": 1000, "cached_tokens": 700}
+    share = served_share(point, {"local store": 320, "remote": 192})
+    assert share == {"vllm own cache": 0.188, "kvray local store": 0.32, "kvray remote": 0.192, "computed": 0.3}

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import math
 
-from kvray.bench.serve import BASE, INPROC, KVRAY, LMCACHE, ROUTE, RR, STICKY, rows
+from kvray.bench.serve import BASE, FULL, INPROC, KVRAY, LMCACHE, ROUTE, RR, STICKY, rows
+from kvray.bench.serve_loop import repeat_attainments
 
 
 def workload(goodputs: dict[str, float], ttft_ms: dict[str, float]) -> dict:
-    keys = ("saturation_rps", "slo_ttft_ms", "kv_pages", "vllm_kv_pages", "kvray_host_pages", "reuse_ceiling_tokens",
-            "measured_requests")  # fmt: skip
+    keys = ("saturation_rps", "slo_ttft_ms", "kv_pages", "vllm_kv_pages", "kvray_host_pages", "kv_over_vllm",
+            "kv_over_host", "reuse_ceiling_tokens", "measured_requests")  # fmt: skip
+    split = {"mean_ttft_parts_ms": {"wait": 1.0}, "served_share": {"computed": 1.0}, "slo_attainment": 1.0}
     return {
         **dict.fromkeys(keys, 1.0),
         "goodput_rps": goodputs,
-        "median": {c: {"0.25": {"mean_ttft_ms": 1.0, "reuse_share": 0.1}, "0.75": {"mean_ttft_ms": t, "reuse_share": 0.9}}
+        "goodput_by_repeat_rps": {c: [g, g] for c, g in goodputs.items()},
+        "median": {c: {"0.25": {"mean_ttft_ms": 1.0, "reuse_share": 0.1, **split},
+                       "0.75": {"mean_ttft_ms": t, "reuse_share": 0.9, **split}}
                    for c, t in ttft_ms.items()},
     }  # fmt: skip
 
@@ -43,6 +47,7 @@ def test_rows_have_kvray_beside_the_baseline_and_their_ratio():
         "serve_multiround_goodput[in-process vs vllm]",
         "serve_agentic_goodput_vs_vllm",
         "serve_router_goodput_vs_round_robin",
+        "serve_router_ttft_vs_round_robin",
         "serve_sticky_goodput_vs_round_robin",
         "serve_vs_lmcache_goodput",
         "serve_vs_lmcache_ttft",
@@ -54,6 +59,9 @@ def test_rows_have_kvray_beside_the_baseline_and_their_ratio():
     assert by_name["serve_multiround_goodput_vs_vllm"].ratio == 3.0 and by_name["serve_multiround_goodput_vs_vllm"].meets_goal
     assert by_name["serve_agentic_goodput_vs_vllm"].ratio == 4.0
     assert math.isclose(by_name["serve_router_goodput_vs_round_robin"].ratio, 1.2)
+    assert by_name["serve_router_ttft_vs_round_robin"].ratio == 1.5  # 300 against 200 ms at 0.75 x saturation
+    split = by_name["serve_router_goodput_vs_round_robin"].params["ttft_and_tokens_by_rate"]
+    assert set(split) == {RR, ROUTE} and split[ROUTE]["0.75"]["mean_ttft_ms"] == 300  # where each router's TTFT went
     assert by_name["serve_vs_lmcache_goodput"].ratio == 1.5 and by_name["serve_vs_lmcache_ttft"].ratio == 0.4
     assert by_name["serve_longdoc_hit_vs_cold[host]"].ratio == 0.2 and by_name["serve_longdoc_hit_vs_cold[host]"].meets_goal
     assert not by_name["serve_longdoc_hit_vs_cold[disk]"].meets_goal  # 2x faster: LMCache's gate is 2.3x
@@ -74,3 +82,15 @@ def test_without_lmcache_its_rows_are_absent_and_a_trace_names_its_rows():
     assert "serve_trace_ttft_vs_vllm" in names and "serve_trace_goodput_vs_vllm" in names
     assert not any("lmcache" in n or "sticky" in n for n in names)  # contenders that did not run have no row
     assert next(r for r in rows(out) if r.name == "serve_trace_goodput_vs_vllm").params["errors"] == {"lmcache": "not installed"}
+
+
+def test_each_repeats_goodput_counts_a_once_rate_in_every_repeat_and_a_skipped_one_as_failed():
+    def point(repeat: int, share: float) -> dict:
+        return {"repeat": repeat, "slo_attainment": share}
+
+    # 0.25x runs once; repeat 1 (the second) failed 0.75x and 1.25x and skipped 2x
+    by_rate = {0.25: [point(0, 1.0)], 0.75: [point(0, 1.0), point(1, 0.5)], 1.25: [point(0, 0.95), point(1, 0.4)],
+               2.0: [point(0, 0.8)], 3.0: [], 4.0: []}  # fmt: skip
+    first, second = repeat_attainments(by_rate, 2.0, FULL.repeats, FULL.once, FULL.rates)
+    assert first == {0.5: 1.0, 1.5: 1.0, 2.5: 0.95, 4.0: 0.8}
+    assert second == {0.5: 1.0, 1.5: 0.5, 2.5: 0.4, 4.0: 0.0}

@@ -8,7 +8,14 @@ import pytest
 
 from kvray.core.errors import PolicyError
 from kvray.core.keys import ModelFingerprint, page_keys
-from kvray.engines.vllm.routing import Candidate, choose_replica, fingerprint_stats, keys_from_stats, least_loaded
+from kvray.engines.vllm.routing import (
+    Candidate,
+    EngineCaches,
+    choose_replica,
+    fingerprint_stats,
+    keys_from_stats,
+    least_loaded,
+)
 from kvray.policy.cluster import (
     ClusterPolicy,
     ClusterView,
@@ -94,3 +101,23 @@ def test_a_learned_route_serves_here_unchanged_on_the_views_the_controller_gives
         view = RequestView(KEYS, front, tuple(hit_nodes), hit_tiers=tuple(tiers))
         direct = make_cluster_policy("rl-router").route(view, ClusterView(nodes, 5.0))
         assert routed == {"node-a": "r-a", "node-b": "r-b"}[direct]
+
+
+def test_the_engines_own_caches_count_as_their_nodes_device_pages_until_evicted():
+    """What a router sent a node stays in that engine's own cache (LRU, ``capacity_pages``):
+    a session's next turn sees its history on that node's device tier, even where the
+    runtime placed the pages elsewhere; once other prompts pushed it out, the runtime's
+    answer stands."""
+    caches = EngineCaches(capacity_pages=4)
+    caches.served("node-a", [1, 2, 3])
+    nodes, tiers = caches.merge([1, 2, 3, 4], ["node-b", "node-b"])
+    assert nodes == ["node-a"] * 3 and tiers == ("device",) * 3  # longer than the runtime's prefix: extended
+    assert choose_replica(CostRouter(), [1, 2, 3, 4], nodes, REPLICAS, page_prefill_ms=10.0, hit_tiers=tiers) == "r-a"
+    caches.served("node-b", [1, 2])  # both hold the root: the runtime's node wins the tie
+    assert caches.merge([1, 2, 9], ["node-b", "node-b"]) == (["node-b", "node-b"], ("device", "device"))
+    caches.served("node-a", [7, 8, 9])  # node-a keeps 4 pages: the two oldest (1, 2) leave
+    assert caches.prefix("node-a", [1, 2, 3]) == 0
+    assert caches.merge([5, 6], ["node-b"]) == (["node-b"], ())  # no engine holds it: the runtime's answer
+    assert caches.merge([5, 6], ["node-b"], ["disk"]) == (["node-b"], ("disk",))  # with the tiers it names
+    caches.served("node-a", [5])
+    assert caches.merge([5, 6], ["node-b", "node-b"], ["host", "disk"]) == (["node-a", "node-b"], ("device", "disk"))

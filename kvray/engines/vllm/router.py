@@ -17,7 +17,11 @@ What the controller's index does not hold it cannot route on: it knows each page
 and its tier only where nodes have one tier (stores keep tiers), so the view carries what
 ``Controller.decide`` shows the policy for the same request; ``page_prefill_ms`` is the
 runtime's when it has one (the router's setting otherwise). The engine that serves the
-request asks the policy's other verbs itself (:mod:`kvray.engines.vllm.verbs`).
+request asks the policy's other verbs itself (:mod:`kvray.engines.vllm.verbs`). Nothing of
+the engines' own prefix caches is in the index: with ``engine_cache_pages`` set (each
+replica's vLLM KV space, in pages) the router also keeps what it sent each node
+(:class:`~kvray.engines.vllm.routing.EngineCaches`): the replica that served a session's
+last turn still holds it on the device, so those pages count as that node's, device tier.
 
 When the controller cannot be reached within ``lookup_timeout_s`` (not started,
 restarting, slow) or no replica has published its fingerprint yet, the request goes to
@@ -43,7 +47,7 @@ import time
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from kvray.engines.vllm.routing import Candidate, choose_replica, keys_from_stats, least_loaded
+from kvray.engines.vllm.routing import Candidate, EngineCaches, choose_replica, keys_from_stats, least_loaded
 from kvray.policy.cluster import ClusterView, RequestView, make_cluster_policy
 
 log = logging.getLogger(__name__)
@@ -67,8 +71,9 @@ class KvrayRequestRouter(FIFOMixin, RequestRouter):
     Settings (``request_router_kwargs``): ``runtime`` (the kvray runtime's name),
     ``policy`` (a cluster policy name or import path, default ``cost-router``),
     ``page_prefill_ms`` (time to recompute one page on these engines, which weighs pages
-    against queues, when the runtime does not say), ``request_ms`` (the time per request assumed until one is measured)
-    and ``lookup_timeout_s`` (how long to wait for the controller before routing by load).
+    against queues, when the runtime does not say), ``request_ms`` (the time per request assumed
+    until one is measured), ``lookup_timeout_s`` (how long to wait for the controller before
+    routing by load) and ``engine_cache_pages`` (each replica's own KV space in pages; 0: not counted).
     """
 
     def initialize_state(
@@ -78,12 +83,14 @@ class KvrayRequestRouter(FIFOMixin, RequestRouter):
         page_prefill_ms: float = 1.0,
         request_ms: float = 100.0,
         lookup_timeout_s: float = 1.0,
+        engine_cache_pages: int = 0,
     ) -> None:
         self.runtime = runtime
         self.policy = make_cluster_policy(policy)
         self.page_prefill_ms = page_prefill_ms
         self.request_ms = request_ms
         self.lookup_timeout_s = lookup_timeout_s
+        self.engine_caches = EngineCaches(engine_cache_pages) if engine_cache_pages > 0 else None
         self._shards = None
         self._next_find = 0.0
         self._started: dict[str, float] = {}  # internal request id -> when it was routed
@@ -111,10 +118,14 @@ class KvrayRequestRouter(FIFOMixin, RequestRouter):
         if located is None:
             return least_loaded(candidates).replica
         request, links = located
+        hit_nodes, tiers = request.hit_nodes, request.hit_tiers
+        if self.engine_caches is not None:
+            hit_nodes, tiers = self.engine_caches.merge(keys, hit_nodes, tiers)
         page_ms = links.page_prefill_ms or self.page_prefill_ms  # the runtime's, which its engines' decisions see
-        return choose_replica(
-            self.policy, keys, request.hit_nodes, candidates, links, self.request_ms, page_ms, request.hit_tiers
-        )
+        chosen = choose_replica(self.policy, keys, hit_nodes, candidates, links, self.request_ms, page_ms, tiers)
+        if self.engine_caches is not None:
+            self.engine_caches.served(next(c.node for c in candidates if c.replica == chosen), keys)
+        return chosen
 
     def _keys(self, tokens: list[int] | None, replicas: list[RunningReplica]) -> list[int]:
         """The request's page keys as the replicas' connectors make them (none before a

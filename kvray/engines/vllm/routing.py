@@ -12,11 +12,13 @@ Example::
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvray.core.errors import PolicyError
 from kvray.core.keys import ModelFingerprint, page_keys
+from kvray.core.tiers import Tier
 from kvray.policy.cluster import ClusterPolicy, ClusterView, NodeView, RequestView
 
 
@@ -39,6 +41,62 @@ def keys_from_stats(tokens: Sequence[int], stats: dict) -> list[int]:
     """The page keys of ``tokens`` under a replica's published :func:`fingerprint_stats`."""
     fingerprint = ModelFingerprint(bytes.fromhex(stats["kvray_digest"]), stats["page_tokens"])
     return page_keys(tokens, fingerprint, stats["kvray_salt"])
+
+
+class EngineCaches:
+    """What each node's engine keeps in its own prefix cache (vLLM's, the device tier),
+    as the router last sent it: the page keys of the prompts routed to the node, least
+    recently routed evicted past ``capacity_pages`` (vLLM evicts its free blocks least
+    recently used). The runtime's index holds kvray's tiers only, so without this a router
+    cannot see that the replica that served a session's last turn still holds it on the
+    device, with no load at all.
+
+    Example::
+
+        caches = EngineCaches(capacity_pages=4)
+        caches.served("a", [1, 2, 3])
+        caches.merge([1, 2, 3, 9], ["b", "b"])   # (['a', 'a', 'a'], ('device', 'device', 'device'))
+    """
+
+    def __init__(self, capacity_pages: int) -> None:
+        self.capacity_pages = capacity_pages
+        self.held: dict[str, OrderedDict[int, None]] = {}
+
+    def served(self, node: str, keys: Sequence[int]) -> None:
+        """``node``'s engine computed or loaded ``keys``: they are its most recent pages."""
+        held = self.held.setdefault(node, OrderedDict())
+        for key in keys:
+            held[key] = None
+            held.move_to_end(key)
+        while len(held) > self.capacity_pages:
+            held.popitem(last=False)
+
+    def prefix(self, node: str, keys: Sequence[int]) -> int:
+        """How many leading pages of ``keys`` ``node``'s engine holds."""
+        held = self.held.get(node, {})
+        n = 0
+        while n < len(keys) and keys[n] in held:
+            n += 1
+        return n
+
+    def merge(
+        self, keys: Sequence[int], hit_nodes: Sequence[str], hit_tiers: Sequence[str] = ()
+    ) -> tuple[list[str], tuple[str, ...]]:
+        """The request's cached prefix with the engines' own caches counted: the pages of
+        the longest prefix an engine holds are that engine's node's, on the device tier
+        (served with no load), the rest where the runtime holds them, on ``hit_tiers`` where
+        the runtime names them (``host``, its first tier, where not). Ties go to the node the
+        runtime names for the page."""
+        nodes = list(hit_nodes)
+        best, depth = None, 0
+        for node in self.held:
+            n = self.prefix(node, keys)
+            if n > depth or (n == depth and n and nodes[:1] == [node]):
+                best, depth = node, n
+        if best is None:
+            return nodes, tuple(hit_tiers)
+        rest = tuple(hit_tiers[depth:]) if hit_tiers else (Tier.HOST.label,) * (len(nodes) - depth)
+        return [best] * depth + nodes[depth:], (Tier.DEVICE.label,) * depth + rest
 
 
 def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
