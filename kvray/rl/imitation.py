@@ -12,7 +12,8 @@ trace by time, at capacities 2/5/10/25% of each source's unique pages, on one no
 ``loads``, each source and capacity is also replayed with its arrival gaps scaled so that
 LRU keeps the prefill engine busy that share of the time (:mod:`kvray.sim.load`), where a
 miss also delays the requests queued behind it: a decision's weight is then multiplied by
-one plus the requests' worth of work queued ahead of it (:func:`queue_weight`).
+one plus the requests' worth of work queued ahead of it
+(:func:`~kvray.policy.reuse.queue_weight`).
 
 Everything random (which decisions are recorded, the fit's initialisation and batches)
 comes from the seed: a run reproduces its weights bit for bit on one machine.
