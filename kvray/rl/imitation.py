@@ -10,9 +10,9 @@ is refitted on all rounds' rows (DAgger's aggregation). Only the training source
 replayed: the five generated families (seeds 100-104) and the first part of each training
 trace by time, at capacities 2/5/10/25% of each source's unique pages, on one node; with
 ``loads``, each source and capacity is also replayed with its arrival gaps scaled so that
-LRU keeps the prefill engine busy that share of the time (:mod:`kvray.sim.load`), where a
-miss also delays the requests queued behind it: a decision's weight is then multiplied by
-one plus the requests' worth of work queued ahead of it
+LRU keeps the prefill engine busy that share of the time (:mod:`kvray.sim.load`). A miss
+also delays the requests queued behind it, so a decision's weight (at any rate where a
+queue forms) is multiplied by one plus the requests' worth of work queued ahead of it
 (:func:`~kvray.policy.reuse.queue_weight`).
 
 Everything random (which decisions are recorded, the fit's initialisation and batches)
