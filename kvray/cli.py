@@ -473,6 +473,10 @@ def train_reuse(
     never_read_candidates: int = typer.Option(
         32, "--never-read-candidates", callback=NON_NEGATIVE, help="... and the oldest pages never read since stored"
     ),
+    load: list[float] = typer.Option(
+        [], "--load", callback=LOAD, help=LOAD_HELP + ", per source and capacity; repeat for several (none: the own rate)"
+    ),
+    own_rate: bool = typer.Option(True, "--own-rate/--no-own-rate", help="with --load, also train at each source's own rate"),
 ) -> None:
     """Train the per-page reuse policy (`--policy reuse`) by imitating the Belady oracle with DAgger rounds,
     on one node (simulations/h100-llama8b.yaml), over the generated families (seeds 100-104) and the first part of
@@ -481,7 +485,10 @@ def train_reuse(
 
     with reported_errors():
         pool = (lru_candidates, frequency_candidates, never_read_candidates)
-        card = train_reuse_policy(out, seed, rounds, jobs, record, family, trace, fraction, train_fraction, pool, console.print)
+        loads = ([None] if own_rate or not load else []) + list(load)
+        card = train_reuse_policy(
+            out, seed, rounds, jobs, record, family, trace, fraction, train_fraction, pool, console.print, loads
+        )
     console.print(f"wrote {out}: {card['training']['decisions']} decisions in {card['training']['wall_s']} s")
 
 

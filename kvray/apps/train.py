@@ -137,10 +137,11 @@ def train_reuse_policy(
     train_fraction: float,
     pool: tuple[int, int, int],
     progress: Callable[[str], None] | None = None,
+    loads: Sequence[float | None] = (None,),
 ) -> dict:
     """``kvray train-reuse``: the per-page reuse model imitating the oracle over the training
     sources (:mod:`kvray.rl.imitation`), written with its card into ``out``."""
     from kvray.rl.imitation import train_reuse, training_sources
 
     sources = training_sources(families, [str(t) for t in traces], train_fraction)
-    return train_reuse(out, sources, seed, rounds, jobs, record, capacity_fractions, say=progress, pool=pool)
+    return train_reuse(out, sources, seed, rounds, jobs, record, capacity_fractions, say=progress, pool=pool, loads=loads)

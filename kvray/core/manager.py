@@ -281,7 +281,12 @@ class CacheManager:
         every load, whose copies have just evicted the interpreter's data from cache."""
         if type(self.policy).promote_target is PlacementPolicy.promote_target:
             return
-        for handle in handles.tolist():
+        index = self.index
+        handles = handles.tolist()
+        keys = [index.key_of(handle) for handle in handles]
+        for handle, key in zip(handles, keys):
+            if index.handle_of(key) != handle:  # dropped making room for an earlier one's move
+                continue
             src = TIERS[self.index.tier[handle]]
             dst = self.policy.promote_target(handle, src)
             if dst is not None and dst in self.slots and dst != src and self.index.pins[handle] == 0:

@@ -21,6 +21,7 @@ from kvray.policy.belady import BeladyPolicy
 from kvray.policy.experts import ExpertsPolicy
 from kvray.policy.lecar import LeCaRPolicy
 from kvray.policy.lfu import LFUPolicy
+from kvray.policy.promote import promoting
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.policy.selective import SelectiveWritePolicy
 from kvray.policy.sieve import SievePolicy
@@ -56,6 +57,9 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "reuse": _reuse,
     "reuse-online": lambda: _reuse(refit=True),
     "reuse-admit": lambda: _reuse(disk_gate=True),  # and NVMe writes gated by predicted reuse (reuse_admission)
+    # references: a heuristic with reuse's promotion of disk reads to host (kvray.policy.promote)
+    "lru-promote": promoting(LRUPolicy),
+    "s3fifo-promote": promoting(S3FIFOPolicy),
 }
 
 

@@ -44,6 +44,7 @@ from kvray.core.index import ROOT, PrefixIndex
 from kvray.core.placement import LRUPolicy, PageContext, PlacementPolicy, RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy.page_features import SOURCES, PageFeatures
+from kvray.policy.promote import promote_target
 from kvray.policy.reuse_admission import DiskGate
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
 from kvray.policy.reuse_online import SAMPLE, DelayedLabels, ShadowTripwire
@@ -84,6 +85,7 @@ class ReusePolicy(PlacementPolicy):
         shadow_sample: int = SAMPLE,
         depth_scale: int = 1,
         disk_gate: bool = False,
+        promote: bool = True,
     ):
         self.pool = pool or (model.pool if model is not None else POOL)
         if model is not None and model.pool != self.pool:
@@ -99,6 +101,7 @@ class ReusePolicy(PlacementPolicy):
         self.teacher = teacher
         self.disk_gate = disk_gate and model is not None  # write to disk only what predicted reuse pays for (reuse_admission)
         self.needs_disk_util = self.disk_gate
+        self.promote = promote  # a page read from disk moves up (kvray.policy.promote), whichever rule evicts
         self.needs_future = teacher  # the simulator tells a teacher the future, as it tells Belady
         self.record = record  # share of decisions whose candidates are kept as training rows
         self._rng = np.random.default_rng(seed)
@@ -132,6 +135,7 @@ class ReusePolicy(PlacementPolicy):
         self.features = PageFeatures(ghost_capacity=max(sum(capacities.values()), 1))
         self._request_pages = 1
         self._tier_cost: Mapping[Tier, float] = {}
+        self._queue_weight = 1.0  # teacher only: what a miss costs beyond its own request (queue_weight)
         self._next = np.full(1024, np.inf)  # teacher only: each page's next use (request index)
         self._upcoming = np.empty(0)
         self._labels = DelayedLabels() if self.refit else None
@@ -144,7 +148,8 @@ class ReusePolicy(PlacementPolicy):
         if self.disk_gate and capacities.get(Tier.DISK, 0) > 0:
             self._gate = DiskGate(self.model.mean, self.model.scale, capacities[Tier.DISK])
         if self.tripwire_margin is not None:
-            learned = ReusePolicy(self.model, pool=self.pool, depth_scale=self.shadow_sample)  # the model alone, in a shadow
+            # the model alone, in a shadow; no shadow promotes: they compare the eviction rules
+            learned = ReusePolicy(self.model, pool=self.pool, depth_scale=self.shadow_sample, promote=False)
             self._tripwire = ShadowTripwire(
                 learned, TRIPWIRE_HEURISTICS, capacities, self.tripwire_margin, sample=self.shadow_sample
             )
@@ -156,6 +161,8 @@ class ReusePolicy(PlacementPolicy):
         self.features.tick(info.arrival_ms)
         self._request_pages = max(len(info.keys) * self.depth_scale, 1)
         self._tier_cost = info.tier_cost or {}
+        if self.teacher:
+            self._queue_weight = queue_weight(info.backlog_ms, info.page_prefill_ms * self._request_pages)
         self._pending.clear()
         self._leaving = None
         if self._tripwire is not None:
@@ -344,6 +351,13 @@ class ReusePolicy(PlacementPolicy):
             self._gate_rows = dict(zip(handles[order[: self.take]].tolist(), rows[order[: self.take]]))
         return handles[order].tolist()
 
+    def promote_target(self, handle: int, tier: Tier) -> Tier | None:
+        """A page read from disk moves up to host memory (:mod:`kvray.policy.promote`), making
+        room there as the policy (or the heuristic it follows) evicts: without it a hot page,
+        once demoted, stays on disk as long as it is read, each read a disk load held on the
+        prefill engine (docs/sim-eval, "Promotion": most of the gain at load is this)."""
+        return promote_target(tier) if self.promote else None
+
     def demote_target(self, handle: int, tier: Tier) -> Tier | None:
         """One tier down; into disk, only when the gate says the write pays (with a gate)."""
         below = self._below[tier]
@@ -374,7 +388,19 @@ class ReusePolicy(PlacementPolicy):
         miss = self._tier_cost.get(below, 1.0) if below in self.capacities and self.capacities[below] > 0 else 1.0
         self.rows.append(rows)
         self.labels.append(log_next_use(self._next[handles] - (self.features.now - 1.0)))
-        self.weights.append(max(min(miss, 1.0), 0.05))
+        self.weights.append(max(min(miss, 1.0), 0.05) * self._queue_weight)
+
+
+QUEUE_WEIGHT_CAP = 16.0  # a training decision weighs at most this many times its miss cost
+
+
+def queue_weight(backlog_ms: float, request_ms: float) -> float:
+    """How many requests a miss delays: the request itself and, under load, those whose work is
+    queued ahead of it, each paying again for a slower service (capped at :data:`QUEUE_WEIGHT_CAP`);
+    1 where nothing is queued or time is not modeled."""
+    if request_ms <= 0 or backlog_ms <= 0:
+        return 1.0
+    return min(1.0 + backlog_ms / request_ms, QUEUE_WEIGHT_CAP)
 
 
 def decision_time_us(model: ReuseModel, pages: int = 4096, repeats: int = 200) -> float:

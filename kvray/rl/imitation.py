@@ -8,7 +8,12 @@ as the oracle among the candidates (the expert); every later round rolls out the
 fitted so far, so that it is labelled on the states its own choices lead to, and the model
 is refitted on all rounds' rows (DAgger's aggregation). Only the training sources are
 replayed: the five generated families (seeds 100-104) and the first part of each training
-trace by time, at capacities 2/5/10/25% of each source's unique pages, on one node.
+trace by time, at capacities 2/5/10/25% of each source's unique pages, on one node; with
+``loads``, each source and capacity is also replayed with its arrival gaps scaled so that
+LRU keeps the prefill engine busy that share of the time (:mod:`kvray.sim.load`). A miss
+also delays the requests queued behind it, so a decision's weight (at any rate where a
+queue forms) is multiplied by one plus the requests' worth of work queued ahead of it
+(:func:`~kvray.policy.reuse.queue_weight`).
 
 Everything random (which decisions are recorded, the fit's initialisation and batches)
 comes from the seed: a run reproduces its weights bit for bit on one machine.
@@ -39,6 +44,7 @@ from kvray.policy.reuse import POOL, TAKE, ReusePolicy
 from kvray.policy.reuse_model import WEIGHTS_FILE, ReuseModel, batch_groups
 from kvray.rl.train import split_by_time
 from kvray.scenario import DEFAULT_SCENARIO, Scenario, load_scenario
+from kvray.sim.load import find_load
 from kvray.sim.node import node_capacities
 from kvray.sim.simulator import Simulator
 from kvray.traces import TraceRequest, read_trace
@@ -58,6 +64,14 @@ def training_sources(families: Sequence[str], traces: Sequence[str], train_fract
         trace = read_trace(path)
         sources[f"{Path(path).stem}@<{train_fraction:g}"] = split_by_time(trace, train_fraction)[0]
     return sources
+
+
+def _at_load(job: tuple) -> list[TraceRequest]:
+    """``trace`` at capacity ``fraction`` scaled to ``load`` (None: as it is)."""
+    trace, fraction, scenario, load = job
+    if load is None:
+        return trace
+    return find_load(trace, scenario, load, node_capacities(scenario, trace, fraction)).trace
 
 
 def collect(job: tuple) -> tuple[list[np.ndarray], list[np.ndarray], list[float], float]:
@@ -82,18 +96,25 @@ def train_reuse(
     epochs: int = 8,
     say: Callable[[str], None] | None = None,
     pool: tuple[int, int, int] = POOL,
+    loads: Sequence[float | None] = (None,),
 ) -> dict:
     """DAgger over the training ``sources`` (:func:`training_sources`) at every capacity
-    fraction; writes the model and its card into ``out``."""
+    fraction and load (None: the source's own rate); writes the model and its card into ``out``."""
     scenario = scenario or load_scenario(DEFAULT_SCENARIO)
     started = time.perf_counter()
+    cells = [(t, f, scenario, u) for t in sources.values() for f in capacities for u in loads]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as workers:
+            traces = list(workers.map(_at_load, cells))
+    else:
+        traces = [_at_load(c) for c in cells]
     model: ReuseModel | None = None
     rows, labels, weights = [], [], []
     history = []
     for r in range(rounds + 1):
         work = [
             (trace, f, scenario, model, record, seed * 1_000_003 + r * 1009 + i, pool)
-            for i, (trace, f) in enumerate((t, f) for t in sources.values() for f in capacities)
+            for i, (trace, (_, f, _, _)) in enumerate(zip(traces, cells))
         ]
         if jobs > 1:
             with ProcessPoolExecutor(jobs) as workers:
@@ -133,6 +154,7 @@ def train_reuse(
             "epochs_per_fit": epochs,
             "sources": list(sources),
             "capacity_fractions": list(capacities),
+            "loads": [u if u is not None else "own rate" for u in loads],
             "scenario": scenario.name,
             "decisions": len(rows),
             "rounds": history,

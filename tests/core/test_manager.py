@@ -140,6 +140,20 @@ def test_promote_moves_hits_up_where_the_policy_asks():
     assert tier_of(manager, 1) == Tier.HOST and mover.moves == [(handle, Tier.DISK, Tier.HOST)]
 
 
+def test_a_hit_dropped_while_an_earlier_hit_moves_up_is_skipped():
+    """Promoting one disk hit demotes host's victim into a full disk, whose victim may be a
+    later page of the same hits: that page is gone, and nothing must move or remember it."""
+    from kvray.policy.promote import promoting
+
+    manager, mover = CacheManager({Tier.HOST: 1, Tier.DISK: 2}, promoting(LRUPolicy)()), Mover()
+    for key in (1, 2, 3):  # 1 and 2 end on disk (1 the older), 3 in host
+        manager.store_chain([key], mover)
+    one, two = manager.index.handle_of(1), manager.index.handle_of(2)
+    manager.promote(np.array([two, one]), mover)  # 2 up, 3 down, 1 (disk's LRU victim) dropped
+    assert sorted(manager.index.keys()) == [2, 3] and tier_of(manager, 2) == Tier.HOST and tier_of(manager, 3) == Tier.DISK
+    assert manager.slots[Tier.HOST].used == 1 and manager.slots[Tier.DISK].used == 1
+
+
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("store"), st.lists(st.integers(0, 6), min_size=1, max_size=5)),

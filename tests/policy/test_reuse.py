@@ -336,3 +336,55 @@ def test_the_shadows_sample_one_key_in_eight_by_hash_at_an_eighth_of_the_tier_si
     assert sampled(keys[:5], 1) == tuple(keys[:5])
     wire = ShadowTripwire(LRUPolicy(), {"lru": LRUPolicy}, {Tier.HOST: 800, Tier.DISK: 0}, margin=0.05, sample=8)
     assert all(s.manager.capacities == {Tier.HOST: 100} for s in wire.shadows)
+
+
+@pytest.mark.parametrize("promote", [True, False])
+def test_a_page_read_from_disk_moves_up_to_host_and_the_host_victim_goes_down(promote):
+    policy = ReusePolicy(promote=promote)
+    manager = CacheManager({Tier.HOST: 1, Tier.DISK: 4}, policy)
+    manager.store_chain([11], NO_MOVE)
+    manager.store_chain([22], NO_MOVE)  # 11 is demoted to disk
+    hot = manager.index.handle_of(11)
+    match = manager.lookup([11])
+    manager.touch(match.handles)
+    manager.promote(match.handles, NO_MOVE)
+    if promote:  # 11 read from disk goes back to host, 22 (host's LRU victim) down to disk
+        assert manager.index.tier[hot] == Tier.HOST and manager.index.tier[manager.index.handle_of(22)] == Tier.DISK
+        assert policy.features.hits[hot] == 1  # the same page: its history moves with it
+    else:
+        assert manager.index.tier[hot] == Tier.DISK
+
+
+def test_a_heuristic_given_the_promotion_moves_disk_reads_up_and_is_registered():
+    from kvray.policy.promote import promoting
+
+    for name, base in (("lru-promote", LRUPolicy), ("s3fifo-promote", S3FIFOPolicy)):
+        policy = make_policy(name)
+        assert isinstance(policy, base) and policy.name == name
+        manager = CacheManager({Tier.HOST: 1, Tier.DISK: 4}, policy)
+        manager.store_chain([11], NO_MOVE)
+        manager.store_chain([22], NO_MOVE)
+        match = manager.lookup([11])
+        manager.promote(match.handles, NO_MOVE)
+        assert manager.index.tier[manager.index.handle_of(11)] == Tier.HOST
+    assert promoting(LRUPolicy)().promote_target(0, Tier.HOST) is None  # host reads stay (device is the engine's)
+
+
+def test_a_training_decision_weighs_more_the_more_work_is_queued_ahead():
+    from kvray.policy.reuse import QUEUE_WEIGHT_CAP, queue_weight
+
+    assert queue_weight(0.0, 10.0) == 1.0 and queue_weight(50.0, 0.0) == 1.0
+    assert queue_weight(30.0, 10.0) == 4.0  # three requests' work ahead: the miss delays four
+    assert queue_weight(1e9, 10.0) == QUEUE_WEIGHT_CAP
+
+
+def test_training_at_a_load_replays_each_source_scaled_to_it(tmp_path):
+    from kvray.rl.imitation import train_reuse
+    from kvray.sim.workloads import WorkloadSpec, generate
+
+    sources = {"tiny": generate(WorkloadSpec(sessions=12), seed=5)}
+    own = train_reuse(tmp_path / "own", sources, seed=3, rounds=0, record=1.0, capacities=(0.05,), epochs=1)
+    both = train_reuse(tmp_path / "both", sources, seed=3, rounds=0, record=1.0, capacities=(0.05,), epochs=1, loads=(None, 0.9))
+    assert both["training"]["loads"] == ["own rate", 0.9] and own["training"]["loads"] == ["own rate"]
+    own_ttft, (same, loaded) = own["training"]["rounds"][0]["mean_ttft_ms"], both["training"]["rounds"][0]["mean_ttft_ms"]
+    assert own_ttft == [same] and loaded > same  # the scaled replay queues
