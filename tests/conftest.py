@@ -153,6 +153,7 @@ def extra_nodes(cluster, *resources: dict[str, float]) -> Iterator[None]:
 TRAINING_FIXTURES = {"tiny_policy"}  # fixtures that train a policy when first used
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into node ids
 def pytest_collection_modifyitems(config, items):
     """A test that uses the session's Ray cluster is in the ``ray`` tier, and one that uses a
     trained policy fixture in the ``train`` tier, whether or not its module says so, so the
