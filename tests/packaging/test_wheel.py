@@ -58,8 +58,13 @@ def test_wheel_installed_outside_the_checkout_runs_the_shipped_policy(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     where = run(python, "-c", "import kvray; print(kvray.__file__)", cwd=tmp_path, env=env)
     assert where.startswith(str(site)), f"kvray imported from {where}, not the fresh environment"
-    run(python, "-c", "from kvray.core.keys import _tokens; assert _tokens is not None", cwd=tmp_path, env=env)
-    run(python, "-c", "from kvray.sim.node import _chain; assert _chain is not None", cwd=tmp_path, env=env)
+    for module, extension in (
+        ("kvray.core.keys", "_tokens"),
+        ("kvray.core.pages", "_pagecopy"),
+        ("kvray.sim.node", "_chain"),
+        ("kvray.policy.reuse", "_pool"),
+    ):  # every C extension of setup.py built into the wheel and loaded by the module that uses it
+        run(python, "-c", f"from {module} import {extension}; assert {extension} is not None", cwd=tmp_path, env=env)
     out = run(
         venv / "bin" / "kvray",
         "sim",
