@@ -315,16 +315,15 @@ def sweep(
             for p, m in enumerate(size.rates):
                 for c in contenders if (r + p) % 2 == 0 else contenders[::-1]:
                     done += 1
-                    if r > 0 and m in size.once:
-                        pass
-                    elif failed_in_a_row[c] >= size.stop_after_failed:
-                        say(f"serve {name}, repeat {r + 1}: {c} at {m:g} x saturation skipped (failed the "
-                            f"{size.stop_after_failed} rates below)")  # fmt: skip
-                    elif measure(r, p, m, c):
-                        failed_in_a_row[c] = 0
-                        passed.add(c)
-                    else:
-                        failed_in_a_row[c] += 1
+                    if r == 0 or m not in size.once:  # a rate of ``once`` is measured in the first repeat only
+                        if failed_in_a_row[c] >= size.stop_after_failed:
+                            say(f"serve {name}, repeat {r + 1}: {c} at {m:g} x saturation skipped (failed the "
+                                f"{size.stop_after_failed} rates below)")  # fmt: skip
+                        elif measure(r, p, m, c):
+                            failed_in_a_row[c] = 0
+                            passed.add(c)
+                        else:
+                            failed_in_a_row[c] += 1
                     if tick:
                         tick(done - 1)
             for c in (c for c in contenders if c not in passed):  # its goodput lies below the sweep: look there

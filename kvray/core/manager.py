@@ -226,7 +226,7 @@ class CacheManager:
     def relocate(self, handle: int, dst: Tier, mover: Mover) -> bool:
         """Two-phase move of one page; False (page untouched at its source) on failure, or
         when the disk write budget refuses a move to disk."""
-        if dst == Tier.DISK and not self._disk_allows():
+        if not self._budget_allows(dst):
             return False
         index = self.index
         src, src_slot = TIERS[index.tier.item(handle)], index.slot.item(handle)
@@ -246,8 +246,7 @@ class CacheManager:
             return False
         if digest is not None:
             index.checksum[handle] = digest
-        if dst == Tier.DISK and self.disk_budget is not None:
-            self.disk_budget.pay()
+        self._budget_pay(dst)
         policy = self.policy
         policy.on_remove(handle, src)
         index.move(handle, dst, dst_slot)
@@ -270,10 +269,14 @@ class CacheManager:
         else:
             self.disk_budget.set_rate(rate)
 
-    def _disk_allows(self) -> bool:
-        """Whether the disk write budget (if any) pays for one more page written to disk
-        (checked before a slot is taken; paid once the page is written)."""
-        return self.disk_budget is None or self.disk_budget.allows()
+    def _budget_allows(self, tier: Tier) -> bool:
+        """Whether the disk write budget (if any) pays for one more page written to ``tier``
+        (checked before a slot is taken; paid once the page is written: :meth:`_budget_pay`)."""
+        return tier != Tier.DISK or self.disk_budget is None or self.disk_budget.allows()
+
+    def _budget_pay(self, tier: Tier) -> None:
+        if tier == Tier.DISK and self.disk_budget is not None:
+            self.disk_budget.pay()
 
     def promote(self, handles: np.ndarray, mover: Mover) -> None:
         """Move hit pages up where the policy asks (pinned pages stay put). Nothing to ask
@@ -331,7 +334,7 @@ class CacheManager:
                     depth=first_depth + depth, request_pages=request_pages or len(keys), priority=priority, tenant=tenant
                 )
                 tier = self.admit(ctx)
-                if tier is None or (tier == Tier.DISK and not self._disk_allows()):
+                if tier is None or not self._budget_allows(tier):
                     break
                 slot = self._reserve_under(parent, tier, mover)
                 if slot is None:
@@ -344,8 +347,7 @@ class CacheManager:
                         self.abort_store(tier, slot)
                         raise
                 handle = self.complete_store(key, tier, slot, checksum, parent=parent, depth=ctx.depth, ctx=ctx)
-                if tier == Tier.DISK and self.disk_budget is not None:
-                    self.disk_budget.pay()
+                self._budget_pay(tier)
                 stored += 1
             parent = handle
         return stored
