@@ -14,10 +14,13 @@ Example::
 
     from kvray.core.write_budget import WriteBudget
 
-    clock = iter([0.0, 0.0, 0.0, 0.0, 1.0]).__next__   # seconds: made at 0, three takes at 0, one at 1
+    clock = iter([0.0, 0.0, 0.0, 0.0, 1.0]).__next__   # seconds: made at 0, three asks at 0, one at 1
     budget = WriteBudget(bytes_per_s=2048, page_nbytes=1024, clock=clock)
-    assert [budget.take() for _ in range(3)] == [True, True, False]  # the burst is one second's
-    assert budget.take()                                             # a second later, two more pages' worth
+    for _ in range(2):                                   # the burst is one second's: two pages
+        assert budget.allows()
+        budget.pay()                                     # the page was written
+    assert not budget.allows()
+    assert budget.allows()                               # a second later, two more pages' worth
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def checked_rate(bytes_per_s: float | None) -> float | None:
 class WriteBudget:
     """Token bucket of bytes written to one disk tier (see the module docstring): it fills at
     ``bytes_per_s`` up to one burst (``BURST_S`` seconds' worth, at least one page), starting
-    full; :meth:`take` pays for one page of ``page_nbytes`` or refuses. ``clock``: seconds,
+    full; :meth:`allows` says whether it pays for one page of ``page_nbytes``, :meth:`pay` pays. ``clock``: seconds,
     never read as going backwards (a clock that does adds nothing)."""
 
     def __init__(self, bytes_per_s: float, page_nbytes: int, clock: Callable[[], float]) -> None:
@@ -88,13 +91,6 @@ class WriteBudget:
         """One page was written: its bytes leave the bucket."""
         self._tokens -= self.page_nbytes
         self.taken_bytes += self.page_nbytes
-
-    def take(self) -> bool:
-        """:meth:`allows` and :meth:`pay` at once: False when the budget cannot pay."""
-        if not self.allows():
-            return False
-        self.pay()
-        return True
 
 
 def budget_stats(budget: WriteBudget | None) -> dict | None:
