@@ -148,6 +148,20 @@ class ReplayResult:
         return json.dumps(self.as_dict(), sort_keys=True)
 
 
+def policy_stats_since(before: Mapping[str, Mapping[str, int]], after: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    """What the nodes' policies counted between two readings (:meth:`PlacementPolicy.stats`
+    by node), summed over the nodes, so a replay reports its own part only. A node whose
+    counts went down was restarted in between (a store actor that died): its counts are all
+    new; a node that left has no second reading and adds nothing."""
+    total: dict[str, int] = {}
+    for node, now in after.items():
+        then = before.get(node, {})
+        restarted = any(n < then.get(name, 0) for name, n in now.items())
+        for name, n in now.items():
+            total[name] = total.get(name, 0) + n - (0 if restarted else then.get(name, 0))
+    return dict(sorted(total.items()))
+
+
 class ReplayTally:
     """Accumulates per-request outcomes into a :class:`ReplayResult`."""
 

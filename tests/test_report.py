@@ -10,7 +10,7 @@ from rich.console import Console
 
 from kvray.apps.results import print_results
 from kvray.apps.status import print_status
-from kvray.report import ReplayResult, format_bytes, format_duration, print_table
+from kvray.report import ReplayResult, format_bytes, format_duration, policy_stats_since, print_table
 
 
 @pytest.mark.parametrize(
@@ -105,3 +105,14 @@ def test_status_scales_bytes_and_latency_and_shows_every_store_figure():
     text = printed(60, lambda console: print_status({"cluster": cluster, "stores": {node: store}}, console))
     assert shows_whole(text, "f2b393d49185", "599", "2.0 ms", "299.5 MiB", "7.7 GiB", "0 B / 3.0 GiB", "439 / 512"), text
     assert "bytes between nodes 5.0 TiB" in " ".join(text.split())
+
+
+def test_policy_counts_are_the_replays_own_summed_over_nodes():
+    before = {"a": {"refits": 3, "tripwire_trips": 1}, "b": {"refits": 5, "tripwire_trips": 0}, "gone": {"refits": 9}}
+    after = {
+        "a": {"refits": 7, "tripwire_trips": 1},  # 4 more
+        "b": {"refits": 2, "tripwire_trips": 1},  # fewer than before: restarted, all 2 (and 1) new
+        "new": {"refits": 1, "tripwire_trips": 0},  # joined: all new
+    }  # "gone" left: nothing
+    assert policy_stats_since(before, after) == {"refits": 7, "tripwire_trips": 1}
+    assert policy_stats_since({}, {"a": {}}) == {}  # a rule counts nothing

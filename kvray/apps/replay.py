@@ -41,7 +41,7 @@ from kvray.core.keys import pack_keys, trace_page_keys
 from kvray.core.tiers import TIER_BY_LABEL
 from kvray.policy.cluster import ClusterPolicy
 from kvray.progress import progress_bar
-from kvray.report import ReplayResult, ReplayTally
+from kvray.report import ReplayResult, ReplayTally, policy_stats_since
 from kvray.scenario import Scenario, TierSpec
 from kvray.sim.cost import CostModel
 from kvray.sim.simulator import fast_capacity
@@ -204,7 +204,7 @@ class Replay:
         """Replay ``trace``; ``on_request(i)`` runs before request ``i`` (fault injection).
         Bytes moved count this replay's only: a runtime kept up may have moved some before."""
         policy = self.runtime.config.policy if self.settings.cache else "none"
-        moved_before = self._bytes_moved()
+        moved_before, policy_before = self._counters()
         tally = ReplayTally(self.settings.runtime.layout.page_tokens)
         wrong_pages, lost_nodes = 0, []
         compute_s, computed_tokens = 0.0, 0
@@ -219,22 +219,26 @@ class Replay:
                 computed_tokens += outcome["tokens"] - sum(outcome["hit_tokens_by_tier"].values())
                 if tick:
                     tick(i)
+        moved, policy_after = self._counters()
         return tally.result(
             policy,
             self.settings.name,
-            self._bytes_moved() - moved_before,
+            moved - moved_before,
             cluster_policy=self.runtime.config.cluster_policy,
             cluster_verbs=dict(self.verbs),
+            policy_stats=policy_stats_since(policy_before, policy_after),
             wrong_pages=wrong_pages,
             lost_nodes=lost_nodes,
             prefill_us_per_token_measured=compute_s * 1e6 / computed_tokens if computed_tokens else 0.0,
         )
 
-    def _bytes_moved(self) -> int:
-        """Page bytes moved so far, between tiers inside the nodes and between nodes."""
+    def _counters(self) -> tuple[int, dict[str, dict[str, int]]]:
+        """Page bytes moved so far (between tiers inside the nodes and between nodes) and each
+        store's policy counters."""
         stats = self.runtime.store_stats()
         between = _bounded(self.runtime.shards.broadcast("snapshot"), CALL_TIMEOUT_S, "the controller's snapshot")
-        return sum(s["bytes_moved"] for s in stats.values()) + sum(snap["bytes_between_nodes"] for snap in between)
+        moved = sum(s["bytes_moved"] for s in stats.values()) + sum(snap["bytes_between_nodes"] for snap in between)
+        return moved, {node: s["policy"] for node, s in stats.items()}
 
     def _serve(self, i: int, request: TraceRequest, lost_nodes: list[str]) -> dict:
         while self.engines:

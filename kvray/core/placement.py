@@ -118,6 +118,12 @@ class PlacementPolicy(ABC):
         """A new page was stored with ``ctx`` (after ``on_insert``); policies that keep
         per-page context (tenant, priority) record it here."""
 
+    def stats(self) -> dict[str, int]:
+        """Counts of what the policy did that a replay's hits and times do not show (a learned
+        policy's online refits, the times its tripwire handed the cache to a heuristic), so a
+        user can tell the learned part ran; empty for a fixed rule. Replays sum them over nodes."""
+        return {}
+
     def nearest(self, tier: Tier) -> Tier:
         """The present tier closest to ``tier``: itself, else the next slower, else the slowest."""
         return next((t for t in self.tiers if t >= tier), self.tiers[-1])

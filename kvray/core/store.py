@@ -599,6 +599,7 @@ class PageStore:
             snap = self.metrics.snapshot()
             snap["tiers"] = self.manager.occupancy()
             snap["disk_write_budget"] = budget_stats(self.manager.disk_budget)
+            snap["policy"] = self.manager.policy.stats()
         if Tier.DEVICE in self.pools:
             snap["tiers"]["device"]["stand_in"] = self.pools[Tier.DEVICE].stand_in
         return snap

@@ -381,6 +381,10 @@ class ReusePolicy(PlacementPolicy):
             self.refits += 1
             self._ready_rows, self._ready_labels = [], []
 
+    def stats(self) -> dict[str, int]:
+        tripwire = getattr(self, "_tripwire", None)  # made by bind
+        return {"refits": self.refits, "tripwire_trips": tripwire.trips if tripwire is not None else 0}
+
     def _keep_rows(self, handles: np.ndarray, rows: np.ndarray, tier: Tier) -> None:
         """Training rows of one decision: each candidate's true requests to next use,
         weighted by what a miss costs from where the page would go (recompute when dropped)."""

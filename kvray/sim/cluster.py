@@ -52,7 +52,7 @@ from kvray.core.placement import PlacementPolicy, RequestInfo
 from kvray.core.tiers import TIER_LABELS, Tier
 from kvray.core.write_budget import checked_rate
 from kvray.policy.cluster import ClusterPolicy, ClusterView, LocalFirstRing, RequestView
-from kvray.report import ReplayResult, ReplayTally, hit_tokens
+from kvray.report import ReplayResult, ReplayTally, hit_tokens, policy_stats_since
 from kvray.scenario import Scenario
 from kvray.sim.links import Link, transfer
 from kvray.sim.node import TIERS, Router, SimNode, session_of
@@ -422,9 +422,9 @@ class ClusterSimulator:
                 last_end = max(last_end, request.timestamp_ms + ttft)
             if progress is not None:
                 progress(i)
-        moved, busy, background, link_bytes, prefill = base
+        moved, busy, background, link_bytes, prefill, policy = base
         span = max([last_end] + [link.last_end_ms for link in links]) - began
-        now_moved, now_busy, now_background, now_bytes, now_prefill = self._counters(links)
+        now_moved, now_busy, now_background, now_bytes, now_prefill, now_policy = self._counters(links)
         served = last_end - began  # from the first measured arrival to the last first token
         names = [link.name for link in links]
         return tally.result(
@@ -434,6 +434,7 @@ class ClusterSimulator:
             capacity_pages=self._capacity_pages(),
             background_move_ms=now_background - background,
             cluster_policy=self.cluster_policy.name,
+            policy_stats=policy_stats_since(policy, now_policy),
             nodes=len(self.nodes),
             link_bytes={n: now_bytes[n] - link_bytes[n] for n in names if now_bytes[n] - link_bytes[n]},
             link_utilisation={
@@ -449,13 +450,14 @@ class ClusterSimulator:
             },
         )
 
-    def _counters(self, links: list[Link]) -> tuple[int, dict, float, dict, dict]:
+    def _counters(self, links: list[Link]) -> tuple[int, dict, float, dict, dict, dict]:
         return (
             sum(n.manager.metrics.bytes_moved for n in self.nodes),
             {link.name: link.busy_ms for link in links},
             sum(n.background_ms for n in self.nodes),
             {link.name: link.bytes for link in links},
             {n.name: n.queue.busy_ms for n in self.nodes},
+            {n.name: n.policy.stats() for n in self.nodes},
         )
 
     def _capacity_pages(self) -> dict[str, int]:

@@ -109,3 +109,8 @@ class RecordingPlaces(_Recorder, LRUPolicy):
     def on_admitted(self, handle: int, ctx: PageContext) -> None:
         self.record(("page", self.index.key_of(handle), ctx.depth, ctx.request_pages))
         super().on_admitted(handle, ctx)
+
+    def stats(self) -> dict[str, int]:
+        """What it was told, counted (a replay sums them over nodes as ``policy_stats``)."""
+        seen = self.__dict__.get("seen", [])
+        return {"requests_told": sum(r[0] == "request" for r in seen), "pages_admitted": sum(r[0] == "page" for r in seen)}
