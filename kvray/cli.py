@@ -477,14 +477,52 @@ def train_reuse(
         [], "--load", callback=LOAD, help=LOAD_HELP + ", per source and capacity; repeat for several (none: the own rate)"
     ),
     own_rate: bool = typer.Option(True, "--own-rate/--no-own-rate", help="with --load, also train at each source's own rate"),
+    cluster: bool = typer.Option(
+        False,
+        "--cluster",
+        help="train on cluster replays (every node, the cost router, link-charged weights; `--policy reuse-cluster:OUT`)",
+    ),
+    scenario: list[Path] = typer.Option(
+        [], "--scenario", help="with --cluster: training clusters (default simulations/h100-2node-train.yaml)"
+    ),
+    bandwidth_scale: list[float] = typer.Option(
+        [1.0], "--bandwidth-scale", callback=POSITIVE, help="with --cluster: each scenario at these link speeds (repeat)"
+    ),
+    requests: int = typer.Option(1200, "--requests", callback=COUNT, help="with --cluster: requests of each family"),
+    promote_gate: float | None = typer.Option(
+        None,
+        "--promote-gate",
+        callback=in_range(0, 1, low_open=True),
+        help="with --cluster: promote a disk read only while the disk's load path is busy less than this (none: never)",
+    ),
 ) -> None:
     """Train the per-page reuse policy (`--policy reuse`) by imitating the Belady oracle with DAgger rounds,
     on one node (simulations/h100-llama8b.yaml), over the generated families (seeds 100-104) and the first part of
-    each trace; writes reuse.safetensors and card.json. Deterministic for a seed on one machine."""
-    from kvray.apps.train import train_reuse_policy
+    each trace; writes reuse.safetensors and card.json. Deterministic for a seed on one machine. With --cluster,
+    on every node of the training clusters under the cost router, the families at loads 0.6 and 0.85 (or --load)."""
+    from kvray.apps.train import train_cluster_reuse_policy, train_reuse_policy
 
     with reported_errors():
         pool = (lru_candidates, frequency_candidates, never_read_candidates)
+        if cluster:
+            card = train_cluster_reuse_policy(
+                out=out,
+                scenarios=scenario,
+                bandwidth_scales=bandwidth_scale,
+                families=family,
+                loads=load or [0.6, 0.85],
+                capacity_fractions=fraction,
+                requests=requests,
+                seed=seed,
+                rounds=rounds,
+                record=record,
+                pool=pool,
+                promote_gate=promote_gate,
+                jobs=jobs,
+                progress=console.print,
+            )
+            console.print(f"wrote {out}: {card['training']['decisions']} decisions in {card['training']['wall_s']} s")
+            return
         loads = ([None] if own_rate or not load else []) + list(load)
         card = train_reuse_policy(
             out, seed, rounds, jobs, record, family, trace, fraction, train_fraction, pool, console.print, loads

@@ -145,3 +145,47 @@ def train_reuse_policy(
 
     sources = training_sources(families, [str(t) for t in traces], train_fraction)
     return train_reuse(out, sources, seed, rounds, jobs, record, capacity_fractions, say=progress, pool=pool, loads=loads)
+
+
+def train_cluster_reuse_policy(
+    *,
+    out: Path,
+    scenarios: Sequence[Path],
+    bandwidth_scales: Sequence[float],
+    families: Sequence[str],
+    loads: Sequence[float],
+    capacity_fractions: Sequence[float],
+    requests: int,
+    seed: int,
+    rounds: int,
+    record: float,
+    pool: tuple[int, int, int],
+    promote_gate: float | None,
+    jobs: int,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """``kvray train-reuse --cluster``: the reuse model imitating Belady on every node of the
+    training clusters (:mod:`kvray.rl.cluster_imitation`), ``h100-2node-train`` by default
+    (the held-out clusters and bandwidths are ``cluster-eval``'s), at one cache size."""
+    from kvray.apps.train_cluster import DEFAULT_CLUSTER_SCENARIO
+    from kvray.resources import bundled
+    from kvray.rl.cluster_imitation import train_cluster_reuse
+
+    if len(capacity_fractions) != 1:
+        raise ConfigError("--cluster trains at one cache size: give one --capacity-fraction")
+    bases = [load_scenario(path) for path in scenarios or [bundled(DEFAULT_CLUSTER_SCENARIO)]]
+    return train_cluster_reuse(
+        out,
+        scenarios_at_bandwidths(bases, bandwidth_scales),
+        families=families,
+        loads=loads,
+        capacity_fraction=capacity_fractions[0],
+        requests=requests,
+        seed=seed,
+        rounds=rounds,
+        record=record,
+        pool=pool,
+        promote_gate=promote_gate,
+        jobs=jobs,
+        say=progress,
+    )

@@ -51,7 +51,10 @@ class RequestInfo:
     choice would have cost in waiting, not only in pages; ``page_prefill_ms`` 0 means
     unknown. ``future`` is
     set only by the simulator, only for the offline oracle: per page of the request, the
-    index of the next request that uses it (``inf`` if none).
+    index of the next request that uses it (``inf`` if none), and ``index`` the request's own
+    (a cluster node hears of only some requests, so its own count is not the trace's clock).
+    ``load_util`` (simulator, to a policy that asks: ``needs_link_util``) is each tier's
+    load path's recent busy share, its busiest link's, on the node told.
     """
 
     keys: tuple[int, ...]
@@ -62,6 +65,8 @@ class RequestInfo:
     page_prefill_ms: float = 0.0
     engines: int = 1
     disk_write_util: float = 0.0  # the NVMe write link's recent busy share, told to a policy that gates disk writes
+    index: int = -1  # the request's position in the trace, with ``future`` (-1: not told)
+    load_util: Mapping[Tier, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class PlacementPolicy(ABC):
     name: ClassVar[str] = "base"
     needs_future: ClassVar[bool] = False  # an offline oracle: only the simulator can run it
     needs_disk_util: bool = False  # told the NVMe write link's utilisation with each request (RequestInfo)
+    needs_link_util: bool = False  # told each tier's load path utilisation with each request (RequestInfo.load_util)
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         """Attach to the index and tier sizes of the manager that consults this policy."""

@@ -6,7 +6,7 @@
 lru, arc and threshold does best on shadow caches of the same workload), ``belady`` (evaluation only: the
 simulator feeds it the future), ``rl`` (the shipped trained selector); ``rl:PATH`` loads a
 trained policy file; ``reuse`` (the per-page learned policy: LRU's, a decayed-frequency heap's and a never-read
-FIFO's oldest pages re-ranked by a reuse model imitating Belady, :mod:`kvray.policy.reuse`), ``reuse:PATH`` a trained reuse model; ``package.module:Class`` an importable policy class).
+FIFO's oldest pages re-ranked by a reuse model imitating Belady, :mod:`kvray.policy.reuse`), ``reuse:PATH`` a trained reuse model, ``reuse-cluster:PATH`` one trained on cluster replays (``kvray train-reuse --cluster``, promotion as its card says); ``package.module:Class`` an importable policy class).
 Unknown names raise :class:`kvray.core.errors.PolicyError` listing the known ones.
 """
 
@@ -33,6 +33,12 @@ def _reuse(path: str | None = None, refit: bool = False, disk_gate: bool = False
     from kvray.policy.reuse import ReusePolicy  # loads weights; kept out of plain imports
 
     return ReusePolicy.load(path or None, refit=refit, disk_gate=disk_gate)
+
+
+def _reuse_cluster(path: str) -> PlacementPolicy:
+    from kvray.policy.reuse import ReusePolicy  # loads weights; kept out of plain imports
+
+    return ReusePolicy.load_cluster(path)
 
 
 def _rl(path: str | None = None) -> PlacementPolicy:
@@ -69,7 +75,7 @@ def register(name: str, factory: Callable[[], PlacementPolicy]) -> None:
 
 def make_policy(name: str) -> PlacementPolicy:
     """A policy by registered name; ``rl:PATH`` loads a trained policy from ``PATH``
-    (``reuse:PATH`` a reuse model);
+    (``reuse:PATH`` a reuse model, ``reuse-cluster:PATH`` one trained on cluster replays);
     ``package.module:Class`` builds an importable one (:mod:`kvray.policy.plugin`)."""
     from kvray.policy.plugin import is_import_path, policy_class
 
@@ -77,6 +83,8 @@ def make_policy(name: str) -> PlacementPolicy:
         return _rl(name[3:])
     if name.startswith("reuse:"):
         return _reuse(name[6:])
+    if name.startswith("reuse-cluster:"):
+        return _reuse_cluster(name[14:])
     if is_import_path(name):
         return policy_class(name, PlacementPolicy)()
     if name not in POLICIES:

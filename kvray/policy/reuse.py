@@ -86,6 +86,9 @@ class ReusePolicy(PlacementPolicy):
         depth_scale: int = 1,
         disk_gate: bool = False,
         promote: bool = True,
+        promote_gate: float | None = None,
+        link_charged: bool = False,
+        next_use: Callable[[list[int], float], np.ndarray] | None = None,
     ):
         self.pool = pool or (model.pool if model is not None else POOL)
         if model is not None and model.pool != self.pool:
@@ -102,6 +105,10 @@ class ReusePolicy(PlacementPolicy):
         self.disk_gate = disk_gate and model is not None  # write to disk only what predicted reuse pays for (reuse_admission)
         self.needs_disk_util = self.disk_gate
         self.promote = promote  # a page read from disk moves up (kvray.policy.promote), whichever rule evicts
+        self.promote_gate = promote_gate  # ... only while the tier's load path is busy less than this share
+        self.link_charged = link_charged and teacher  # a decision weighs its miss over the link it would be reloaded by
+        self.needs_link_util = self.link_charged or promote_gate is not None
+        self.next_use = next_use  # teacher: the trace's next use of keys after a request index (a cluster node's own is stale)
         self.needs_future = teacher  # the simulator tells a teacher the future, as it tells Belady
         self.record = record  # share of decisions whose candidates are kept as training rows
         self._rng = np.random.default_rng(seed)
@@ -116,6 +123,22 @@ class ReusePolicy(PlacementPolicy):
         """The model in ``path`` (a folder or weights file), else the shipped one."""
         model = ReuseModel.load(shipped_or_given(path or DEFAULT_MODEL, "policies"))
         return cls(model, refit=refit, tripwire=tripwire, disk_gate=disk_gate)
+
+    @classmethod
+    def load_cluster(cls, path: str | Path) -> ReusePolicy:
+        """A model trained on cluster replays (``kvray train-reuse --cluster``), promoting as
+        it was rolled out in training (its card's ``node_policy``), with the tripwire."""
+        import json
+
+        folder = Path(path)
+        card_path = folder / "card.json"
+        if not card_path.exists():
+            raise PolicyError(f"{folder}: no card.json here (`kvray train-reuse --cluster` writes one)")
+        card = json.loads(card_path.read_text())
+        if card.get("policy") != "reuse-cluster":
+            raise PolicyError(f"{folder}: a {card.get('policy')!r} model, not one trained on cluster replays")
+        gate = card["node_policy"]["promote_gate"]
+        return cls(ReuseModel.load(folder), tripwire=TRIPWIRE, promote=gate is not None, promote_gate=gate)
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         super().bind(index, capacities)
@@ -135,6 +158,8 @@ class ReusePolicy(PlacementPolicy):
         self.features = PageFeatures(ghost_capacity=max(sum(capacities.values()), 1))
         self._request_pages = 1
         self._tier_cost: Mapping[Tier, float] = {}
+        self._load_util: Mapping[Tier, float] = {}
+        self._label_now = 0.0  # teacher only: the trace's request index, the clock of the oracle's next uses
         self._queue_weight = 1.0  # teacher only: what a miss costs beyond its own request (queue_weight)
         self._next = np.full(1024, np.inf)  # teacher only: each page's next use (request index)
         self._upcoming = np.empty(0)
@@ -161,6 +186,7 @@ class ReusePolicy(PlacementPolicy):
         self.features.tick(info.arrival_ms)
         self._request_pages = max(len(info.keys) * self.depth_scale, 1)
         self._tier_cost = info.tier_cost or {}
+        self._load_util = info.load_util or {}
         if self.teacher:
             self._queue_weight = queue_weight(info.backlog_ms, info.page_prefill_ms * self._request_pages)
         self._pending.clear()
@@ -178,6 +204,7 @@ class ReusePolicy(PlacementPolicy):
             if info.future is None:
                 raise PolicyError("a teacher reuse policy needs the future of the trace: it runs only in the simulator")
             self._upcoming = np.asarray(info.future, dtype=np.float64)
+            self._label_now = float(info.index) if info.index >= 0 else self.features.now - 1.0
             for key, nxt in zip(info.keys, self._upcoming.tolist()):
                 handle = self.index.handle_of(key)
                 if handle is not None:
@@ -345,7 +372,7 @@ class ReusePolicy(PlacementPolicy):
         if self.model is not None:
             score = self.model.predict(rows)
         else:  # a teacher without a model acts as the oracle among the candidates
-            score = log_next_use(self._next[handles] - (self.features.now - 1.0))
+            score = log_next_use(self._next_uses(handles) - self._label_now)
         order = np.lexsort((-self.index.depth[handles], -score))
         if self._gate is not None and self._below[tier] == Tier.DISK:
             self._gate_rows = dict(zip(handles[order[: self.take]].tolist(), rows[order[: self.take]]))
@@ -355,8 +382,12 @@ class ReusePolicy(PlacementPolicy):
         """A page read from disk moves up to host memory (:mod:`kvray.policy.promote`), making
         room there as the policy (or the heuristic it follows) evicts: without it a hot page,
         once demoted, stays on disk as long as it is read, each read a disk load held on the
-        prefill engine (docs/sim-eval, "Promotion": most of the gain at load is this)."""
-        return promote_target(tier) if self.promote else None
+        prefill engine (docs/sim-eval, "Promotion": most of the gain at load is this). With a
+        ``promote_gate`` only while the tier's load path is busy less than that share: in a
+        cluster the promotion queues on the links that the node's loads need."""
+        if not self.promote or (self.promote_gate is not None and self._load_util.get(tier, 0.0) >= self.promote_gate):
+            return None
+        return promote_target(tier)
 
     def demote_target(self, handle: int, tier: Tier) -> Tier | None:
         """One tier down; into disk, only when the gate says the write pays (with a gate)."""
@@ -385,17 +416,39 @@ class ReusePolicy(PlacementPolicy):
         tripwire = getattr(self, "_tripwire", None)  # made by bind
         return {"refits": self.refits, "tripwire_trips": tripwire.trips if tripwire is not None else 0}
 
+    def _next_uses(self, handles: np.ndarray) -> np.ndarray:
+        """Teacher: the request index at which each page is next used. A node hears only of the
+        requests it serves or holds pages of, so in a cluster the next use it was told of may
+        have passed on another node: there ``next_use`` reads the trace instead."""
+        if self.next_use is None:
+            return self._next[handles]
+        key_of = self._key_of
+        return self.next_use([key_of[h] for h in handles.tolist()], self._label_now)
+
     def _keep_rows(self, handles: np.ndarray, rows: np.ndarray, tier: Tier) -> None:
         """Training rows of one decision: each candidate's true requests to next use,
-        weighted by what a miss costs from where the page would go (recompute when dropped)."""
+        weighted by what a miss costs from where the page would go (recompute when dropped),
+        link-charged (:func:`link_charged_miss`) when the policy was built so."""
         below = self._below[tier]
         miss = self._tier_cost.get(below, 1.0) if below in self.capacities and self.capacities[below] > 0 else 1.0
+        busy = self._load_util.get(below, 0.0) if self.link_charged and below is not None else 0.0
         self.rows.append(rows)
-        self.labels.append(log_next_use(self._next[handles] - (self.features.now - 1.0)))
-        self.weights.append(max(min(miss, 1.0), 0.05) * self._queue_weight)
+        self.labels.append(log_next_use(self._next_uses(handles) - self._label_now))
+        self.weights.append(link_charged_miss(miss, busy) * self._queue_weight)
 
 
 QUEUE_WEIGHT_CAP = 16.0  # a training decision weighs at most this many times its miss cost
+MIN_MISS = 0.05  # a decision's miss weighs at least this (a page sent to a fast tier still costs a load)
+
+
+def link_charged_miss(tier_cost: float, utilisation: float = 0.0) -> float:
+    """What a miss of a page sent to a tier costs, relative to recomputing it: its load time
+    there (``tier_cost``) stretched by the queue on the link it would be reloaded over (a link
+    busy ``utilisation`` of the time serves a new load about 1 / (1 - utilisation) as slowly,
+    at most :data:`QUEUE_WEIGHT_CAP` times), at most a recompute (1) and at least :data:`MIN_MISS`.
+    With an idle link it is the tier's own cost (the single-node teacher's weight)."""
+    stretch = 1.0 / max(1.0 - utilisation, 1.0 / QUEUE_WEIGHT_CAP)
+    return max(min(tier_cost * stretch, 1.0), MIN_MISS)
 
 
 def queue_weight(backlog_ms: float, request_ms: float) -> float:

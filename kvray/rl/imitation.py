@@ -84,6 +84,52 @@ def collect(job: tuple) -> tuple[list[np.ndarray], list[np.ndarray], list[float]
     return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms
 
 
+def dagger(
+    work: Callable[[ReuseModel | None, int], list[tuple]],
+    collect_one: Callable[[tuple], tuple[list[np.ndarray], list[np.ndarray], list[float], float]],
+    rounds: int,
+    jobs: int,
+    seed: int,
+    epochs: int,
+    pool: tuple[int, int, int],
+    say: Callable[[str], None] | None = None,
+) -> tuple[ReuseModel, int, list[dict]]:
+    """DAgger: round 0 replays ``work(None, 0)``'s jobs acting as the oracle among the
+    candidates, every later round ``work(model, r)``'s with the model fitted so far;
+    ``collect_one`` replays a job into its recorded decisions, and after each round the model
+    is refitted on every round's rows. Returns the last model, the decisions fitted on and
+    each round's account."""
+    model: ReuseModel | None = None
+    rows, labels, weights = [], [], []
+    history = []
+    for r in range(rounds + 1):
+        jobs_now = work(model, r)
+        if jobs > 1:
+            with ProcessPoolExecutor(jobs) as workers:
+                results = list(workers.map(collect_one, jobs_now))
+        else:
+            results = [collect_one(job) for job in jobs_now]
+        for x, y, w, _ in results:
+            rows += x
+            labels += y
+            weights += w
+        groups, targets, mask = batch_groups(rows, labels, sum(pool))
+        model = ReuseModel.fit(groups, targets, mask, np.asarray(weights), seed, epochs=epochs)
+        model.pool = pool
+        history.append(
+            {
+                "round": r,
+                "acted_by": "oracle among candidates" if r == 0 else "model",
+                "decisions": sum(len(x) for x, *_ in results),
+                "mean_ttft_ms": [round(res[3], 1) for res in results],
+            }
+        )
+        if say is not None:
+            say(f"round {r}: {history[-1]['decisions']} decisions, {len(rows)} in all")
+    assert model is not None
+    return model, len(rows), history
+
+
 def train_reuse(
     out: Path,
     sources: dict[str, list[TraceRequest]],
@@ -108,37 +154,19 @@ def train_reuse(
             traces = list(workers.map(_at_load, cells))
     else:
         traces = [_at_load(c) for c in cells]
-    model: ReuseModel | None = None
-    rows, labels, weights = [], [], []
-    history = []
-    for r in range(rounds + 1):
-        work = [
+    model, decisions, history = dagger(
+        lambda model, r: [
             (trace, f, scenario, model, record, seed * 1_000_003 + r * 1009 + i, pool)
             for i, (trace, (_, f, _, _)) in enumerate(zip(traces, cells))
-        ]
-        if jobs > 1:
-            with ProcessPoolExecutor(jobs) as workers:
-                results = list(workers.map(collect, work))
-        else:
-            results = [collect(job) for job in work]
-        for x, y, w, _ in results:
-            rows += x
-            labels += y
-            weights += w
-        groups, targets, mask = batch_groups(rows, labels, sum(pool))
-        model = ReuseModel.fit(groups, targets, mask, np.asarray(weights), seed, epochs=epochs)
-        model.pool = pool
-        history.append(
-            {
-                "round": r,
-                "acted_by": "oracle among candidates" if r == 0 else "model",
-                "decisions": sum(len(x) for x, *_ in results),
-                "mean_ttft_ms": [round(res[3], 1) for res in results],
-            }
-        )
-        if say is not None:
-            say(f"round {r}: {history[-1]['decisions']} decisions, {len(rows)} in all")
-    assert model is not None
+        ],
+        collect,
+        rounds,
+        jobs,
+        seed,
+        epochs,
+        pool,
+        say,
+    )
     model.save(out)
     card = {
         "policy": "reuse",
@@ -156,7 +184,7 @@ def train_reuse(
             "capacity_fractions": list(capacities),
             "loads": [u if u is not None else "own rate" for u in loads],
             "scenario": scenario.name,
-            "decisions": len(rows),
+            "decisions": decisions,
             "rounds": history,
             "wall_s": round(time.perf_counter() - started, 1),
         },

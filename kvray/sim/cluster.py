@@ -197,8 +197,9 @@ class ClusterSimulator:
             ) from None
 
     # -- serving -------------------------------------------------------------------------
-    def serve(self, request: TraceRequest, future: np.ndarray | None = None) -> tuple[list[str], float]:
-        """Serve one request; returns the tier label of each loaded hit page ("remote": from
+    def serve(self, request: TraceRequest, future: np.ndarray | None = None, index: int = -1) -> tuple[list[str], float]:
+        """Serve one request (``index``: its position in the trace, told to policies with
+        ``future``); returns the tier label of each loaded hit page ("remote": from
         another node) and its modeled TTFT (ms)."""
         now = request.timestamp_ms
         policy = self.cluster_policy
@@ -212,7 +213,7 @@ class ClusterSimulator:
                 view.keys, self.names[at], tuple(self.names[h] for h in hits), view.session, self.hit_tiers(view.keys, hits)
             )
         keys, node = view.keys, self.nodes[at]
-        info = self._request_info(node, keys, now, future)
+        info = self._request_info(node, keys, now, future, index)
         node.policy.on_request(info)
         told = {at}
         prefix = self._prefix(view, at)  # per node holding prefix pages: its handles, root first
@@ -300,8 +301,13 @@ class ClusterSimulator:
             self._paths[key] = path
         return path
 
-    def _request_info(self, node: SimNode, keys: tuple[int, ...], now: float, future: np.ndarray | None) -> RequestInfo:
+    def _request_info(
+        self, node: SimNode, keys: tuple[int, ...], now: float, future: np.ndarray | None, index: int
+    ) -> RequestInfo:
         """What ``node``'s policy is told of a request arriving at ``now``."""
+        load_util = None
+        if node.policy.needs_link_util:
+            load_util = {t: max(link.utilisation(now) for link in path) for t, path in node.load_path.items()}
         return RequestInfo(
             keys,
             node.queue.backlog_ms(now),
@@ -313,13 +319,15 @@ class ClusterSimulator:
             disk_write_util=node.nvme_write.utilisation(now)
             if node.policy.needs_disk_util and Tier.DISK in node.to_host
             else 0.0,
+            index=index if future is not None else -1,
+            load_util=load_util,
         )
 
     def _tell(self, h: int, told: set[int], info: RequestInfo, now: float) -> SimNode:
         """Node ``h``'s policy hears of the request (once) before the request touches its pages."""
         node = self.nodes[h]
         if h not in told:
-            node.policy.on_request(self._request_info(node, info.keys, now, info.future))
+            node.policy.on_request(self._request_info(node, info.keys, now, info.future, info.index))
             told.add(h)
         return node
 
@@ -416,7 +424,7 @@ class ClusterSimulator:
             if i % ADVANCE_EVERY == 0:
                 for link in links:
                     link.advance(request.timestamp_ms)
-            hit_tiers, ttft = self.serve(request, None if futures is None else futures[i])
+            hit_tiers, ttft = self.serve(request, None if futures is None else futures[i], i)
             if i >= warmup_requests:
                 tally.record(request, hit_tiers, ttft)
                 last_end = max(last_end, request.timestamp_ms + ttft)
