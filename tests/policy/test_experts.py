@@ -32,6 +32,29 @@ def test_shadow_cache_hits_as_the_expert_alone_does():
         sim.serve(request)
 
 
+def test_an_lru_shadow_stores_through_the_compiled_chain_writer_as_the_manager_s_python_does():
+    """An LRU shadow (the experts' and the reuse tripwire's) stores chains in C; request by
+    request it costs and hits what the manager's Python gives, and ends in the same state."""
+    from kvray.core.placement import LRUPolicy
+    from kvray.sim import node
+
+    assert node._chain is not None, "kvray.sim._chain is not built: make install, or python setup.py build_ext --inplace"
+    small = {tier: max(n // 8, 1) for tier, n in CAPACITY.items()}  # evicting in every tier
+    requests = [full_blocks(r.hash_ids, r.input_length, SCENARIO.layout.page_tokens) for r in TRACE[:400]]
+    tier_cost = {tier: 0.1 * (1 + int(tier)) for tier in small}
+
+    def replay() -> tuple[list, ShadowCache]:
+        shadow = ShadowCache(LRUPolicy(), small)
+        return [shadow.serve(keys, tier_cost) for keys in requests], shadow
+
+    compiled, fast = replay()
+    with node.python_chain_writer():
+        python, reference = replay()
+    assert compiled == python and fast.manager.metrics.evicted_pages > 1000
+    orders = [{tier: list(s.manager.policy._order[tier]) for tier in small} for s in (fast, reference)]
+    assert orders[0] == orders[1] and fast.manager.metrics == reference.manager.metrics
+
+
 def test_policy_follows_the_expert_that_wins():
     ttft = {name: replay(make_policy(name))[0] for name in ("lru", "arc")}
     assert ttft["lru"] > 2 * ttft["arc"]  # the workload: ARC clearly wins (3.0x)
