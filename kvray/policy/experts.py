@@ -132,9 +132,11 @@ class ShadowCache:
         self.manager = CacheManager(capacities, expert, page_nbytes=1)
         from kvray.sim import node  # here: kvray.sim.node imports the policies
 
-        # an LRU shadow stores through the simulator's chain writer in C (kvray/sim/_chain.c), as
-        # an LRU replay does, over links that take no time: its moves and writes book nothing
-        self._sim = node if type(expert) is LRUPolicy else None
+        # a shadow stores through the simulator's chain writer in C (kvray/sim/_chain.c), as a
+        # replay does (LRU's hooks transcribed, any other policy's called), over links that take
+        # no time: its moves and writes book nothing
+        self._sim = node
+        self._lru = type(expert) is LRUPolicy
         self._links = _NoLinks(self.manager.tiers)
 
     def serve(self, keys: Sequence[int], tier_cost: Mapping[Tier, float], info: RequestInfo | None = None) -> tuple[float, int]:
@@ -150,9 +152,9 @@ class ShadowCache:
             cost += tier_cost[Tier(tier)]
         manager.touch(match.handles)
         manager.promote(match.handles, _no_move)
-        compiled = self._sim._chain if self._sim is not None else None  # None under python_chain_writer()
-        if compiled is not None and not manager._kept and manager.disk_budget is None:
-            compiled.store_chain(manager, self._links, keys, None, ROOT, 0, len(keys))
+        compiled = self._sim._chain  # None under python_chain_writer()
+        if compiled is not None and not manager._kept and manager.disk_budget is None and manager.policy.compiled_chain:
+            compiled.store_chain(manager, self._links, keys, None, ROOT, 0, len(keys), "", not self._lru)
         else:
             manager.store_chain(keys, _no_move)
         return cost, len(match)

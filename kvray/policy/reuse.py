@@ -159,6 +159,11 @@ class ReusePolicy(PlacementPolicy):
             wire.advisors = [RecencyLRU(self) if type(advisor) is LRUPolicy else advisor for advisor in wire.advisors]
             self._advisors = [advisor for advisor in wire.advisors if not isinstance(advisor, RecencyLRU)]
 
+    @property
+    def compiled_chain(self) -> bool:  # type: ignore[override]
+        """The disk gate's demotion keeps state (its rows, its budget): asked in the Python order only."""
+        return self._gate is None
+
     # -- what the policy is told ---------------------------------------------------------
     def on_request(self, info: RequestInfo) -> None:
         self.features.tick(info.arrival_ms)
