@@ -1,4 +1,4 @@
-/* The reuse policy's candidate pool in C: one pass over a tier's pages instead of a mask,
+/* The reuse policy's candidate pool and its feature rows in C (a scoring's inputs): one pass over a tier's pages instead of a mask,
  * three partial sorts and a deduplication in numpy (docs/sim-eval/README.md, "Replay speed").
  *
  * A transcription of the Python gathering in kvray/policy/reuse.py (ReusePolicy.victim and
@@ -129,9 +129,93 @@ done:
     return result;
 }
 
+/* -- the candidates' feature rows: PageFeatures.matrix (kvray/policy/page_features.py) --------
+ *
+ * rows(handles, leaf, tier, now, now_ms, decay, root_k, inserted, last, last_ms, gap1, gap2,
+ *      counts, hits, depth, request_pages, root, ghost_age) -> bytearray of float32 (n x NFEATURES)
+ *   handles int64, leaf bool, decay float64[NCOUNTS], counts float64 (pages x NCOUNTS), root
+ *   int64, the other columns float64, by handle. Each value is computed in float64 with the
+ *   same operations in the same order as numpy's, then rounded to float32; libm's exp and
+ *   log1p may differ from numpy's vectorised ones in the last bit of the float64, which the
+ *   rounding hides but for about one value in 10^8 (tests/policy/test_reuse_pool.py). */
+#include <math.h>
+#define NCOUNTS 3
+#define NFEATURES 17
+
+enum { R_HANDLES, R_LEAF, R_DECAY, R_INSERTED, R_LAST, R_LAST_MS, R_GAP1, R_GAP2, R_COUNTS, R_HITS, R_DEPTH, R_PAGES, R_ROOT, R_GHOST, NR };
+
+static PyObject *rows(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *objs[NR];
+    int tier, root_k;
+    double now, now_ms;
+    if (!PyArg_ParseTuple(args, "OOiddOiOOOOOOOOOOO", &objs[R_HANDLES], &objs[R_LEAF], &tier, &now, &now_ms, &objs[R_DECAY],
+                          &root_k, &objs[R_INSERTED], &objs[R_LAST], &objs[R_LAST_MS], &objs[R_GAP1], &objs[R_GAP2],
+                          &objs[R_COUNTS], &objs[R_HITS], &objs[R_DEPTH], &objs[R_PAGES], &objs[R_ROOT], &objs[R_GHOST]))
+        return NULL;
+    static const char *names[NR] = {"handles", "leaf", "decay", "inserted", "last", "last_ms", "gap1",
+                                    "gap2", "counts", "hits", "depth", "request_pages", "root", "ghost_age"};
+    static const Py_ssize_t sizes[NR] = {8, 1, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8};
+    Py_buffer cols[NR];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < NR; got++)
+        if (column(objs[got], &cols[got], sizes[got], names[got]) < 0) goto done;
+    Py_ssize_t n = cols[R_HANDLES].len / 8, pages = cols[R_INSERTED].len / 8;
+    for (int c = R_LAST; c < NR; c++) {
+        Py_ssize_t len = cols[c].len / 8 / (c == R_COUNTS ? NCOUNTS : 1);
+        if (len < pages) pages = len;
+    }
+    if (cols[R_LEAF].len < n || cols[R_DECAY].len / 8 < NCOUNTS || root_k < 0 || root_k >= NCOUNTS) {
+        PyErr_SetString(PyExc_ValueError, "rows: leaf shorter than handles, or decay/root_k out of range");
+        goto done;
+    }
+    const int64_t *handles = cols[R_HANDLES].buf, *root = cols[R_ROOT].buf;
+    const char *leaf = cols[R_LEAF].buf;
+    const double *decay = cols[R_DECAY].buf, *inserted = cols[R_INSERTED].buf, *last = cols[R_LAST].buf;
+    const double *last_ms = cols[R_LAST_MS].buf, *gap1 = cols[R_GAP1].buf, *gap2 = cols[R_GAP2].buf;
+    const double *counts = cols[R_COUNTS].buf, *hits = cols[R_HITS].buf, *depth = cols[R_DEPTH].buf;
+    const double *request_pages = cols[R_PAGES].buf, *ghost = cols[R_GHOST].buf;
+    if ((result = PyByteArray_FromStringAndSize(NULL, n * NFEATURES * (Py_ssize_t)sizeof(float))) == NULL) goto done;
+    float *out = (float *)PyByteArray_AS_STRING(result);
+    double last_position = n > 1 ? (double)(n - 1) : 1.0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t h = handles[i], r = h >= 0 && h < pages ? root[h] : -1;
+        if (h < 0 || h >= pages || r < 0 || r >= pages) {
+            Py_CLEAR(result);
+            PyErr_SetString(PyExc_IndexError, "rows: a handle or its root beyond the columns");
+            goto done;
+        }
+        float *row = out + i * NFEATURES;
+        double since = now - last[h];
+        row[0] = (float)log1p(now - inserted[h]);
+        row[1] = (float)log1p(since);
+        row[2] = (float)log1p(gap1[h]);
+        row[3] = (float)log1p(gap2[h]);
+        double ms = now_ms - last_ms[h];
+        row[4] = (float)log1p((ms > 0.0 ? ms : 0.0) / 1e3);
+        for (int k = 0; k < NCOUNTS; k++) row[5 + k] = (float)log1p(counts[h * NCOUNTS + k] * exp(-(since * decay[k])));
+        row[8] = (float)log1p(hits[h]);
+        row[9] = (float)log1p(depth[h]);
+        row[10] = (float)(depth[h] / request_pages[h]);
+        row[11] = leaf[i] ? 1.0f : 0.0f;
+        row[12] = (float)log1p(counts[r * NCOUNTS + root_k] * exp(-(now - last[r]) * decay[root_k]));
+        row[13] = (float)log1p(ghost[h]);
+        row[14] = (float)log1p(request_pages[h]);
+        row[15] = (float)tier;
+        row[16] = (float)((double)i / last_position);
+    }
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&cols[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"pool", pool, METH_VARARGS,
      "pool(tier, lru, lfu, fifo, where, pins, recency, frequency, hits) -> (handles, bits) (see kvray/policy/reuse.py)"},
+    {"rows", rows, METH_VARARGS,
+     "rows(handles, leaf, tier, now, now_ms, decay, root_k, <PageFeatures' columns>) -> float32 feature rows (see "
+     "kvray/policy/page_features.py)"},
     {NULL, NULL, 0, NULL},
 };
 
