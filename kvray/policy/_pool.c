@@ -23,6 +23,11 @@ typedef struct {
     int64_t handle;
 } Entry;
 
+typedef struct {
+    int64_t handle;
+    Py_ssize_t place;
+} Slot;
+
 static int worse(const Entry *a, const Entry *b) { /* a leaves before b: larger key, then larger handle */
     return a->key > b->key || (a->key == b->key && a->handle > b->handle);
 }
@@ -85,6 +90,7 @@ static PyObject *pool(PyObject *module, PyObject *args) {
     Entry *heaps[3] = {NULL, NULL, NULL};
     int64_t *out = NULL;
     uint8_t *bits = NULL;
+    Slot *table = NULL;
     for (; got < 5; got++)
         if (cap[0] < 0 || cap[1] < 0 || cap[2] < 0 || column(objs[got], &cols[got], sizes[got], names[got]) < 0) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "pool: negative pool size");
@@ -107,17 +113,24 @@ static PyObject *pool(PyObject *module, PyObject *args) {
         if (cap[1]) offer(heaps[1], &size[1], cap[1], (Entry){frequency[h], h});
         if (cap[2] && hits[h] == 0.0) offer(heaps[2], &size[2], cap[2], by_recency);
     }
+    /* the picks deduplicated through a small open-addressing table (handle -> place in out) */
+    Py_ssize_t slots = 16;
+    while (slots < 2 * total) slots <<= 1;
     if ((out = PyMem_Malloc((total ? total : 1) * sizeof(int64_t))) == NULL ||
-        (bits = PyMem_Malloc(total ? total : 1)) == NULL) { PyErr_NoMemory(); goto done; }
+        (bits = PyMem_Malloc(total ? total : 1)) == NULL || (table = PyMem_Malloc(slots * sizeof(Slot))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < slots; i++) table[i].handle = -1; /* handles are never negative */
     Py_ssize_t k = 0;
     for (int o = 0; o < 3; o++) {
         qsort(heaps[o], size[o], sizeof(Entry), ascending);
         for (Py_ssize_t i = 0; i < size[o]; i++) {
             int64_t h = heaps[o][i].handle;
-            Py_ssize_t j = 0;
-            while (j < k && out[j] != h) j++;
-            if (j == k) out[k] = h, bits[k++] = 0;
-            bits[j] |= (uint8_t)(1u << o);
+            Py_ssize_t at = (Py_ssize_t)(((uint64_t)h * 0x9E3779B97F4A7C15ull) >> 40) & (slots - 1);
+            while (table[at].handle != -1 && table[at].handle != h) at = (at + 1) & (slots - 1);
+            if (table[at].handle == -1) table[at].handle = h, table[at].place = k, out[k] = h, bits[k++] = 0;
+            bits[table[at].place] |= (uint8_t)(1u << o);
         }
     }
     result = Py_BuildValue("(y#y#)", (const char *)out, k * (Py_ssize_t)sizeof(int64_t), (const char *)bits, k);
@@ -126,6 +139,7 @@ done:
     for (int o = 0; o < 3; o++) PyMem_Free(heaps[o]);
     PyMem_Free(out);
     PyMem_Free(bits);
+    PyMem_Free(table);
     return result;
 }
 

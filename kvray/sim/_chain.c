@@ -1,6 +1,8 @@
-/* The simulator's chain writer in C: CacheManager.store_chain under LRU, with its whole
- * eviction cascade (reserve, demote, drop) and the node's link bookings, in one call per
- * request instead of ~60 Python calls per stored page (docs/design.md, "Replay speed").
+/* The simulator's chain writer in C: CacheManager.store_chain, with its whole eviction cascade
+ * (reserve, demote, drop) and the node's link bookings, in one call per request instead of ~60
+ * Python calls per stored page (docs/design.md, "Replay speed"). Under LRU its hooks run here
+ * too; under any other policy (generic) the policy's own hooks (admit, victim, demote_target,
+ * on_insert, on_remove, on_admitted) are called from here where the manager's Python calls them.
  *
  * It is a transcription of kvray/core/manager.py (store_chain, _reserve_under, _make_room,
  * _held_with, evict, relocate, drop), kvray/core/index.py (add, remove, move, subtree),
@@ -9,11 +11,11 @@
  * those objects' own state (the index's numpy columns, its key dict, the policy's
  * OrderedDicts, the allocators' heaps), so that Python code before and after a call sees
  * exactly what the Python path leaves. The Python path stays the reference:
- * kvray.sim.node.SimNode.store_chain calls this only where it is a faithful copy (an exact
- * LRUPolicy, no page kept outside the call), and tests/sim/test_replay_fingerprint.py
- * replays every recorded cell through both paths.
+ * kvray.sim.node.SimNode.store_chain calls this only where it is a faithful copy (no page kept
+ * outside the call, a policy whose demote_target may be asked in another order), and
+ * tests/sim/test_replay_fingerprint.py replays every recorded cell through both paths.
  *
- * store_chain(manager, node, keys, write, parent, start, stop) -> pages stored
+ * store_chain(manager, node, keys, write, parent, start, stop, tenant="", generic=False) -> pages stored
  *   write: None for the node's own engine (node._stores' booking, checksum 0), else the
  *   Python writer; moves book node._moves[src, dst] (links.book's search of the lanes of
  *   queued links included).
