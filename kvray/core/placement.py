@@ -100,6 +100,10 @@ class PlacementPolicy(ABC):
     needs_future: ClassVar[bool] = False  # an offline oracle: only the simulator can run it
     needs_disk_util: bool = False  # told the NVMe write link's utilisation with each request (RequestInfo)
     needs_link_util: bool = False  # told each tier's load path utilisation with each request (RequestInfo.load_util)
+    # The simulator's compiled chain writer (kvray/sim/_chain.c) may run the manager's part of a
+    # store and call this policy's hooks: true where demote_target depends neither on pins nor
+    # on the order it is asked about a chain's kept pages in (the writer asks in another order)
+    compiled_chain: bool = True
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         """Attach to the index and tier sizes of the manager that consults this policy."""

@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from kvray.core.index import PrefixIndex
+from kvray.core.index import ROOT, PrefixIndex
 from kvray.core.manager import CacheManager
 from kvray.core.placement import LRUPolicy, PageContext, PlacementPolicy, RequestInfo
 from kvray.core.tiers import Tier
@@ -130,6 +130,14 @@ class ShadowCache:
 
     def __init__(self, expert: PlacementPolicy, capacities: Mapping[Tier, int]) -> None:
         self.manager = CacheManager(capacities, expert, page_nbytes=1)
+        from kvray.sim import node  # here: kvray.sim.node imports the policies
+
+        # a shadow stores through the simulator's chain writer in C (kvray/sim/_chain.c), as a
+        # replay does (LRU's hooks transcribed, any other policy's called), over links that take
+        # no time: its moves and writes book nothing
+        self._sim = node
+        self._lru = type(expert) is LRUPolicy
+        self._links = _NoLinks(self.manager.tiers)
 
     def serve(self, keys: Sequence[int], tier_cost: Mapping[Tier, float], info: RequestInfo | None = None) -> tuple[float, int]:
         """The request's cost in page prefills and its hit pages; then its pages are stored.
@@ -144,8 +152,24 @@ class ShadowCache:
             cost += tier_cost[Tier(tier)]
         manager.touch(match.handles)
         manager.promote(match.handles, _no_move)
-        manager.store_chain(keys, _no_move)
+        compiled = self._sim._chain  # None under python_chain_writer()
+        if compiled is not None and not manager._kept and manager.disk_budget is None and manager.policy.compiled_chain:
+            compiled.store_chain(manager, self._links, keys, None, ROOT, 0, len(keys), "", not self._lru)
+        else:
+            manager.store_chain(keys, _no_move)
         return cost, len(match)
+
+
+class _NoLinks:
+    """What the compiled chain writer reads of a simulated node (kvray/sim/_chain.c): the paths
+    of its moves and writes, here without links, so a shadow's replay books nothing."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self._moves = {(src, dst): ((), 0.0, "move") for src in tiers for dst in tiers if src != dst}
+        self._stores = {tier: ((), 0.0) for tier in tiers}
+        self.clock = 0.0
+        self.page_nbytes = 1
+        self.background_ms = 0.0
 
 
 class ExpertsPolicy(PlacementPolicy):

@@ -179,7 +179,15 @@ class ReusePolicy(PlacementPolicy):
                 learned, TRIPWIRE_HEURISTICS, capacities, self.tripwire_margin, sample=self.shadow_sample
             )
             self._tripwire.bind(index, capacities)
-            self._advisors = self._tripwire.advisors
+            # LRU's advisor reads this policy's own recency column: nothing to tell it of each event
+            wire = self._tripwire
+            wire.advisors = [RecencyLRU(self) if type(advisor) is LRUPolicy else advisor for advisor in wire.advisors]
+            self._advisors = [advisor for advisor in wire.advisors if not isinstance(advisor, RecencyLRU)]
+
+    @property
+    def compiled_chain(self) -> bool:  # type: ignore[override]
+        """The disk gate's demotion keeps state (its rows, its budget): asked in the Python order only."""
+        return self._gate is None
 
     # -- what the policy is told ---------------------------------------------------------
     def on_request(self, info: RequestInfo) -> None:
@@ -302,6 +310,17 @@ class ReusePolicy(PlacementPolicy):
         ranked = self._rank(candidates, tier, source)
         self._pending[tier] = ranked[1 : self.take][::-1]  # popped from the end
         return ranked[0]
+
+    def oldest(self, tier: Tier) -> int | None:
+        """The least recently used unpinned page of ``tier`` (LRU's victim: stamps are unique)."""
+        if _pool is not None:
+            columns = (self._where, self.index.pins, self._recency, self._frequency, self.features.hits)
+            handles, _ = _pool.pool(int(tier), 1, 0, 0, *columns)
+            return int(np.frombuffer(handles, dtype=np.int64)[0]) if handles else None
+        pins = self.index.pins
+        n = min(len(self._where), len(pins))
+        pages = np.flatnonzero((self._where[:n] == tier) & (pins[:n] == 0))
+        return int(pages[np.argmin(self._recency[pages])]) if len(pages) else None
 
     def _gather(self, tier: Tier) -> tuple[np.ndarray, np.ndarray]:
         """The pool of ``tier``: its candidates in the order offered, deduplicated, and which
@@ -435,6 +454,31 @@ class ReusePolicy(PlacementPolicy):
         self.rows.append(rows)
         self.labels.append(log_next_use(self._next_uses(handles) - self._label_now))
         self.weights.append(link_charged_miss(miss, busy) * self._queue_weight)
+
+
+class RecencyLRU(PlacementPolicy):
+    """The tripwire's LRU advisor over the real cache, read off the reuse policy's recency
+    column (:meth:`ReusePolicy.oldest`) when followed: that column orders each tier's pages
+    exactly as :class:`~kvray.core.placement.LRUPolicy`'s ``OrderedDict``s do (a stamp per
+    insert, a read batch stamped deepest first), so an LRU advisor told of every event of
+    the real cache repeated the policy's own bookkeeping (docs/sim-eval, "Replay speed")."""
+
+    name = "lru"
+
+    def __init__(self, owner: ReusePolicy) -> None:
+        self._owner = owner
+
+    def on_insert(self, handle: int, tier: Tier) -> None:
+        """Nothing to keep: the owner's column is the order."""
+
+    def on_access(self, handles: np.ndarray) -> None:
+        """Nothing to keep: the owner's column is the order."""
+
+    def on_remove(self, handle: int, tier: Tier) -> None:
+        """Nothing to keep: the owner's column is the order."""
+
+    def victim(self, tier: Tier) -> int | None:
+        return self._owner.oldest(tier)
 
 
 QUEUE_WEIGHT_CAP = 16.0  # a training decision weighs at most this many times its miss cost

@@ -1,6 +1,8 @@
-/* The simulator's chain writer in C: CacheManager.store_chain under LRU, with its whole
- * eviction cascade (reserve, demote, drop) and the node's link bookings, in one call per
- * request instead of ~60 Python calls per stored page (docs/design.md, "Replay speed").
+/* The simulator's chain writer in C: CacheManager.store_chain, with its whole eviction cascade
+ * (reserve, demote, drop) and the node's link bookings, in one call per request instead of ~60
+ * Python calls per stored page (docs/design.md, "Replay speed"). Under LRU its hooks run here
+ * too; under any other policy (generic) the policy's own hooks (admit, victim, demote_target,
+ * on_insert, on_remove, on_admitted) are called from here where the manager's Python calls them.
  *
  * It is a transcription of kvray/core/manager.py (store_chain, _reserve_under, _make_room,
  * _held_with, evict, relocate, drop), kvray/core/index.py (add, remove, move, subtree),
@@ -9,11 +11,11 @@
  * those objects' own state (the index's numpy columns, its key dict, the policy's
  * OrderedDicts, the allocators' heaps), so that Python code before and after a call sees
  * exactly what the Python path leaves. The Python path stays the reference:
- * kvray.sim.node.SimNode.store_chain calls this only where it is a faithful copy (an exact
- * LRUPolicy, no page kept outside the call), and tests/sim/test_replay_fingerprint.py
- * replays every recorded cell through both paths.
+ * kvray.sim.node.SimNode.store_chain calls this only where it is a faithful copy (no page kept
+ * outside the call, a policy whose demote_target may be asked in another order), and
+ * tests/sim/test_replay_fingerprint.py replays every recorded cell through both paths.
  *
- * store_chain(manager, node, keys, write, parent, start, stop) -> pages stored
+ * store_chain(manager, node, keys, write, parent, start, stop, tenant="", generic=False) -> pages stored
  *   write: None for the node's own engine (node._stores' booking, checksum 0), else the
  *   Python writer; moves book node._moves[src, dst] (links.book's search of the lanes of
  *   queued links included).
@@ -97,7 +99,8 @@ static long make_room(State *s, int t) {
         long victim = lru_victim(s, t);
         if (victim == ERR) { result = ERR; break; }
         if (victim == NONE || nrefused >= REFUSALS_PER_RESERVE) break;
-        int target = s->below[t], moved = 0;
+        int target = demote_target(s, victim, t), moved = 0;
+        if (target == -2) { result = ERR; break; }
         if (target >= 0 && (moved = relocate(s, victim, target)) < 0) { result = ERR; break; }
         if (!moved) {
             long dropped = drop(s, victim);
@@ -110,12 +113,19 @@ static long make_room(State *s, int t) {
             continue;
         }
         /* _held_with: the victim, and when a kept page is it or below it every unpinned page
-         * of t in a kept lineage (LRU demotes every page of a tier to the same tier), refuse
-         * together; pinned as they are found, so a page in two lineages counts once */
+         * of t in a kept lineage that the policy demotes nowhere or where the victim's demotion
+         * failed (LRU demotes every page of a tier to the same tier), refuse together; pinned
+         * as they are found, so a page in two lineages counts once (a generic policy's
+         * demote_target must not depend on pins or on the order it is asked in: SimNode) */
         int lineages = keeps_descendant(s, victim);
         for (int i = -1; i < (lineages ? s->nkept : 0); i++)
             for (long up = i < 0 ? victim : s->kept[i]; up != ROOT; up = i < 0 ? ROOT : s->parent[up]) {
                 if (s->tier[up] != t || s->pins[up] != 0) continue;
+                if (s->generic && up != victim) {
+                    int dst = demote_target(s, up, t);
+                    if (dst == -2) { result = ERR; goto out; }
+                    if (dst >= 0 && dst != target) continue;
+                }
                 if (nrefused == cap) {
                     long *more = PyMem_Realloc(refused, (cap = cap ? 2 * cap : 64) * sizeof(long));
                     if (more == NULL) { PyErr_NoMemory(); result = ERR; goto out; }
@@ -151,7 +161,19 @@ static long store_pages(State *s, PyObject *keys, PyObject *write, long parent, 
             continue;
         }
         if (PyErr_Occurred()) return ERR;
+        PyObject *ctx = NULL;
+        if (s->generic) { /* CacheManager.admit(PageContext(depth, request_pages, 0, tenant)) */
+            PyObject *args = Py_BuildValue("(nniO)", depth, PySequence_Fast_GET_SIZE(keys), 0, s->tenant), *tier;
+            ctx = args == NULL ? NULL : PyObject_Call(PageContextType, args, NULL);
+            Py_XDECREF(args);
+            if (ctx == NULL || (tier = PyObject_CallMethodObjArgs(s->policy, M_admit, ctx, NULL)) == NULL) { Py_XDECREF(ctx); return ERR; }
+            int rc = present_tier(s, tier, &admit);
+            Py_DECREF(tier);
+            if (rc < 0) { Py_DECREF(ctx); return ERR; }
+            if (admit < 0) { Py_DECREF(ctx); break; }
+        }
         long slot = reserve_under(s, parent, admit);
+        if (slot == ERR || slot == NO_SLOT) Py_XDECREF(ctx);
         if (slot == ERR) return ERR;
         if (slot == NO_SLOT) break;
         uint64_t checksum = 0;
@@ -169,10 +191,18 @@ static long store_pages(State *s, PyObject *keys, PyObject *write, long parent, 
             PyErr_Fetch(&type, &value, &tb);
             free_slot(s, admit, slot);
             PyErr_Restore(type, value, tb);
+            Py_XDECREF(ctx);
             return ERR;
         }
         long h = index_add(s, key, admit, slot, checksum, parent, (long)depth);
-        if (h == ERR || placed(s, h, admit, slot) < 0 || lru_insert(s, h, admit) < 0) return ERR;
+        if (h == ERR || placed(s, h, admit, slot) < 0 || lru_insert(s, h, admit) < 0) { Py_XDECREF(ctx); return ERR; }
+        if (ctx != NULL) { /* policy.on_admitted(handle, ctx) */
+            PyObject *hobj = PyLong_FromLong(h), *r = hobj ? PyObject_CallMethodObjArgs(s->policy, M_on_admitted, hobj, ctx, NULL) : NULL;
+            Py_XDECREF(hobj);
+            Py_DECREF(ctx);
+            if (r == NULL) return ERR;
+            Py_DECREF(r);
+        }
         s->stored++;
         if (count(s->stored_by_tier, LABEL[admit]) < 0) return ERR;
         stored++;
@@ -195,12 +225,15 @@ static int add_long(PyObject *obj, const char *name, long long n) {
 
 static PyObject *store_chain(PyObject *module, PyObject *args) {
     (void)module;
-    PyObject *manager, *node, *keys_arg, *write;
+    PyObject *manager, *node, *keys_arg, *write, *tenant = NULL;
     long parent;
     Py_ssize_t start, stop;
-    if (!PyArg_ParseTuple(args, "OOOOlnn", &manager, &node, &keys_arg, &write, &parent, &start, &stop)) return NULL;
+    int generic = 0;
+    if (!PyArg_ParseTuple(args, "OOOOlnn|Op", &manager, &node, &keys_arg, &write, &parent, &start, &stop, &tenant, &generic))
+        return NULL;
     State s;
     memset(&s, 0, sizeof(s));
+    s.generic = generic;
     for (int t = 0; t < NTIERS; t++) s.below[t] = -1;
     PyObject *policy = NULL, *slots = NULL, *metrics = NULL, *order = NULL, *below = NULL, *ptiers = NULL;
     PyObject *keys = NULL, *clock = NULL, *bg = NULL, *result = NULL;
@@ -214,7 +247,15 @@ static PyObject *store_chain(PyObject *module, PyObject *args) {
     GET(s.page_placed, manager, "page_placed"); GET(s.page_dropped, manager, "page_dropped");
     GET(s.handles, s.index, "_handles"); GET(s.keys, s.index, "_keys"); GET(s.free_handles, s.index, "_free_handles");
     GET(s.cols, s.index, "_cols"); GET(clock, s.index, "clock");
-    GET(order, policy, "_order"); GET(s.tier_of, policy, "_tier_of"); GET(below, policy, "_below"); GET(ptiers, policy, "tiers");
+    if (generic) { /* the policy's own hooks: no LRU state to read */
+        order = PyDict_New(), s.tier_of = PyDict_New();
+        if (order == NULL || s.tier_of == NULL) goto fail;
+    } else {
+        GET(order, policy, "_order"); GET(s.tier_of, policy, "_tier_of");
+    }
+    GET(below, policy, "_below"); GET(ptiers, policy, "tiers");
+    s.policy = policy;
+    s.tenant = tenant != NULL ? tenant : empty_tenant;
     GET(s.moved_pages, metrics, "moved_pages"); GET(s.stored_by_tier, metrics, "stored_by_tier");
     GET(s.moves, node, "_moves"); GET(s.stores, node, "_stores"); GET(s.clock_obj, node, "clock");
     GET(s.nbytes_obj, node, "page_nbytes"); GET(bg, node, "background_ms");
@@ -231,7 +272,7 @@ static PyObject *store_chain(PyObject *module, PyObject *args) {
     if ((s.nbytes = PyLong_AsLongLong(s.nbytes_obj)) == -1 && PyErr_Occurred()) goto fail;
     for (int t = 0; t < NTIERS; t++) {
         PyObject *alloc = TIER_ITEM(slots, t), *used = NULL;
-        if ((s.order[t] = TIER_ITEM(order, t)) == NULL) {
+        if (!generic && (s.order[t] = TIER_ITEM(order, t)) == NULL) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "LRU order of a tier");
             goto fail;
         }
@@ -283,7 +324,8 @@ fail:
 
 static PyMethodDef methods[] = {
     {"store_chain", store_chain, METH_VARARGS,
-     "store_chain(manager, node, keys, write, parent, start, stop) -> pages stored (see kvray/sim/node.py)"},
+     "store_chain(manager, node, keys, write, parent, start, stop, tenant='', generic=False) -> pages stored "
+     "(see kvray/sim/node.py; generic: the policy's own hooks, in Python, instead of LRU's)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -310,6 +352,14 @@ PyMODINIT_FUNC PyInit__chain(void) {
     if (!ok || (heappush = import("heapq", "heappush")) == NULL ||
         (store_kind = PyUnicode_InternFromString("store")) == NULL ||
         (A_queued = PyUnicode_InternFromString("queued")) == NULL ||
+        (M_on_insert = PyUnicode_InternFromString("on_insert")) == NULL ||
+        (M_on_remove = PyUnicode_InternFromString("on_remove")) == NULL ||
+        (M_victim = PyUnicode_InternFromString("victim")) == NULL ||
+        (M_demote_target = PyUnicode_InternFromString("demote_target")) == NULL ||
+        (M_admit = PyUnicode_InternFromString("admit")) == NULL ||
+        (M_on_admitted = PyUnicode_InternFromString("on_admitted")) == NULL ||
+        (empty_tenant = PyUnicode_InternFromString("")) == NULL ||
+        (PageContextType = import("kvray.core.placement", "PageContext")) == NULL ||
         (A_bytes_by_kind = PyUnicode_InternFromString("bytes_by_kind")) == NULL ||
         (A_busy_ms = PyUnicode_InternFromString("busy_ms")) == NULL ||
         (A_last_end_ms = PyUnicode_InternFromString("last_end_ms")) == NULL ||

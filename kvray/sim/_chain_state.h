@@ -29,6 +29,8 @@ static const Py_ssize_t COL_SIZES[NCOLS] = {1, 4, 4, 8, 4, 4, 8, 4, 4, 4, 4, 4};
 /* set once at import: heapq.heappush (the links' pending heaps), the Tier
  * members by value, their labels and the metrics' "src->dst" move names, the kind "store" */
 static PyObject *heappush, *TIER[NTIERS], *LABEL[NTIERS], *MOVE_NAME[NTIERS][NTIERS], *store_kind;
+/* a generic policy's hooks (interned names) and kvray.core.placement.PageContext */
+static PyObject *M_on_insert, *M_on_remove, *M_victim, *M_demote_target, *M_admit, *M_on_admitted, *PageContextType, *empty_tenant;
 static PyObject *A_queued, *A_bytes_by_kind, *A_busy_ms, *A_last_end_ms, *A_pending, *A_starts, *A_ends; /* Link's, interned */
 
 #define MAX_LINKS 16
@@ -56,7 +58,9 @@ typedef struct {
     uint64_t *checksum;
     int64_t *last;
     long long clock;
-    /* policy (LRU) */
+    /* policy: LRU's own state, or (generic) any policy through its Python hooks */
+    PyObject *policy, *tenant;
+    int generic;
     PyObject *order[NTIERS], *tier_of;
     int below[NTIERS]; /* demotion target present in this cache, or -1 */
     /* slots */
@@ -189,8 +193,47 @@ static int free_slot(State *s, int t, long slot) {
     return 0;
 }
 
-/* -- LRUPolicy's hooks ------------------------------------------------------------------ */
+/* -- the policy's hooks: LRUPolicy's, transcribed, or a generic policy's own in Python ------ */
+/* A generic policy's hook hook(h, Tier(t)) -> its result (new reference) or NULL. Policies
+ * are not told of the links (a request's RequestInfo carries their utilisation), so the
+ * link sums are not written back before a hook runs. */
+static PyObject *hook(State *s, PyObject *name, long h, int t) {
+    PyObject *hobj = PyLong_FromLong(h);
+    if (hobj == NULL) return NULL;
+    PyObject *r = PyObject_CallMethodObjArgs(s->policy, name, hobj, TIER[t], NULL);
+    Py_DECREF(hobj);
+    return r;
+}
+
+static int hook_none(State *s, PyObject *name, long h, int t) {
+    PyObject *r = hook(s, name, h, t);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* A tier a policy named (None: -1), kept only when present in this cache (manager.slots). */
+static int present_tier(State *s, PyObject *tier, int *out) {
+    *out = -1;
+    if (tier == Py_None) return 0;
+    long t = PyLong_AsLong(tier);
+    if (t == -1 && PyErr_Occurred()) return -1;
+    if (t >= 0 && t < NTIERS && s->present[t]) *out = (int)t;
+    return 0;
+}
+
+/* CacheManager._demote_target: where the policy demotes h from t, if present; -2 on error. */
+static int demote_target(State *s, long h, int t) {
+    if (!s->generic) return s->below[t];
+    PyObject *r = hook(s, M_demote_target, h, t);
+    int d;
+    if (r == NULL) return -2;
+    int rc = present_tier(s, r, &d);
+    Py_DECREF(r);
+    return rc < 0 ? -2 : d;
+}
+
 static int lru_insert(State *s, long h, int t) {
+    if (s->generic) return hook_none(s, M_on_insert, h, t);
     PyObject *key = PyLong_FromLong(h);
     if (key == NULL) return -1;
     int rc = PyObject_SetItem(s->order[t], key, Py_None);
@@ -200,6 +243,7 @@ static int lru_insert(State *s, long h, int t) {
 }
 
 static int lru_remove(State *s, long h, int t) {
+    if (s->generic) return hook_none(s, M_on_remove, h, t);
     PyObject *key = PyLong_FromLong(h);
     if (key == NULL) return -1;
     int rc = PyObject_DelItem(s->order[t], key);
@@ -210,6 +254,13 @@ static int lru_remove(State *s, long h, int t) {
 
 /* LRU's victim: the first unpinned page of the tier's order; NONE when all are pinned. */
 static long lru_victim(State *s, int t) {
+    if (s->generic) { /* policy.victim(tier): a handle or None */
+        PyObject *r = PyObject_CallMethodObjArgs(s->policy, M_victim, TIER[t], NULL);
+        if (r == NULL) return ERR;
+        long h = r == Py_None ? NONE : PyLong_AsLong(r);
+        Py_DECREF(r);
+        return h == -1 && PyErr_Occurred() ? ERR : h;
+    }
     PyObject *it = PyObject_GetIter(s->order[t]), *key;
     if (it == NULL) return ERR;
     long found = NONE;

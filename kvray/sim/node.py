@@ -213,14 +213,19 @@ class SimNode:
     ) -> int:
         """``manager.store_chain`` of ``keys`` with this node's mover: in C (:mod:`kvray.sim._chain`,
         a transcription of the manager's chain writer, LRU's hooks and the links' bookings, one
-        call per request instead of ~60 Python calls per stored page) where it is exact (the
-        policy is LRU itself, no page kept from outside, no disk write budget), else the manager's Python, which is
-        the reference: both give the same replays to the bit (tests/sim/test_replay_fingerprint.py)."""
+        call per request instead of ~60 Python calls per stored page) where it is exact (no page
+        kept from outside, no disk write budget; LRU's hooks run in C, any other policy's are
+        called from C as the manager calls them, unless its ``compiled_chain`` is false), else
+        the manager's Python, which is the reference: both give the same replays to the bit
+        (tests/sim/test_replay_fingerprint.py, tests/sim/test_chain.py)."""
         manager = self.manager
         stop = len(keys) if stop is None else stop
-        if _chain is not None and type(self.policy) is LRUPolicy and not manager._kept and manager.disk_budget is None:
+        if _chain is not None and not manager._kept and manager.disk_budget is None:
             local = None if write == self._write_local else write
-            return _chain.store_chain(manager, self, keys, local, parent, start, stop)
+            if type(self.policy) is LRUPolicy:
+                return _chain.store_chain(manager, self, keys, local, parent, start, stop)
+            if self.policy.compiled_chain:  # the manager's part in C, the policy's hooks called as Python calls them
+                return _chain.store_chain(manager, self, keys, local, parent, start, stop, tenant, True)
         return manager.store_chain(keys, self.mover, write, parent=parent, tenant=tenant, start=start, stop=stop)
 
     def _write_local(self, depth: int, key: int, tier: Tier, slot: int, parent: int) -> int:

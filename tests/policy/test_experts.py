@@ -3,6 +3,7 @@ the expert that clearly wins a workload (a seeded document-heavy one, where ARC 
 popular documents that LRU flushes)."""
 
 import numpy as np
+import pytest
 
 from kvray.policy import make_policy
 from kvray.policy.experts import EXPERTS, ExpertsPolicy, ShadowCache
@@ -30,6 +31,34 @@ def test_shadow_cache_hits_as_the_expert_alone_does():
         _, shadow_hits = shadow.serve(keys, sim.tier_cost)
         assert shadow_hits == len(hits)
         sim.serve(request)
+
+
+@pytest.mark.parametrize("expert", ["lru", "s3fifo", "arc", "reuse"])
+def test_a_shadow_stores_through_the_compiled_chain_writer_as_the_manager_s_python_does(expert):
+    """A shadow (the experts', the reuse tripwire's) stores chains in C, LRU's hooks
+    transcribed and any other policy's called from there; request by request it costs and
+    hits what the manager's Python gives, and ends with the same pages where they were."""
+    from kvray.policy.reuse import ReusePolicy
+    from kvray.sim import node
+
+    assert node._chain is not None, "kvray.sim._chain is not built: make install, or python setup.py build_ext --inplace"
+    small = {tier: max(n // 8, 1) for tier, n in CAPACITY.items()}  # evicting in every tier
+    requests = [full_blocks(r.hash_ids, r.input_length, SCENARIO.layout.page_tokens) for r in TRACE[:400]]
+    tier_cost = {tier: 0.1 * (1 + int(tier)) for tier in small}
+
+    def replay() -> tuple[list, ShadowCache]:
+        shadow = ShadowCache(ReusePolicy.load(tripwire=None) if expert == "reuse" else make_policy(expert), small)
+        return [shadow.serve(keys, tier_cost) for keys in requests], shadow
+
+    compiled, fast = replay()
+    with node.python_chain_writer():
+        python, reference = replay()
+    assert compiled == python and fast.manager.metrics.evicted_pages > 1000
+    placed = [
+        {k: (s.manager.index.tier[h := s.manager.index.handle_of(k)], h) for k in s.manager.index.keys()}
+        for s in (fast, reference)
+    ]
+    assert placed[0] == placed[1] and fast.manager.metrics == reference.manager.metrics
 
 
 def test_policy_follows_the_expert_that_wins():

@@ -303,6 +303,38 @@ def test_a_tripped_policy_evicts_as_the_followed_heuristic(following, ops):
             assert expected in unpinned if unpinned else expected is None
 
 
+@settings(max_examples=examples(60), deadline=None)
+@given(ops=operations, compiled=st.booleans())
+def test_the_lru_advisor_read_off_the_recency_column_names_lru_s_victim(ops, compiled):
+    """The tripwire's LRU advisor keeps no order of its own (``RecencyLRU``): in every state
+    of random stores, hits, pins and drops it names the victim an ``LRUPolicy`` told of
+    every event of the same cache names, in every tier (with the pool in C or numpy)."""
+    from kvray.policy import reuse
+
+    assert reuse._pool is not None, "kvray.policy._pool is not built"
+    with pytest.MonkeyPatch.context() as patch:
+        if not compiled:
+            patch.setattr(reuse, "_pool", None)
+        lru_advisor_agrees(ops)
+
+
+def lru_advisor_agrees(ops) -> None:
+    from kvray.policy import reuse
+
+    policy = ReusePolicy(random_model(), tripwire=0.05)
+    manager = CacheManager({Tier.DEVICE: 2, Tier.HOST: 3, Tier.DISK: 4}, policy)
+    advisor = policy._tripwire.advisors[0]
+    assert isinstance(advisor, reuse.RecencyLRU) and advisor not in policy._advisors
+    lru = LRUPolicy()
+    lru.bind(manager.index, manager.capacities)
+    policy._advisors.append(lru)  # told of every event, as the advisor was
+    pinned = []
+    for op, path in ops:
+        apply(manager, op, path, pinned)
+        for tier in manager.tiers:
+            assert advisor.victim(tier) == lru.victim(tier)
+
+
 def test_online_refit_fits_the_model_to_labels_that_arrive_later(monkeypatch):
     from kvray.core.placement import RequestInfo
     from kvray.policy import reuse

@@ -1,6 +1,7 @@
-"""The learned policy's candidate pool in C (kvray/policy/_pool.c) against its numpy
-reference (``ReusePolicy.gather_python``): the same candidates, in the same order, offered
-by the same orderings, on random columns full of ties, and the same replay end to end."""
+"""The learned policy's candidate pool and feature rows in C (kvray/policy/_pool.c) against
+their numpy references (``ReusePolicy.gather_python``, ``PageFeatures.matrix_python``): the
+same candidates, in the same order, offered by the same orderings, on random columns full of
+ties; the same rows on random histories; and the same replay end to end."""
 
 from types import SimpleNamespace
 
@@ -9,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvray.policy import reuse
+from kvray.policy import page_features, reuse
+from kvray.policy.page_features import FEATURES, HALF_LIVES, NEVER, PageFeatures
 from kvray.policy.reuse import ReusePolicy
 from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator, fast_capacity
@@ -21,6 +23,7 @@ from tests.properties import examples
 def pool_built() -> None:
     """Failing, not skipping: an install that lost the extension runs every replay slower."""
     assert reuse._pool is not None, "kvray.policy._pool is not built: make install, or python setup.py build_ext --inplace"
+    assert page_features._pool is reuse._pool
 
 
 TRACE = "data/traces/conversation_trace_first30min.jsonl"
@@ -58,7 +61,38 @@ def test_the_c_pool_is_the_numpy_pool(seed, pages, pinned, pool, tier):
     assert got[1].tolist() == expected[1].tolist()
 
 
-def test_a_reuse_replay_makes_the_same_decisions_with_the_pool_in_c_or_numpy(monkeypatch):
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    pages=st.integers(1, 200),
+    ticks=st.integers(0, 3000),
+    candidates=st.integers(0, 130),
+    tier=st.integers(0, 3),
+)
+def test_the_c_rows_are_the_numpy_rows(seed, pages, ticks, candidates, tier):
+    """Histories drawn wide (ages from none to thousands of requests, counters decayed far,
+    ghosts, never-seen gaps): every value equal, or at most one float32 step apart where
+    libm's exp or log1p and numpy's differ in the last bit before the rounding."""
+    rng = np.random.default_rng(seed)
+    features = PageFeatures(capacity=4)  # grown by the inserts
+    handles = np.arange(pages)
+    features.insert(handles, rng.integers(0, 300, pages), int(rng.integers(1, 400)), rng.integers(0, pages, pages))
+    for _ in range(int(rng.integers(0, 40))):
+        features.tick(arrival_ms=features.now_ms + float(rng.exponential(500.0)))
+        features.now += float(rng.integers(0, max(ticks // 20, 1)))
+        features.access(rng.choice(pages, int(rng.integers(1, pages + 1)), replace=False))
+    features.ghost_age[rng.random(len(features.ghost_age)) < 0.3] = rng.integers(1, 5000)
+    features.gap2[rng.random(len(features.gap2)) < 0.1] = NEVER
+    batch = rng.choice(pages, min(candidates, pages), replace=False)
+    leaf = rng.random(len(batch)) < 0.5
+    got, expected = features.matrix(batch, leaf, tier), features.matrix_python(batch, leaf, tier)
+    assert got.dtype == expected.dtype == np.float32 and got.shape == expected.shape == (len(batch), len(FEATURES))
+    steps = np.abs(got.view(np.int32).astype(np.int64) - expected.view(np.int32).astype(np.int64))
+    assert steps.max(initial=0) <= 1 and got.flags.writeable
+    assert len(HALF_LIVES) == 3  # the C counts NCOUNTS counters per page
+
+
+def test_a_reuse_replay_makes_the_same_decisions_with_the_pool_and_rows_in_c_or_numpy(monkeypatch):
     """The shipped model with its tripwire over 300 conversation requests at 5%: every
     figure of the replay (hits by tier, evictions, each request's TTFT) is the same."""
     requests = read_trace(TRACE, limit=300)
@@ -72,6 +106,7 @@ def test_a_reuse_replay_makes_the_same_decisions_with_the_pool_in_c_or_numpy(mon
 
     compiled = replay()
     monkeypatch.setattr(reuse, "_pool", None)
+    monkeypatch.setattr(page_features, "_pool", None)
     python = replay()
     assert compiled[1] > 1000 and compiled[2] > 1  # it evicted, by scoring pools
     assert compiled == python

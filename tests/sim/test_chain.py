@@ -28,8 +28,9 @@ def state(node: SimNode) -> dict:
         "free_handles": list(index._free_handles),
         "columns": columns,
         "clock": index.clock,
-        "lru": {t: list(order) for t, order in node.policy._order.items()},
-        "tier_of": dict(node.policy._tier_of),
+        "lru": {t: list(order) for t, order in getattr(node.policy, "_order", {}).items()},
+        "tier_of": dict(getattr(node.policy, "_tier_of", {})),
+        "victims": [node.policy.victim(t) for t in manager.tiers],  # a generic policy's state, as it acts on it
         "slots": {t: (list(a._free), bytes(a._used)) for t, a in manager.slots.items()},
         "metrics": manager.metrics.snapshot(),
         "kept": (dict(manager._kept), dict(manager._lineage)),
@@ -50,9 +51,9 @@ def arrivals(link: Link) -> dict[float, int]:
     return by_end
 
 
-def nodes(capacities: dict[Tier, int], queued: bool) -> tuple[SimNode, SimNode]:
+def nodes(capacities: dict[Tier, int], queued: bool, policy: str = "lru") -> tuple[SimNode, SimNode]:
     scenario = load_scenario(DEFAULT_SCENARIO)
-    return tuple(SimNode(0, scenario, make_policy("lru"), capacities, queued=queued) for _ in range(2))
+    return tuple(SimNode(0, scenario, make_policy(policy), capacities, queued=queued) for _ in range(2))
 
 
 def chains(rng: np.random.Generator, count: int, longest: int) -> list[list[int]]:
@@ -71,20 +72,24 @@ def chains(rng: np.random.Generator, count: int, longest: int) -> list[list[int]
 
 @pytest.mark.parametrize("queued", [False, True])
 @pytest.mark.parametrize(("seed", "scale"), [(seed, 1) for seed in range(12)] + [(seed, 10) for seed in range(4)])
-def test_compiled_stores_leave_the_python_paths_state(seed, queued, scale):
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", "selective-write", "wfq"])
+def test_compiled_stores_leave_the_python_paths_state(seed, queued, scale, policy):
     """scale 10: tiers of tens of pages, so that a chain longer than the cache refuses more
-    than the 32 victims a reserve may (REFUSALS_PER_RESERVE) in one kept lineage."""
+    than the 32 victims a reserve may (REFUSALS_PER_RESERVE) in one kept lineage. LRU's hooks
+    are transcribed in C; any other policy's are called from C (``generic``): the
+    selective write's demotion depends on the page (a kept lineage's pages go different ways)."""
     rng = np.random.default_rng(seed)
     capacities = {
         t: int(rng.integers(low, high * scale)) for t, low, high in ((Tier.DEVICE, 1, 5), (Tier.HOST, 0, 8), (Tier.DISK, 0, 12))
     }
-    compiled, python = nodes(capacities, queued)
+    compiled, python = nodes(capacities, queued, policy)
+    generic = () if policy == "lru" else ("", True)
     for i, chain in enumerate(chains(rng, 60, longest=24 * scale)):
         for node in (compiled, python):
             node.clock = float(i)
             hits = node.manager.lookup(chain).handles
             node.manager.touch(hits)  # LRU order moves between stores
-        stored = _chain.store_chain(compiled.manager, compiled, chain, None, ROOT, 0, len(chain))
+        stored = _chain.store_chain(compiled.manager, compiled, chain, None, ROOT, 0, len(chain), *generic)
         assert stored == python.manager.store_chain(chain, python.mover, python.write)
         assert state(compiled) == state(python), f"store {i} of {chain}"
     assert python.manager.metrics.moved_pages and python.manager.metrics.evicted_pages  # cascades ran
@@ -114,7 +119,8 @@ def test_a_failing_writer_gives_its_slot_back_on_both_paths():
 
 
 def test_store_chain_takes_the_compiled_path_only_where_it_is_exact(monkeypatch):
-    """LRU itself, nothing kept from outside: else the manager's Python runs."""
+    """Nothing kept from outside, and a policy whose demotion may be asked in any order: else
+    the manager's Python runs."""
     import kvray.sim.node
 
     taken = []
@@ -123,7 +129,10 @@ def test_store_chain_takes_the_compiled_path_only_where_it_is_exact(monkeypatch)
     capacities = {Tier.DEVICE: 2, Tier.HOST: 2}
     lru, arc = SimNode(0, scenario, make_policy("lru"), capacities), SimNode(0, scenario, make_policy("arc"), capacities)
     lru.store_chain([1, 2], lru.write)
-    assert len(taken) == 1 and taken[0][3] is None  # the node's own writer: booked in C
-    assert arc.store_chain([1, 2], arc.write) == 2 and len(taken) == 1
+    assert len(taken) == 1 and taken[0][3] is None and taken[0][7:] == ()  # the node's own writer: booked in C
+    arc.store_chain([1, 2], arc.write)
+    assert len(taken) == 2 and taken[1][7:] == ("", True)  # another policy: its hooks called from C
+    arc.policy.compiled_chain = False  # its demotion asked in the Python order only (reuse's disk gate)
+    assert arc.store_chain([1, 2], arc.write) == 2 and len(taken) == 2  # the spy stored nothing: Python both
     lru.manager.keep(0)
-    assert lru.store_chain([1, 2, 3], lru.write) == 3 and len(taken) == 1  # the spy stored nothing: Python all 3
+    assert lru.store_chain([1, 2, 3], lru.write) == 3 and len(taken) == 2
