@@ -57,9 +57,11 @@ except ImportError:  # pragma: no cover - a checkout whose extensions were not b
     _pool = None
 
 TRIPWIRE = 0.05  # follow a heuristic once its shadow costs 5% less than the model's (docs/sim-eval: worst held-out cell 1.18x, at 0.02 1.20x)
-# the shadows and advisors: LRU and S3-FIFO with the promotion of disk reads, as the real cache
-# runs them when it follows one (docs/sim-eval, "Promotion decided per page")
+# the shadows and advisors: LRU and S3-FIFO, each without and with the promotion of disk reads
+# (followed, each promotes as it does; docs/sim-eval, "Promotion decided per page")
 TRIPWIRE_HEURISTICS: dict[str, Callable[[], PlacementPolicy]] = {
+    "lru": LRUPolicy,
+    "s3fifo": S3FIFOPolicy,
     "lru-promote": promoting(LRUPolicy),
     "s3fifo-promote": promoting(S3FIFOPolicy),
 }

@@ -452,23 +452,31 @@ def test_a_refused_promotion_s_ranking_serves_the_next_eviction():
 
 
 def test_the_tripwire_follows_a_promoting_shadow_that_leads_and_promotes_as_it_does():
-    """The shadows are LRU and S3-FIFO with promotion; while one leads the model's shadow by
-    the margin the real cache promotes every disk read, as that heuristic does, where the
-    model alone refuses (host's victim read more); once the model leads again, it decides."""
+    """The shadows are LRU and S3-FIFO without and with promotion; while one leads the model's
+    shadow by the margin the real cache promotes as that heuristic does (every disk read, or
+    none), where the model alone refuses (host's victim is read more); once the model leads
+    again, it decides."""
     from kvray.policy.reuse import TRIPWIRE_HEURISTICS
 
-    assert set(TRIPWIRE_HEURISTICS) == {"lru-promote", "s3fifo-promote"}
-    for following, promoted in ((None, False), (0, True), (1, True)):
+    names = list(TRIPWIRE_HEURISTICS)
+    assert set(names) == {"lru", "s3fifo", "lru-promote", "s3fifo-promote"}
+    for following, promoted in (
+        (None, False),
+        ("lru", False),
+        ("s3fifo", False),
+        ("lru-promote", True),
+        ("s3fifo-promote", True),
+    ):
         policy = ReusePolicy(most_read_nearest_model(), tripwire=0.05, shadow_sample=1)
         manager, _, page = read_from_disk(2, 0, policy=policy)  # 22 read twice in host, 11 on disk
         wire = policy._tripwire
         assert wire.shadows[0].manager.policy.promote  # the model's own shadow promotes by the model
-        wire.following, cost = None, np.array([10.0, 10.0, 10.0])
+        wire.following, cost = None, np.full(1 + len(names), 10.0)
         if following is not None:
-            cost[1 + following] = 8.0  # that heuristic's shadow 20% ahead
+            cost[1 + names.index(following)] = 8.0  # that heuristic's shadow 20% ahead
         wire.cost = cost
         wire._follow()
-        assert wire.following == following
+        assert wire.follow() is (None if following is None else wire.advisors[names.index(following)])
         match = manager.lookup([11])
         manager.touch(match.handles)
         manager.promote(match.handles, NO_MOVE)
