@@ -70,6 +70,10 @@ POOL = (64, 32, 32)  # candidates per ordering: LRU's oldest, lowest decayed fre
 POOL_HALF_LIFE = 256.0  # requests: the frequency ordering's decayed counter (the insert counts one)
 TAKE = 8  # evictions served from one scoring while no page is read in between
 DEFAULT_MODEL = "reuse"  # policies/reuse
+# which pages read from disk move up to host: those the model says pay (promote_target), every
+# one (the rule before; `reuse-promote-every`, the reference that tells what the per-page
+# decision is worth), or none
+PROMOTION = ("model", "every", "none")
 
 
 class ReusePolicy(PlacementPolicy):
@@ -92,7 +96,7 @@ class ReusePolicy(PlacementPolicy):
         shadow_sample: int = SAMPLE,
         depth_scale: int = 1,
         disk_gate: bool = False,
-        promote: bool = True,
+        promote: str = "model",
     ):
         self.pool = pool or (model.pool if model is not None else POOL)
         if model is not None and model.pool != self.pool:
@@ -108,7 +112,9 @@ class ReusePolicy(PlacementPolicy):
         self.teacher = teacher
         self.disk_gate = disk_gate and model is not None  # write to disk only what predicted reuse pays for (reuse_admission)
         self.needs_disk_util = self.disk_gate
-        self.promote = promote  # a page read from disk moves up (kvray.policy.promote), whichever rule evicts
+        if promote not in PROMOTION:
+            raise PolicyError(f"promote={promote!r}: expected one of {', '.join(PROMOTION)}")
+        self.promote = promote  # which disk reads move up to host (PROMOTION)
         self.needs_future = teacher  # the simulator tells a teacher the future, as it tells Belady
         self.record = record  # share of decisions whose candidates are kept as training rows
         self._rng = np.random.default_rng(seed)
@@ -118,11 +124,16 @@ class ReusePolicy(PlacementPolicy):
 
     @classmethod
     def load(
-        cls, path: str | Path | None = None, refit: bool = False, tripwire: float | None = TRIPWIRE, disk_gate: bool = False
+        cls,
+        path: str | Path | None = None,
+        refit: bool = False,
+        tripwire: float | None = TRIPWIRE,
+        disk_gate: bool = False,
+        promote: str = "model",
     ) -> ReusePolicy:
         """The model in ``path`` (a folder or weights file), else the shipped one."""
         model = ReuseModel.load(shipped_or_given(path or DEFAULT_MODEL, "policies"))
-        return cls(model, refit=refit, tripwire=tripwire, disk_gate=disk_gate)
+        return cls(model, refit=refit, tripwire=tripwire, disk_gate=disk_gate, promote=promote)
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         super().bind(index, capacities)
@@ -372,12 +383,12 @@ class ReusePolicy(PlacementPolicy):
         the heuristic decides (a promoting one promotes every disk read). Without a model
         (and not a teacher) every disk read moves up, as ``lru-promote``."""
         up = promote_target(tier)
-        if up is None or not self.promote:
+        if up is None or self.promote == "none":
             return None
         followed = self._tripwire.follow() if self._tripwire is not None else None
         if followed is not None:
             return followed.promote_target(handle, tier)
-        if self.model is None and not self.teacher:
+        if self.promote == "every" or (self.model is None and not self.teacher):
             return up
         return up if self._promotion_pays(handle, tier, up) else None
 

@@ -338,8 +338,9 @@ def test_the_shadows_sample_one_key_in_eight_by_hash_at_an_eighth_of_the_tier_si
     assert all(s.manager.capacities == {Tier.HOST: 100} for s in wire.shadows)
 
 
-@pytest.mark.parametrize("promote", [True, False])
+@pytest.mark.parametrize("promote", ["model", "every", "none"])
 def test_a_page_read_from_disk_moves_up_to_host_and_the_host_victim_goes_down(promote):
+    """Without a model every disk read moves up (LRU with promotion) unless promotion is off."""
     policy = ReusePolicy(promote=promote)
     manager = CacheManager({Tier.HOST: 1, Tier.DISK: 4}, policy)
     manager.store_chain([11], NO_MOVE)
@@ -348,7 +349,7 @@ def test_a_page_read_from_disk_moves_up_to_host_and_the_host_victim_goes_down(pr
     match = manager.lookup([11])
     manager.touch(match.handles)
     manager.promote(match.handles, NO_MOVE)
-    if promote:  # 11 read from disk goes back to host, 22 (host's LRU victim) down to disk
+    if promote != "none":  # 11 read from disk goes back to host, 22 (host's LRU victim) down to disk
         assert manager.index.tier[hot] == Tier.HOST and manager.index.tier[manager.index.handle_of(22)] == Tier.DISK
         assert policy.features.hits[hot] == 1  # the same page: its history moves with it
     else:
@@ -442,6 +443,16 @@ def test_the_model_promotes_a_disk_read_only_when_its_predicted_reuse_beats_the_
         assert manager.index.tier[manager.index.handle_of(22)] == (Tier.DISK if promoted else Tier.HOST)
 
 
+def test_the_reference_promotes_every_disk_read_the_model_would_refuse():
+    """`reuse-promote-every` (the rule before per-page decisions) moves up the page the model
+    refuses; an unknown promotion rule is refused at construction."""
+    manager, _, page = read_from_disk(2, 1, policy=ReusePolicy(most_read_nearest_model(), promote="every"))
+    assert manager.index.tier[page] == Tier.HOST
+    assert make_policy("reuse-promote-every").promote == "every" and make_policy("reuse").promote == "model"
+    with pytest.raises(PolicyError, match="promote='sometimes'"):
+        ReusePolicy(promote="sometimes")
+
+
 def test_a_refused_promotion_s_ranking_serves_the_next_eviction():
     """The ranking made to price the host's victim is left pending: the next store evicts
     that very page (22, the only one) without ranking again."""
@@ -470,7 +481,7 @@ def test_the_tripwire_follows_a_promoting_shadow_that_leads_and_promotes_as_it_d
         policy = ReusePolicy(most_read_nearest_model(), tripwire=0.05, shadow_sample=1)
         manager, _, page = read_from_disk(2, 0, policy=policy)  # 22 read twice in host, 11 on disk
         wire = policy._tripwire
-        assert wire.shadows[0].manager.policy.promote  # the model's own shadow promotes by the model
+        assert wire.shadows[0].manager.policy.promote == "model"  # the model's own shadow promotes by the model
         wire.following, cost = None, np.full(1 + len(names), 10.0)
         if following is not None:
             cost[1 + names.index(following)] = 8.0  # that heuristic's shadow 20% ahead
