@@ -14,7 +14,9 @@ the reuse model (:mod:`kvray.policy.reuse_model`) on their access-history featur
 (:mod:`kvray.policy.page_features`), and the one predicted to be used furthest ahead leaves,
 as Belady's would among them; the next :data:`TAKE` - 1 best-ranked go on the following
 victim calls while nothing has been read since (a store evicts in bursts), so one scoring
-pays for several evictions. Without a model the policy is LRU.
+pays for several evictions. A page read from disk moves up to host only where the same
+scores say it pays (:meth:`ReusePolicy.promote_target`). Without a model the policy is LRU
+with every disk read promoted.
 
 The model is trained by imitating the oracle in the simulator (:mod:`kvray.rl.imitation`):
 the same class runs as the *teacher's student* there (``teacher=True``: told the future like
