@@ -59,11 +59,11 @@ except ImportError:  # pragma: no cover - a checkout whose extensions were not b
     _pool = None
 
 TRIPWIRE = 0.05  # follow a heuristic once its shadow costs 5% less than the model's (docs/sim-eval: worst held-out cell 1.18x, at 0.02 1.20x)
-# the shadows and advisors: LRU and S3-FIFO, each without and with the promotion of disk reads
-# (followed, each promotes as it does; docs/sim-eval, "Promotion decided per page")
+# the shadows and advisors: LRU and S3-FIFO with the promotion of disk reads, as the real cache
+# runs them when it follows one (with plain LRU and S3-FIFO beside them, the cache followed plain
+# LRU and stranded read pages on disk: agent-long@25% at --load 0.6 1.20x; docs/sim-eval,
+# "Promotion decided per page")
 TRIPWIRE_HEURISTICS: dict[str, Callable[[], PlacementPolicy]] = {
-    "lru": LRUPolicy,
-    "s3fifo": S3FIFOPolicy,
     "lru-promote": promoting(LRUPolicy),
     "s3fifo-promote": promoting(S3FIFOPolicy),
 }
@@ -72,9 +72,9 @@ POOL = (64, 32, 32)  # candidates per ordering: LRU's oldest, lowest decayed fre
 POOL_HALF_LIFE = 256.0  # requests: the frequency ordering's decayed counter (the insert counts one)
 TAKE = 8  # evictions served from one scoring while no page is read in between
 DEFAULT_MODEL = "reuse"  # policies/reuse
-# which pages read from disk move up to host: those the model says pay (promote_target), every
-# one (the rule before; `reuse-promote-every`, the reference that tells what the per-page
-# decision is worth), or none
+# which pages read from disk move up to host: those the model says pay (`reuse`), every one
+# (`reuse-promote-every`, the rule before: the reference that tells what the per-page decision
+# is worth; docs/sim-eval, "Promotion decided per page"), or none
 PROMOTION = ("model", "every", "none")
 
 
@@ -377,13 +377,14 @@ class ReusePolicy(PlacementPolicy):
         return handles[order].tolist()
 
     def promote_target(self, handle: int, tier: Tier) -> Tier | None:
-        """Whether a page read from disk moves up to host memory (:mod:`kvray.policy.promote`),
-        decided per page: without promotion a hot page, once demoted, stays on disk as long as
-        it is read, each read a disk load held on the prefill engine; promoting every disk
-        read displaces host pages worth more where pages are read from disk once
-        (docs/sim-eval, "Promotion decided per page"). While the tripwire follows a heuristic,
-        the heuristic decides (a promoting one promotes every disk read). Without a model
-        (and not a teacher) every disk read moves up, as ``lru-promote``."""
+        """Whether a page read from disk moves up to host memory (:mod:`kvray.policy.promote`):
+        without promotion a hot page, once demoted, stays on disk as long as it is read, each
+        read a disk load held on the prefill engine; promoting every disk read displaces host
+        pages worth more where pages are read from disk once. So only where the model says it
+        pays (``promote="model"``, :meth:`_promotion_pays`), or every disk read (``"every"``;
+        docs/sim-eval, "Promotion decided per page"). While the tripwire follows a heuristic,
+        the heuristic decides. Without a model (and not a teacher) every disk read moves up,
+        as ``lru-promote``."""
         up = promote_target(tier)
         if up is None or self.promote == "none":
             return None
