@@ -29,10 +29,10 @@ from kvray.policy.threshold import ThresholdPolicy
 from kvray.policy.wfq import WFQPolicy
 
 
-def _reuse(path: str | None = None, refit: bool = False, disk_gate: bool = False) -> PlacementPolicy:
+def _reuse(path: str | None = None, refit: bool = False, disk_gate: bool = False, promote: str = "model") -> PlacementPolicy:
     from kvray.policy.reuse import ReusePolicy  # loads weights; kept out of plain imports
 
-    return ReusePolicy.load(path or None, refit=refit, disk_gate=disk_gate)
+    return ReusePolicy.load(path or None, refit=refit, disk_gate=disk_gate, promote=promote)
 
 
 def _reuse_cluster(path: str) -> PlacementPolicy:
@@ -66,6 +66,8 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     # references: a heuristic with reuse's promotion of disk reads to host (kvray.policy.promote)
     "lru-promote": promoting(LRUPolicy),
     "s3fifo-promote": promoting(S3FIFOPolicy),
+    # and `reuse` promoting every disk read, not only those its model says pay (kvray.policy.reuse.PROMOTION)
+    "reuse-promote-every": lambda: _reuse(promote="every"),
 }
 
 

@@ -4,10 +4,11 @@ Every eviction rule here reorders a tier by its reads and moves a page only down
 demoted to disk while it was cold stays there as long as it is read, since each read makes
 it the newest of the disk tier, and every read of it is a disk load held on the prefill
 engine. :data:`PROMOTE` moves a page read from disk up to host memory (the victim made room
-for there goes down by the policy's own rule). The per-page policy promotes
-(:class:`~kvray.policy.reuse.ReusePolicy`); :func:`promoting` gives a heuristic the same
-rule, so an evaluation can tell how much of a gain is the promotion and how much the
-ranking (docs/sim-eval, "Promotion").
+for there goes down by the policy's own rule). The per-page policy promotes the disk reads
+its model says pay for (:meth:`~kvray.policy.reuse.ReusePolicy.promote_target`);
+:func:`promoting` gives a heuristic the rule for every disk read, so an evaluation can tell
+how much of a gain is the promotion and how much the ranking (docs/sim-eval, "Promotion"),
+and the tripwire can follow a heuristic that promotes.
 
 Example::
 

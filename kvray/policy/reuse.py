@@ -14,7 +14,9 @@ the reuse model (:mod:`kvray.policy.reuse_model`) on their access-history featur
 (:mod:`kvray.policy.page_features`), and the one predicted to be used furthest ahead leaves,
 as Belady's would among them; the next :data:`TAKE` - 1 best-ranked go on the following
 victim calls while nothing has been read since (a store evicts in bursts), so one scoring
-pays for several evictions. Without a model the policy is LRU.
+pays for several evictions. A page read from disk moves up to host only where the same
+scores say it pays (:meth:`ReusePolicy.promote_target`). Without a model the policy is LRU
+with every disk read promoted.
 
 The model is trained by imitating the oracle in the simulator (:mod:`kvray.rl.imitation`):
 the same class runs as the *teacher's student* there (``teacher=True``: told the future like
@@ -44,7 +46,7 @@ from kvray.core.index import ROOT, PrefixIndex
 from kvray.core.placement import LRUPolicy, PageContext, PlacementPolicy, RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy.page_features import SOURCES, PageFeatures
-from kvray.policy.promote import promote_target
+from kvray.policy.promote import promote_target, promoting
 from kvray.policy.reuse_admission import DiskGate
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
 from kvray.policy.reuse_online import SAMPLE, DelayedLabels, ShadowTripwire
@@ -57,12 +59,23 @@ except ImportError:  # pragma: no cover - a checkout whose extensions were not b
     _pool = None
 
 TRIPWIRE = 0.05  # follow a heuristic once its shadow costs 5% less than the model's (docs/sim-eval: worst held-out cell 1.18x, at 0.02 1.20x)
-TRIPWIRE_HEURISTICS: dict[str, Callable[[], PlacementPolicy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
+# the shadows and advisors: LRU and S3-FIFO with the promotion of disk reads, as the real cache
+# runs them when it follows one (with plain LRU and S3-FIFO beside them, the cache followed plain
+# LRU and stranded read pages on disk: agent-long@25% at --load 0.6 1.20x; docs/sim-eval,
+# "Promotion decided per page")
+TRIPWIRE_HEURISTICS: dict[str, Callable[[], PlacementPolicy]] = {
+    "lru-promote": promoting(LRUPolicy),
+    "s3fifo-promote": promoting(S3FIFOPolicy),
+}
 REFIT_BATCH = 64  # decisions per online refit step
 POOL = (64, 32, 32)  # candidates per ordering: LRU's oldest, lowest decayed frequency, oldest never read (the shipped model's)
 POOL_HALF_LIFE = 256.0  # requests: the frequency ordering's decayed counter (the insert counts one)
 TAKE = 8  # evictions served from one scoring while no page is read in between
 DEFAULT_MODEL = "reuse"  # policies/reuse
+# which pages read from disk move up to host: those the model says pay (`reuse`), every one
+# (`reuse-promote-every`, the rule before: the reference that tells what the per-page decision
+# is worth; docs/sim-eval, "Promotion decided per page"), or none
+PROMOTION = ("model", "every", "none")
 
 
 class ReusePolicy(PlacementPolicy):
@@ -85,7 +98,7 @@ class ReusePolicy(PlacementPolicy):
         shadow_sample: int = SAMPLE,
         depth_scale: int = 1,
         disk_gate: bool = False,
-        promote: bool = True,
+        promote: str = "model",
         promote_gate: float | None = None,
         link_charged: bool = False,
         next_use: Callable[[list[int], float], np.ndarray] | None = None,
@@ -104,7 +117,9 @@ class ReusePolicy(PlacementPolicy):
         self.teacher = teacher
         self.disk_gate = disk_gate and model is not None  # write to disk only what predicted reuse pays for (reuse_admission)
         self.needs_disk_util = self.disk_gate
-        self.promote = promote  # a page read from disk moves up (kvray.policy.promote), whichever rule evicts
+        if promote not in PROMOTION:
+            raise PolicyError(f"promote={promote!r}: expected one of {', '.join(PROMOTION)}")
+        self.promote = promote  # which disk reads move up to host (PROMOTION)
         self.promote_gate = promote_gate  # ... only while the tier's load path is busy less than this share
         self.link_charged = link_charged and teacher  # a decision weighs its miss over the link it would be reloaded by
         self.needs_link_util = self.link_charged or promote_gate is not None
@@ -118,11 +133,16 @@ class ReusePolicy(PlacementPolicy):
 
     @classmethod
     def load(
-        cls, path: str | Path | None = None, refit: bool = False, tripwire: float | None = TRIPWIRE, disk_gate: bool = False
+        cls,
+        path: str | Path | None = None,
+        refit: bool = False,
+        tripwire: float | None = TRIPWIRE,
+        disk_gate: bool = False,
+        promote: str = "model",
     ) -> ReusePolicy:
         """The model in ``path`` (a folder or weights file), else the shipped one."""
         model = ReuseModel.load(shipped_or_given(path or DEFAULT_MODEL, "policies"))
-        return cls(model, refit=refit, tripwire=tripwire, disk_gate=disk_gate)
+        return cls(model, refit=refit, tripwire=tripwire, disk_gate=disk_gate, promote=promote)
 
     @classmethod
     def load_cluster(cls, path: str | Path) -> ReusePolicy:
@@ -138,7 +158,7 @@ class ReusePolicy(PlacementPolicy):
         if card.get("policy") != "reuse-cluster":
             raise PolicyError(f"{folder}: a {card.get('policy')!r} model, not one trained on cluster replays")
         gate = card["node_policy"]["promote_gate"]
-        return cls(ReuseModel.load(folder), tripwire=TRIPWIRE, promote=gate is not None, promote_gate=gate)
+        return cls(ReuseModel.load(folder), tripwire=TRIPWIRE, promote="none" if gate is None else "every", promote_gate=gate)
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         super().bind(index, capacities)
@@ -155,6 +175,8 @@ class ReusePolicy(PlacementPolicy):
         self._key_of: dict[int, int] = {}
         self._leaving: tuple[int, int] | None = None  # the page on_remove was last told of (a move re-inserts it)
         self._pending: dict[Tier, list[int]] = {}
+        self._pending_score: dict[Tier, np.ndarray] = {}  # the scores of the last ranking's first TAKE, in order
+        self._held = [0] * (max(Tier) + 1)  # pages per tier: a promotion into a tier with a free slot displaces none
         self.features = PageFeatures(ghost_capacity=max(sum(capacities.values()), 1))
         self._request_pages = 1
         self._tier_cost: Mapping[Tier, float] = {}
@@ -173,8 +195,8 @@ class ReusePolicy(PlacementPolicy):
         if self.disk_gate and capacities.get(Tier.DISK, 0) > 0:
             self._gate = DiskGate(self.model.mean, self.model.scale, capacities[Tier.DISK])
         if self.tripwire_margin is not None:
-            # the model alone, in a shadow; no shadow promotes: they compare the eviction rules
-            learned = ReusePolicy(self.model, pool=self.pool, depth_scale=self.shadow_sample, promote=False)
+            # the model alone, in a shadow: it evicts and promotes by the model, as the real cache does
+            learned = ReusePolicy(self.model, pool=self.pool, depth_scale=self.shadow_sample, promote=self.promote)
             self._tripwire = ShadowTripwire(
                 learned, TRIPWIRE_HEURISTICS, capacities, self.tripwire_margin, sample=self.shadow_sample
             )
@@ -233,6 +255,7 @@ class ReusePolicy(PlacementPolicy):
         if handle >= len(self._where):
             self._grow(handle)
         self._where[handle] = tier
+        self._held[tier] += 1
         self._clock += 1
         self._recency[handle] = self._clock  # a page moved between tiers is the newest of its new tier
         key = self.index.key_of(handle)
@@ -288,6 +311,7 @@ class ReusePolicy(PlacementPolicy):
         for advisor in self._advisors:
             advisor.on_remove(handle, tier)
         self._where[handle] = -1
+        self._held[tier] -= 1
         key = self._key_of[handle]
         self.features.left(key)
         self._leaving = (handle, key)
@@ -393,20 +417,84 @@ class ReusePolicy(PlacementPolicy):
         else:  # a teacher without a model acts as the oracle among the candidates
             score = log_next_use(self._next_uses(handles) - self._label_now)
         order = np.lexsort((-self.index.depth[handles], -score))
+        self._pending_score[tier] = score[order[: self.take]]
         if self._gate is not None and self._below[tier] == Tier.DISK:
             self._gate_rows = dict(zip(handles[order[: self.take]].tolist(), rows[order[: self.take]]))
         return handles[order].tolist()
 
     def promote_target(self, handle: int, tier: Tier) -> Tier | None:
-        """A page read from disk moves up to host memory (:mod:`kvray.policy.promote`), making
-        room there as the policy (or the heuristic it follows) evicts: without it a hot page,
-        once demoted, stays on disk as long as it is read, each read a disk load held on the
-        prefill engine (docs/sim-eval, "Promotion": most of the gain at load is this). With a
-        ``promote_gate`` only while the tier's load path is busy less than that share: in a
-        cluster the promotion queues on the links that the node's loads need."""
-        if not self.promote or (self.promote_gate is not None and self._load_util.get(tier, 0.0) >= self.promote_gate):
+        """Whether a page read from disk moves up to host memory (:mod:`kvray.policy.promote`):
+        without promotion a hot page, once demoted, stays on disk as long as it is read, each
+        read a disk load held on the prefill engine; promoting every disk read displaces host
+        pages worth more where pages are read from disk once. So only where the model says it
+        pays (``promote="model"``, :meth:`_promotion_pays`), or every disk read (``"every"``;
+        docs/sim-eval, "Promotion decided per page"). While the tripwire follows a heuristic,
+        the heuristic decides. Without a model (and not a teacher) every disk read moves up,
+        as ``lru-promote``. With a ``promote_gate``, none while the tier's load path is busy that
+        share of the time or more (a cluster node's: the promotion queues on the links its loads need)."""
+        up = promote_target(tier)
+        if up is None or self.promote == "none":
             return None
-        return promote_target(tier)
+        if self.promote_gate is not None and self._load_util.get(tier, 0.0) >= self.promote_gate:
+            return None  # in a cluster the promotion would queue on the links the node's loads need
+        followed = self._tripwire.follow() if self._tripwire is not None else None
+        if followed is not None:
+            return followed.promote_target(handle, tier)
+        if self.promote == "every" or (self.model is None and not self.teacher):
+            return up
+        return up if self._promotion_pays(handle, tier, up) else None
+
+    def _promotion_pays(self, handle: int, tier: Tier, up: Tier) -> bool:
+        """Promote when the page's predicted reuse times the load each reuse saves (``tier``'s
+        cost less ``up``'s) beats the predicted reuse of ``up``'s next victim times what each of
+        its reuses costs more once it is demoted; free where ``up`` has a free slot. Both
+        scores come from the eviction model in ``up`` (the page scored as the newest of the
+        tier's recency order, offered by no ordering): fitted to the oracle's softmax over
+        ``log1p(requests to next use)``, its scores are log next use up to one shared offset,
+        so ``exp(-score)`` is a reuse rate up to one shared factor and the rule reads
+        ``victim_score - page_score > log(victim's extra cost / page's saving)``. The victim is
+        the one the next eviction takes: the ranking made here serves that eviction."""
+        if self._held[up] < self.capacities.get(up, 0):
+            return True
+        victim_score = self._next_victim_score(up)
+        if victim_score is None:  # every page of up is pinned: no room to make
+            return False
+        cost = self._tier_cost
+        here = cost.get(up, 0.0)
+        saved = cost.get(tier, 1.0) - here
+        below = self._below[up]
+        lost = (cost.get(below, 1.0) if below is not None else 1.0) - here
+        if saved <= 0.0:
+            return False
+        return victim_score - self._page_score(handle, up) > math.log(max(lost, 1e-9) / saved)
+
+    def _next_victim_score(self, tier: Tier) -> float | None:
+        """The score of the page the next eviction from ``tier`` takes (a ranking made now,
+        if none is pending, is left pending for it); None if every page is pinned."""
+        pending = self._pending.get(tier)
+        pins = self.index.pins
+        while pending:
+            handle = pending[-1]
+            if self._where.item(handle) == tier and pins.item(handle) == 0:
+                scores = self._pending_score[tier]
+                return float(scores[len(scores) - len(pending)])
+            pending.pop()
+        candidates, source = self._gather(tier)
+        if not len(candidates):
+            return None
+        ranked = self._rank(candidates, tier, source)
+        self._pending[tier] = ranked[: self.take][::-1]  # popped from the end: the first next
+        return float(self._pending_score[tier][0])
+
+    def _page_score(self, handle: int, tier: Tier) -> float:
+        """``handle``'s eviction score were it in ``tier`` now (a teacher without a model: the oracle's)."""
+        if self.model is None:
+            return float(log_next_use(self._next[handle : handle + 1] - (self.features.now - 1.0))[0])
+        row = self.features.matrix(np.array([handle]), ~self.index.has_children([handle]), int(tier))
+        row[:, -1] = 1.0  # just read: the newest of the tier's recency order
+        if self.pool[1:] != (0, 0):
+            row = np.hstack([row, np.zeros((1, len(SOURCES)), dtype=np.float32)])
+        return float(self.model.predict(row)[0])
 
     def demote_target(self, handle: int, tier: Tier) -> Tier | None:
         """One tier down; into disk, only when the gate says the write pays (with a gate)."""

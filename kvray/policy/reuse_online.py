@@ -9,11 +9,12 @@ to: the same code in the simulator and in the runtime, since both tell the polic
 same events.
 
 :class:`ShadowTripwire` guards against a model that has gone wrong on a workload unlike its
-training: shadow caches of the model alone and of a few heuristics (LRU, S3-FIFO) serve the
-same requests at the real tier sizes; while a heuristic's shadow costs a margin less than
-the model's (modeled time to first token, decayed), the real cache evicts as that heuristic
-does, until the model's shadow leads again by the margin (HALP's and LeCaR's idea: keep
-the rule that is ahead on this very workload).
+training: shadow caches of the model alone and of a few heuristics (LRU and S3-FIFO, with the
+promotion of disk reads the real cache makes when it follows one) serve the same requests at
+the real tier sizes; while a heuristic's shadow costs a margin less than the model's
+(modeled time to first token, decayed), the real cache evicts as that heuristic does, until
+the model's shadow leads again by the margin (HALP's and LeCaR's idea: keep the rule that is
+ahead on this very workload).
 
 Example::
 

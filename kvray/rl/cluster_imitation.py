@@ -88,7 +88,7 @@ def collect_cluster(job: tuple) -> tuple[list[np.ndarray], list[np.ndarray], lis
             seed=seed * 64 + n,
             pool=pool,
             link_charged=True,
-            promote=promote_gate is not None,
+            promote="none" if promote_gate is None else "every",
             promote_gate=promote_gate,
             next_use=future,
         )

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT
 from kvray.core.manager import CacheManager
-from kvray.core.placement import LRUPolicy
+from kvray.core.placement import LRUPolicy, RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy import make_policy
 from kvray.policy.page_features import FEATURES, HALF_LIVES, NEVER, SOURCES, PageFeatures
@@ -371,8 +371,9 @@ def test_the_shadows_sample_one_key_in_eight_by_hash_at_an_eighth_of_the_tier_si
     assert all(s.manager.capacities == {Tier.HOST: 100} for s in wire.shadows)
 
 
-@pytest.mark.parametrize("promote", [True, False])
+@pytest.mark.parametrize("promote", ["model", "every", "none"])
 def test_a_page_read_from_disk_moves_up_to_host_and_the_host_victim_goes_down(promote):
+    """Without a model every disk read moves up (LRU with promotion) unless promotion is off."""
     policy = ReusePolicy(promote=promote)
     manager = CacheManager({Tier.HOST: 1, Tier.DISK: 4}, policy)
     manager.store_chain([11], NO_MOVE)
@@ -381,7 +382,7 @@ def test_a_page_read_from_disk_moves_up_to_host_and_the_host_victim_goes_down(pr
     match = manager.lookup([11])
     manager.touch(match.handles)
     manager.promote(match.handles, NO_MOVE)
-    if promote:  # 11 read from disk goes back to host, 22 (host's LRU victim) down to disk
+    if promote != "none":  # 11 read from disk goes back to host, 22 (host's LRU victim) down to disk
         assert manager.index.tier[hot] == Tier.HOST and manager.index.tier[manager.index.handle_of(22)] == Tier.DISK
         assert policy.features.hits[hot] == 1  # the same page: its history moves with it
     else:
@@ -421,3 +422,114 @@ def test_training_at_a_load_replays_each_source_scaled_to_it(tmp_path):
     assert both["training"]["loads"] == ["own rate", 0.9] and own["training"]["loads"] == ["own rate"]
     own_ttft, (same, loaded) = own["training"]["rounds"][0]["mean_ttft_ms"], both["training"]["rounds"][0]["mean_ttft_ms"]
     assert own_ttft == [same] and loaded > same  # the scaled replay queues
+
+
+def most_read_nearest_model() -> ReuseModel:
+    """A model that predicts the most-read page is used soonest: score -log1p(hits)."""
+    weights = np.zeros((len(FEATURES), 1), dtype=np.float32)
+    weights[FEATURES.index("log_hits"), 0] = 1.0
+    return ReuseModel(np.zeros(len(FEATURES)), np.ones(len(FEATURES)), weights, np.zeros(1), -np.ones(1), np.zeros(1))
+
+
+COSTS = {Tier.HOST: 0.1, Tier.DISK: 0.5}  # a disk read saves 0.4 of a prefill over a host read
+
+
+def read_from_disk(host_reads: int, disk_reads: int, host: int = 1, policy: ReusePolicy | None = None):
+    """Page 11 demoted to disk, page 22 the host's (next victim if host is full), 22 read
+    ``host_reads`` times, then 11 read from disk ``disk_reads`` times (the last time, the
+    promotion is decided). The manager, the policy and page 11's handle."""
+    policy = policy or ReusePolicy(most_read_nearest_model())
+    manager = CacheManager({Tier.HOST: host, Tier.DISK: 4}, policy)
+
+    def request(keys):
+        policy.on_request(RequestInfo(keys=tuple(keys), tier_cost=COSTS))
+        match = manager.lookup(keys)
+        manager.touch(match.handles)
+        manager.promote(match.handles, NO_MOVE)
+        manager.store_chain(keys, NO_MOVE)
+
+    request([11])
+    manager.relocate(manager.index.handle_of(11), Tier.DISK, NO_MOVE)  # demoted while cold
+    request([22])
+    for _ in range(host_reads):
+        request([22])
+    for _ in range(disk_reads):
+        request([11])
+    return manager, policy, manager.index.handle_of(11)
+
+
+@pytest.mark.parametrize(
+    ("host_reads", "disk_reads", "host", "promoted"),
+    [
+        (0, 1, 1, True),  # the page read (1 hit) is predicted nearer than host's victim (0 hits): pays
+        (2, 1, 1, False),  # host's victim is read more (2 hits to 1): displacing it costs more than the page saves
+        (2, 3, 1, True),  # read from disk again and again: now it pays
+        (2, 1, 2, True),  # a free host slot: nothing displaced, it moves up whatever the scores
+    ],
+)
+def test_the_model_promotes_a_disk_read_only_when_its_predicted_reuse_beats_the_host_victim_s(
+    host_reads, disk_reads, host, promoted
+):
+    manager, policy, page = read_from_disk(host_reads, disk_reads, host)
+    assert manager.index.tier[page] == (Tier.HOST if promoted else Tier.DISK)
+    if host == 1:  # promoted: 22 left host for disk; refused: it stays, the next eviction takes it
+        assert manager.index.tier[manager.index.handle_of(22)] == (Tier.DISK if promoted else Tier.HOST)
+
+
+def test_the_reference_promotes_every_disk_read_the_model_would_refuse():
+    """`reuse-promote-every` (the rule before per-page decisions) moves up the page the model
+    refuses; an unknown promotion rule is refused at construction."""
+    manager, _, page = read_from_disk(2, 1, policy=ReusePolicy(most_read_nearest_model(), promote="every"))
+    assert manager.index.tier[page] == Tier.HOST
+    assert make_policy("reuse-promote-every").promote == "every" and make_policy("reuse").promote == "model"
+    with pytest.raises(PolicyError, match="promote='sometimes'"):
+        ReusePolicy(promote="sometimes")
+
+
+def test_a_refused_promotion_s_ranking_serves_the_next_eviction():
+    """The ranking made to price the host's victim is left pending: the next store evicts
+    that very page (22, the only one) without ranking again."""
+    manager, policy, page = read_from_disk(2, 1)
+    assert manager.index.tier[page] == Tier.DISK and policy._pending[Tier.HOST] == [manager.index.handle_of(22)]
+    manager.store_chain([33], NO_MOVE)
+    assert manager.index.tier[manager.index.handle_of(22)] == Tier.DISK and not policy._pending[Tier.HOST]
+
+
+def test_the_tripwire_follows_a_promoting_shadow_that_leads_and_promotes_as_it_does():
+    """The shadows are LRU and S3-FIFO with promotion; while one leads the model's shadow by the
+    margin the real cache promotes every disk read, as that heuristic does, where the model
+    alone refuses (host's victim is read more); once the model leads again, it decides."""
+    from kvray.policy.reuse import TRIPWIRE_HEURISTICS
+
+    names = list(TRIPWIRE_HEURISTICS)
+    assert names == ["lru-promote", "s3fifo-promote"]
+    for following, promoted in ((None, False), ("lru-promote", True), ("s3fifo-promote", True)):
+        policy = ReusePolicy(most_read_nearest_model(), tripwire=0.05, shadow_sample=1)
+        manager, _, page = read_from_disk(2, 0, policy=policy)  # 22 read twice in host, 11 on disk
+        wire = policy._tripwire
+        assert wire.shadows[0].manager.policy.promote == "model"  # the model's own shadow promotes by the model
+        wire.following, cost = None, np.full(1 + len(names), 10.0)
+        if following is not None:
+            cost[1 + names.index(following)] = 8.0  # that heuristic's shadow 20% ahead
+        wire.cost = cost
+        wire._follow()
+        assert wire.follow() is (None if following is None else wire.advisors[names.index(following)])
+        match = manager.lookup([11])
+        manager.touch(match.handles)
+        manager.promote(match.handles, NO_MOVE)
+        assert manager.index.tier[page] == (Tier.HOST if promoted else Tier.DISK)
+
+
+def test_a_promoting_shadow_is_charged_a_host_read_for_a_page_it_moved_up():
+    """The tripwire's costs count what promotion changes: a promoting heuristic's shadow pays a
+    disk read once and host reads after, the plain heuristic's disk reads every time. The move
+    itself is not charged, as the one-node simulator does not (its links are unqueued)."""
+    from kvray.policy.experts import ShadowCache
+    from kvray.policy.promote import promoting
+
+    costs = {}
+    for build in (LRUPolicy, promoting(LRUPolicy)):
+        shadow = ShadowCache(build(), {Tier.HOST: 1, Tier.DISK: 4})
+        paid = [shadow.serve(keys, COSTS)[0] for keys in ((11,), (22,), (11,), (11,), (11,))]
+        costs[build().name] = paid[2:]
+    assert costs == {"lru": [0.5, 0.5, 0.5], "lru-promote": [0.5, 0.1, 0.1]}

@@ -87,7 +87,7 @@ def test_cluster_labels_are_the_trace_s_next_use_and_weights_charge_the_busy_lin
     # the same decisions weighed without the link charge (the weights do not change what is done)
     future = TraceNextUse(trace, scenario.layout.page_tokens)
     policies = [
-        ReusePolicy(None, teacher=True, record=1.0, seed=n, pool=(16, 8, 8), promote=False, next_use=future)
+        ReusePolicy(None, teacher=True, record=1.0, seed=n, pool=(16, 8, 8), promote="none", next_use=future)
         for n in range(len(caps))
     ]
     ClusterSimulator(scenario, policies, make_cluster_policy("cost-router"), caps).replay(trace)
@@ -126,7 +126,7 @@ def test_a_gated_policy_promotes_a_disk_read_only_while_the_disk_s_load_path_is_
     assert policy.promote_target(0, Tier.DISK) is None  # the NVMe path is queued: the page stays
     policy.on_request(RequestInfo(keys=(), load_util={Tier.DISK: 0.3, Tier.HOST: 0.0}))
     assert policy.promote_target(0, Tier.DISK) == Tier.HOST
-    assert ReusePolicy(None, promote=False).promote_target(0, Tier.DISK) is None
+    assert ReusePolicy(None, promote="none").promote_target(0, Tier.DISK) is None
 
 
 def test_train_reuse_cluster_then_cluster_eval_runs_it_under_a_cluster_policy(tmp_path):
