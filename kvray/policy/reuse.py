@@ -201,9 +201,15 @@ class ReusePolicy(PlacementPolicy):
                 learned, TRIPWIRE_HEURISTICS, capacities, self.tripwire_margin, sample=self.shadow_sample
             )
             self._tripwire.bind(index, capacities)
-            # LRU's advisor reads this policy's own recency column: nothing to tell it of each event
+            # an advisor that evicts as LRU does (lru-promote) reads this policy's own recency
+            # column: nothing to tell it of each event
             wire = self._tripwire
-            wire.advisors = [RecencyLRU(self) if type(advisor) is LRUPolicy else advisor for advisor in wire.advisors]
+            wire.advisors = [
+                RecencyLRU(self, advisor)
+                if isinstance(advisor, LRUPolicy) and type(advisor).victim is LRUPolicy.victim
+                else advisor
+                for advisor in wire.advisors
+            ]
             self._advisors = [advisor for advisor in wire.advisors if not isinstance(advisor, RecencyLRU)]
 
     @property
@@ -545,16 +551,20 @@ class ReusePolicy(PlacementPolicy):
 
 
 class RecencyLRU(PlacementPolicy):
-    """The tripwire's LRU advisor over the real cache, read off the reuse policy's recency
+    """The tripwire's LRU advisor (``stands_for``: LRU with or without promotion, promoting as
+    it does) over the real cache, read off the reuse policy's recency
     column (:meth:`ReusePolicy.oldest`) when followed: that column orders each tier's pages
     exactly as :class:`~kvray.core.placement.LRUPolicy`'s ``OrderedDict``s do (a stamp per
     insert, a read batch stamped deepest first), so an LRU advisor told of every event of
     the real cache repeated the policy's own bookkeeping (docs/sim-eval, "Replay speed")."""
 
-    name = "lru"
-
-    def __init__(self, owner: ReusePolicy) -> None:
+    def __init__(self, owner: ReusePolicy, stands_for: LRUPolicy) -> None:
         self._owner = owner
+        self.name = stands_for.name
+        self._promote = stands_for.promote_target  # lru-promote's promotion, when followed
+
+    def promote_target(self, handle: int, tier: Tier) -> Tier | None:
+        return self._promote(handle, tier)
 
     def on_insert(self, handle: int, tier: Tier) -> None:
         """Nothing to keep: the owner's column is the order."""
