@@ -233,6 +233,7 @@ def load_scenario(path: str | Path) -> Scenario:
 
 
 DEFAULT_SCENARIO = "h100-llama8b"  # shipped in simulations/ (kvray.resources)
+DEFAULT_CLUSTER_SCENARIO = "simulations/h100-2node-train.yaml"  # what cluster training replays (never an evaluated cluster)
 
 
 class PrefillQueue:

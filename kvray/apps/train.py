@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvray.core.errors import ConfigError
-from kvray.scenario import DEFAULT_SCENARIO, Scenario, load_scenario
+from kvray.scenario import DEFAULT_CLUSTER_SCENARIO, DEFAULT_SCENARIO, Scenario, load_scenario
 from kvray.traces import TraceRequest
 
 CARD_KEYS = ("trace", "capacity_fraction", "policy", "token_hit_rate", "mean_ttft_ms", "p99_ttft_ms")
@@ -167,7 +167,6 @@ def train_cluster_reuse_policy(
     """``kvray train-reuse --cluster``: the reuse model imitating Belady on every node of the
     training clusters (:mod:`kvray.rl.cluster_imitation`), ``h100-2node-train`` by default
     (the held-out clusters and bandwidths are ``cluster-eval``'s), at one cache size."""
-    from kvray.apps.train_cluster import DEFAULT_CLUSTER_SCENARIO
     from kvray.resources import bundled
     from kvray.rl.cluster_imitation import train_cluster_reuse
 

@@ -20,9 +20,7 @@ from pathlib import Path
 from kvray.apps.train import scenarios_at_bandwidths
 from kvray.core.errors import ConfigError
 from kvray.resources import bundled
-from kvray.scenario import load_scenario
-
-DEFAULT_CLUSTER_SCENARIO = "simulations/h100-2node-train.yaml"
+from kvray.scenario import DEFAULT_CLUSTER_SCENARIO, load_scenario
 
 
 def train_router_policy(

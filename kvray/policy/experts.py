@@ -118,6 +118,20 @@ def _no_move(handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) ->
     """Shadows hold metadata only: a move moves nothing."""
 
 
+# The simulator's chain writer in C (kvray/sim/_chain.c), handed in by kvray.sim.node when it is
+# loaded (the policy layer builds below the simulator's): a shadow stores through it as a replay
+# does (LRU's hooks transcribed, any other policy's called), over links that take no time, so
+# its moves and writes book nothing. Where the simulator is not loaded (a runtime store's
+# tripwire) shadows store with the manager's Python, to the same decisions.
+_compiled_chain = None
+
+
+def use_compiled_chain(writer) -> None:
+    """Shadows store chains through ``writer`` (``kvray.sim._chain``; None: the manager's Python)."""
+    global _compiled_chain
+    _compiled_chain = writer
+
+
 class ShadowCache:
     """One expert replaying the request stream alone over tiers of the real cache's sizes.
 
@@ -130,12 +144,6 @@ class ShadowCache:
 
     def __init__(self, expert: PlacementPolicy, capacities: Mapping[Tier, int]) -> None:
         self.manager = CacheManager(capacities, expert, page_nbytes=1)
-        from kvray.sim import node  # here: kvray.sim.node imports the policies
-
-        # a shadow stores through the simulator's chain writer in C (kvray/sim/_chain.c), as a
-        # replay does (LRU's hooks transcribed, any other policy's called), over links that take
-        # no time: its moves and writes book nothing
-        self._sim = node
         self._lru = type(expert) is LRUPolicy
         self._links = _NoLinks(self.manager.tiers)
 
@@ -152,7 +160,7 @@ class ShadowCache:
             cost += tier_cost[Tier(tier)]
         manager.touch(match.handles)
         manager.promote(match.handles, _no_move)
-        compiled = self._sim._chain  # None under python_chain_writer()
+        compiled = _compiled_chain
         if compiled is not None and not manager._kept and manager.disk_budget is None and manager.policy.compiled_chain:
             compiled.store_chain(manager, self._links, keys, None, ROOT, 0, len(keys), "", not self._lru)
         else:

@@ -32,6 +32,7 @@ from kvray.core.manager import CacheManager
 from kvray.core.placement import LRUPolicy, PlacementPolicy
 from kvray.core.tiers import Tier
 from kvray.policy.cluster import NodeView
+from kvray.policy.experts import use_compiled_chain
 from kvray.scenario import PrefillQueue, RouterSpec, Scenario
 from kvray.sim.cost import CostModel
 from kvray.sim.links import Link, book, transfer_ms
@@ -42,6 +43,7 @@ try:  # the chain writer in C (kvray/sim/_chain.c); without it the manager's own
 except ImportError:  # a checkout whose extensions are not built
     _chain = None
 
+use_compiled_chain(_chain)  # the policies' shadow caches store through it too
 TIERS = tuple(Tier)
 
 
@@ -51,10 +53,12 @@ def python_chain_writer() -> Iterator[None]:
     :mod:`kvray.sim._chain` transcribes, which tests and the benchmark compare it with."""
     global _chain
     compiled, _chain = _chain, None
+    use_compiled_chain(None)
     try:
         yield
     finally:
         _chain = compiled
+        use_compiled_chain(compiled)
 
 
 def session_of(request: TraceRequest) -> str:

@@ -5,7 +5,7 @@ popular documents that LRU flushes)."""
 import numpy as np
 import pytest
 
-from kvray.policy import make_policy
+from kvray.policy import experts, make_policy
 from kvray.policy.experts import EXPERTS, ExpertsPolicy, ShadowCache
 from kvray.scenario import DEFAULT_SCENARIO, load_scenario
 from kvray.sim.simulator import Simulator, fast_capacity
@@ -42,6 +42,7 @@ def test_a_shadow_stores_through_the_compiled_chain_writer_as_the_manager_s_pyth
     from kvray.sim import node
 
     assert node._chain is not None, "kvray.sim._chain is not built: make install, or python setup.py build_ext --inplace"
+    assert experts._compiled_chain is node._chain  # handed to the shadows when the simulator loads
     small = {tier: max(n // 8, 1) for tier, n in CAPACITY.items()}  # evicting in every tier
     requests = [full_blocks(r.hash_ids, r.input_length, SCENARIO.layout.page_tokens) for r in TRACE[:400]]
     tier_cost = {tier: 0.1 * (1 + int(tier)) for tier in small}
