@@ -41,7 +41,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -77,10 +77,20 @@ from kvray.bench.serve_loop import (
     served_share,
     summarize,
 )
-from kvray.bench.serve_workload import TRACE_ENV, Session, conversations, draw, kv_pages, reuse_ceiling, trace_sessions
+from kvray.bench.serve_workload import (
+    TRACE_ENV,
+    WORKLOADS_ENV,
+    Session,
+    conversations,
+    draw,
+    kv_pages,
+    reuse_ceiling,
+    trace_sessions,
+)
 from kvray.cluster import RayConnection, Runtime, RuntimeConfig
 from kvray.cluster.runtime import alive_nodes
 from kvray.core.config import TierSizes
+from kvray.core.errors import ConfigError
 from kvray.engines.hf import checkpoint_layout
 from kvray.harness.tiny import model_dir
 from kvray.policy.cluster import make_cluster_policy
@@ -162,6 +172,9 @@ CONTENDERS = {
     ROUTE: ("runtime", "route"),
     LMCACHE: ("lmcache", "sticky"),
 }
+GROUPS = tuple(dict.fromkeys(g for g, _ in CONTENDERS.values()))  # engine groups, in the order they start
+PRIMARY = ("multiround", "trace")  # the workloads every contender sweeps (the router and LMCache rows)
+LONGDOC = "longdoc"
 KVRAY = RR  # the rows' kvray figure: the runtime behind a plain router (the route verb has its own row)
 
 
@@ -409,14 +422,26 @@ def long_document(group: EngineGroup, size: Size, vocab: int) -> dict:
     return out
 
 
-def contenders_of(workload: int, size: Size, started: dict[str, EngineGroup], routable: bool) -> list[str]:
-    """The contenders a workload is swept with, of those whose engines started (the route
-    verb's where its engines are on distinct nodes): on the primary workload all (a quick
-    run leaves session-sticky out), on the others vLLM alone and kvray's."""
+def contenders_of(workload: str, size: Size, started: Iterable[str], routable: bool) -> list[str]:
+    """The contenders a workload is swept with, of those whose engine groups are in
+    ``started`` (the route verb's where its engines are on distinct nodes): on the primary
+    workload all (a quick run leaves session-sticky out), on the others vLLM alone and kvray's."""
     running = [c for c, (group, _) in CONTENDERS.items() if group in started and (routable or c != ROUTE)]
-    if workload == 0:
+    if workload in PRIMARY:
         return running if size is FULL else [c for c in running if c != STICKY]
     return [c for c in running if c in (BASE, KVRAY)]
+
+
+def chosen_workloads(trace: str | None) -> list[str]:
+    """The parts of the run ``$KVRAY_SERVE_WORKLOADS`` names (comma-separated, of
+    :data:`WORKLOADS`; ``kvray bench --workload``), all of them where it is unset: a trace
+    replaces the generated workloads, long documents run beside either."""
+    swept = ["trace"] if trace else ["multiround", "agentic"]
+    chosen = [w for w in os.environ.get(WORKLOADS_ENV, "").split(",") if w]
+    if unknown := [w for w in chosen if w not in (*swept, LONGDOC)]:
+        raise ConfigError(f"no serve workload {', '.join(unknown)}; with{'' if trace else 'out'} --trace: "
+                          f"{', '.join((*swept, LONGDOC))}")  # fmt: skip
+    return chosen or [*swept, LONGDOC]
 
 
 def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
@@ -439,8 +464,11 @@ def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
                 max_request_pages=MAX_PAGES + 1,
             )
         )
+        chosen = chosen_workloads(trace)
+        needed = {CONTENDERS[c][0] for w in chosen if w != LONGDOC for c in contenders_of(w, size, GROUPS, True)}
+        needed |= {CONTENDERS[BASE][0]} | ({CONTENDERS[INPROC][0]} if LONGDOC in chosen else set())
         lmcache = lmcache_path()
-        for group in dict.fromkeys(g for g, _ in CONTENDERS.values()):
+        for group in (g for g in GROUPS if g in needed):
             if group == "lmcache" and not (lmcache / "lmcache").is_dir():
                 out["errors"]["lmcache"] = f"LMCache is not installed at {lmcache} (make lmcache-vllm, or set {LMCACHE_ENV})"
                 continue
@@ -472,10 +500,11 @@ def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
         }
         out["size"] = asdict(size)
         for index, (name, factory) in enumerate(workloads(size, vocab, trace).items()):
-            contenders = contenders_of(index, size, groups, locate is not None)
-            out["workloads"][name] = sweep(name, factory, contenders, groups, size, vocab, locate, index)
-            out["elapsed_s"][name] = time.monotonic() - started
-        if "in-process" in groups:
+            if name in chosen:  # ``index`` seeds the workload's token ids, the same whichever run alone
+                contenders = contenders_of(name, size, groups, locate is not None)
+                out["workloads"][name] = sweep(name, factory, contenders, groups, size, vocab, locate, index)
+                out["elapsed_s"][name] = time.monotonic() - started
+        if LONGDOC in chosen and "in-process" in groups:
             out["long_document"] = long_document(groups["in-process"], size, vocab)
     finally:
         for group in groups.values():
@@ -539,20 +568,18 @@ def rows(out: dict) -> list[BenchResult]:
     the baseline's from the same run, their ratio; each row's params say where they came from."""
     nan = float("nan")
     results = []
-    names = list(out["workloads"])
-    for index, name in enumerate(names):
-        w = out["workloads"][name]
+    for name, w in out["workloads"].items():
         params = {k: w[k] for k in ("saturation_rps", "slo_ttft_ms", "kv_pages", "vllm_kv_pages", "kvray_host_pages",
                                     "kv_over_vllm", "kv_over_host", "reuse_ceiling_tokens", "measured_requests",
                                     "goodput_rps", "goodput_by_repeat_rps")}  # fmt: skip
         params["reuse_share_at_0.75"] = {c: point_near(w, c, "reuse_share", 0.75) for c in w["median"]}
         params["errors"] = out["errors"]
         good = w["goodput_rps"]
-        if index == 0:
+        if name in PRIMARY:
             results.append(BenchResult(f"serve_{name}_ttft_vs_vllm", point_near(w, KVRAY, "mean_ttft_ms", 0.75),
                                        point_near(w, BASE, "mean_ttft_ms", 0.75), "ms", "<= 0.30", params))  # fmt: skip
         results.append(BenchResult(f"serve_{name}_goodput_vs_vllm", good.get(KVRAY, nan), good[BASE], "req/s", ">= 3.0", params))
-        if index == 0:
+        if name in PRIMARY:
             results.append(
                 BenchResult(f"serve_{name}_goodput[in-process vs vllm]", good.get(INPROC, nan), good[BASE], "req/s", None, params)
             )

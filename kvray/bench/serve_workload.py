@@ -37,6 +37,7 @@ from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, full_blocks
 FIRST_ID = 3  # token ids below this are special tokens in the model configs
 SHARED_SHARE = 0.01  # a trace block in this share of requests (and 3 of them) is a shared system prompt
 TRACE_ENV = "KVRAY_SERVE_TRACE"  # `kvray bench --only serve --trace PATH` names the trace here
+WORKLOADS_ENV = "KVRAY_SERVE_WORKLOADS"  # `kvray bench --only serve --workload NAME`: the parts to run, comma-separated
 
 
 @dataclass(frozen=True)
