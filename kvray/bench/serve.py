@@ -81,6 +81,7 @@ from kvray.bench.serve_workload import (
     TRACE_ENV,
     WORKLOADS_ENV,
     Session,
+    agent_trajectories,
     conversations,
     draw,
     kv_pages,
@@ -120,7 +121,7 @@ class Size:
     users: int  # multi-round QA
     rounds: int
     agents: int  # agentic
-    steps: int
+    steps: int  # measured steps of each agent, after its warm-up call
     trace_requests: int  # --trace: measured requests, whole sessions
     rates: tuple[float, ...]  # offered rates / vLLM alone's saturation
     repeats: int
@@ -133,7 +134,7 @@ class Size:
 
 
 RATES = (0.25, 0.75, 1.25, 2.0, 3.0, 4.0)
-# 19 users and 25 agents: odd counts, so that round-robin moves each session to the other engine every
+# 19 users and 15 agents: odd counts, so that round-robin moves each session to the other engine every
 # turn (18 sessions sent in turn kept each on one engine, round-robin then being session-sticky
 # in effect: 0% of its prompt tokens loaded from the other node, against the route verb's 6-21%)
 # quick: no 3x point (one fewer above kvray's knee, interpolated between 2x and 4x), and
@@ -142,18 +143,24 @@ RATES = (0.25, 0.75, 1.25, 2.0, 3.0, 4.0)
 # per contender (load 40), half of a quick sweep's. A contender stops after two failed
 # rates, as in the full size: stopping at the first let one slow point (kvray's agents at
 # 1.25x, 62% at load 12, 100% at 2x in the full run) end a sweep.
-QUICK = Size(users=19, rounds=2, agents=25, steps=2, trace_requests=48, rates=(0.75, 1.25, 2.0, 4.0), repeats=1, once=(),
+QUICK = Size(users=19, rounds=2, agents=15, steps=4, trace_requests=48, rates=(0.75, 1.25, 2.0, 4.0), repeats=1, once=(),
              fallback=(0.25,), host_pages=48, disk_pages=1024, long_docs=2, stop_after_failed=2)  # fmt: skip
-FULL = Size(users=19, rounds=2, agents=25, steps=2, trace_requests=64, rates=RATES, repeats=2, once=(0.25,),
+FULL = Size(users=19, rounds=2, agents=15, steps=4, trace_requests=64, rates=RATES, repeats=2, once=(0.25,),
             fallback=(), host_pages=48, disk_pages=1024, long_docs=3, stop_after_failed=2)  # fmt: skip
 USER_SHARED_PAGES, USER_OWN_PAGES = 2, 6  # multi-round QA: a system prompt, a user's own context longer than it
 LONG_DOC_PAGES = 10
-# an agent: a tool prefix every agent shares, its own task, then steps that each append a
-# tool's output (two pages: the step's new prompt tokens) and the agent's next action, 50 ms
-# apart. Sized so that each agent's own context, grown by its tool outputs, is most of each
-# prompt and outgrows vLLM's cache: 25 agents hold 227 pages of KV (8.1x vLLM's 28, 2.4x
-# kvray's host tiers); vLLM's own cache keeps the shared prefix, only a larger cache the rest.
-AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_OUTPUT_TOKENS, AGENT_ACTION_TOKENS, AGENT_GAP_S = 2, 2, 128, 32, 0.05
+# an agent: a tool prefix every agent shares, its own task, then steps that each append the
+# agent's action (a 16-token tool call) and the tool's output (48 tokens) to the whole
+# trajectory, 50 ms apart. A step is one page, so a trajectory grows by whole pages; the
+# warm-up call is the trajectory after 4 steps (8 pages), and the 4 measured steps' prompts
+# are 9-12 pages (the engines' window), each one step's page on the trajectory before it, as
+# in the later steps of a long agent run. 15 agents (odd, as the users) hold 152 pages of KV:
+# 5.4x vLLM's 28 and 1.6x kvray's 96 host pages. Before (to 2026-12-04 15:50): 25 agents x 2
+# steps of a 128-token output and a 32-token action after a 6-page first call: each step's
+# new tokens and the partial page before them were 28% of a prompt, and vLLM alone's own
+# cache kept the tool prefix, so the ratio was bounded by 79% / 28% of tokens computed.
+AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_STEPS_BEFORE = 2, 2, 4
+AGENT_ACTION_TOKENS, AGENT_OUTPUT_TOKENS, AGENT_GAP_S = 16, 48, 0.05
 
 BASE, INPROC, RR, STICKY, ROUTE, LMCACHE = (
     "vllm",
@@ -250,18 +257,19 @@ def workloads(size: Size, vocab: int, trace: str | None) -> dict[str, Factory]:
         "multiround": lambda seed: conversations(
             size.users, size.rounds, PAGE, vocab, seed, shared_pages=USER_SHARED_PAGES, own_pages=USER_OWN_PAGES
         ),
-        "agentic": lambda seed: conversations(
+        "agentic": lambda seed: agent_trajectories(
             size.agents,
             size.steps,
             PAGE,
             vocab,
             seed,
-            shared_pages=AGENT_TOOL_PAGES,
-            own_pages=AGENT_TASK_PAGES,
-            question_tokens=AGENT_OUTPUT_TOKENS,
-            answer_tokens=AGENT_ACTION_TOKENS,
+            tool_pages=AGENT_TOOL_PAGES,
+            task_pages=AGENT_TASK_PAGES,
+            steps_before=AGENT_STEPS_BEFORE,
+            action_tokens=AGENT_ACTION_TOKENS,
+            output_tokens=AGENT_OUTPUT_TOKENS,
             gap_s=AGENT_GAP_S,
-        ),  # fmt: skip
+        ),
     }
 
 
