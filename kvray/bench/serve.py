@@ -145,23 +145,26 @@ RATES = (0.25, 0.75, 1.25, 2.0, 3.0, 4.0, 6.0, 8.0)
 # per contender (load 40), half of a quick sweep's. A contender stops after two failed
 # rates, as in the full size: stopping at the first let one slow point (kvray's agents at
 # 1.25x, 62% at load 12, 100% at 2x in the full run) end a sweep.
-QUICK = Size(users=19, rounds=2, agents=15, steps=4, trace_requests=48, rates=(0.75, 1.25, 2.0, 4.0, 8.0), repeats=1, once=(),
+QUICK = Size(users=19, rounds=2, agents=25, steps=3, trace_requests=48, rates=(0.75, 1.25, 2.0, 4.0, 8.0), repeats=1, once=(),
              fallback=(0.25,), host_pages=48, disk_pages=1024, long_docs=2, stop_after_failed=2)  # fmt: skip
-FULL = Size(users=19, rounds=2, agents=15, steps=4, trace_requests=64, rates=RATES, repeats=2, once=(0.25,),
+FULL = Size(users=19, rounds=2, agents=25, steps=3, trace_requests=64, rates=RATES, repeats=2, once=(0.25,),
             fallback=(), host_pages=48, disk_pages=1024, long_docs=3, stop_after_failed=2)  # fmt: skip
 USER_SHARED_PAGES, USER_OWN_PAGES = 2, 6  # multi-round QA: a system prompt, a user's own context longer than it
 LONG_DOC_PAGES = 10
 # an agent: a tool prefix every agent shares, its own task, then steps that each append the
 # agent's action (a 16-token tool call) and the tool's output (48 tokens) to the whole
 # trajectory, 50 ms apart. A step is one page, so a trajectory grows by whole pages; the
-# warm-up call is the trajectory after 4 steps (8 pages), and the 4 measured steps' prompts
-# are 9-12 pages (the engines' window), each one step's page on the trajectory before it, as
-# in the later steps of a long agent run. 15 agents (odd, as the users) hold 152 pages of KV:
-# 5.4x vLLM's 28 and 1.6x kvray's 96 host pages. Before (to 2026-12-04 15:50): 25 agents x 2
-# steps of a 128-token output and a 32-token action after a 6-page first call: each step's
-# new tokens and the partial page before them were 28% of a prompt, and vLLM alone's own
-# cache kept the tool prefix, so the ratio was bounded by 79% / 28% of tokens computed.
-AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_STEPS_BEFORE = 2, 2, 4
+# warm-up call is the trajectory after 5 steps (9 pages), and the 3 measured steps' prompts
+# are 10-12 pages (the engines' window), each one step's page on the trajectory before it,
+# as in the later steps of a long agent run. 25 agents (odd, as the users) hold 252 pages of
+# KV: 9.0x vLLM's 28 and 2.6x kvray's 96 host pages. Enough agents that a closed loop of them
+# can queue kvray past the SLO: 15 agents x 4 steps could not (at 4-8x kvray achieved 6.7-7.9
+# req/s, every agent waiting, mean TTFT 0.4-1.4 s against a 2.3 s SLO), so kvray's goodput
+# was whatever rate the sweep ended at. Before (to 2026-12-04 15:50): 25 agents x 2 steps of a
+# 128-token output and a 32-token action after a 6-page first call: each step's new tokens
+# and the partial page before them were 28% of a prompt, and vLLM alone's own cache kept the
+# tool prefix, so the ratio was bounded by 79% / 28% of tokens computed.
+AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_STEPS_BEFORE = 2, 2, 5
 AGENT_ACTION_TOKENS, AGENT_OUTPUT_TOKENS, AGENT_GAP_S = 16, 48, 0.05
 
 BASE, INPROC, RR, STICKY, ROUTE, LMCACHE = (
