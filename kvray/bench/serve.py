@@ -109,9 +109,8 @@ class Size:
     in all and more than kvray's host tiers, so kvray's disk and the other node serve too
     (``serve.json`` records both figures per workload). Rates reach 8x vLLM alone's
     saturation, past kvray's knee on this machine, so kvray's goodput is a crossing and not
-    the sweep's end (at 4x, the top before, kvray passed in a quiet full run's multi-round
-    QA and met the SLO with 100% of the mid-trajectory agents' requests, p90 656 ms against
-    3,055, at load 9-12); 1.25x and 2x sit about vLLM alone's knee and kvray's.
+    the sweep's end (kvray passed 4x, the top before, in both workloads); 1.25x and 2x sit
+    about vLLM alone's knee and kvray's.
     Not 300 requests per point: a point at 0.25x saturation took 0.83 s per measured
     request in a quick run (26.5 s for 32), so 300 per point, 6 rates, 3 repeats and 5
     contenders would take over two hours; the full size is the quick sweep twice (with
@@ -136,34 +135,21 @@ class Size:
 
 
 RATES = (0.25, 0.75, 1.25, 2.0, 3.0, 4.0, 6.0, 8.0)
-# 19 users and 15 agents: odd counts, so that round-robin moves each session to the other engine every
-# turn (18 sessions sent in turn kept each on one engine, round-robin then being session-sticky
-# in effect: 0% of its prompt tokens loaded from the other node, against the route verb's 6-21%)
-# quick: no 3x or 6x point (interpolated between 2x and 4x, 4x and 8x), and
-# 0.25x only for a contender that failed every higher rate: a goodput above a passed rate
-# does not depend on the rates below it, and at 0.25x a point took 47 s of measured time
-# per contender (load 40), half of a quick sweep's. A contender stops after two failed
-# rates, as in the full size: stopping at the first let one slow point (kvray's agents at
-# 1.25x, 62% at load 12, 100% at 2x in the full run) end a sweep.
+# 19 users and 25 agents: odd counts, so that round-robin moves each session to the other engine
+# every turn (18 users kept each on one engine: 0% loaded from the other node). Quick: no 3x or 6x
+# point, 0.25x only for a contender that failed every higher rate (a goodput above a passed rate
+# does not depend on the rates below it; 47 s a point at load 40), and a contender stops after two
+# failed rates, as in the full size (stopping at the first let one slow point end a sweep).
 QUICK = Size(users=19, rounds=2, agents=25, steps=3, trace_requests=48, rates=(0.75, 1.25, 2.0, 4.0, 8.0), repeats=1, once=(),
              fallback=(0.25,), host_pages=48, disk_pages=1024, long_docs=2, stop_after_failed=2)  # fmt: skip
 FULL = Size(users=19, rounds=2, agents=25, steps=3, trace_requests=64, rates=RATES, repeats=2, once=(0.25,),
             fallback=(), host_pages=48, disk_pages=1024, long_docs=3, stop_after_failed=2)  # fmt: skip
 USER_SHARED_PAGES, USER_OWN_PAGES = 2, 6  # multi-round QA: a system prompt, a user's own context longer than it
 LONG_DOC_PAGES = 10
-# an agent: a tool prefix every agent shares, its own task, then steps that each append the
-# agent's action (a 16-token tool call) and the tool's output (48 tokens) to the whole
-# trajectory, 50 ms apart. A step is one page, so a trajectory grows by whole pages; the
-# warm-up call is the trajectory after 5 steps (9 pages), and the 3 measured steps' prompts
-# are 10-12 pages (the engines' window), each one step's page on the trajectory before it,
-# as in the later steps of a long agent run. 25 agents (odd, as the users) hold 252 pages of
-# KV: 9.0x vLLM's 28 and 2.6x kvray's 96 host pages. Enough agents that a closed loop of them
-# can queue kvray past the SLO: 15 agents x 4 steps could not (at 4-8x kvray achieved 6.7-7.9
-# req/s, every agent waiting, mean TTFT 0.4-1.4 s against a 2.3 s SLO), so kvray's goodput
-# was whatever rate the sweep ended at. Before (to 2026-12-04 15:50): 25 agents x 2 steps of a
-# 128-token output and a 32-token action after a 6-page first call: each step's new tokens
-# and the partial page before them were 28% of a prompt, and vLLM alone's own cache kept the
-# tool prefix, so the ratio was bounded by 79% / 28% of tokens computed.
+# an agent (agent_trajectories): a shared tool prefix, its task, then steps of a 16-token action
+# and a 48-token tool output (one page) on the whole trajectory, 50 ms apart; a 9-page warm-up
+# call, then 3 measured steps of 10-12 pages. 25 agents: 252 pages of KV (9.0x vLLM's, 2.6x
+# kvray's host); 15 could not queue kvray past the SLO in a closed loop (docs/benchmarks.md).
 AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_STEPS_BEFORE = 2, 2, 5
 AGENT_ACTION_TOKENS, AGENT_OUTPUT_TOKENS, AGENT_GAP_S = 16, 48, 0.05
 
