@@ -54,6 +54,9 @@ def bench(
     trace: Path | None = typer.Option(
         None, "--trace", help="serve: replay this Mooncake JSONL trace's sessions closed loop instead of the generated workloads"
     ),
+    workload: list[str] = typer.Option(
+        [], "--workload", help="serve: run only this part (repeat for several): multiround, agentic (or trace), longdoc"
+    ),
 ) -> None:
     """Run the side-by-side benchmarks: kvray's figure, a baseline's, and their ratio."""
     from kvray.bench import run_benchmarks
@@ -68,6 +71,15 @@ def bench(
                 raise ConfigError("--trace is for the serve benchmark: add --only serve")
             read_trace(trace)  # a bad trace ends here, before any engine starts
             os.environ[TRACE_ENV] = str(trace)
+        if workload:
+            from kvray.bench import chosen_names
+            from kvray.bench.serve import chosen_workloads
+            from kvray.bench.serve_workload import WORKLOADS_ENV
+
+            if "serve" not in chosen_names(only):
+                raise ConfigError("--workload is for the serve benchmark: add --only serve")
+            os.environ[WORKLOADS_ENV] = ",".join(workload)
+            chosen_workloads(str(trace) if trace else None)  # an unknown name ends here, before any engine starts
         results = run_benchmarks(only=only, quick=quick, progress=not json_out)
     if out is not None:
         from kvray.bench.report import save

@@ -41,7 +41,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -77,10 +77,21 @@ from kvray.bench.serve_loop import (
     served_share,
     summarize,
 )
-from kvray.bench.serve_workload import TRACE_ENV, Session, conversations, draw, kv_pages, reuse_ceiling, trace_sessions
+from kvray.bench.serve_workload import (
+    TRACE_ENV,
+    WORKLOADS_ENV,
+    Session,
+    agent_trajectories,
+    conversations,
+    draw,
+    kv_pages,
+    reuse_ceiling,
+    trace_sessions,
+)
 from kvray.cluster import RayConnection, Runtime, RuntimeConfig
 from kvray.cluster.runtime import alive_nodes
 from kvray.core.config import TierSizes
+from kvray.core.errors import ConfigError
 from kvray.engines.hf import checkpoint_layout
 from kvray.harness.tiny import model_dir
 from kvray.policy.cluster import make_cluster_policy
@@ -94,11 +105,12 @@ ROUTE_POLICY = "cost-router"
 
 @dataclass(frozen=True)
 class Size:
-    """How much to run. Both sizes' agents, and the full size's users, hold more than 5x
-    vLLM's own KV space in all and more than kvray's host tiers, so kvray's disk and the
-    other node serve too (``serve.json`` records both figures per workload). Rates reach
-    4x vLLM alone's saturation, past kvray's knee on this machine, so kvray's goodput is a
-    crossing and not the sweep's end; 1.25x and 2x sit about vLLM alone's knee and kvray's.
+    """How much to run. Both sizes' users and agents hold more than 5x vLLM's own KV space
+    in all and more than kvray's host tiers, so kvray's disk and the other node serve too
+    (``serve.json`` records both figures per workload). Rates reach 8x vLLM alone's
+    saturation, past kvray's knee on this machine, so kvray's goodput is a crossing and not
+    the sweep's end (kvray passed 4x, the top before, in both workloads); 1.25x and 2x sit
+    about vLLM alone's knee and kvray's.
     Not 300 requests per point: a point at 0.25x saturation took 0.83 s per measured
     request in a quick run (26.5 s for 32), so 300 per point, 6 rates, 3 repeats and 5
     contenders would take over two hours; the full size is the quick sweep twice (with
@@ -110,7 +122,7 @@ class Size:
     users: int  # multi-round QA
     rounds: int
     agents: int  # agentic
-    steps: int
+    steps: int  # measured steps of each agent, after its warm-up call
     trace_requests: int  # --trace: measured requests, whole sessions
     rates: tuple[float, ...]  # offered rates / vLLM alone's saturation
     repeats: int
@@ -122,28 +134,24 @@ class Size:
     stop_after_failed: int  # a contender's sweep (within a repeat) ends after this many failed rates in a row
 
 
-RATES = (0.25, 0.75, 1.25, 2.0, 3.0, 4.0)
-# 19 users and 25 agents: odd counts, so that round-robin moves each session to the other engine every
-# turn (18 sessions sent in turn kept each on one engine, round-robin then being session-sticky
-# in effect: 0% of its prompt tokens loaded from the other node, against the route verb's 6-21%)
-# quick: no 3x point (one fewer above kvray's knee, interpolated between 2x and 4x), and
-# 0.25x only for a contender that failed every higher rate: a goodput above a passed rate
-# does not depend on the rates below it, and at 0.25x a point took 47 s of measured time
-# per contender (load 40), half of a quick sweep's. A contender stops after two failed
-# rates, as in the full size: stopping at the first let one slow point (kvray's agents at
-# 1.25x, 62% at load 12, 100% at 2x in the full run) end a sweep.
-QUICK = Size(users=19, rounds=2, agents=25, steps=2, trace_requests=48, rates=(0.75, 1.25, 2.0, 4.0), repeats=1, once=(),
+RATES = (0.25, 0.75, 1.25, 2.0, 3.0, 4.0, 6.0, 8.0)
+# 19 users and 25 agents: odd counts, so that round-robin moves each session to the other engine
+# every turn (18 users kept each on one engine: 0% loaded from the other node). Quick: no 3x or 6x
+# point, 0.25x only for a contender that failed every higher rate (a goodput above a passed rate
+# does not depend on the rates below it; 47 s a point at load 40), and a contender stops after two
+# failed rates, as in the full size (stopping at the first let one slow point end a sweep).
+QUICK = Size(users=19, rounds=2, agents=25, steps=3, trace_requests=48, rates=(0.75, 1.25, 2.0, 4.0, 8.0), repeats=1, once=(),
              fallback=(0.25,), host_pages=48, disk_pages=1024, long_docs=2, stop_after_failed=2)  # fmt: skip
-FULL = Size(users=19, rounds=2, agents=25, steps=2, trace_requests=64, rates=RATES, repeats=2, once=(0.25,),
+FULL = Size(users=19, rounds=2, agents=25, steps=3, trace_requests=64, rates=RATES, repeats=2, once=(0.25,),
             fallback=(), host_pages=48, disk_pages=1024, long_docs=3, stop_after_failed=2)  # fmt: skip
 USER_SHARED_PAGES, USER_OWN_PAGES = 2, 6  # multi-round QA: a system prompt, a user's own context longer than it
 LONG_DOC_PAGES = 10
-# an agent: a tool prefix every agent shares, its own task, then steps that each append a
-# tool's output (two pages: the step's new prompt tokens) and the agent's next action, 50 ms
-# apart. Sized so that each agent's own context, grown by its tool outputs, is most of each
-# prompt and outgrows vLLM's cache: 25 agents hold 227 pages of KV (8.1x vLLM's 28, 2.4x
-# kvray's host tiers); vLLM's own cache keeps the shared prefix, only a larger cache the rest.
-AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_OUTPUT_TOKENS, AGENT_ACTION_TOKENS, AGENT_GAP_S = 2, 2, 128, 32, 0.05
+# an agent (agent_trajectories): a shared tool prefix, its task, then steps of a 16-token action
+# and a 48-token tool output (one page) on the whole trajectory, 50 ms apart; a 9-page warm-up
+# call, then 3 measured steps of 10-12 pages. 25 agents: 252 pages of KV (9.0x vLLM's, 2.6x
+# kvray's host); 15 could not queue kvray past the SLO in a closed loop (docs/benchmarks.md).
+AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_STEPS_BEFORE = 2, 2, 5
+AGENT_ACTION_TOKENS, AGENT_OUTPUT_TOKENS, AGENT_GAP_S = 16, 48, 0.05
 
 BASE, INPROC, RR, STICKY, ROUTE, LMCACHE = (
     "vllm",
@@ -162,6 +170,9 @@ CONTENDERS = {
     ROUTE: ("runtime", "route"),
     LMCACHE: ("lmcache", "sticky"),
 }
+GROUPS = tuple(dict.fromkeys(g for g, _ in CONTENDERS.values()))  # engine groups, in the order they start
+PRIMARY = ("multiround", "trace")  # the workloads every contender sweeps (the router and LMCache rows)
+LONGDOC = "longdoc"
 KVRAY = RR  # the rows' kvray figure: the runtime behind a plain router (the route verb has its own row)
 
 
@@ -237,18 +248,19 @@ def workloads(size: Size, vocab: int, trace: str | None) -> dict[str, Factory]:
         "multiround": lambda seed: conversations(
             size.users, size.rounds, PAGE, vocab, seed, shared_pages=USER_SHARED_PAGES, own_pages=USER_OWN_PAGES
         ),
-        "agentic": lambda seed: conversations(
+        "agentic": lambda seed: agent_trajectories(
             size.agents,
             size.steps,
             PAGE,
             vocab,
             seed,
-            shared_pages=AGENT_TOOL_PAGES,
-            own_pages=AGENT_TASK_PAGES,
-            question_tokens=AGENT_OUTPUT_TOKENS,
-            answer_tokens=AGENT_ACTION_TOKENS,
+            tool_pages=AGENT_TOOL_PAGES,
+            task_pages=AGENT_TASK_PAGES,
+            steps_before=AGENT_STEPS_BEFORE,
+            action_tokens=AGENT_ACTION_TOKENS,
+            output_tokens=AGENT_OUTPUT_TOKENS,
             gap_s=AGENT_GAP_S,
-        ),  # fmt: skip
+        ),
     }
 
 
@@ -409,14 +421,26 @@ def long_document(group: EngineGroup, size: Size, vocab: int) -> dict:
     return out
 
 
-def contenders_of(workload: int, size: Size, started: dict[str, EngineGroup], routable: bool) -> list[str]:
-    """The contenders a workload is swept with, of those whose engines started (the route
-    verb's where its engines are on distinct nodes): on the primary workload all (a quick
-    run leaves session-sticky out), on the others vLLM alone and kvray's."""
+def contenders_of(workload: str, size: Size, started: Iterable[str], routable: bool) -> list[str]:
+    """The contenders a workload is swept with, of those whose engine groups are in
+    ``started`` (the route verb's where its engines are on distinct nodes): on the primary
+    workload all (a quick run leaves session-sticky out), on the others vLLM alone and kvray's."""
     running = [c for c, (group, _) in CONTENDERS.items() if group in started and (routable or c != ROUTE)]
-    if workload == 0:
+    if workload in PRIMARY:
         return running if size is FULL else [c for c in running if c != STICKY]
     return [c for c in running if c in (BASE, KVRAY)]
+
+
+def chosen_workloads(trace: str | None) -> list[str]:
+    """The parts of the run ``$KVRAY_SERVE_WORKLOADS`` names (comma-separated, of
+    :data:`WORKLOADS`; ``kvray bench --workload``), all of them where it is unset: a trace
+    replaces the generated workloads, long documents run beside either."""
+    swept = ["trace"] if trace else ["multiround", "agentic"]
+    chosen = [w for w in os.environ.get(WORKLOADS_ENV, "").split(",") if w]
+    if unknown := [w for w in chosen if w not in (*swept, LONGDOC)]:
+        raise ConfigError(f"no serve workload {', '.join(unknown)}; with{'' if trace else 'out'} --trace: "
+                          f"{', '.join((*swept, LONGDOC))}")  # fmt: skip
+    return chosen or [*swept, LONGDOC]
 
 
 def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
@@ -439,8 +463,11 @@ def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
                 max_request_pages=MAX_PAGES + 1,
             )
         )
+        chosen = chosen_workloads(trace)
+        needed = {CONTENDERS[c][0] for w in chosen if w != LONGDOC for c in contenders_of(w, size, GROUPS, True)}
+        needed |= {CONTENDERS[BASE][0]} | ({CONTENDERS[INPROC][0]} if LONGDOC in chosen else set())
         lmcache = lmcache_path()
-        for group in dict.fromkeys(g for g, _ in CONTENDERS.values()):
+        for group in (g for g in GROUPS if g in needed):
             if group == "lmcache" and not (lmcache / "lmcache").is_dir():
                 out["errors"]["lmcache"] = f"LMCache is not installed at {lmcache} (make lmcache-vllm, or set {LMCACHE_ENV})"
                 continue
@@ -472,10 +499,11 @@ def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
         }
         out["size"] = asdict(size)
         for index, (name, factory) in enumerate(workloads(size, vocab, trace).items()):
-            contenders = contenders_of(index, size, groups, locate is not None)
-            out["workloads"][name] = sweep(name, factory, contenders, groups, size, vocab, locate, index)
-            out["elapsed_s"][name] = time.monotonic() - started
-        if "in-process" in groups:
+            if name in chosen:  # ``index`` seeds the workload's token ids, the same whichever run alone
+                contenders = contenders_of(name, size, groups, locate is not None)
+                out["workloads"][name] = sweep(name, factory, contenders, groups, size, vocab, locate, index)
+                out["elapsed_s"][name] = time.monotonic() - started
+        if LONGDOC in chosen and "in-process" in groups:
             out["long_document"] = long_document(groups["in-process"], size, vocab)
     finally:
         for group in groups.values():
@@ -539,20 +567,18 @@ def rows(out: dict) -> list[BenchResult]:
     the baseline's from the same run, their ratio; each row's params say where they came from."""
     nan = float("nan")
     results = []
-    names = list(out["workloads"])
-    for index, name in enumerate(names):
-        w = out["workloads"][name]
+    for name, w in out["workloads"].items():
         params = {k: w[k] for k in ("saturation_rps", "slo_ttft_ms", "kv_pages", "vllm_kv_pages", "kvray_host_pages",
                                     "kv_over_vllm", "kv_over_host", "reuse_ceiling_tokens", "measured_requests",
                                     "goodput_rps", "goodput_by_repeat_rps")}  # fmt: skip
         params["reuse_share_at_0.75"] = {c: point_near(w, c, "reuse_share", 0.75) for c in w["median"]}
         params["errors"] = out["errors"]
         good = w["goodput_rps"]
-        if index == 0:
+        if name in PRIMARY:
             results.append(BenchResult(f"serve_{name}_ttft_vs_vllm", point_near(w, KVRAY, "mean_ttft_ms", 0.75),
                                        point_near(w, BASE, "mean_ttft_ms", 0.75), "ms", "<= 0.30", params))  # fmt: skip
         results.append(BenchResult(f"serve_{name}_goodput_vs_vllm", good.get(KVRAY, nan), good[BASE], "req/s", ">= 3.0", params))
-        if index == 0:
+        if name in PRIMARY:
             results.append(
                 BenchResult(f"serve_{name}_goodput[in-process vs vllm]", good.get(INPROC, nan), good[BASE], "req/s", None, params)
             )

@@ -11,8 +11,10 @@ few tokens; the benchmark is about prefill), so every contender sees the same pr
 Families (the anchors' workloads, sized in pages of ``page`` tokens):
 
 - :func:`conversations`: multi-round QA (a shared system prompt, a per-user context, each
-  question and answer appended to the history, a think gap) and, with a long shared tool
-  prefix, many steps and short gaps, the agentic loop;
+  question and answer appended to the history, a think gap);
+- :func:`agent_trajectories`: the agentic loop (a shared tool prefix, a task, then steps
+  that each append the agent's action and the tool's output to the whole trajectory, short
+  gaps), measured from the middle of each trajectory on;
 - :func:`long_documents`: ``documents`` documents, each asked ``asks`` times in random
   order by one-request readers (LMCache's long-document QA);
 - :func:`trace_sessions`: a Mooncake JSONL trace (prefix-chained ``hash_ids``): a request
@@ -37,6 +39,7 @@ from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, full_blocks
 FIRST_ID = 3  # token ids below this are special tokens in the model configs
 SHARED_SHARE = 0.01  # a trace block in this share of requests (and 3 of them) is a shared system prompt
 TRACE_ENV = "KVRAY_SERVE_TRACE"  # `kvray bench --only serve --trace PATH` names the trace here
+WORKLOADS_ENV = "KVRAY_SERVE_WORKLOADS"  # `kvray bench --only serve --workload NAME`: the parts to run, comma-separated
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,47 @@ def conversations(
             prompts.append(history)
             history += draw(vocab, answer_tokens, seed, 3, user, turn)
         sessions.append(Session(f"user{user}", tuple(prompts), gap_s, warmup))
+    return sessions
+
+
+def agent_trajectories(
+    agents: int,
+    steps: int,
+    page: int,
+    vocab: int,
+    seed: int,
+    tool_pages: int,
+    task_pages: int,
+    steps_before: int,
+    action_tokens: int,
+    output_tokens: int,
+    gap_s: float,
+) -> list[Session]:
+    """``agents`` sessions of an agent loop: every call sees the tool descriptions all agents
+    share (``tool_pages``), the agent's task (``task_pages``) and its whole trajectory so far,
+    each step's action (``action_tokens``, the model's tool call) and the tool's output
+    (``output_tokens``) appended, as a ReAct-style agent keeps them. The warm-up prompt is
+    the trajectory after ``steps_before`` steps, sent as one call (the agents were mid-task
+    when the measurement began); the ``steps`` calls after it are measured. So each
+    measured call's new tokens are one step's, against a context of the whole trajectory,
+    as in the later steps of a long agent run, which are most of its steps.
+
+    Example::
+
+        agents = agent_trajectories(3, 2, 64, 8192, 0, 2, 2, 4, action_tokens=16, output_tokens=48, gap_s=0.05)
+        [len(p) // 64 for p in agents[0].prompts]   # [8, 9, 10]: whole pages when a step is a page
+    """
+    tools = draw(vocab, tool_pages * page, seed, 10)
+    sessions = []
+    for agent in range(agents):
+        history = tools + draw(vocab, task_pages * page, seed, 11, agent)
+        prompts = []
+        for step in range(steps_before + steps + 1):
+            if step:
+                history += draw(vocab, action_tokens, seed, 12, agent, step) + draw(vocab, output_tokens, seed, 13, agent, step)
+            if step >= steps_before:
+                prompts.append(history)
+        sessions.append(Session(f"agent{agent}", tuple(prompts), gap_s, warmup=1))
     return sessions
 
 

@@ -227,3 +227,19 @@ def test_the_listed_benchmarks_are_the_registered_ones():
     assert all(REGISTRY[name].__module__ == module for module, names in BENCHMARKS.items() for name in names)
     with pytest.raises(ValueError, match="not listed in kvray.bench.BENCHMARKS"):
         benchmark("unlisted")
+
+
+def test_kvray_bench_workload_is_for_the_serve_benchmark_and_names_a_part_of_it(monkeypatch):
+    """``--workload`` is refused without ``--only serve`` and for a part the run has not
+    (``trace`` without ``--trace``), before any engine starts."""
+    from kvray.bench.serve_workload import WORKLOADS_ENV
+
+    monkeypatch.delenv(WORKLOADS_ENV, raising=False)  # the CLI sets it in this process; unset again at teardown
+    alone = CliRunner().invoke(app, ["bench", "--only", "hf_ttft", "--workload", "agentic"])
+    assert alone.exit_code == 2 and "--workload is for the serve benchmark: add --only serve" in message(alone)
+    started = time.monotonic()
+    unknown = CliRunner().invoke(app, ["bench", "--only", "serve", "--workload", "agentic", "--workload", "trace"])
+    assert unknown.exit_code == 2 and message(unknown) == (
+        "kvray: no serve workload trace; without --trace: multiround, agentic, longdoc"
+    )
+    assert time.monotonic() - started < 10  # refused before Ray or an engine starts

@@ -5,8 +5,27 @@ from __future__ import annotations
 
 import math
 
-from kvray.bench.serve import BASE, FULL, INPROC, KVRAY, LMCACHE, ROUTE, RR, STICKY, rows
+import pytest
+
+from kvray.bench.serve import (
+    BASE,
+    FULL,
+    INPROC,
+    KVRAY,
+    LMCACHE,
+    QUICK,
+    ROUTE,
+    RR,
+    STICKY,
+    chosen_workloads,
+    contenders_of,
+    rows,
+    workloads,
+)
+from kvray.bench.serve_engines import INSTANCES, MAX_PAGES, PAGE, VLLM_KV_PAGES
 from kvray.bench.serve_loop import repeat_attainments
+from kvray.bench.serve_workload import WORKLOADS_ENV, kv_pages
+from kvray.core.errors import ConfigError
 
 
 def workload(goodputs: dict[str, float], ttft_ms: dict[str, float]) -> dict:
@@ -94,3 +113,31 @@ def test_each_repeats_goodput_counts_a_once_rate_in_every_repeat_and_a_skipped_o
     first, second = repeat_attainments(by_rate, 2.0, FULL.repeats, FULL.once, FULL.rates)
     assert first == {0.5: 1.0, 1.5: 1.0, 2.5: 0.95, 4.0: 0.8}
     assert second == {0.5: 1.0, 1.5: 0.5, 2.5: 0.4, 4.0: 0.0}
+
+
+@pytest.mark.parametrize("size", [QUICK, FULL], ids=["quick", "full"])
+def test_every_workload_fits_the_engines_and_outsizes_vllms_cache_and_kvrays_host_tier(size):
+    for name, factory in workloads(size, 8192, None).items():
+        sessions = factory(0)
+        assert max(len(p) for s in sessions for p in s.prompts) <= MAX_PAGES * PAGE, name  # the engines' window
+        pages = kv_pages(sessions, PAGE)
+        assert pages >= 5 * INSTANCES * VLLM_KV_PAGES and pages > INSTANCES * size.host_pages, name  # the issue's rule
+        assert len(sessions) % INSTANCES == 1, name  # round-robin moves a session between engines (module comment)
+
+
+def test_a_run_of_one_workload_sweeps_its_contenders_only(monkeypatch):
+    everything = ("vllm", "in-process", "runtime", "lmcache")
+    monkeypatch.delenv(WORKLOADS_ENV, raising=False)
+    assert chosen_workloads(None) == ["multiround", "agentic", "longdoc"] and chosen_workloads("t.jsonl")[0] == "trace"
+    monkeypatch.setenv(WORKLOADS_ENV, "agentic")
+    assert chosen_workloads(None) == ["agentic"]
+    assert contenders_of("agentic", QUICK, everything, True) == [BASE, KVRAY]
+    assert STICKY not in contenders_of("multiround", QUICK, everything, True)
+    assert ROUTE not in contenders_of("multiround", FULL, everything, False) and STICKY in contenders_of(
+        "multiround", FULL, everything, True
+    )
+    monkeypatch.setenv(WORKLOADS_ENV, "agentic,docs")
+    with pytest.raises(ConfigError, match="docs"):
+        chosen_workloads(None)
+    out = {"errors": {}, "workloads": {"agentic": workload({BASE: 1.0, RR: 3.0}, {BASE: 300, RR: 100})}}
+    assert [r.name for r in rows(out)] == ["serve_agentic_goodput_vs_vllm"]  # alone, no primary workload's rows

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvray.bench.serve_workload import (
+    agent_trajectories,
     conversations,
     kv_pages,
     long_documents,
@@ -45,6 +46,25 @@ def test_each_prompt_is_the_last_one_plus_its_answer_and_a_new_question(users, r
         )
     assert conversations(users, rounds, PAGE, 512, seed, shared, own, 5, 7) == sessions  # seeded
     assert all(3 <= t < 512 for s in sessions for p in s.prompts for t in p)
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(agents=st.integers(1, 5), steps=st.integers(1, 4), before=st.integers(0, 4), seed=st.integers(0, 99))
+def test_an_agents_calls_keep_its_whole_trajectory_and_grow_by_one_step(agents, steps, before, seed):
+    sessions = agent_trajectories(agents, steps, PAGE, 512, seed, 2, 1, before, action_tokens=4, output_tokens=12, gap_s=0.05)
+    assert len(sessions) == agents
+    for s in sessions:
+        assert len(s.prompts) == 1 + steps and s.warmup == 1 and s.gap_s == 0.05
+        assert len(s.prompts[0]) == (2 + 1) * PAGE + before * PAGE  # the trajectory after `before` steps, one call
+        for before_, after in zip(s.prompts, s.prompts[1:]):
+            assert after[: len(before_)] == before_ and len(after) == len(before_) + PAGE  # an action and its output
+    tools = {s.prompts[0][: 2 * PAGE] for s in sessions}
+    assert len(tools) == 1  # every agent shares the tool prefix
+    if agents > 1:  # and not its task
+        assert len({s.prompts[0][2 * PAGE : 3 * PAGE] for s in sessions}) == agents
+    # measured calls each compute one step's page at most: the rest is the call before
+    hit, total = reuse_ceiling(sessions, PAGE)
+    assert total - hit == agents * steps * PAGE
 
 
 def test_another_seed_shares_no_page():
