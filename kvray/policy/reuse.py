@@ -49,7 +49,7 @@ from kvray.policy.page_features import SOURCES, PageFeatures
 from kvray.policy.promote import promote_target, promoting
 from kvray.policy.reuse_admission import DiskGate
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
-from kvray.policy.reuse_online import SAMPLE, DelayedLabels, ShadowTripwire
+from kvray.policy.reuse_online import SAMPLE, DelayedLabels, RecencyLRU, ShadowTripwire
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.resources import shipped_or_given
 
@@ -495,7 +495,7 @@ class ReusePolicy(PlacementPolicy):
     def _page_score(self, handle: int, tier: Tier) -> float:
         """``handle``'s eviction score were it in ``tier`` now (a teacher without a model: the oracle's)."""
         if self.model is None:
-            return float(log_next_use(self._next[handle : handle + 1] - (self.features.now - 1.0))[0])
+            return float(log_next_use(self._next_uses(np.array([handle])) - self._label_now)[0])
         row = self.features.matrix(np.array([handle]), ~self.index.has_children([handle]), int(tier))
         row[:, -1] = 1.0  # just read: the newest of the tier's recency order
         if self.pool[1:] != (0, 0):
@@ -548,35 +548,6 @@ class ReusePolicy(PlacementPolicy):
         self.rows.append(rows)
         self.labels.append(log_next_use(self._next_uses(handles) - self._label_now))
         self.weights.append(link_charged_miss(miss, busy) * self._queue_weight)
-
-
-class RecencyLRU(PlacementPolicy):
-    """The tripwire's LRU advisor (``stands_for``: LRU with or without promotion, promoting as
-    it does) over the real cache, read off the reuse policy's recency
-    column (:meth:`ReusePolicy.oldest`) when followed: that column orders each tier's pages
-    exactly as :class:`~kvray.core.placement.LRUPolicy`'s ``OrderedDict``s do (a stamp per
-    insert, a read batch stamped deepest first), so an LRU advisor told of every event of
-    the real cache repeated the policy's own bookkeeping (docs/sim-eval, "Replay speed")."""
-
-    def __init__(self, owner: ReusePolicy, stands_for: LRUPolicy) -> None:
-        self._owner = owner
-        self.name = stands_for.name
-        self._promote = stands_for.promote_target  # lru-promote's promotion, when followed
-
-    def promote_target(self, handle: int, tier: Tier) -> Tier | None:
-        return self._promote(handle, tier)
-
-    def on_insert(self, handle: int, tier: Tier) -> None:
-        """Nothing to keep: the owner's column is the order."""
-
-    def on_access(self, handles: np.ndarray) -> None:
-        """Nothing to keep: the owner's column is the order."""
-
-    def on_remove(self, handle: int, tier: Tier) -> None:
-        """Nothing to keep: the owner's column is the order."""
-
-    def victim(self, tier: Tier) -> int | None:
-        return self._owner.oldest(tier)
 
 
 QUEUE_WEIGHT_CAP = 16.0  # a training decision weighs at most this many times its miss cost

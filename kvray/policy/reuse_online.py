@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import numpy as np
 
@@ -190,3 +191,38 @@ class ShadowTripwire:
     def follow(self) -> PlacementPolicy | None:
         """The heuristic advisor the real cache follows now, or None (the learned policy)."""
         return None if self.following is None else self.advisors[self.following]
+
+
+class RecencyOwner(Protocol):
+    """What :class:`RecencyLRU` reads: its owner's least recently used unpinned page of a tier."""
+
+    def oldest(self, tier: Tier) -> int | None: ...
+
+
+class RecencyLRU(PlacementPolicy):
+    """The tripwire's LRU advisor (``stands_for``: LRU with or without promotion, promoting as
+    it does) over the real cache, read off the reuse policy's recency
+    column (:meth:`~kvray.policy.reuse.ReusePolicy.oldest`) when followed: that column orders each tier's pages
+    exactly as :class:`~kvray.core.placement.LRUPolicy`'s ``OrderedDict``s do (a stamp per
+    insert, a read batch stamped deepest first), so an LRU advisor told of every event of
+    the real cache repeated the policy's own bookkeeping (docs/sim-eval, "Replay speed")."""
+
+    def __init__(self, owner: RecencyOwner, stands_for: PlacementPolicy) -> None:
+        self._owner = owner
+        self.name = stands_for.name
+        self._promote = stands_for.promote_target  # lru-promote's promotion, when followed
+
+    def promote_target(self, handle: int, tier: Tier) -> Tier | None:
+        return self._promote(handle, tier)
+
+    def on_insert(self, handle: int, tier: Tier) -> None:
+        """Nothing to keep: the owner's column is the order."""
+
+    def on_access(self, handles: np.ndarray) -> None:
+        """Nothing to keep: the owner's column is the order."""
+
+    def on_remove(self, handle: int, tier: Tier) -> None:
+        """Nothing to keep: the owner's column is the order."""
+
+    def victim(self, tier: Tier) -> int | None:
+        return self._owner.oldest(tier)
