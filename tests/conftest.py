@@ -37,6 +37,7 @@ RESULT_KEYS = {
     "p99_ttft_ms",
     "bytes_moved",
     "policy",
+    "policy_stats",
     "scenario",
 }
 RUNTIME_KEYS = {"wrong_pages", "prefill_us_per_token_measured"}  # only a replay on the runtime has these
