@@ -14,6 +14,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,6 +23,21 @@ from kvray.apps.train import scenarios_at_bandwidths
 from kvray.core.errors import ConfigError
 from kvray.resources import bundled
 from kvray.scenario import DEFAULT_CLUSTER_SCENARIO, load_scenario
+
+# PPO's weights depend on the CPU kernels MKL and ATen pick for this processor (AVX-512 variants
+# round differently from one CPU model to the next: the router shipped on 2026-12-03 did not rebuild
+# on the next day's machine, its rewards parting after five rollouts). Trained on MKL's compatible
+# path and ATen's scalar kernels, `kvray train --cluster` rebuilds the shipped router byte for byte
+# on any x86 CPU. Both are read when torch loads: a process that loaded it already keeps its own
+# kernels, and the card's ``training.numerics`` says which were used.
+PORTABLE_NUMERICS = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}
+
+
+def portable_numerics() -> None:
+    """Ask for :data:`PORTABLE_NUMERICS` where torch is not loaded yet (a setting the user gave stays)."""
+    if "torch" not in sys.modules:
+        for name, value in PORTABLE_NUMERICS.items():
+            os.environ.setdefault(name, value)
 
 
 def train_router_policy(
@@ -38,6 +55,8 @@ def train_router_policy(
     """Train the router the flags ask for into ``out``, over ``node_policy`` on every node;
     returns its card."""
     from kvray.policy import make_policy
+
+    portable_numerics()
     from kvray.rl.cluster_train import train_router
 
     if traces:

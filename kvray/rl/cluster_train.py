@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -238,6 +239,8 @@ def train_router(
             "learning_rate": learning_rate,
             "gamma": gamma,
             "engine_weight": engine_weight,
+            # which kernels computed it (kvray.apps.train_cluster.PORTABLE_NUMERICS): the weights rebuild byte for byte with the same
+            "numerics": {"mkl_cbwr": os.environ.get("MKL_CBWR"), "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()},
             "timesteps": int(model.num_timesteps),
             "seed": seed,
             "curve": curve,

@@ -3,6 +3,8 @@ valid for gymnasium; the zero action (and the untrained network) is the cost rou
 bit; every head's choices reach the simulator (route, load share, prefetch, replicate); tiny
 training is deterministic for a seed, exports the actor PPO trained, and the shipped weights load."""
 
+import json
+import os
 from pathlib import Path
 
 import gymnasium as gym
@@ -12,6 +14,7 @@ import torch
 from gymnasium.utils.env_checker import check_env
 
 import kvray.rl.cluster_env  # noqa: F401  (registers the id)
+from kvray.apps.train_cluster import PORTABLE_NUMERICS
 from kvray.core.errors import PolicyError
 from kvray.policy.cluster import CostRouter, make_cluster_policy
 from kvray.policy.residual import (
@@ -31,6 +34,7 @@ from kvray.scenario import load_scenario
 from kvray.sim.cluster import ClusterSimulator
 from kvray.sim.node import node_capacities
 from kvray.sim.workloads import WorkloadSpec, generate
+from tests.conftest import kvray_command
 
 SCENARIO = load_scenario("h100-4node-skewed")
 TRACE = generate(WorkloadSpec(sessions=30, system_prompt_pages=1, document_probability=0.5), seed=3)
@@ -274,18 +278,21 @@ def test_the_command_line_names_what_cluster_training_and_evaluation_take(tmp_pa
 @pytest.mark.timeout(1800)  # ~70 s on a quiet machine; over 600 s at a load average of 30
 def test_the_shipped_router_rebuilds_byte_for_byte(tmp_path):
     """The command docs/sim-eval/README.md gives for policies/cluster-default writes it again,
-    weights and card byte for byte (about 70 s of CPU: 122,880 PPO steps on 30 environments)."""
-    from typer.testing import CliRunner
-
-    from kvray.cli import app
+    weights and card byte for byte (about 130 s of CPU: 122,880 PPO steps on 30 environments).
+    In a process of its own, as a user runs it: torch picks its kernels when it loads, and the
+    command asks for the portable ones (kvray.apps.train_cluster.PORTABLE_NUMERICS) only where it
+    loads torch itself; this test process has loaded it already."""
     from kvray.resources import shipped_or_given
 
     shipped = shipped_or_given("cluster-default", "policies")
     out = tmp_path / "cluster-default"
     args = ["train", "--cluster", "--bandwidth-scale", "0.7", "--bandwidth-scale", "1", "--bandwidth-scale", "1.4"]
     args += ["--capacity-fraction", "0.05", "--timesteps", "122880", "--seed", "0", "--out", str(out)]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
+    env = {k: v for k, v in os.environ.items() if k not in PORTABLE_NUMERICS}  # the command's own choice
+    result = kvray_command(*args, timeout=900, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    card = json.loads((out / CARD_FILE).read_text())
+    assert card["training"]["numerics"] == {"mkl_cbwr": "COMPATIBLE", "aten_cpu_capability": "DEFAULT"}
     for name in (WEIGHTS_FILE, CARD_FILE):
         assert (out / name).read_bytes() == (shipped / name).read_bytes(), (
             f"{name} differs: the simulator or PPO changed; retrain"
