@@ -132,6 +132,13 @@ class CacheManager:
             del self._kept[handle]
             self._lineage.pop(handle, None)
 
+    @property
+    def chain_compilable(self) -> bool:
+        """Whether the simulator's compiled chain writer (kvray/sim/_chain.c) may run the next
+        :meth:`store_chain` exactly as this Python does: nothing kept from outside the call, no
+        disk write budget, and a policy whose hooks it may call in its order."""
+        return not self._kept and self.disk_budget is None and self.policy.compiled_chain
+
     def touch(self, handles: np.ndarray) -> None:
         self.index.touch(handles)
         self.policy.on_access(handles)

@@ -161,7 +161,7 @@ class ShadowCache:
         manager.touch(match.handles)
         manager.promote(match.handles, _no_move)
         compiled = _compiled_chain
-        if compiled is not None and not manager._kept and manager.disk_budget is None and manager.policy.compiled_chain:
+        if compiled is not None and manager.chain_compilable:
             compiled.store_chain(manager, self._links, keys, None, ROOT, 0, len(keys), "", not self._lru)
         else:
             manager.store_chain(keys, _no_move)

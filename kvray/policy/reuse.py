@@ -111,6 +111,7 @@ class ReusePolicy(PlacementPolicy):
         self.refit = refit and model is not None  # online refit on delayed labels (reuse_online)
         self.tripwire_margin = tripwire  # follow a heuristic while the cache's cost runs this share above its shadow's
         self.refits = 0
+        self._tripwire: ShadowTripwire | None = None  # made by bind, with a tripwire margin
         self.scored = 0  # candidates of the last scoring
         self.shadow_sample = shadow_sample  # the tripwire's shadows see one page in this many
         self.depth_scale = depth_scale  # pages per page seen: a sampled shadow's depths and request lengths scaled back
@@ -526,8 +527,7 @@ class ReusePolicy(PlacementPolicy):
             self._ready_rows, self._ready_labels = [], []
 
     def stats(self) -> dict[str, int]:
-        tripwire = getattr(self, "_tripwire", None)  # made by bind
-        return {"refits": self.refits, "tripwire_trips": tripwire.trips if tripwire is not None else 0}
+        return {"refits": self.refits, "tripwire_trips": self._tripwire.trips if self._tripwire is not None else 0}
 
     def _next_uses(self, handles: np.ndarray) -> np.ndarray:
         """Teacher: the request index at which each page is next used. A node hears only of the

@@ -224,12 +224,12 @@ class SimNode:
         (tests/sim/test_replay_fingerprint.py, tests/sim/test_chain.py)."""
         manager = self.manager
         stop = len(keys) if stop is None else stop
-        if _chain is not None and not manager._kept and manager.disk_budget is None:
+        if _chain is not None and manager.chain_compilable:
             local = None if write == self._write_local else write
             if type(self.policy) is LRUPolicy:
                 return _chain.store_chain(manager, self, keys, local, parent, start, stop)
-            if self.policy.compiled_chain:  # the manager's part in C, the policy's hooks called as Python calls them
-                return _chain.store_chain(manager, self, keys, local, parent, start, stop, tenant, True)
+            # the manager's part in C, the policy's hooks called as Python calls them
+            return _chain.store_chain(manager, self, keys, local, parent, start, stop, tenant, True)
         return manager.store_chain(keys, self.mover, write, parent=parent, tenant=tenant, start=start, stop=stop)
 
     def _write_local(self, depth: int, key: int, tier: Tier, slot: int, parent: int) -> int:
