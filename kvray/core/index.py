@@ -107,6 +107,11 @@ class PrefixIndex:
     def parent(self) -> np.ndarray:
         return self._cols["parent"]
 
+    @property
+    def first_child(self) -> np.ndarray:
+        """Each page's first child (NONE: a leaf), read whole by the reuse policy's pool in C."""
+        return self._cols["first_child"]
+
     def has_children(self, handles: Sequence[int] | np.ndarray) -> np.ndarray:
         return self._cols["first_child"][np.asarray(handles, dtype=np.int64)] != NONE
 

@@ -75,27 +75,14 @@ static int column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const cha
     return 0;
 }
 
-static PyObject *pool(PyObject *module, PyObject *args) {
-    (void)module;
-    int tier;
-    Py_ssize_t cap[3];
-    PyObject *objs[5];
-    if (!PyArg_ParseTuple(args, "innnOOOOO", &tier, &cap[0], &cap[1], &cap[2], &objs[0], &objs[1], &objs[2], &objs[3], &objs[4]))
-        return NULL;
-    static const char *names[5] = {"where", "pins", "recency", "frequency", "hits"};
-    static const Py_ssize_t sizes[5] = {1, 4, 8, 8, 8};
-    Py_buffer cols[5];
-    int got = 0;
-    PyObject *result = NULL;
+/* The pool of `tier` (see the top of this file) into *out (handles) and *bits (which orderings
+ * offered each), both PyMem_Malloc'ed; its size, or -1 with an exception set. */
+static Py_ssize_t gather(int tier, const Py_ssize_t cap[3], Py_buffer cols[5], int64_t **out_p, uint8_t **bits_p) {
     Entry *heaps[3] = {NULL, NULL, NULL};
     int64_t *out = NULL;
     uint8_t *bits = NULL;
     Slot *table = NULL;
-    for (; got < 5; got++)
-        if (cap[0] < 0 || cap[1] < 0 || cap[2] < 0 || column(objs[got], &cols[got], sizes[got], names[got]) < 0) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "pool: negative pool size");
-            goto done;
-        }
+    Py_ssize_t k = -1;
     const int8_t *where = cols[0].buf;
     const int32_t *pins = cols[1].buf;
     const int64_t *recency = cols[2].buf;
@@ -103,6 +90,10 @@ static PyObject *pool(PyObject *module, PyObject *args) {
     Py_ssize_t n = cols[0].len < cols[1].len / 4 ? cols[0].len : cols[1].len / 4;
     Py_ssize_t nrec = cols[2].len / 8, nfreq = cols[3].len / 8, nhits = cols[4].len / 8;
     Py_ssize_t size[3] = {0, 0, 0}, total = cap[0] + cap[1] + cap[2];
+    if (cap[0] < 0 || cap[1] < 0 || cap[2] < 0) {
+        PyErr_SetString(PyExc_ValueError, "pool: negative pool size");
+        return -1;
+    }
     for (int o = 0; o < 3; o++)
         if ((heaps[o] = PyMem_Malloc((cap[o] ? cap[o] : 1) * sizeof(Entry))) == NULL) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t h = 0; h < n; h++) {
@@ -122,7 +113,7 @@ static PyObject *pool(PyObject *module, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < slots; i++) table[i].handle = -1; /* handles are never negative */
-    Py_ssize_t k = 0;
+    k = 0;
     for (int o = 0; o < 3; o++) {
         qsort(heaps[o], size[o], sizeof(Entry), ascending);
         for (Py_ssize_t i = 0; i < size[o]; i++) {
@@ -133,13 +124,39 @@ static PyObject *pool(PyObject *module, PyObject *args) {
             bits[table[at].place] |= (uint8_t)(1u << o);
         }
     }
-    result = Py_BuildValue("(y#y#)", (const char *)out, k * (Py_ssize_t)sizeof(int64_t), (const char *)bits, k);
+    *out_p = out, *bits_p = bits;
+    out = NULL, bits = NULL;
 done:
-    for (int i = 0; i < got; i++) PyBuffer_Release(&cols[i]);
     for (int o = 0; o < 3; o++) PyMem_Free(heaps[o]);
     PyMem_Free(out);
     PyMem_Free(bits);
     PyMem_Free(table);
+    return k;
+}
+
+static const char *POOL_NAMES[5] = {"where", "pins", "recency", "frequency", "hits"};
+static const Py_ssize_t POOL_SIZES[5] = {1, 4, 8, 8, 8};
+
+static PyObject *pool(PyObject *module, PyObject *args) {
+    (void)module;
+    int tier;
+    Py_ssize_t cap[3];
+    PyObject *objs[5];
+    if (!PyArg_ParseTuple(args, "innnOOOOO", &tier, &cap[0], &cap[1], &cap[2], &objs[0], &objs[1], &objs[2], &objs[3], &objs[4]))
+        return NULL;
+    Py_buffer cols[5];
+    int got = 0;
+    PyObject *result = NULL;
+    int64_t *out = NULL;
+    uint8_t *bits = NULL;
+    for (; got < 5; got++)
+        if (column(objs[got], &cols[got], POOL_SIZES[got], POOL_NAMES[got]) < 0) goto done;
+    Py_ssize_t k = gather(tier, cap, cols, &out, &bits);
+    if (k >= 0) result = Py_BuildValue("(y#y#)", (const char *)out, k * (Py_ssize_t)sizeof(int64_t), (const char *)bits, k);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&cols[i]);
+    PyMem_Free(out);
+    PyMem_Free(bits);
     return result;
 }
 
@@ -156,71 +173,156 @@ done:
 #define NCOUNTS 3
 #define NFEATURES 17
 
-enum { R_HANDLES, R_LEAF, R_DECAY, R_INSERTED, R_LAST, R_LAST_MS, R_GAP1, R_GAP2, R_COUNTS, R_HITS, R_DEPTH, R_PAGES, R_ROOT, R_GHOST, NR };
+#define NSOURCES 3 /* SOURCES: which orderings offered a candidate, after the features when more than LRU offers */
+
+/* PageFeatures' columns (F_DECAY .. F_GHOST in the argument order of rows and scored). */
+enum { F_DECAY, F_INSERTED, F_LAST, F_LAST_MS, F_GAP1, F_GAP2, F_COUNTS, F_HITS, F_DEPTH, F_PAGES, F_ROOT, F_GHOST, NF };
+static const char *F_NAMES[NF] = {"decay", "inserted", "last", "last_ms", "gap1", "gap2",
+                                  "counts", "hits", "depth", "request_pages", "root", "ghost_age"};
+
+typedef struct {
+    Py_buffer cols[NF];
+    int got;
+    Py_ssize_t pages; /* handles every column covers */
+    double now, now_ms;
+    int root_k;
+} Features;
+
+static void release_features(Features *f) {
+    for (int i = 0; i < f->got; i++) PyBuffer_Release(&f->cols[i]);
+    f->got = 0;
+}
+
+static int load_features(Features *f, PyObject *const *objs) {
+    for (f->got = 0; f->got < NF; f->got++)
+        if (column(objs[f->got], &f->cols[f->got], 8, F_NAMES[f->got]) < 0) return -1;
+    f->pages = f->cols[F_INSERTED].len / 8;
+    for (int c = F_LAST; c < NF; c++) {
+        Py_ssize_t len = f->cols[c].len / 8 / (c == F_COUNTS ? NCOUNTS : 1);
+        if (len < f->pages) f->pages = len;
+    }
+    if (f->cols[F_DECAY].len / 8 < NCOUNTS || f->root_k < 0 || f->root_k >= NCOUNTS) {
+        PyErr_SetString(PyExc_ValueError, "rows: decay or root_k out of range");
+        return -1;
+    }
+    return 0;
+}
+
+#define COL(f, c) ((const double *)(f)->cols[c].buf)
+
+/* The feature row of page h (the i-th of n candidates) in `row`; -1 with an exception set when
+ * h or its root lies beyond the columns. */
+static int write_row(const Features *f, float *row, int64_t h, int leaf, int tier, Py_ssize_t i, Py_ssize_t n) {
+    const int64_t *root = f->cols[F_ROOT].buf;
+    int64_t r = h >= 0 && h < f->pages ? root[h] : -1;
+    if (h < 0 || h >= f->pages || r < 0 || r >= f->pages) {
+        PyErr_SetString(PyExc_IndexError, "rows: a handle or its root beyond the columns");
+        return -1;
+    }
+    const double *decay = COL(f, F_DECAY), *last = COL(f, F_LAST), *counts = COL(f, F_COUNTS);
+    const double *depth = COL(f, F_DEPTH), *request_pages = COL(f, F_PAGES);
+    double now = f->now, since = now - last[h];
+    row[0] = (float)log1p(now - COL(f, F_INSERTED)[h]);
+    row[1] = (float)log1p(since);
+    row[2] = (float)log1p(COL(f, F_GAP1)[h]);
+    row[3] = (float)log1p(COL(f, F_GAP2)[h]);
+    double ms = f->now_ms - COL(f, F_LAST_MS)[h];
+    row[4] = (float)log1p((ms > 0.0 ? ms : 0.0) / 1e3);
+    for (int k = 0; k < NCOUNTS; k++) row[5 + k] = (float)log1p(counts[h * NCOUNTS + k] * exp(-(since * decay[k])));
+    row[8] = (float)log1p(COL(f, F_HITS)[h]);
+    row[9] = (float)log1p(depth[h]);
+    row[10] = (float)(depth[h] / request_pages[h]);
+    row[11] = leaf ? 1.0f : 0.0f;
+    row[12] = (float)log1p(counts[r * NCOUNTS + f->root_k] * exp(-(now - last[r]) * decay[f->root_k]));
+    row[13] = (float)log1p(COL(f, F_GHOST)[h]);
+    row[14] = (float)log1p(request_pages[h]);
+    row[15] = (float)tier;
+    row[16] = (float)((double)i / (n > 1 ? (double)(n - 1) : 1.0));
+    return 0;
+}
 
 static PyObject *rows(PyObject *module, PyObject *args) {
     (void)module;
-    PyObject *objs[NR];
-    int tier, root_k;
-    double now, now_ms;
-    if (!PyArg_ParseTuple(args, "OOiddOiOOOOOOOOOOO", &objs[R_HANDLES], &objs[R_LEAF], &tier, &now, &now_ms, &objs[R_DECAY],
-                          &root_k, &objs[R_INSERTED], &objs[R_LAST], &objs[R_LAST_MS], &objs[R_GAP1], &objs[R_GAP2],
-                          &objs[R_COUNTS], &objs[R_HITS], &objs[R_DEPTH], &objs[R_PAGES], &objs[R_ROOT], &objs[R_GHOST]))
+    PyObject *handles_obj, *leaf_obj, *objs[NF];
+    Features f = {.got = 0};
+    int tier;
+    if (!PyArg_ParseTuple(args, "OOiddOiOOOOOOOOOOO", &handles_obj, &leaf_obj, &tier, &f.now, &f.now_ms, &objs[F_DECAY],
+                          &f.root_k, &objs[F_INSERTED], &objs[F_LAST], &objs[F_LAST_MS], &objs[F_GAP1], &objs[F_GAP2],
+                          &objs[F_COUNTS], &objs[F_HITS], &objs[F_DEPTH], &objs[F_PAGES], &objs[F_ROOT], &objs[F_GHOST]))
         return NULL;
-    static const char *names[NR] = {"handles", "leaf", "decay", "inserted", "last", "last_ms", "gap1",
-                                    "gap2", "counts", "hits", "depth", "request_pages", "root", "ghost_age"};
-    static const Py_ssize_t sizes[NR] = {8, 1, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8};
-    Py_buffer cols[NR];
-    int got = 0;
+    Py_buffer hb, lb;
     PyObject *result = NULL;
-    for (; got < NR; got++)
-        if (column(objs[got], &cols[got], sizes[got], names[got]) < 0) goto done;
-    Py_ssize_t n = cols[R_HANDLES].len / 8, pages = cols[R_INSERTED].len / 8;
-    for (int c = R_LAST; c < NR; c++) {
-        Py_ssize_t len = cols[c].len / 8 / (c == R_COUNTS ? NCOUNTS : 1);
-        if (len < pages) pages = len;
-    }
-    if (cols[R_LEAF].len < n || cols[R_DECAY].len / 8 < NCOUNTS || root_k < 0 || root_k >= NCOUNTS) {
-        PyErr_SetString(PyExc_ValueError, "rows: leaf shorter than handles, or decay/root_k out of range");
-        goto done;
-    }
-    const int64_t *handles = cols[R_HANDLES].buf, *root = cols[R_ROOT].buf;
-    const char *leaf = cols[R_LEAF].buf;
-    const double *decay = cols[R_DECAY].buf, *inserted = cols[R_INSERTED].buf, *last = cols[R_LAST].buf;
-    const double *last_ms = cols[R_LAST_MS].buf, *gap1 = cols[R_GAP1].buf, *gap2 = cols[R_GAP2].buf;
-    const double *counts = cols[R_COUNTS].buf, *hits = cols[R_HITS].buf, *depth = cols[R_DEPTH].buf;
-    const double *request_pages = cols[R_PAGES].buf, *ghost = cols[R_GHOST].buf;
+    if (column(handles_obj, &hb, 8, "handles") < 0) return NULL;
+    if (column(leaf_obj, &lb, 1, "leaf") < 0) { PyBuffer_Release(&hb); return NULL; }
+    Py_ssize_t n = hb.len / 8;
+    if (load_features(&f, objs) < 0) goto done;
+    if (lb.len < n) { PyErr_SetString(PyExc_ValueError, "rows: leaf shorter than handles"); goto done; }
     if ((result = PyByteArray_FromStringAndSize(NULL, n * NFEATURES * (Py_ssize_t)sizeof(float))) == NULL) goto done;
     float *out = (float *)PyByteArray_AS_STRING(result);
-    double last_position = n > 1 ? (double)(n - 1) : 1.0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t h = handles[i], r = h >= 0 && h < pages ? root[h] : -1;
-        if (h < 0 || h >= pages || r < 0 || r >= pages) {
-            Py_CLEAR(result);
-            PyErr_SetString(PyExc_IndexError, "rows: a handle or its root beyond the columns");
-            goto done;
-        }
-        float *row = out + i * NFEATURES;
-        double since = now - last[h];
-        row[0] = (float)log1p(now - inserted[h]);
-        row[1] = (float)log1p(since);
-        row[2] = (float)log1p(gap1[h]);
-        row[3] = (float)log1p(gap2[h]);
-        double ms = now_ms - last_ms[h];
-        row[4] = (float)log1p((ms > 0.0 ? ms : 0.0) / 1e3);
-        for (int k = 0; k < NCOUNTS; k++) row[5 + k] = (float)log1p(counts[h * NCOUNTS + k] * exp(-(since * decay[k])));
-        row[8] = (float)log1p(hits[h]);
-        row[9] = (float)log1p(depth[h]);
-        row[10] = (float)(depth[h] / request_pages[h]);
-        row[11] = leaf[i] ? 1.0f : 0.0f;
-        row[12] = (float)log1p(counts[r * NCOUNTS + root_k] * exp(-(now - last[r]) * decay[root_k]));
-        row[13] = (float)log1p(ghost[h]);
-        row[14] = (float)log1p(request_pages[h]);
-        row[15] = (float)tier;
-        row[16] = (float)((double)i / last_position);
+    const int64_t *handles = hb.buf;
+    const char *leaf = lb.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (write_row(&f, out + i * NFEATURES, handles[i], leaf[i], tier, i, n) < 0) { Py_CLEAR(result); goto done; }
+done:
+    release_features(&f);
+    PyBuffer_Release(&hb);
+    PyBuffer_Release(&lb);
+    return result;
+}
+
+/* -- a scoring's inputs in one call: the pool and its rows --------------------------------------
+ *
+ * scored(tier, lru, lfu, fifo, where, pins, recency, frequency, first_child, now, now_ms, decay,
+ *        root_k, <PageFeatures' columns as rows takes them>) -> (handles, rows)
+ *   what ReusePolicy._gather and PageFeatures.matrix give, with the orderings' columns after
+ *   the features when lfu or fifo offer (np.hstack's): the pool of pool() (hits: PageFeatures'
+ *   hits), each candidate a leaf when first_child (int32, the index's) is -1, its row written
+ *   by write_row, as rows() writes it. handles: bytes of int64; rows: bytearray of float32
+ *   (n x (NFEATURES [+ NSOURCES])). */
+static PyObject *scored(PyObject *module, PyObject *args) {
+    (void)module;
+    int tier;
+    Py_ssize_t cap[3];
+    PyObject *pool_objs[5], *first_obj, *objs[NF];
+    Features f = {.got = 0};
+    if (!PyArg_ParseTuple(args, "innnOOOOOddOiOOOOOOOOOOO", &tier, &cap[0], &cap[1], &cap[2], &pool_objs[0], &pool_objs[1],
+                          &pool_objs[2], &pool_objs[3], &first_obj, &f.now, &f.now_ms, &objs[F_DECAY], &f.root_k,
+                          &objs[F_INSERTED], &objs[F_LAST], &objs[F_LAST_MS], &objs[F_GAP1], &objs[F_GAP2], &objs[F_COUNTS],
+                          &objs[F_HITS], &objs[F_DEPTH], &objs[F_PAGES], &objs[F_ROOT], &objs[F_GHOST]))
+        return NULL;
+    pool_objs[4] = objs[F_HITS];
+    Py_buffer cols[5], fb;
+    int got = 0, have_first = 0;
+    PyObject *handles = NULL, *table = NULL, *result = NULL;
+    int64_t *out = NULL;
+    uint8_t *bits = NULL;
+    for (; got < 5; got++)
+        if (column(pool_objs[got], &cols[got], POOL_SIZES[got], POOL_NAMES[got]) < 0) goto done;
+    if (column(first_obj, &fb, 4, "first_child") < 0) goto done;
+    have_first = 1;
+    if (load_features(&f, objs) < 0) goto done;
+    Py_ssize_t k = gather(tier, cap, cols, &out, &bits);
+    if (k < 0) goto done;
+    int sources = cap[1] || cap[2];
+    Py_ssize_t width = NFEATURES + (sources ? NSOURCES : 0), nfirst = fb.len / 4;
+    const int32_t *first = fb.buf;
+    if ((table = PyByteArray_FromStringAndSize(NULL, k * width * (Py_ssize_t)sizeof(float))) == NULL) goto done;
+    float *row = (float *)PyByteArray_AS_STRING(table);
+    for (Py_ssize_t i = 0; i < k; i++, row += width) {
+        if (out[i] >= nfirst) { PyErr_SetString(PyExc_IndexError, "scored: first_child shorter than the cache"); goto done; }
+        if (write_row(&f, row, out[i], first[out[i]] == -1, tier, i, k) < 0) goto done;
+        for (int o = 0; sources && o < NSOURCES; o++) row[NFEATURES + o] = (float)((bits[i] >> o) & 1);
     }
+    if ((handles = PyBytes_FromStringAndSize((const char *)out, k * (Py_ssize_t)sizeof(int64_t))) != NULL)
+        result = PyTuple_Pack(2, handles, table);
 done:
     for (int i = 0; i < got; i++) PyBuffer_Release(&cols[i]);
+    if (have_first) PyBuffer_Release(&fb);
+    release_features(&f);
+    Py_XDECREF(handles);
+    Py_XDECREF(table);
+    PyMem_Free(out);
+    PyMem_Free(bits);
     return result;
 }
 
@@ -230,6 +332,9 @@ static PyMethodDef methods[] = {
     {"rows", rows, METH_VARARGS,
      "rows(handles, leaf, tier, now, now_ms, decay, root_k, <PageFeatures' columns>) -> float32 feature rows (see "
      "kvray/policy/page_features.py)"},
+    {"scored", scored, METH_VARARGS,
+     "scored(tier, lru, lfu, fifo, where, pins, recency, frequency, first_child, now, now_ms, decay, root_k, <PageFeatures' "
+     "columns>) -> (handles, rows): the pool and its feature rows in one call (see kvray/policy/reuse.py)"},
     {NULL, NULL, 0, NULL},
 };
 

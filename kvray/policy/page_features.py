@@ -165,21 +165,14 @@ class PageFeatures:
         if _pool is None:
             return self.matrix_python(handles, leaf, tier)
         handles = np.ascontiguousarray(handles, dtype=np.int64)
-        columns = (self.inserted, self.last, self.last_ms, self.gap1, self.gap2, self.counts, self.hits, self.depth)
-        rows = _pool.rows(
-            handles,
-            np.ascontiguousarray(leaf, dtype=bool),
-            int(tier),
-            self.now,
-            self.now_ms,
-            self._decay,
-            ROOT_HALF_LIFE,
-            *columns,
-            self.request_pages,
-            self.root,
-            self.ghost_age,
-        )
+        rows = _pool.rows(handles, np.ascontiguousarray(leaf, dtype=bool), int(tier), *self.row_inputs())
         return np.frombuffer(rows, dtype=np.float32).reshape(len(handles), len(FEATURES))
+
+    def row_inputs(self) -> tuple:
+        """What the rows in C read after the pages (``kvray.policy._pool.rows`` and ``scored``):
+        the clocks, the counters' decay rates, the root's counter and every column."""
+        columns = (self.inserted, self.last, self.last_ms, self.gap1, self.gap2, self.counts, self.hits, self.depth)
+        return (self.now, self.now_ms, self._decay, ROOT_HALF_LIFE, *columns, self.request_pages, self.root, self.ghost_age)
 
     def matrix_python(self, handles: np.ndarray, leaf: np.ndarray, tier: int) -> np.ndarray:
         """:meth:`matrix` in numpy."""

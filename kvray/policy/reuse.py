@@ -45,7 +45,7 @@ from kvray.core.errors import PolicyError
 from kvray.core.index import ROOT, PrefixIndex
 from kvray.core.placement import LRUPolicy, PageContext, PlacementPolicy, RequestInfo
 from kvray.core.tiers import Tier
-from kvray.policy.page_features import SOURCES, PageFeatures
+from kvray.policy.page_features import FEATURES, SOURCES, PageFeatures
 from kvray.policy.promote import promote_target, promoting
 from kvray.policy.reuse_admission import DiskGate
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
@@ -335,10 +335,10 @@ class ReusePolicy(PlacementPolicy):
             handle = pending.pop()
             if self._where.item(handle) == tier and pins.item(handle) == 0:
                 return handle
-        candidates, source = self._gather(tier)
+        candidates, rows = self._candidates(tier)
         if len(candidates) <= 1:
             return int(candidates[0]) if len(candidates) else None
-        ranked = self._rank(candidates, tier, source)
+        ranked = self._rank(candidates, tier, rows)
         self._pending[tier] = ranked[1 : self.take][::-1]  # popped from the end
         return ranked[0]
 
@@ -352,6 +352,22 @@ class ReusePolicy(PlacementPolicy):
         n = min(len(self._where), len(pins))
         pages = np.flatnonzero((self._where[:n] == tier) & (pins[:n] == 0))
         return int(pages[np.argmin(self._recency[pages])]) if len(pages) else None
+
+    def _candidates(self, tier: Tier) -> tuple[np.ndarray, np.ndarray | None]:
+        """The pool of ``tier`` and, where a ranking reads them, its rows (:meth:`_rank`'s): in
+        one C call where built (``kvray.policy._pool.scored``, :meth:`_gather` and
+        ``PageFeatures.matrix`` of the same pages), else through those two."""
+        ranked = self.model is not None or self.teacher or self._labels is not None
+        if _pool is not None and ranked:
+            columns = (self._where, self.index.pins, self._recency, self._frequency, self.index.first_child)
+            handles, rows = _pool.scored(int(tier), *self.pool, *columns, *self.features.row_inputs())
+            width = len(FEATURES) + (len(SOURCES) if self.pool[1:] != (0, 0) else 0)
+            return np.frombuffer(handles, dtype=np.int64), np.frombuffer(rows, dtype=np.float32).reshape(-1, width)
+        candidates, source = self._gather(tier)
+        if not ranked:
+            return candidates, None
+        rows = self.features.matrix(candidates, ~self.index.has_children(candidates), int(tier))
+        return candidates, np.hstack([rows, source]) if len(source) else rows
 
     def _gather(self, tier: Tier) -> tuple[np.ndarray, np.ndarray]:
         """The pool of ``tier``: its candidates in the order offered, deduplicated, and which
@@ -404,16 +420,13 @@ class ReusePolicy(PlacementPolicy):
             pages, order = pages[keep], order[keep]
         return pages[np.argsort(order, kind="stable")[:n]]
 
-    def _rank(self, handles: np.ndarray, tier: Tier, source: np.ndarray) -> list[int]:
-        """``handles`` in eviction order: furthest predicted next use first."""
+    def _rank(self, handles: np.ndarray, tier: Tier, rows: np.ndarray | None) -> list[int]:
+        """``handles`` in eviction order: furthest predicted next use first (``rows``: their
+        features and the orderings that offered each, :meth:`_candidates`; None: LRU order)."""
         recording = self.teacher and self.record > 0 and self._rng.random() < self.record
-        if self.model is None and not recording and not self.teacher and self._labels is None:
+        if rows is None:
             return handles.tolist()  # LRU order
         self.scored = len(handles)
-        leaf = ~self.index.has_children(handles)
-        rows = self.features.matrix(handles, leaf, int(tier))
-        if len(source):
-            rows = np.hstack([rows, source])
         if recording:
             self._keep_rows(handles, rows, tier)
         if self._labels is not None:
@@ -486,10 +499,10 @@ class ReusePolicy(PlacementPolicy):
                 scores = self._pending_score[tier]
                 return float(scores[len(scores) - len(pending)])
             pending.pop()
-        candidates, source = self._gather(tier)
+        candidates, rows = self._candidates(tier)
         if not len(candidates):
             return None
-        ranked = self._rank(candidates, tier, source)
+        ranked = self._rank(candidates, tier, rows)
         self._pending[tier] = ranked[: self.take][::-1]  # popped from the end: the first next
         return float(self._pending_score[tier][0])
 
