@@ -45,7 +45,12 @@ setup(
     ext_modules=[
         Extension("kvray.core._tokens", ["kvray/core/_tokens.c"], extra_compile_args=["-O2"]),
         Extension("kvray.core._pagecopy", ["kvray/core/_pagecopy.c"], extra_compile_args=["-O2"]),
-        Extension("kvray.sim._chain", ["kvray/sim/_chain.c"], depends=["kvray/sim/_chain_state.h"], extra_compile_args=["-O2"]),
+        Extension(
+            "kvray.sim._chain",
+            ["kvray/sim/_chain.c"],
+            depends=["kvray/sim/_chain_state.h", "kvray/sim/_chain_reuse.h"],
+            extra_compile_args=["-O2"],
+        ),
         Extension("kvray.policy._pool", ["kvray/policy/_pool.c"], extra_compile_args=["-O2"]),
     ],
 )

@@ -104,6 +104,8 @@ class PlacementPolicy(ABC):
     # store and call this policy's hooks: true where demote_target depends neither on pins nor
     # on the order it is asked about a chain's kept pages in (the writer asks in another order)
     compiled_chain: bool = True
+    # ... and keep this policy's own bookkeeping there, in C (kvray/sim/_chain_reuse.h: the reuse policy's)
+    native_hooks: bool = False
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         """Attach to the index and tier sizes of the manager that consults this policy."""

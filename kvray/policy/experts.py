@@ -162,10 +162,16 @@ class ShadowCache:
         manager.promote(match.handles, _no_move)
         compiled = _compiled_chain
         if compiled is not None and manager.chain_compilable:
-            compiled.store_chain(manager, self._links, keys, None, ROOT, 0, len(keys), "", not self._lru)
+            compiled.store_chain(manager, self._links, keys, None, ROOT, 0, len(keys), "", not self._lru, *native(manager.policy))
         else:
             manager.store_chain(keys, _no_move)
         return cost, len(match)
+
+
+def native(policy: PlacementPolicy) -> tuple[bool, ...]:
+    """The compiled chain writer's last argument: ``(True,)`` where it keeps the policy's own
+    bookkeeping in C (``native_hooks``), else none (its hooks called as the manager calls them)."""
+    return (True,) if policy.native_hooks else ()
 
 
 class _NoLinks:

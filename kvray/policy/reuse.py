@@ -218,6 +218,13 @@ class ReusePolicy(PlacementPolicy):
         """The disk gate's demotion keeps state (its rows, its budget): asked in the Python order only."""
         return self._gate is None
 
+    @property
+    def native_hooks(self) -> bool:  # type: ignore[override]
+        """The compiled chain writer keeps this policy's per-page columns itself (kvray/sim/_chain_reuse.h,
+        a transcription of on_insert, on_remove, on_admitted, admit, demote_target and the pending
+        ranking's victims): not for a teacher, an online refit or a disk gate, whose hooks keep more."""
+        return type(self) is ReusePolicy and not self.teacher and self._labels is None and self._gate is None
+
     # -- what the policy is told ---------------------------------------------------------
     def on_request(self, info: RequestInfo) -> None:
         self.features.tick(info.arrival_ms)

@@ -15,12 +15,13 @@
  * outside the call, a policy whose demote_target may be asked in another order), and
  * tests/sim/test_replay_fingerprint.py replays every recorded cell through both paths.
  *
- * store_chain(manager, node, keys, write, parent, start, stop, tenant="", generic=False) -> pages stored
+ * store_chain(manager, node, keys, write, parent, start, stop, tenant="", generic=False, native=False) -> pages stored
  *   write: None for the node's own engine (node._stores' booking, checksum 0), else the
  *   Python writer; moves book node._moves[src, dst] (links.book's search of the lanes of
  *   queued links included).
  */
 #include "_chain_state.h"
+#include "_chain_reuse.h"
 
 /* -- the cascade ---------------------------------------------------------------------------- */
 static long make_room(State *s, int t);
@@ -162,11 +163,16 @@ static long store_pages(State *s, PyObject *keys, PyObject *write, long parent, 
         }
         if (PyErr_Occurred()) return ERR;
         PyObject *ctx = NULL;
-        if (s->generic) { /* CacheManager.admit(PageContext(depth, request_pages, 0, tenant)) */
-            PyObject *args = Py_BuildValue("(nniO)", depth, PySequence_Fast_GET_SIZE(keys), 0, s->tenant), *tier;
+        int context = s->generic && (s->reuse == NULL || PyList_GET_SIZE(s->reuse->admitted)); /* reuse's: for advisors only */
+        if (context) { /* CacheManager.admit(PageContext(depth, request_pages, 0, tenant)) */
+            PyObject *args = Py_BuildValue("(nniO)", depth, PySequence_Fast_GET_SIZE(keys), 0, s->tenant);
             ctx = args == NULL ? NULL : PyObject_Call(PageContextType, args, NULL);
             Py_XDECREF(args);
-            if (ctx == NULL || (tier = PyObject_CallMethodObjArgs(s->policy, M_admit, ctx, NULL)) == NULL) { Py_XDECREF(ctx); return ERR; }
+            if (ctx == NULL) return ERR;
+        }
+        if (s->generic && s->reuse == NULL) { /* reuse admits into its first tier (PlacementPolicy.admit) */
+            PyObject *tier = PyObject_CallMethodObjArgs(s->policy, M_admit, ctx, NULL);
+            if (tier == NULL) { Py_DECREF(ctx); return ERR; }
             int rc = present_tier(s, tier, &admit);
             Py_DECREF(tier);
             if (rc < 0) { Py_DECREF(ctx); return ERR; }
@@ -196,6 +202,8 @@ static long store_pages(State *s, PyObject *keys, PyObject *write, long parent, 
         }
         long h = index_add(s, key, admit, slot, checksum, parent, (long)depth);
         if (h == ERR || placed(s, h, admit, slot) < 0 || lru_insert(s, h, admit) < 0) { Py_XDECREF(ctx); return ERR; }
+        if (s->reuse && reuse_admitted(s, h, PySequence_Fast_GET_SIZE(keys), ctx) < 0) { Py_XDECREF(ctx); return ERR; }
+        if (ctx != NULL && s->reuse) Py_CLEAR(ctx);
         if (ctx != NULL) { /* policy.on_admitted(handle, ctx) */
             PyObject *hobj = PyLong_FromLong(h), *r = hobj ? PyObject_CallMethodObjArgs(s->policy, M_on_admitted, hobj, ctx, NULL) : NULL;
             Py_XDECREF(hobj);
@@ -228,12 +236,15 @@ static PyObject *store_chain(PyObject *module, PyObject *args) {
     PyObject *manager, *node, *keys_arg, *write, *tenant = NULL;
     long parent;
     Py_ssize_t start, stop;
-    int generic = 0;
-    if (!PyArg_ParseTuple(args, "OOOOlnn|Op", &manager, &node, &keys_arg, &write, &parent, &start, &stop, &tenant, &generic))
+    int generic = 0, native = 0;
+    if (!PyArg_ParseTuple(args, "OOOOlnn|Opp", &manager, &node, &keys_arg, &write, &parent, &start, &stop, &tenant, &generic, &native))
         return NULL;
     State s;
+    Reuse reuse;
     memset(&s, 0, sizeof(s));
-    s.generic = generic;
+    memset(&reuse, 0, sizeof(reuse));
+    reuse.leaving = NONE;
+    s.generic = generic || native;
     for (int t = 0; t < NTIERS; t++) s.below[t] = -1;
     PyObject *policy = NULL, *slots = NULL, *metrics = NULL, *order = NULL, *below = NULL, *ptiers = NULL;
     PyObject *keys = NULL, *clock = NULL, *bg = NULL, *result = NULL;
@@ -297,10 +308,20 @@ static PyObject *store_chain(PyObject *module, PyObject *args) {
     admit = (int)PyLong_AsLong(PyList_GET_ITEM(ptiers, 0));
     if (admit < 0 || admit >= NTIERS || PyErr_Occurred()) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "tier"); goto fail; }
     if (load_columns(&s) < 0) goto fail;
+    if (native && (s.reuse = &reuse, reuse_load(&s, &reuse) < 0)) goto fail;
     ran = 1;
     stored = s.present[admit] ? store_pages(&s, keys, write, parent, start, stop, admit) : 0;
 fail:
     release_columns(&s);
+    if (s.reuse) { /* reuse's scalars, also after an error */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        int rc = reuse_unload(&s, &reuse);
+        if (type != NULL) { /* the first error wins */
+            if (rc < 0) PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+        }
+    }
     if (ran) { /* the scalars the run changed, also after an error: the state above is the Python path's */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
@@ -324,8 +345,8 @@ fail:
 
 static PyMethodDef methods[] = {
     {"store_chain", store_chain, METH_VARARGS,
-     "store_chain(manager, node, keys, write, parent, start, stop, tenant='', generic=False) -> pages stored "
-     "(see kvray/sim/node.py; generic: the policy's own hooks, in Python, instead of LRU's)"},
+     "store_chain(manager, node, keys, write, parent, start, stop, tenant='', generic=False, native=False) -> pages stored "
+     "(see kvray/sim/node.py; generic: the policy's own hooks, in Python, instead of LRU's; native: a ReusePolicy's, in C)"},
     {NULL, NULL, 0, NULL},
 };
 

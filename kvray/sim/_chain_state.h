@@ -46,6 +46,8 @@ typedef struct {
     double ends[MAX_ENDS];
 } LinkSums;
 
+typedef struct Reuse Reuse; /* the reuse policy's columns, with native hooks (_chain_reuse.h) */
+
 typedef struct {
     PyObject *manager, *node, *index;
     /* index */
@@ -61,6 +63,7 @@ typedef struct {
     /* policy: LRU's own state, or (generic) any policy through its Python hooks */
     PyObject *policy, *tenant;
     int generic;
+    Reuse *reuse; /* a reuse policy whose own hooks run here (native), else NULL */
     PyObject *order[NTIERS], *tier_of;
     int below[NTIERS]; /* demotion target present in this cache, or -1 */
     /* slots */
@@ -82,6 +85,9 @@ typedef struct {
 } State;
 
 static int flush_links(State *s); /* before any Python code runs: see "links" below */
+static int reuse_insert(State *s, long h, int t); /* _chain_reuse.h */
+static int reuse_remove(State *s, long h, int t);
+static long reuse_pending(State *s, int t);
 
 /* -- columns ------------------------------------------------------------------------- */
 static void release_columns(State *s) {
@@ -223,7 +229,7 @@ static int present_tier(State *s, PyObject *tier, int *out) {
 
 /* CacheManager._demote_target: where the policy demotes h from t, if present; -2 on error. */
 static int demote_target(State *s, long h, int t) {
-    if (!s->generic) return s->below[t];
+    if (!s->generic || s->reuse) return s->below[t]; /* reuse's: one tier down (no disk gate when native) */
     PyObject *r = hook(s, M_demote_target, h, t);
     int d;
     if (r == NULL) return -2;
@@ -233,6 +239,7 @@ static int demote_target(State *s, long h, int t) {
 }
 
 static int lru_insert(State *s, long h, int t) {
+    if (s->reuse) return reuse_insert(s, h, t);
     if (s->generic) return hook_none(s, M_on_insert, h, t);
     PyObject *key = PyLong_FromLong(h);
     if (key == NULL) return -1;
@@ -243,6 +250,7 @@ static int lru_insert(State *s, long h, int t) {
 }
 
 static int lru_remove(State *s, long h, int t) {
+    if (s->reuse) return reuse_remove(s, h, t);
     if (s->generic) return hook_none(s, M_on_remove, h, t);
     PyObject *key = PyLong_FromLong(h);
     if (key == NULL) return -1;
@@ -254,6 +262,8 @@ static int lru_remove(State *s, long h, int t) {
 
 /* LRU's victim: the first unpinned page of the tier's order; NONE when all are pinned. */
 static long lru_victim(State *s, int t) {
+    long pending = s->reuse ? reuse_pending(s, t) : NONE; /* reuse's last ranking, while it lasts */
+    if (pending != NONE) return pending;
     if (s->generic) { /* policy.victim(tier): a handle or None */
         PyObject *r = PyObject_CallMethodObjArgs(s->policy, M_victim, TIER[t], NULL);
         if (r == NULL) return ERR;

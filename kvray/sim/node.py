@@ -32,7 +32,7 @@ from kvray.core.manager import CacheManager
 from kvray.core.placement import LRUPolicy, PlacementPolicy
 from kvray.core.tiers import Tier
 from kvray.policy.cluster import NodeView
-from kvray.policy.experts import use_compiled_chain
+from kvray.policy.experts import native, use_compiled_chain
 from kvray.scenario import PrefillQueue, RouterSpec, Scenario
 from kvray.sim.cost import CostModel
 from kvray.sim.links import Link, book, transfer_ms
@@ -229,7 +229,7 @@ class SimNode:
             if type(self.policy) is LRUPolicy:
                 return _chain.store_chain(manager, self, keys, local, parent, start, stop)
             # the manager's part in C, the policy's hooks called as Python calls them
-            return _chain.store_chain(manager, self, keys, local, parent, start, stop, tenant, True)
+            return _chain.store_chain(manager, self, keys, local, parent, start, stop, tenant, True, *native(self.policy))
         return manager.store_chain(keys, self.mover, write, parent=parent, tenant=tenant, start=start, stop=stop)
 
     def _write_local(self, depth: int, key: int, tier: Tier, slot: int, parent: int) -> int:
