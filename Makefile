@@ -33,7 +33,7 @@ GPU_STAMP := $(GPU_VENV)/.kvray-installed
 
 .PHONY: install vllm-env lmcache-env lmcache-vllm gpu-env gpu-check demo lint check test bench soak clean
 
-$(STAMP): pyproject.toml setup.py kvray/core/_tokens.c kvray/core/_pagecopy.c kvray/sim/_chain.c kvray/sim/_chain_state.h kvray/sim/_chain_reuse.h kvray/policy/_pool.c
+$(STAMP): pyproject.toml setup.py kvray/core/_tokens.c kvray/core/_pagecopy.c kvray/sim/_chain.c kvray/sim/_chain_state.h kvray/sim/_chain_reuse.h kvray/sim/_chain_s3fifo.h kvray/policy/_pool.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,hf]'

@@ -326,6 +326,66 @@ done:
     return result;
 }
 
+/* -- a scoring's ranking: np.lexsort((-depth[handles], -score)) -----------------------------------
+ *
+ * ranking(score, handles, depth) -> (ranked, order)
+ *   score float32 and handles int64 (n each), depth int32 by handle (the index's); order: bytes
+ *   of int64, the candidates' positions by score descending, then depth descending, then position
+ *   (lexsort is stable); ranked: the handles in that order, a list. */
+typedef struct {
+    float score;
+    int32_t depth;
+    Py_ssize_t at;
+} Ranked;
+
+static int leaves_first(const void *a, const void *b) {
+    const Ranked *x = a, *y = b;
+    if (x->score != y->score) return x->score > y->score ? -1 : 1;
+    if (x->depth != y->depth) return x->depth > y->depth ? -1 : 1;
+    return x->at < y->at ? -1 : x->at > y->at;
+}
+
+static PyObject *ranking(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *objs[3];
+    if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &objs[2])) return NULL;
+    static const char *names[3] = {"score", "handles", "depth"};
+    static const Py_ssize_t sizes[3] = {4, 8, 4};
+    Py_buffer cols[3];
+    int got = 0;
+    PyObject *ranked = NULL, *order = NULL, *result = NULL;
+    Ranked *items = NULL;
+    for (; got < 3; got++)
+        if (column(objs[got], &cols[got], sizes[got], names[got]) < 0) goto done;
+    Py_ssize_t n = cols[0].len / 4, ndepth = cols[2].len / 4;
+    const float *score = cols[0].buf;
+    const int64_t *handles = cols[1].buf;
+    const int32_t *depth = cols[2].buf;
+    if (cols[1].len / 8 != n) { PyErr_SetString(PyExc_ValueError, "ranking: as many scores as handles"); goto done; }
+    if ((items = PyMem_Malloc((n ? n : 1) * sizeof(Ranked))) == NULL) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (handles[i] < 0 || handles[i] >= ndepth) { PyErr_SetString(PyExc_IndexError, "ranking: a handle beyond depth"); goto done; }
+        if (score[i] != score[i]) { PyErr_SetString(PyExc_ValueError, "ranking: a NaN score"); goto done; }
+        items[i] = (Ranked){score[i], depth[handles[i]], i};
+    }
+    qsort(items, n, sizeof(Ranked), leaves_first);
+    if ((ranked = PyList_New(n)) == NULL || (order = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t))) == NULL) goto done;
+    int64_t *at = (int64_t *)PyBytes_AS_STRING(order);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyLong_FromLongLong(handles[items[i].at]);
+        if (h == NULL) goto done;
+        PyList_SET_ITEM(ranked, i, h);
+        at[i] = items[i].at;
+    }
+    result = PyTuple_Pack(2, ranked, order);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&cols[i]);
+    PyMem_Free(items);
+    Py_XDECREF(ranked);
+    Py_XDECREF(order);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"pool", pool, METH_VARARGS,
      "pool(tier, lru, lfu, fifo, where, pins, recency, frequency, hits) -> (handles, bits) (see kvray/policy/reuse.py)"},
@@ -335,6 +395,9 @@ static PyMethodDef methods[] = {
     {"scored", scored, METH_VARARGS,
      "scored(tier, lru, lfu, fifo, where, pins, recency, frequency, first_child, now, now_ms, decay, root_k, <PageFeatures' "
      "columns>) -> (handles, rows): the pool and its feature rows in one call (see kvray/policy/reuse.py)"},
+    {"ranking", ranking, METH_VARARGS,
+     "ranking(score, handles, depth) -> (ranked handles, order): np.lexsort((-depth[handles], -score)) (see "
+     "kvray/policy/reuse.py)"},
     {NULL, NULL, 0, NULL},
 };
 

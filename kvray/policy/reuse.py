@@ -443,11 +443,21 @@ class ReusePolicy(PlacementPolicy):
             score = self.model.predict(rows)
         else:  # a teacher without a model acts as the oracle among the candidates
             score = log_next_use(self._next_uses(handles) - self._label_now)
-        order = np.lexsort((-self.index.depth[handles], -score))
+        ranked, order = self._ranking(handles, score)
         self._pending_score[tier] = score[order[: self.take]]
         if self._gate is not None and self._below[tier] == Tier.DISK:
             self._gate_rows = dict(zip(handles[order[: self.take]].tolist(), rows[order[: self.take]]))
-        return handles[order].tolist()
+        return ranked
+
+    def _ranking(self, handles: np.ndarray, score: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """``handles`` by score, highest first, then the deeper first (a leaf before its parent),
+        and their positions in that order: in C where built (``kvray.policy._pool.ranking``),
+        else ``np.lexsort``, the reference it transcribes."""
+        if _pool is None or score.dtype != np.float32:
+            order = np.lexsort((-self.index.depth[handles], -score))
+            return handles[order].tolist(), order
+        ranked, order = _pool.ranking(np.ascontiguousarray(score, dtype=np.float32), handles, self.index.depth)
+        return ranked, np.frombuffer(order, dtype=np.int64)
 
     def promote_target(self, handle: int, tier: Tier) -> Tier | None:
         """Whether a page read from disk moves up to host memory (:mod:`kvray.policy.promote`):

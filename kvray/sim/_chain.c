@@ -21,6 +21,7 @@
  *   queued links included).
  */
 #include "_chain_state.h"
+#include "_chain_s3fifo.h"
 #include "_chain_reuse.h"
 
 /* -- the cascade ---------------------------------------------------------------------------- */
@@ -309,6 +310,7 @@ static PyObject *store_chain(PyObject *module, PyObject *args) {
     if (admit < 0 || admit >= NTIERS || PyErr_Occurred()) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "tier"); goto fail; }
     if (load_columns(&s) < 0) goto fail;
     if (native && (s.reuse = &reuse, reuse_load(&s, &reuse) < 0)) goto fail;
+    if (generic && !native && (s.s3fifo = is_s3fifo(policy)) < 0) goto fail;
     ran = 1;
     stored = s.present[admit] ? store_pages(&s, keys, write, parent, start, stop, admit) : 0;
 fail:
@@ -379,6 +381,7 @@ PyMODINIT_FUNC PyInit__chain(void) {
         (M_demote_target = PyUnicode_InternFromString("demote_target")) == NULL ||
         (M_admit = PyUnicode_InternFromString("admit")) == NULL ||
         (M_on_admitted = PyUnicode_InternFromString("on_admitted")) == NULL ||
+        (M_move_to_end = PyUnicode_InternFromString("move_to_end")) == NULL ||
         (empty_tenant = PyUnicode_InternFromString("")) == NULL ||
         (PageContextType = import("kvray.core.placement", "PageContext")) == NULL ||
         (A_bytes_by_kind = PyUnicode_InternFromString("bytes_by_kind")) == NULL ||

@@ -5,7 +5,7 @@
  * the same numpy columns, dicts and OrderedDict instead of ~5 Python calls per page moved
  * (docs/sim-eval/README.md, "Replay speed"). The scoring of a pool stays in Python (a victim
  * call when nothing ranked is pending), and so do the tripwire's advisors' hooks, called here in
- * the policy's order. Only where ReusePolicy.native_hooks says the transcription is the policy
+ * the policy's order (an S3-FIFO's in C, _chain_s3fifo.h). Only where ReusePolicy.native_hooks says the transcription is the policy
  * (no teacher, online refit or disk gate: their hooks keep more); a page beyond the columns
  * (they grow in Python) is told to the policy's Python on_insert. The Python hooks stay the
  * reference: tests/policy/test_reuse_native.py replays through both.
@@ -21,14 +21,15 @@ static const char *RB_NAMES[NRB] = {"_where", "_recency", "_count", "_counted", 
                                     "gap1", "gap2", "counts", "hits", "depth", "request_pages", "root", "ghost_age"};
 static const Py_ssize_t RB_SIZES[NRB] = {1, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8};
 #define RB_COUNTERS 3 /* page_features.HALF_LIVES */
+#define MAX_ADVISORS 8
 
 /* set at the first native call: page_features.NEVER and PlacementPolicy.on_admitted */
 static double NEVER_REQUESTS = -1.0;
-static PyObject *base_on_admitted, *M_move_to_end;
-static PyObject *import(const char *module, const char *name); /* _chain.c's */
+static PyObject *base_on_admitted;
 
 struct Reuse {
     PyObject *features, *advisors, *admitted, *ghosts, *key_of, *held, *pending; /* admitted: advisors that keep on_admitted */
+    char s3fifo[MAX_ADVISORS]; /* which advisors are S3-FIFOs, their hooks run in C */
     Py_buffer b[NRB];
     int got;
     Py_ssize_t pages; /* handles every column covers */
@@ -128,7 +129,7 @@ static int reuse_load(State *s, Reuse *r) {
         base_on_admitted = base == NULL ? NULL : PyObject_GetAttrString(base, "on_admitted");
         Py_XDECREF(never);
         Py_XDECREF(base);
-        if (base_on_admitted == NULL || NEVER_REQUESTS < 0.0 || (M_move_to_end = PyUnicode_InternFromString("move_to_end")) == NULL) {
+        if (base_on_admitted == NULL || NEVER_REQUESTS < 0.0) {
             NEVER_REQUESTS = -1.0;
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ImportError, "kvray.policy.page_features.NEVER");
             return -1;
@@ -149,6 +150,16 @@ static int reuse_load(State *s, Reuse *r) {
         Py_DECREF(wire);
         PyErr_SetString(PyExc_TypeError, "store_chain(native=True): not a ReusePolicy");
         return -1;
+    }
+    if (PyList_GET_SIZE(r->advisors) > MAX_ADVISORS) {
+        Py_DECREF(wire);
+        PyErr_SetString(PyExc_ValueError, "store_chain(native=True): too many advisors");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(r->advisors); i++) { /* which are S3-FIFOs, which keep per-page context */
+        int s3 = is_s3fifo(PyList_GET_ITEM(r->advisors, i));
+        if (s3 < 0) { Py_DECREF(wire); return -1; }
+        r->s3fifo[i] = (char)s3;
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(r->advisors); i++) { /* those that keep per-page context */
         PyObject *advisor = PyList_GET_ITEM(r->advisors, i), *hook = PyObject_GetAttrString((PyObject *)Py_TYPE(advisor), "on_admitted");
@@ -185,7 +196,12 @@ static int reuse_unload(State *s, Reuse *r) {
 static int advisors_hook(State *s, PyObject *name, long h, int t) {
     PyObject *advisors = s->reuse->advisors;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(advisors); i++) {
-        PyObject *hobj = PyLong_FromLong(h), *r = hobj ? PyObject_CallMethodObjArgs(PyList_GET_ITEM(advisors, i), name, hobj, TIER[t], NULL) : NULL;
+        PyObject *advisor = PyList_GET_ITEM(advisors, i);
+        if (s->reuse->s3fifo[i]) {
+            if ((name == M_on_insert ? s3fifo_insert(s, advisor, h, t) : s3fifo_remove(s, advisor, h, t)) < 0) return -1;
+            continue;
+        }
+        PyObject *hobj = PyLong_FromLong(h), *r = hobj ? PyObject_CallMethodObjArgs(advisor, name, hobj, TIER[t], NULL) : NULL;
         Py_XDECREF(hobj);
         if (r == NULL) return -1;
         Py_DECREF(r);

@@ -31,6 +31,8 @@ static const Py_ssize_t COL_SIZES[NCOLS] = {1, 4, 4, 8, 4, 4, 8, 4, 4, 4, 4, 4};
 static PyObject *heappush, *TIER[NTIERS], *LABEL[NTIERS], *MOVE_NAME[NTIERS][NTIERS], *store_kind;
 /* a generic policy's hooks (interned names) and kvray.core.placement.PageContext */
 static PyObject *M_on_insert, *M_on_remove, *M_victim, *M_demote_target, *M_admit, *M_on_admitted, *PageContextType, *empty_tenant;
+static PyObject *M_move_to_end; /* OrderedDict's, for the reuse policy's ghosts and S3-FIFO's (_chain_reuse.h, _chain_s3fifo.h) */
+static PyObject *import(const char *module, const char *name); /* an attribute of a module, imported (_chain.c) */
 static PyObject *A_queued, *A_bytes_by_kind, *A_busy_ms, *A_last_end_ms, *A_pending, *A_starts, *A_ends; /* Link's, interned */
 
 #define MAX_LINKS 16
@@ -64,6 +66,7 @@ typedef struct {
     PyObject *policy, *tenant;
     int generic;
     Reuse *reuse; /* a reuse policy whose own hooks run here (native), else NULL */
+    int s3fifo; /* a generic policy whose insert and removal hooks are S3-FIFO's: they run here (_chain_s3fifo.h) */
     PyObject *order[NTIERS], *tier_of;
     int below[NTIERS]; /* demotion target present in this cache, or -1 */
     /* slots */
@@ -88,6 +91,8 @@ static int flush_links(State *s); /* before any Python code runs: see "links" be
 static int reuse_insert(State *s, long h, int t); /* _chain_reuse.h */
 static int reuse_remove(State *s, long h, int t);
 static long reuse_pending(State *s, int t);
+static int s3fifo_insert(State *s, PyObject *policy, long h, int t); /* _chain_s3fifo.h */
+static int s3fifo_remove(State *s, PyObject *policy, long h, int t);
 
 /* -- columns ------------------------------------------------------------------------- */
 static void release_columns(State *s) {
@@ -240,6 +245,7 @@ static int demote_target(State *s, long h, int t) {
 
 static int lru_insert(State *s, long h, int t) {
     if (s->reuse) return reuse_insert(s, h, t);
+    if (s->s3fifo) return s3fifo_insert(s, s->policy, h, t);
     if (s->generic) return hook_none(s, M_on_insert, h, t);
     PyObject *key = PyLong_FromLong(h);
     if (key == NULL) return -1;
@@ -251,6 +257,7 @@ static int lru_insert(State *s, long h, int t) {
 
 static int lru_remove(State *s, long h, int t) {
     if (s->reuse) return reuse_remove(s, h, t);
+    if (s->s3fifo) return s3fifo_remove(s, s->policy, h, t);
     if (s->generic) return hook_none(s, M_on_remove, h, t);
     PyObject *key = PyLong_FromLong(h);
     if (key == NULL) return -1;

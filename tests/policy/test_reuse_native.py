@@ -1,16 +1,20 @@
-"""The reuse policy's own hooks in the compiled chain writer (kvray/sim/_chain_reuse.h) against
-its Python hooks, which stay the reference: after every store of random chains (caches from a
+"""The reuse policy's own hooks in the compiled chain writer (kvray/sim/_chain_reuse.h, with
+S3-FIFO's, kvray/sim/_chain_s3fifo.h) against its Python hooks, which stay the reference: after every store of random chains (caches from a
 few pages to more than the policy's first columns hold, so that they grow mid-store; with the
 tripwire's advisors, following a heuristic or not) the policy's whole state is the same, and a
 replay of the conversation trace with the shipped model makes the same decisions and leaves
-the same state, shadows included."""
+the same state, shadows included. And a scoring's ranking in C (``kvray.policy._pool.ranking``)
+against ``np.lexsort``, on scores and depths full of ties."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvray.core.index import ROOT
 from kvray.core.placement import RequestInfo
 from kvray.core.tiers import Tier
+from kvray.policy import _pool
 from kvray.policy.reuse import ReusePolicy
 from kvray.policy.reuse_model import ReuseModel
 from kvray.scenario import DEFAULT_SCENARIO, load_scenario
@@ -18,6 +22,7 @@ from kvray.sim import _chain
 from kvray.sim.node import SimNode
 from kvray.sim.simulator import Simulator, fast_capacity
 from kvray.traces import read_trace
+from tests.properties import examples
 from tests.sim.test_chain import chains
 from tests.sim.test_chain import state as node_state
 
@@ -31,7 +36,8 @@ def policy_state(policy: ReusePolicy) -> dict:
     columns = {name: getattr(policy, name)[:n].tolist() for name in ("_where", "_recency", "_count", "_counted", "_frequency")}
     columns.update({name: getattr(features, name)[:n].tolist() for name in features._columns()})
     advisors = [
-        {t: (list(q.small), list(q.main), list(q.ghost)) for t, q in advisor._queues.items()} for advisor in policy._advisors
+        ({t: (list(q.small), list(q.main), list(q.ghost)) for t, q in advisor._queues.items()}, dict(advisor._frequency))
+        for advisor in policy._advisors
     ]
     return {
         "columns": columns,
@@ -103,3 +109,17 @@ def test_a_reuse_replay_makes_the_same_decisions_with_the_native_hooks_or_the_py
     python = replay()
     assert native[1] > 1000 and native[4] > 1  # it evicted, by scoring pools
     assert native == python
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 160), distinct=st.integers(1, 6))
+def test_the_c_ranking_is_lexsort(seed, n, distinct):
+    rng = np.random.default_rng(seed)
+    depth = rng.integers(0, distinct, 400).astype(np.int32)
+    handles = rng.choice(400, n, replace=False).astype(np.int64)
+    score = (rng.integers(-distinct, distinct, n) / 4.0).astype(np.float32)
+    score[rng.random(n) < 0.1] = -0.0  # equal to 0.0 in both orders
+    ranked, order = _pool.ranking(score, handles, depth)
+    expected = np.lexsort((-depth[handles], -score))
+    assert np.frombuffer(order, dtype=np.int64).tolist() == expected.tolist()
+    assert ranked == handles[expected].tolist()
