@@ -1,8 +1,8 @@
 /* The reuse policy's candidate pool and its feature rows in C (a scoring's inputs): one pass over a tier's pages instead of a mask,
  * three partial sorts and a deduplication in numpy (docs/sim-eval/README.md, "Replay speed").
  *
- * A transcription of the Python gathering in kvray/policy/reuse.py (ReusePolicy.victim and
- * _first), which stays the reference (tests/policy/test_reuse_pool.py compares them on
+ * A transcription of the Python gathering in kvray/policy/reuse_pool.py (gather_python and
+ * first), which stays the reference (tests/policy/test_reuse_pool.py compares them on
  * random columns with ties): of the unpinned pages of the tier, the `lru` of lowest recency,
  * the `lfu` of lowest frequency key and the `fifo` never read of lowest recency, each
  * ordering's picks by (key, handle) ascending, concatenated in that order and deduplicated

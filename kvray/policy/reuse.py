@@ -50,6 +50,7 @@ from kvray.policy.promote import promote_target, promoting
 from kvray.policy.reuse_admission import DiskGate
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
 from kvray.policy.reuse_online import SAMPLE, DelayedLabels, RecencyLRU, ShadowTripwire
+from kvray.policy.reuse_pool import first, gather_python
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.resources import shipped_or_given
 
@@ -391,41 +392,8 @@ class ReusePolicy(PlacementPolicy):
             return candidates, np.zeros((0, 3), dtype=np.float32)
         return candidates, ((np.frombuffer(bits, dtype=np.uint8)[:, None] >> np.arange(3)) & 1).astype(np.float32)
 
-    def gather_python(self, tier: Tier) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`_gather` in numpy: a mask of the tier's unpinned pages, one partial sort per ordering."""
-        lru, lfu, fifo = self.pool
-        pins = self.index.pins
-        n = min(len(self._where), len(pins))
-        pages = np.flatnonzero((self._where[:n] == tier) & (pins[:n] == 0))  # unpinned, ascending handles
-        candidates = self._first(pages, self._recency[pages], lru)
-        source = np.zeros((0, 3), dtype=np.float32)
-        if lfu or fifo:
-            unread = pages[self.features.hits[pages] == 0]
-            offered = (
-                candidates,
-                self._first(pages, self._frequency[pages], lfu),
-                self._first(unread, self._recency[unread], fifo),
-            )
-            every = np.concatenate(offered)
-            bits, first = self._bits, self._first_at  # scratch columns by handle
-            bits[every] = 0
-            for ordering, picked in enumerate(offered):  # an ordering offers a page once
-                bits[picked] |= 1 << ordering
-            first[every[::-1]] = np.arange(len(every) - 1, -1, -1)  # each page's first offer wins
-            candidates = every[first[every] == np.arange(len(every))]  # deduplicated, in the order offered
-            source = ((bits[candidates][:, None] >> np.arange(3)) & 1).astype(np.float32)
-        return candidates, source
-
-    @staticmethod
-    def _first(pages: np.ndarray, order: np.ndarray, n: int) -> np.ndarray:
-        """The ``n`` pages of lowest ``order`` (ties: lowest handle first; ``pages`` ascend), in that order."""
-        if n == 0 or len(pages) == 0:
-            return pages[:0]
-        if len(pages) > n:
-            kth = np.partition(order, n - 1)[n - 1]
-            keep = np.flatnonzero(order <= kth)
-            pages, order = pages[keep], order[keep]
-        return pages[np.argsort(order, kind="stable")[:n]]
+    gather_python = gather_python  # the numpy reference of _gather (kvray/policy/reuse_pool.py)
+    _first = staticmethod(first)
 
     def _rank(self, handles: np.ndarray, tier: Tier, rows: np.ndarray | None) -> list[int]:
         """``handles`` in eviction order: furthest predicted next use first (``rows``: their
