@@ -74,7 +74,7 @@ def test_the_native_hooks_leave_the_python_hooks_state(seed, scale, following):
     native, python = (SimNode(0, scenario, ReusePolicy(model(seed), tripwire=0.05), capacities) for _ in range(2))
     assert native.policy.native_hooks
     costs = {Tier.DEVICE: 0.0, Tier.HOST: 0.1, Tier.DISK: 0.4}
-    for i, chain in enumerate(chains(rng, 40, longest=24 * scale)):
+    for i, chain in enumerate(chains(rng, 40 if scale == 1 else 8, longest=24 * scale)):
         for node in (native, python):
             node.policy.on_request(RequestInfo(tuple(chain), tier_cost=costs, arrival_ms=10.0 * i))
             node.policy._tripwire.following = following  # the model, LRU's advisor or S3-FIFO's
