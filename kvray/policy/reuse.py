@@ -424,7 +424,7 @@ class ReusePolicy(PlacementPolicy):
         if _pool is None or score.dtype != np.float32:
             order = np.lexsort((-self.index.depth[handles], -score))
             return handles[order].tolist(), order
-        ranked, order = _pool.ranking(np.ascontiguousarray(score, dtype=np.float32), handles, self.index.depth)
+        ranked, order = _pool.ranking(np.ascontiguousarray(score), handles, self.index.depth)
         return ranked, np.frombuffer(order, dtype=np.int64)
 
     def promote_target(self, handle: int, tier: Tier) -> Tier | None:
