@@ -158,10 +158,12 @@ def _rounded(cluster: ClusterView) -> ClusterView:
     return ClusterView(tuple(node(n) for n in cluster.nodes), cluster.page_prefill_ms)
 
 
-def test_the_runtime_executes_every_cluster_verb_as_the_simulator_does(two_nodes):
+@pytest.mark.parametrize("tcp", [True, False])  # pages between nodes by the page server, or Ray's object store
+def test_the_runtime_executes_every_cluster_verb_as_the_simulator_does(two_nodes, tcp):
     shutil.rmtree(RECORDS, ignore_errors=True)
     runtime = {
-        "name": "verbs-two",
+        "name": f"verbs-two-{tcp}",
+        "tcp": tcp,
         "policy": "tests.sim.recording:RecordingPlaces",
         "cluster_policy": "tests.sim.recording:RecordingVerbs",
         "store_resources": PAIR,
