@@ -13,7 +13,10 @@
   moving the same bytes in this run; NIXL (Ray's tensor transport) beside them where the
   ``nixl`` package is installed. The goal applies to the path kvray picks (the faster of
   TCP and NIXL as measured here, else collective from ``collective_min_bytes`` up, else
-  object store).
+  object store). The ``tcp+tell`` row is the TCP load with the request's TELL before it
+  (the first load of a request from a peer, whose store's policy hears of the request after
+  the answer: :mod:`kvray.cluster.after_answer`), measured alternately with the plain one
+  (both orders, the medians averaged; ``plain_tcp_gbps`` in its params).
 - ``controller_lookup_vs_empty_call``: lookup + pin of a cached 64-page request against an
   empty call to an actor on the same node.
 - ``runtime_start_vs_empty_actors``: :meth:`Runtime.start` (a controller and a store per
@@ -49,7 +52,7 @@ from kvray.cluster.protocol import Plan
 from kvray.cluster.runtime import on_node
 from kvray.core.config import PageLayout, TierSizes
 from kvray.core.errors import ClusterError
-from kvray.core.keys import ModelFingerprint, trace_page_keys
+from kvray.core.keys import ModelFingerprint, pack_keys, trace_page_keys
 from kvray.core.partition import chain_shard
 from kvray.traces import read_trace
 
@@ -122,8 +125,11 @@ class _Bench:
         with self.client.request(keys) as r:
             assert r.hit == len(keys), r.loaded
 
-    def transfer(self, keys: list[int], plan: Plan) -> None:
-        """The move alone: load the pages of a plan already pinned."""
+    def transfer(self, keys: list[int], plan: Plan, tell: bool = False) -> None:
+        """The move alone: load the pages of a plan already pinned (``tell``: as a request's
+        first load from the peer, whose store is told of the request)."""
+        if tell:
+            self.client.context.arrive(pack_keys(keys), 0.0, None)
         loaded = self.client.load(keys, plan)
         assert loaded.pages == len(keys), loaded
 
@@ -196,7 +202,17 @@ def cross_node(quick: bool) -> list[BenchResult]:
         plan = bench.client.lookup(keys)  # pinned for the whole measurement: every load is a full hit
         for path in CROSS_NODE_PATHS:
             bench.use_path(path)
-            kvray, base = paired_medians(lambda: bench.transfer(keys, plan), tcp.move, 5 if quick else 15)
+            repeats = 5 if quick else 15
+            if path == "tcp":  # and with a TELL before each load, alternately, in both orders
+                plain, told = (lambda: bench.transfer(keys, plan)), (lambda: bench.transfer(keys, plan, tell=True))
+                ahead = alternating_medians(plain, told, tcp.move, repeats=repeats)
+                behind = alternating_medians(told, plain, tcp.move, repeats=repeats)
+                kvray, told, base = (ahead[0] + behind[1]) / 2, (ahead[1] + behind[0]) / 2, (ahead[2] + behind[2]) / 2
+                params = {"picked_by_kvray": False, "pages": pages, "plain_tcp_gbps": _gbps(nbytes, kvray)}
+                name = f"cross_node_transfer_vs_loopback_tcp[tcp+tell,{label}]"
+                results.append(BenchResult(name, _gbps(nbytes, told), _gbps(nbytes, base), "GB/s", None, params))
+            else:
+                kvray, base = paired_medians(lambda: bench.transfer(keys, plan), tcp.move, repeats)
             # TCP and NIXL are both measured above: kvray's choice between them is the faster
             direct = bench.client.speeds.best(bench.there, bench.client.direct_paths(bench.there, bench.nixl_config))
             picked = path == (direct or bench.client.path_for(bench.there, nbytes, bench.config))

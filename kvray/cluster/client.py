@@ -345,16 +345,13 @@ class KvrayClient(ChainStores):
     def touch_unloaded(self, keys: Sequence[int], plan: Plan, cut: int) -> None:
         """The cached pages ``cut..`` a split request recomputes instead of loading: each
         holder counts them as read (the simulator touches a request's whole cached prefix),
-        without sending a byte. This node's store hears of the request with it, if first."""
+        without sending a byte. Each store hears of the request with it, if first."""
         for run in runs_of(plan.hit_nodes[cut:], cut):
-            store = self.stores.get(run.node)
-            if store is None:
-                continue
-            packed = pack_keys(keys[run.start : run.stop])
-            if run.node == self.node_id:
-                self._touched = self._sent(store.touch.remote(packed, None, self.context.take_arrival(), 0, None))
-            else:
-                self._sent(store.touch.remote(packed, None, None, 0, None))
+            here = run.node == self.node_id
+            told = self.context.take_arrival() if here else self.context.tell_peer(run.node)
+            if (store := self.stores.get(run.node)) is not None:
+                ref = self._sent(store.touch.remote(pack_keys(keys[run.start : run.stop]), None, told, 0, None))
+                self._touched = ref if here else self._touched
 
     # -- lookup + pin ---------------------------------------------------------------------------
     def lookup(
@@ -372,7 +369,7 @@ class KvrayClient(ChainStores):
         self._check(keys, max(self.buffer.capacity, self.config.max_request_pages))
         self._poll_members()
         packed = pack_keys(keys)  # for the controller too: a list of 128-bit ints is serialized int by int
-        self.context.arrival = (packed, float(backlog_ms), arrival_ms)
+        self.context.arrive(packed, backlog_ms, arrival_ms)
         shard = self.shards.of(keys) if route_key is None else self.shards.owner(route_key)
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):
@@ -391,8 +388,10 @@ class KvrayClient(ChainStores):
         return dataclasses.replace(plan, shard=shard)
 
     def settle(self) -> None:
-        """Wait (at most ``timeout_s``) until the calls sent without waiting have run: the
-        reports to the controller and this node's store, so whatever comes next sees their effects."""
+        """Wait (at most ``timeout_s``) until what was sent without waiting has run (reports to the
+        controller and stores, peers' policy work after their answers): what comes next sees it."""
+        if self.links is not None:
+            self.links.settle()
         if self._unsettled:
             ray.wait(self._unsettled, num_returns=len(self._unsettled), timeout=self.timeout_s)
             self._unsettled = []

@@ -14,8 +14,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from kvray.cluster.keepalive import Keepalive
 from kvray.cluster.observe import LinkSpeeds
-from kvray.cluster.transfer import Keepalive
 from kvray.core.config import FrozenModel, PageLayout, StoreConfig, TierSizes
 from kvray.core.errors import PolicyError
 from kvray.core.keys import ModelFingerprint
@@ -84,7 +84,7 @@ class RuntimeConfig(FrozenModel):
     most ``peer_timeout_s`` for another kvray process: an actor's answer, a peer's send or
     receive on the collective path, a page-server client in the middle of a request.
     ``keepalive`` probes idle page-server connections, so one whose client host died is
-    closed (:class:`~kvray.cluster.transfer.Keepalive`).
+    closed (:class:`~kvray.cluster.keepalive.Keepalive`).
     """
 
     name: str = Field(default="kvray", pattern=rf"^[A-Za-z0-9_-]{{1,{NAME_CHARS}}}$")

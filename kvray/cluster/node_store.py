@@ -26,7 +26,11 @@ prefix, and the client commits only that) and the node's
 the controller's cluster policy decides from. The first
 call an engine on this node makes for a request (``read_into``, ``write_from``, ``pull``
 or ``touch``) carries the request's arrival (its keys and the engine's backlog), and the
-store tells its placement policy (``on_request``) before anything else of that request. A store
+store tells its placement policy (``on_request``) before anything else of that request; so
+does the first call of another node's engine that reads or writes pages here (a TCP TELL,
+or ``request`` on the Ray calls; backlog 0: that engine's queue is not this node's), as the
+simulator tells a source or target node. A TCP read answers before its policy work runs
+(:mod:`kvray.cluster.after_answer`). A store
 that restarts (``max_restarts``) rebuilds its disk tier from the slot file and tells the
 controller which pages survived. A controller that restarts asks every store for its
 ``holdings`` (each page with its parent in the request chain) and rebuilds its index from
@@ -52,19 +56,20 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
 
+from kvray.cluster.after_answer import AfterAnswer
 from kvray.cluster.config import NAMESPACE, RuntimeConfig, controller_name
 from kvray.cluster.metrics import export_store_stats
 from kvray.cluster.observe import NodeReport
 from kvray.cluster.protocol import Arrival, Stored
 from kvray.cluster.shm import LandingBuffer, reap_orphans
-from kvray.cluster.transfer import PageServer
+from kvray.cluster.store_waits import InjectedFaults, within
+from kvray.cluster.transfer import PageServer, Told
 from kvray.core.keys import unpack_keys
 from kvray.core.placement import RequestInfo, RunPlace
 from kvray.core.store import PageStore
@@ -77,7 +82,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 COLLECTIVE_GROUP = "kvray-pages"
 STORE_RESTARTS = 3  # how often Ray restarts a store actor that died
-T = TypeVar("T")
 
 
 class NodeStore:
@@ -105,7 +109,7 @@ class NodeStore:
         self._buffers_lock = threading.Lock()
         self._in_use: Counter[str] = Counter()  # buffer name -> copies in flight
         self._released: dict[str, LandingBuffer] = {}  # released by their engine while a copy still ran
-        self._faults = _InjectedFaults()
+        self._faults = InjectedFaults()
         self._rank: int | None = None
         self._broken_ranks: set[int] = set()  # peers whose collective receive timed out: their pairs are out of step
         self._run_parents: dict[int, int | None] = {}  # first key of a run -> the key before it in its chain
@@ -117,16 +121,18 @@ class NodeStore:
         self.received_bytes = 0
         self._bytes_lock = threading.Lock()  # up to max_concurrency calls count at once
         self._server = None
+        self._after = AfterAnswer()
         if token is not None:
             self._server = PageServer(
-                lambda keys, rows: self._read(keys, lambda i: rows[i])[0],
-                self._put,
+                self._serve_read,
+                lambda keys, rows, parent, place, told: self._put(keys, rows, parent, place, _peer(told)),
                 self.page_nbytes,
                 token,
                 ray.util.get_node_ip_address(),
                 config.max_request_pages,
                 keepalive=config.keepalive,
                 request_s=config.peer_timeout_s,
+                answered=self._after.run,
             )
         context = ray.get_runtime_context()
         self.restarted = context.was_current_actor_reconstructed
@@ -195,7 +201,13 @@ class NodeStore:
         """A request's first call here: tell the policy it arrived (``request``: its packed
         keys, the engine's backlog in ms and its arrival time in ms, None for now on this
         node's clock; a replay gives the trace's, the clock the simulator's policies see;
-        None: told already, or not this call's to tell)."""
+        None: told already, or not this call's to tell). First, what a page server's read left
+        queued (:mod:`kvray.cluster.after_answer`): every call that reaches the store comes here."""
+        self._after.run()
+        self._tell(request)
+
+    def _tell(self, request: Arrival | None) -> None:
+        """:meth:`_arrived` without running the queued work (which runs this one)."""
         if request is not None:
             keys, backlog_ms, arrival_ms = request
             self.store.on_request(
@@ -299,13 +311,25 @@ class NodeStore:
         with self._mapped(buffer, capacity) as pages:
             return self._put(keys, pages[row : row + len(keys)], parent, place)
 
-    def _read(self, keys: Sequence[int], targets) -> tuple[int, dict[str, int]]:
+    def _read(self, keys: Sequence[int], targets, hits: bool = True) -> tuple[int, dict[str, int]]:
         """``PageStore.read_pages``, where a page evicted here but still in the controller's
         index (the report is on its way) makes the run a miss rather than an error."""
         try:
-            return self.store.read_pages(keys, targets)
+            return self.store.read_pages(keys, targets, hits)
         except KeyError:
             return 0, {}
+
+    def _serve_read(self, keys: Sequence[int], rows: np.ndarray, told: Told | None) -> int:
+        """A peer's TCP read: copy the pages; the policy hears of the request (``told``) and of
+        the hits after the answer is sent (:mod:`kvray.cluster.after_answer`)."""
+        self._after.run()
+        began = time.perf_counter()
+        got, _ = self._read(keys, lambda i: rows[i], hits=False)
+        load_s = time.perf_counter() - began
+        if told is not None:
+            self._after.add(lambda: self._tell(_peer(told)))
+        self._after.add(lambda: self.store.touch_pages(keys[:got], load_s, looked_up=True))
+        return got
 
     def server_address(self) -> tuple[str, int] | None:
         """Where this store's page server listens (None: it serves no TCP peers)."""
@@ -366,30 +390,45 @@ class NodeStore:
             self.received_bytes += received
 
     # -- cross-node data plane: object store ----------------------------------------------
-    def get_pages(self, keys: Sequence[int]) -> np.ndarray:
-        """The cached, verified prefix of ``keys`` as one array (travels by object store)."""
+    def get_pages(self, keys: Sequence[int], request: Arrival | None = None) -> np.ndarray:
+        """The cached, verified prefix of ``keys`` as one array (travels by object store;
+        ``request``: see :meth:`_arrived`)."""
+        self._arrived(request)
         pages = np.empty((len(keys), self.page_nbytes), dtype=np.uint8)
         got, _ = self._read(keys, lambda i: pages[i])
         self._count_bytes(sent=got * self.page_nbytes)
         return pages[:got]
 
     def put_pages(
-        self, keys: Sequence[int], pages: np.ndarray, parent: int | None = None, place: RunPlace | None = None
+        self,
+        keys: Sequence[int],
+        pages: np.ndarray,
+        parent: int | None = None,
+        place: RunPlace | None = None,
+        request: Arrival | None = None,
     ) -> Stored:
         self._count_bytes(received=pages.nbytes)
-        return self._put(keys, pages, parent, place)
+        return self._put(keys, pages, parent, place, request)
 
-    def _put(self, keys: Sequence[int], pages: np.ndarray, parent: int | None, place: RunPlace | None = None) -> Stored:
+    def _put(
+        self,
+        keys: Sequence[int],
+        pages: np.ndarray,
+        parent: int | None,
+        place: RunPlace | None = None,
+        request: Arrival | None = None,
+    ) -> Stored:
         """Store one run. It joins its parent's chain when that page is here, so evicting the
         parent drops the run too (as in the simulator and a single PageStore); otherwise it
         starts a root here. Either way its pages keep their depths in the request (``place``),
-        as the simulator's nodes store a chain spread over them."""
+        as the simulator's nodes store a chain spread over them. ``request``: see :meth:`_arrived`."""
+        self._arrived(request)
         local = parent if parent is not None and parent in self.store else None
         stored = self.store.put_pages(keys, pages, self.store.fingerprint.digest, local, place)
         return self._stored(keys, stored, parent)
 
     # -- cross-node data plane: NIXL (Ray's tensor transport) ------------------------------
-    def get_pages_nixl(self, keys: Sequence[int]) -> torch.Tensor:
+    def get_pages_nixl(self, keys: Sequence[int], request: Arrival | None = None) -> torch.Tensor:
         """:meth:`get_pages` as a tensor Ray's tensor transport hands over by NIXL: the
         caller pulls the bytes out of this process's memory (RDMA where the NICs have it,
         UCX's TCP otherwise); only metadata goes through Ray. The caller asks for the
@@ -397,7 +436,7 @@ class NodeStore:
         naming it here, with ``@ray.method``, would import torch with this module."""
         import torch  # here, not with the module: a store without NIXL or a collective never loads it
 
-        return torch.from_numpy(self.get_pages(keys))
+        return torch.from_numpy(self.get_pages(keys, request))
 
     # -- cross-node data plane: collective -------------------------------------------------
     def init_collective(self, world_size: int, rank: int, backend: str = "gloo") -> int:
@@ -410,7 +449,7 @@ class NodeStore:
         self._rank = rank
         return rank
 
-    def send_pages(self, keys: Sequence[int], dst_rank: int) -> int:
+    def send_pages(self, keys: Sequence[int], dst_rank: int, request: Arrival | None = None) -> int:
         """Send the cached prefix of ``keys`` to ``dst_rank``: a page count, then the pages
         (waiting at most ``peer_timeout_s`` for the peer to take them).
 
@@ -419,14 +458,14 @@ class NodeStore:
         import torch
         from ray.util import collective
 
-        pages = self.get_pages(keys)
+        pages = self.get_pages(keys, request)
 
         def send() -> None:
             collective.send(torch.tensor([len(pages)], dtype=torch.int64), dst_rank, COLLECTIVE_GROUP)
             if len(pages):
                 collective.send(torch.from_numpy(pages), dst_rank, COLLECTIVE_GROUP)
 
-        _within(self.config.peer_timeout_s, f"the collective send to rank {dst_rank}", send)
+        within(self.config.peer_timeout_s, f"the collective send to rank {dst_rank}", send)
         return len(pages)
 
     def pull(
@@ -438,9 +477,11 @@ class NodeStore:
         capacity: int,
         offset: int,
         request: Arrival | None = None,
+        source_request: Arrival | None = None,
     ) -> int:
         """Have ``source`` send the cached prefix of ``keys`` and receive it into buffer rows
-        ``offset..`` (``request``: see :meth:`_arrived`).
+        ``offset..`` (``request``, ``source_request``: this store's and the source's, see
+        :meth:`_arrived`).
 
         One pull per source at a time (a lock per peer): gloo matches sends and receives
         of a pair in order, so two transfers between the same pair must not overlap. The
@@ -451,10 +492,10 @@ class NodeStore:
         self._arrived(request)
         with self._peer_locks.setdefault(src_rank, threading.Lock()):
             if src_rank in self._broken_ranks:
-                return self._pull_by_object_store(keys, source, buffer, capacity, offset)
-            sent = source.send_pages.remote(list(keys), self._rank)
+                return self._pull_by_object_store(keys, source, buffer, capacity, offset, source_request)
+            sent = source.send_pages.remote(list(keys), self._rank, source_request)
             try:
-                n = _within(
+                n = within(
                     self.config.peer_timeout_s,
                     f"the collective receive from rank {src_rank}",
                     lambda: self._receive(src_rank, buffer, capacity, offset),
@@ -468,7 +509,7 @@ class NodeStore:
 
     def _receive(self, src_rank: int, buffer: str, capacity: int, offset: int) -> int:
         """The receiving half of :meth:`pull`: a page count from ``src_rank``, then that many
-        pages into buffer rows ``offset..``. On a thread of its own (:func:`_within`), which
+        pages into buffer rows ``offset..``. On a thread of its own (:func:`~kvray.cluster.store_waits.within`), which
         holds the buffer mapped from the start, however late the pages come."""
         import torch
         from ray.util import collective
@@ -481,10 +522,12 @@ class NodeStore:
                 collective.recv(torch.from_numpy(pages[offset : offset + n]), src_rank, COLLECTIVE_GROUP)
         return n
 
-    def _pull_by_object_store(self, keys: Sequence[int], source, buffer: str, capacity: int, offset: int) -> int:
+    def _pull_by_object_store(
+        self, keys: Sequence[int], source, buffer: str, capacity: int, offset: int, source_request: Arrival | None
+    ) -> int:
         """:meth:`pull` from a peer whose collective pair is out of step: the pages come by
         the object store instead."""
-        pages = ray.get(source.get_pages.remote(list(keys)), timeout=self.config.peer_timeout_s)
+        pages = ray.get(source.get_pages.remote(list(keys), source_request), timeout=self.config.peer_timeout_s)
         with self._mapped(buffer, capacity) as rows:
             rows[offset : offset + len(pages)] = pages
         self._count_bytes(received=pages.nbytes)
@@ -492,6 +535,7 @@ class NodeStore:
 
     # -- state ----------------------------------------------------------------------------
     def stats(self) -> dict:
+        self._after.run()
         with self._buffers_lock:
             self._close_released()
             reap_orphans(self._buffers, self._in_use)
@@ -527,55 +571,10 @@ class NodeStore:
         self.store.close()
 
 
-def _within(timeout_s: float, what: str, work: Callable[[], T]) -> T:
-    """``work()``, waited for at most ``timeout_s``, then a TimeoutError naming ``what`` and
-    the setting that bounds it.
-
-    For the collective's send and receive, which take no timeout (gloo's own is 30
-    minutes): ``work`` runs on a thread of its own, which a timeout leaves blocked until
-    gloo gives up, so ``work`` must keep alive whatever memory it reads or writes.
-    """
-    future: Future[T] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(work())
-        except BaseException as exc:  # handed to the waiting caller
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="kvray-collective", daemon=True).start()
-    try:
-        return future.result(timeout=timeout_s)
-    except TimeoutError:
-        if future.done():
-            raise  # ``work`` itself timed out
-        raise TimeoutError(
-            f"{what} did not finish within peer_timeout_s={timeout_s:g} s (RuntimeConfig.peer_timeout_s)"
-        ) from None
-
-
-class _InjectedFaults:
-    """What :meth:`NodeStore.inject_faults` armed: a delay and maybe an error for the next calls."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._left = 0
-        self._delay_s = 0.0
-        self._fail = False
-
-    def arm(self, delay_s: float, fail: bool, calls: int) -> None:
-        with self._lock:
-            self._left, self._delay_s, self._fail = calls, delay_s, fail
-
-    def apply(self) -> None:
-        with self._lock:
-            if not self._left:
-                return
-            self._left -= 1
-            delay_s, fail = self._delay_s, self._fail
-        time.sleep(delay_s)
-        if fail:
-            raise OSError("injected store fault (test hook)")
+def _peer(told: Told | None) -> Arrival | None:
+    """A TELL's request as :meth:`NodeStore._arrived` takes it: another node's engine, whose
+    backlog is not this node's (0, as a quiet node's)."""
+    return None if told is None else (told[0], 0.0, told[1])
 
 
 NodeStoreActor = ray.remote(max_restarts=STORE_RESTARTS, max_task_retries=0, max_concurrency=8, enable_tensor_transport=True)(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import math
 import os
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -38,7 +39,8 @@ import ray
 
 from kvray.cluster.protocol import Arrival, Run, Stored
 from kvray.cluster.shm import LandingBuffer
-from kvray.cluster.transfer import PeerLinks, PendingLoad, PendingStore
+from kvray.cluster.transfer import PeerLinks, PendingLoad, PendingStore, Told
+from kvray.core.errors import RequestError
 from kvray.core.tiers import Tier
 
 REMOTE = Tier.REMOTE.label
@@ -74,9 +76,28 @@ class PathContext:
         self.faults: Counter[str] = Counter()
         self.stale = False  # a call given up on may still copy into or out of ``buffer``
         self.arrival: Arrival | None = None  # the request's, until this node's store has it
+        self._peer_arrival: Arrival | None = None  # the request's, for other nodes' stores
+        self._told: set[str] = set()  # the peers told of the request so far
         # The request's pages copied from the mapped host tier (packed keys, seconds), for the
         # write to this node's store that follows to report (the client sets it instead of a ``touch``).
         self.hits: tuple[bytes, float] | None = None
+
+    def arrive(self, keys: bytes, backlog_ms: float, arrival_ms: float | None) -> None:
+        """A request begins (its packed keys, the engine's backlog, its arrival or None for
+        now): the first call to each store carries it (:meth:`take_arrival`, :meth:`tell_peer`)."""
+        if arrival_ms is not None and not math.isfinite(arrival_ms):
+            raise RequestError(f"arrival_ms={arrival_ms} must be finite (or None: now)")
+        self.arrival = (keys, float(backlog_ms), arrival_ms)
+        self._peer_arrival = (keys, 0.0, arrival_ms)  # a peer's queue is not this engine's
+        self._told.clear()
+
+    def tell_peer(self, node: str) -> Arrival | None:
+        """The request's arrival for the first call to peer ``node``'s store to carry (once per
+        request): the simulator tells every node whose pages a request reads or stores."""
+        if self._peer_arrival is None or node in self._told:
+            return None
+        self._told.add(node)
+        return self._peer_arrival
 
     def take_arrival(self) -> Arrival | None:
         """The request's arrival, for the first call to this node's store to carry (once)."""
@@ -134,7 +155,8 @@ class StoreCallPath(ABC):
     def start_store(self, store, keys: list[int], run: Run, parent: int | None, request_pages: int) -> Any:
         """Send ``keys`` (run ``run`` of a request of ``request_pages`` pages, after ``parent``)
         to be stored, without waiting; a pending store."""
-        return store.put_pages.remote(keys, self.context.buffer.pages[run.start : run.stop], parent, run.place(request_pages))
+        pages = self.context.buffer.pages[run.start : run.stop]
+        return store.put_pages.remote(keys, pages, parent, run.place(request_pages), self.context.tell_peer(run.node))
 
     def finish_load(self, run: Run, pending: Any) -> tuple[int, dict[str, int]]:
         answer = self._answer(pending, self.load_maps_buffer)
@@ -186,7 +208,7 @@ class ObjectStorePath(StoreCallPath):
     name = "object_store"
 
     def start_load(self, store, keys, run):
-        return store.get_pages.remote(keys)
+        return store.get_pages.remote(keys, self.context.tell_peer(run.node))
 
     def loaded(self, run, answer):
         self.context.buffer.pages[run.start : run.start + len(answer)] = answer
@@ -201,9 +223,9 @@ class CollectivePath(StoreCallPath):
 
     def start_load(self, store, keys, run):
         context = self.context
-        return context.local_store.pull.remote(
-            keys, store, context.ranks[run.node], context.buffer.name, context.buffer.capacity, run.start, context.take_arrival()
-        )
+        buffer, rank = context.buffer, context.ranks[run.node]
+        here, there = context.take_arrival(), context.tell_peer(run.node)
+        return context.local_store.pull.remote(keys, store, rank, buffer.name, buffer.capacity, run.start, here, there)
 
     def loaded(self, run, answer):
         return answer, {REMOTE: answer}
@@ -219,7 +241,7 @@ class NixlPath(StoreCallPath):
     name = "nixl"
 
     def start_load(self, store, keys, run):
-        return store.get_pages_nixl.options(tensor_transport="nixl").remote(keys)
+        return store.get_pages_nixl.options(tensor_transport="nixl").remote(keys, self.context.tell_peer(run.node))
 
     def loaded(self, run, answer):
         self.context.buffer.pages[run.start : run.start + len(answer)] = answer.numpy()
@@ -244,7 +266,7 @@ class TcpPath(StoreCallPath):
         return answer  # finish_load receives straight into the buffer
 
     def start_load(self, store, keys, run) -> PendingLoad:
-        return self.context.links.load(self.context.servers[run.node], keys)
+        return self.context.links.load(self.context.servers[run.node], keys, _told(self.context.tell_peer(run.node)))
 
     def finish_load(self, run, pending: PendingLoad):
         got = pending.receive(self.context.buffer.pages[run.start : run.stop])
@@ -253,10 +275,16 @@ class TcpPath(StoreCallPath):
     def start_store(self, store, keys, run, parent, request_pages) -> PendingStore:
         context = self.context
         pages = context.buffer.pages[run.start : run.stop]
-        return context.links.store(context.servers[run.node], keys, pages, parent, run.place(request_pages))
+        told = _told(context.tell_peer(run.node))
+        return context.links.store(context.servers[run.node], keys, pages, parent, run.place(request_pages), told)
 
     def finish_store(self, pending: PendingStore) -> Stored | None:
         return pending.receive()
+
+
+def _told(arrival: Arrival | None) -> Told | None:
+    """An arrival as a TELL carries it: keys and time (a peer is told no backlog)."""
+    return None if arrival is None else (arrival[0], arrival[2])
 
 
 PATHS: tuple[type[StoreCallPath], ...] = (LocalPath, TcpPath, NixlPath, CollectivePath, ObjectStorePath)

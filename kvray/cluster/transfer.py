@@ -45,6 +45,9 @@ Wire format, little-endian, requests pipelined on a connection, answers in order
                server -> client   s (32-byte nonce), HMAC(token, "kvray page server" c s)
                client -> server   HMAC(token, "kvray page client" c s)
     requests   client -> server   u8 op, u32 n (<= max_pages), and
+                                    TELL:  f64 arrival ms (NaN: the server's clock), n (>= 1) x 16-byte
+                                           keys of the request; no answer, and the next request on
+                                           the link must be its LOAD or STORE
                                     LOAD:  n x 16-byte keys
                                     STORE: u8 has_parent, 16-byte parent key, u32 first depth,
                                            u32 request pages (0: the run alone), n x 16-byte keys,
@@ -53,6 +56,15 @@ Wire format, little-endian, requests pipelined on a connection, answers in order
                                   STORE: u32 stored (<= n), u32 landed (<= n), u32 d (<= MAX_DROPPED),
                                          d x 16-byte keys dropped,
                                          11 x u64 NodeReport (free, capacity per tier; bytes per link)
+
+A request's first LOAD or STORE to a peer goes after a TELL of the whole request (its keys
+and arrival), in the same send: the simulator tells a node's placement policy of each
+request whose pages it serves or stores (``_tell`` in :mod:`kvray.sim.cluster`), and so
+does the runtime through this. The server hands it to ``read`` or ``write`` with the
+request that follows; a read's store answers first and hears of it after
+(:mod:`kvray.cluster.after_answer`), so a load never waits on the policy. A TELL that is
+not what a client sends (no keys, an infinite time, a second TELL in a row) is logged and
+hung up on, as any framing error: nothing stored is touched.
 
 Example::
 
@@ -69,6 +81,7 @@ import contextlib
 import errno
 import hmac
 import logging
+import math
 import secrets
 import socket
 import struct
@@ -79,11 +92,11 @@ from threading import Lock, Thread
 
 import numpy as np
 import xxhash
-from pydantic import Field
 
+from kvray.cluster.keepalive import Keepalive
 from kvray.cluster.observe import NodeReport
 from kvray.cluster.protocol import Stored
-from kvray.core.config import FrozenModel
+from kvray.cluster.row_pool import RowPool
 from kvray.core.errors import ClusterError
 from kvray.core.keys import KEY_BYTES, pack_keys, unpack_keys
 from kvray.core.placement import RunPlace
@@ -99,45 +112,17 @@ COUNT = struct.Struct("<I")
 REPORT = struct.Struct("<11Q")  # NodeReport.flat()
 PARENT = struct.Struct("<B16sII")  # has parent, parent key, the run's place in its request (RunPlace; 0 pages: none)
 CHECKSUM = np.dtype("<u8")
-LOAD, STORE = 1, 2
+LOAD, STORE, TELL = 1, 2, 3
+ARRIVAL = struct.Struct("<d")  # a TELL's arrival ms, NaN for none
 BATCH_BYTES = 1 << 20  # pages cross in batches of about this much, each hashed while the next one moves
 MAX_DROPPED = 1 << 16  # dropped keys one STORE answer carries (1 MiB); the rest go with the next
 ACCEPT_PAUSE_S = (0.01, 1.0)  # first and longest pause after a failed accept
 WARN_EVERY_S = 10.0
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
-PageReader = Callable[[Sequence[int], np.ndarray], int]  # (keys, out rows) -> pages written
-PageWriter = Callable[[Sequence[int], np.ndarray, "int | None", "RunPlace | None"], Stored]  # (keys, rows, parent, place)
-
-
-class Keepalive(FrozenModel):
-    """TCP keepalive on page-server connections (both ends): once a connection has been
-    silent ``idle_s``, the kernel probes the peer every ``interval_s`` and closes the
-    connection after ``probes`` probes go unanswered, so a connection to a host that died
-    is gone within :attr:`bound_s` (60 s by default; the kernel's own default is over two
-    hours). Whole seconds, as the kernel takes them.
-
-    Probes only start on a connection with nothing unacknowledged: a host that died before
-    acknowledging the last bytes of an answer (its ACK delayed, say) leaves the connection
-    retransmitting for 15 minutes instead. So ``TCP_USER_TIMEOUT`` closes a connection
-    whose sent bytes stay unacknowledged for :attr:`bound_s` as well.
-    """
-
-    idle_s: int = Field(default=30, ge=1, le=32767)
-    interval_s: int = Field(default=10, ge=1, le=32767)
-    probes: int = Field(default=3, ge=1, le=127)
-
-    @property
-    def bound_s(self) -> int:
-        """How long after its last sign of life a dead peer's connection is closed at most."""
-        return self.idle_s + self.interval_s * self.probes
-
-    def apply(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, self.idle_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, self.interval_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, self.probes)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, self.bound_s * 1000)
+Told = tuple[bytes, "float | None"]  # a request as a peer's policy is told of it (TELL): packed keys, arrival ms
+PageReader = Callable[[Sequence[int], np.ndarray, "Told | None"], int]  # (keys, out rows, told) -> pages written
+PageWriter = Callable[[Sequence[int], np.ndarray, "int | None", "RunPlace | None", "Told | None"], Stored]
 
 
 class WireError(OSError):
@@ -209,54 +194,17 @@ def _verified(arrived: np.ndarray, claimed: bytes) -> int:
     return int(bad[0]) if len(bad) else len(arrived)
 
 
-class _RowPool:
-    """Page buffers for the requests in flight on a server's connections.
-
-    A request takes rows for its pages and gives them back once answered. Between requests
-    at most ``keep_rows`` rows stay allocated in all (one largest request's worth, so a
-    steady stream of requests reuses warm memory): an idle connection holds none, and a
-    burst of parallel requests allocates buffers that are freed once they are answered.
-    """
-
-    def __init__(self, page_nbytes: int, keep_rows: int) -> None:
-        self._page_nbytes = page_nbytes
-        self._keep_rows = keep_rows
-        self._free: list[np.ndarray] = []  # smallest first
-        self._lock = Lock()
-
-    @property
-    def kept_rows(self) -> int:
-        with self._lock:
-            return sum(len(rows) for rows in self._free)
-
-    def take(self, n: int) -> np.ndarray:
-        """At least ``n`` rows, the smallest free buffer that fits or a new one."""
-        with self._lock:
-            for i, rows in enumerate(self._free):
-                if len(rows) >= n:
-                    return self._free.pop(i)
-        return np.empty((n, self._page_nbytes), dtype=np.uint8)
-
-    def give(self, rows: np.ndarray) -> None:
-        """Keep ``rows`` for later requests if they fit, making room by freeing smaller buffers."""
-        with self._lock:
-            kept = sum(len(free) for free in self._free)
-            while self._free and kept + len(rows) > self._keep_rows and len(self._free[0]) < len(rows):
-                kept -= len(self._free.pop(0))
-            if kept + len(rows) <= self._keep_rows:
-                self._free.append(rows)
-                self._free.sort(key=len)
-
-
 class PageServer:
     """Serves one store's pages to token holders; see the module docstring.
 
-    ``read(keys, out)`` writes the cached, verified prefix of ``keys`` into rows of ``out``
-    and returns how many; the server never sends a page it did not get from it.
-    ``write(keys, pages, parent, place)`` keeps a run of pages and returns its
+    ``read(keys, out, told)`` writes the cached, verified prefix of ``keys`` into rows of
+    ``out`` and returns how many; the server never sends a page it did not get from it.
+    ``write(keys, pages, parent, place, told)`` keeps a run of pages and returns its
     :class:`~kvray.cluster.protocol.Stored` answer; it only ever sees pages that passed
-    their checksum. ``keepalive`` probes idle connections; ``request_s`` bounds each wait
-    of the server within a request (see the module docstring).
+    their checksum. ``told``: the TELL before the request, else None. ``answered`` runs
+    after each answer has been sent (what the store left for then). ``keepalive`` probes
+    idle connections; ``request_s`` bounds each wait of the server within a request (see
+    the module docstring).
     """
 
     def __init__(
@@ -273,8 +221,10 @@ class PageServer:
         max_connections: int = 256,
         keepalive: Keepalive = Keepalive(),
         request_s: float = 60.0,
+        answered: Callable[[], None] | None = None,
     ) -> None:
         self._read = read
+        self._answered = answered
         self._write = write
         self._page_nbytes = page_nbytes
         self._token = token
@@ -284,7 +234,7 @@ class PageServer:
         self._max_connections = max_connections
         self._keepalive = keepalive
         self._request_s = request_s
-        self._rows = _RowPool(page_nbytes, keep_rows=max_pages)
+        self._rows = RowPool(page_nbytes, keep_rows=max_pages)
         self._listener = socket.create_server((host, 0))
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         self.sent_bytes = 0
@@ -420,18 +370,27 @@ class PageServer:
             # Between requests an authenticated link idles for as long as its client lives
             # (keepalive finds a dead one); within a request each wait is bounded.
             conn.settimeout(None)
+            told: Told | None = None
             while (head := _recv_bytes(conn, REQUEST.size)) is not None:
                 conn.settimeout(self._request_s)
                 op, n = REQUEST.unpack(head)
-                if n > self._max_pages or op not in (LOAD, STORE):
+                if n > self._max_pages or op not in (LOAD, STORE, TELL):
                     return  # not a kvray client of this runtime: hang up
+                if op == TELL:
+                    told = self._told(conn, n, told)
+                    if told is None:
+                        return
+                    continue
                 rows = self._rows.take(n)
                 try:
-                    answered = (self._load if op == LOAD else self._store)(conn, rows[:n])
+                    answered = (self._load if op == LOAD else self._store)(conn, rows[:n], told)
                 finally:
                     self._rows.give(rows)
                 if not answered:
                     return
+                told = None
+                if self._answered is not None:
+                    self._answered()
                 conn.settimeout(None)
         except OSError:
             return  # the client went away (mid-request, or its host died: keepalive), or stalled past request_s
@@ -439,18 +398,32 @@ class PageServer:
             self._forget(conn)
 
     # -- requests ----------------------------------------------------------------------
-    def _load(self, conn: socket.socket, rows: np.ndarray) -> bool:
+    def _told(self, conn: socket.socket, n: int, pending: Told | None) -> Told | None:
+        """A TELL's request (packed keys, arrival ms or None), for the LOAD or STORE after it;
+        None (the caller hangs up) when the peer closed or sent what no client sends."""
+        raw = _recv_bytes(conn, ARRIVAL.size + n * KEY_BYTES)
+        if raw is None:
+            return None
+        (arrival_ms,) = ARRIVAL.unpack_from(raw)
+        wrong = "a TELL of no keys" if not n else "a second TELL in a row" if pending else ""
+        wrong = wrong or (f"a TELL at {arrival_ms} ms" if math.isinf(arrival_ms) else "")
+        if wrong:
+            log.warning("kvray page server %s: %s is not what a kvray client sends; hanging up", self.address, wrong)
+            return None
+        return raw[ARRIVAL.size :], None if math.isnan(arrival_ms) else arrival_ms
+
+    def _load(self, conn: socket.socket, rows: np.ndarray, told: Told | None) -> bool:
         raw = _recv_bytes(conn, len(rows) * KEY_BYTES)
         if raw is None:
             return False
-        got = self._read(unpack_keys(raw), rows) if len(rows) else 0
+        got = self._read(unpack_keys(raw), rows, told) if len(rows) else 0
         conn.sendall(COUNT.pack(got))
         conn.sendall(_send_pages(conn, rows[:got]))
         with self._lock:
             self.sent_bytes += got * self._page_nbytes
         return True
 
-    def _store(self, conn: socket.socket, rows: np.ndarray) -> bool:
+    def _store(self, conn: socket.socket, rows: np.ndarray, told: Told | None) -> bool:
         n = len(rows)
         head = _recv_bytes(conn, PARENT.size + n * KEY_BYTES)
         arrived = _recv_pages(conn, rows) if head is not None else None
@@ -467,7 +440,7 @@ class PageServer:
             self.corrupt += int(good < n)
         # Even with no good page: the answer carries the store's report.
         place = RunPlace(first_depth, request_pages) if request_pages else None
-        answer = self._write(keys[:good], rows[:good], int.from_bytes(parent, "little") if has_parent else None, place)
+        answer = self._write(keys[:good], rows[:good], int.from_bytes(parent, "little") if has_parent else None, place, told)
         dropped = self._reportable(answer.dropped)
         counts = COUNT.pack(answer.stored) + COUNT.pack(answer.landed) + COUNT.pack(len(dropped))
         conn.sendall(counts + pack_keys(dropped) + REPORT.pack(*answer.report.flat()))
@@ -500,6 +473,7 @@ class _Link:
     address: tuple[str, int]
     sock: socket.socket
     broken: bool = False
+    unsettled: bool = False  # a load sent since the last ``settle``: its server may still run work after the answer
 
 
 @dataclass
@@ -520,6 +494,17 @@ class _Pending:
                 log.warning("kvray page link to %s: %s; dropping the connection", self.link.address, error)
             self.link.broken = True  # answers after this one can no longer be framed
             return None
+
+
+def _tell(told: Told | None) -> bytes:
+    """The TELL that goes before a request (nothing for None); a ClusterError for a request
+    no server would take (no keys, an infinite arrival), before anything is sent."""
+    if told is None:
+        return b""
+    keys, arrival_ms = told
+    if not keys or len(keys) % KEY_BYTES or (arrival_ms is not None and not math.isfinite(arrival_ms)):
+        raise ClusterError(f"cannot tell a peer of a request of {len(keys)} key bytes arriving at {arrival_ms} ms")
+    return REQUEST.pack(TELL, len(keys) // KEY_BYTES) + ARRIVAL.pack(math.nan if arrival_ms is None else arrival_ms) + keys
 
 
 def _count(sock: socket.socket) -> int:
@@ -638,20 +623,40 @@ class PeerLinks:
             return None
         return link
 
-    def load(self, address: tuple[str, int], keys: Sequence[int]) -> PendingLoad:
-        """Ask for the cached prefix of ``keys``; :meth:`PendingLoad.receive` reads the answer."""
-        request = REQUEST.pack(LOAD, len(keys)) + pack_keys(keys)
-        return PendingLoad(self, self._send(address, lambda sock: sock.sendall(request)), len(keys))
+    def load(self, address: tuple[str, int], keys: Sequence[int], told: Told | None = None) -> PendingLoad:
+        """Ask for the cached prefix of ``keys`` (after a TELL of ``told``: the request's
+        first call to this peer); :meth:`PendingLoad.receive` reads the answer."""
+        request = _tell(told) + REQUEST.pack(LOAD, len(keys)) + pack_keys(keys)
+        link = self._send(address, lambda sock: sock.sendall(request))
+        if link is not None:
+            link.unsettled = True
+        return PendingLoad(self, link, len(keys))
+
+    def settle(self) -> None:
+        """Wait until every peer that served a load since the last call, its answers all
+        received, has run what its store left for after them (:mod:`kvray.cluster.after_answer`):
+        an empty LOAD to each, which a server answers only once the requests before it are done."""
+        for link in [link for link in self._links.values() if link.unsettled and not link.broken]:
+            link.unsettled = False
+            sent = self._send(link.address, lambda sock: sock.sendall(REQUEST.pack(LOAD, 0)))
+            PendingLoad(self, sent, 0).receive(np.empty((0, self._page_nbytes), dtype=np.uint8))
 
     def store(
-        self, address: tuple[str, int], keys: Sequence[int], pages: np.ndarray, parent: int | None, place: RunPlace | None = None
+        self,
+        address: tuple[str, int],
+        keys: Sequence[int],
+        pages: np.ndarray,
+        parent: int | None,
+        place: RunPlace | None = None,
+        told: Told | None = None,
     ) -> PendingStore:
         """Send a run of pages (rows of ``pages``, one per key) continuing ``parent``'s chain,
-        at ``place`` in its request."""
+        at ``place`` in its request (after a TELL of ``told``, as :meth:`load`)."""
         pages = np.ascontiguousarray(pages)
         first_depth, request_pages = place or (0, 0)
         parent_key = (parent or 0).to_bytes(KEY_BYTES, "little")
-        head = REQUEST.pack(STORE, len(keys)) + PARENT.pack(parent is not None, parent_key, first_depth, request_pages)
+        head = _tell(told) + REQUEST.pack(STORE, len(keys))
+        head += PARENT.pack(parent is not None, parent_key, first_depth, request_pages)
 
         def write(sock: socket.socket) -> None:
             sock.sendall(head + pack_keys(keys))

@@ -56,6 +56,35 @@ def check_request_kv(layout: PageLayout, kv: torch.Tensor, tokens: int) -> None:
         raise LayoutError(f"KV shape {tuple(kv.shape)} does not match [layers, 2, tokens, kv_heads, head_dim] = {expected}")
 
 
+def check_load_out(layout: PageLayout, out: torch.Tensor, tokens: int) -> None:
+    """Reject an ``out`` tensor a load cannot fill in place: the layout's dtype and row shape,
+    room for ``tokens`` tokens, contiguous, in host memory (:meth:`PageStore.load
+    <kvray.core.store.PageStore.load>`)."""
+    rows = layout.request_shape(0)
+    if (
+        out.dtype != torch_dtype(layout)
+        or tuple(out.shape[:2]) + tuple(out.shape[3:]) != rows[:2] + rows[3:]
+        or out.shape[2] < tokens
+        or not out.is_contiguous()
+    ):
+        raise LayoutError(
+            f"out tensor {tuple(out.shape)} {out.dtype} cannot hold {tokens} tokens of layout "
+            f"{layout.request_shape(tokens)} {layout.dtype} (contiguous)"
+        )
+    if out.device.type != "cpu":
+        raise LayoutError(f"out tensor must be in host memory, got {out.device}")
+
+
+def check_chunk_buffers(layout: PageLayout, out: tuple[torch.Tensor, ...], chunk_tokens: int) -> None:
+    """Reject chunk buffers a streamed load cannot use (:meth:`PageStore.load_chunks
+    <kvray.core.store.PageStore.load_chunks>`): two contiguous host tensors of one chunk each."""
+    shape = layout.request_shape(chunk_tokens)
+    if len(out) != 2 or any(
+        b.shape != shape or b.dtype != torch_dtype(layout) or not b.is_contiguous() or b.device.type != "cpu" for b in out
+    ):
+        raise LayoutError(f"out must be two contiguous host tensors {shape} {layout.dtype}, one per chunk in flight")
+
+
 def request_bytes(kv: torch.Tensor) -> np.ndarray:
     """A request's KV ``[layers, 2, tokens, ...]`` as host bytes ``[layers, 2, tokens, row_bytes]``.
 

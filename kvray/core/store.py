@@ -46,7 +46,17 @@ from kvray.core.errors import FingerprintMismatch, LayoutError, RequestError, St
 from kvray.core.index import ROOT, parents_first
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.manager import TIERS, CacheManager
-from kvray.core.pages import check_request_kv, hash_page, request_bytes, request_page, request_runs, runs, torch_dtype
+from kvray.core.pages import (
+    check_chunk_buffers,
+    check_load_out,
+    check_request_kv,
+    hash_page,
+    request_bytes,
+    request_page,
+    request_runs,
+    runs,
+    torch_dtype,
+)
 from kvray.core.placement import LRUPolicy, PlacementPolicy, RequestInfo, RunPlace
 from kvray.core.tiers import LOCAL_TIERS, DiskPool, HostPool, Pool, StoredPage, Tier
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
@@ -250,18 +260,8 @@ class PageStore:
             import torch
 
             out = torch.empty(self.layout.request_shape(tokens_wanted), dtype=torch_dtype(self.layout))
-        elif (
-            out.dtype != torch_dtype(self.layout)
-            or tuple(out.shape[:2]) + tuple(out.shape[3:]) != self.layout.request_shape(0)[:2] + self.layout.request_shape(0)[3:]
-            or out.shape[2] < tokens_wanted
-            or not out.is_contiguous()
-        ):
-            raise LayoutError(
-                f"out tensor {tuple(out.shape)} {out.dtype} cannot hold {tokens_wanted} tokens of layout "
-                f"{self.layout.request_shape(tokens_wanted)} {self.layout.dtype} (contiguous)"
-            )
-        if out.device.type != "cpu":
-            raise LayoutError(f"out tensor must be in host memory, got {out.device}")
+        else:
+            check_load_out(self.layout, out, tokens_wanted)
         out_bytes = request_bytes(out)
         got, by_tier = self._read_into(
             keys, lambda i: request_page(self.layout, out_bytes, i), lambda pages: request_runs(self.layout, out_bytes, pages)
@@ -295,15 +295,10 @@ class PageStore:
             raise RequestError(f"chunk_tokens={chunk_tokens} must be a positive multiple of page_tokens={page}")
         keys = self.keys(tokens, salt)
         step = chunk_tokens // page
-        shape = self.layout.request_shape(chunk_tokens)
         if out is None:
             buffers = [chunk_buffer(self.layout, chunk_tokens) for _ in range(2)]
-        elif len(out) != 2 or any(
-            b.shape != shape or b.dtype != torch_dtype(self.layout) or not b.is_contiguous() or b.device.type != "cpu"
-            for b in out
-        ):
-            raise LayoutError(f"out must be two contiguous host tensors {shape} {self.layout.dtype}, one per chunk in flight")
         else:
+            check_chunk_buffers(self.layout, out, chunk_tokens)
             buffers = list(out)
         as_bytes = [request_bytes(b) for b in buffers]
 
@@ -363,8 +358,9 @@ class PageStore:
         return list(keys[:got]), out[:got]
 
     # -- the two paths every verb goes through -------------------------------------------
-    def read_pages(self, keys: Sequence[int], targets: PageSource) -> tuple[int, dict[str, int]]:
-        """Pin the cached prefix of ``keys``, copy each verified page into ``targets(i)``, unpin.
+    def read_pages(self, keys: Sequence[int], targets: PageSource, hits: bool = True) -> tuple[int, dict[str, int]]:
+        """Pin the cached prefix of ``keys``, copy each verified page into ``targets(i)``, unpin
+        (``hits`` False: the caller counts the pages read later, ``touch_pages(..., looked_up=True)``).
 
         Returns the number of leading pages delivered and their count per tier; a page
         that fails verification ends the prefix and is dropped. Every target is resolved
@@ -374,10 +370,10 @@ class PageStore:
         their checksum condemn a page.
         """
         views = self._targets(targets, len(keys))
-        return self._read_into(keys, views.__getitem__, lambda pages: [runs(views[i]) for i in range(pages)])
+        return self._read_into(keys, views.__getitem__, lambda pages: [runs(views[i]) for i in range(pages)], hits)
 
     def _read_into(
-        self, keys: Sequence[int], view: PageSource, page_runs: Callable[[int], list[list[np.ndarray]]]
+        self, keys: Sequence[int], view: PageSource, page_runs: Callable[[int], list[list[np.ndarray]]], hits: bool = True
     ) -> tuple[int, dict[str, int]]:
         """:meth:`read_pages` into targets already known to hold one page each: ``view(i)``
         is page ``i``'s view, ``page_runs(n)`` the contiguous runs of the first ``n`` pages
@@ -411,9 +407,10 @@ class PageStore:
             if delivered < len(match):  # the loop stopped at a page that failed verification
                 self.metrics.corrupt_pages += 1
                 self.manager.drop(int(match.handles[delivered]))
-            self._hit(match.handles[:delivered])
-            self.metrics.loaded_pages += delivered
-            self.metrics.observe("load", time.perf_counter() - t0)
+            if hits:
+                self._hit(match.handles[:delivered])
+                self.metrics.loaded_pages += delivered
+                self.metrics.observe("load", time.perf_counter() - t0)
         return delivered, {TIERS[t].label: n for t, n in sorted(Counter(tiers[:delivered]).items())}
 
     def _targets(self, targets: PageSource, pages: int) -> list[np.ndarray]:
@@ -446,12 +443,13 @@ class PageStore:
         chunks = page_runs(wanted[-1] + 1)
         return disk.read_many([(slots[i], chunks[i]) for i in wanted])
 
-    def touch_pages(self, keys: Sequence[int], load_s: float | None = None) -> int:
+    def touch_pages(self, keys: Sequence[int], load_s: float | None = None, looked_up: bool = False) -> int:
         """Count a hit on the cached prefix of ``keys`` that a reader copied out of the shared
-        host tier itself (no bytes move here): its pages as loaded, and ``load_s``, the time
-        the reader's copy took, as a load's latency; returns pages touched."""
+        host tier itself (no bytes move here), or that ``read_pages(..., hits=False)`` read
+        (``looked_up``: its lookup is counted already): its pages as loaded, and ``load_s``,
+        the time the copy took, as a load's latency; returns pages touched."""
         with self._lock:
-            match = self.manager.lookup(keys)
+            match = self.manager.lookup(keys, count=not looked_up)
             self._hit(match.handles)
             self.metrics.loaded_pages += len(match)
             if load_s is not None:

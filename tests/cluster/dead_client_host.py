@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 
-from kvray.cluster.transfer import Keepalive, PageServer, PeerLinks
+from kvray.cluster.keepalive import Keepalive
+from kvray.cluster.transfer import PageServer, PeerLinks
 from tests.cluster.test_transfer import MAX_PAGES, PAGE, DictStore
 
 HOURS = Keepalive(idle_s=32767, interval_s=1, probes=1)  # on, but its first probe 9 hours away

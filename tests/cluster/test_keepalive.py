@@ -32,8 +32,9 @@ import pytest
 import ray
 
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
+from kvray.cluster.keepalive import Keepalive
 from kvray.cluster.protocol import Plan
-from kvray.cluster.transfer import TOKEN_BYTES, Keepalive, PageServer, PeerLinks
+from kvray.cluster.transfer import TOKEN_BYTES, PageServer, PeerLinks
 from kvray.core.config import PageLayout, TierSizes
 from tests.cluster.test_transfer import MAX_PAGES, PAGE, DictStore, eventually, page_of
 

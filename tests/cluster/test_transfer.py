@@ -56,8 +56,10 @@ class DictStore:
         self.parents: dict[int, int | None] = {}
         self.places: dict[int, RunPlace | None] = {}
         self.room = room
+        self.told: list[tuple[str, list[int], object]] = []  # (verb, its keys, the TELL before it)
 
-    def write(self, keys, rows: np.ndarray, parent, place: RunPlace | None = None) -> Stored:
+    def write(self, keys, rows: np.ndarray, parent, place: RunPlace | None = None, told=None) -> Stored:
+        self.told.append(("write", list(keys), told))
         if not len(keys):
             return Stored(0, 0, [], self.report())
         stored = 0
@@ -79,7 +81,8 @@ class DictStore:
     def report(self) -> NodeReport:
         return NodeReport((0, self.room - len(self.pages), 0), (0, self.room, 0), (0, 0, 0, 0, len(self.pages)))
 
-    def read(self, keys, rows: np.ndarray) -> int:
+    def read(self, keys, rows: np.ndarray, told=None) -> int:
+        self.told.append(("read", list(keys), told))
         got = 0
         for key in keys:
             if key not in self.pages:
@@ -179,6 +182,81 @@ def test_stores_land_with_their_parent_and_report_what_was_dropped(served):
     out = np.zeros((3, PAGE), dtype=np.uint8)
     assert links.load(server.address, [100, 101, 102]).receive(out) == 3 and np.array_equal(out, rows)
     assert server.received_bytes == 4 * PAGE
+
+
+def test_a_tell_reaches_the_store_with_the_request_after_it_and_only_that_one(served):
+    server, links, store, _ = served
+    request = pack_keys([5, 6, 7, 100])
+    out = np.zeros((2, PAGE), dtype=np.uint8)
+    assert links.load(server.address, [5, 6], told=(request, 1234.5)).receive(out) == 2
+    assert np.array_equal(out[1], page_of(6))
+    assert links.load(server.address, [7]).receive(out) == 1  # the same request's next run: told once
+    rows = np.stack([page_of(100)])
+    assert links.store(server.address, [100], rows, parent=7, told=(request, None)).receive()[:2] == (1, 1)
+    assert store.told == [
+        ("read", [5, 6], (request, 1234.5)),
+        ("read", [7], None),
+        ("write", [100], (request, None)),  # no arrival time: the server's clock
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tell", "message"),
+    [
+        (struct.pack("<BId", transfer.TELL, 0, 1.0), "a TELL of no keys"),
+        (struct.pack("<BId", transfer.TELL, 1, float("inf")) + pack_keys([5]), "a TELL at inf ms"),
+        (2 * (struct.pack("<BId", transfer.TELL, 1, 1.0) + pack_keys([5])), "a second TELL in a row"),
+    ],
+)
+def test_a_tell_no_client_sends_is_hung_up_on_and_nothing_stored_is_touched(served, caplog, tell, message):
+    server, links, store, _ = served
+    held = {k: v.copy() for k, v in store.pages.items()}
+    link = links._link(server.address)
+    link.sock.sendall(tell + struct.pack("<BI", transfer.LOAD, 1) + pack_keys([5]))
+    with contextlib.suppress(ConnectionResetError):  # a reset when the server closed on bytes it had not read
+        assert link.sock.recv(1) == b""  # hung up, no answer
+    assert message in caplog.text and store.told == []
+    assert store.pages.keys() == held.keys() and all(np.array_equal(store.pages[k], v) for k, v in held.items())
+    out = np.zeros((1, PAGE), dtype=np.uint8)
+    assert links.load(server.address, [5]).receive(out) == 0  # the broken link is noticed: a miss
+    assert links.load(server.address, [5]).receive(out) == 1  # and a fresh one serves
+
+
+def test_a_client_refuses_to_tell_what_no_server_takes(served):
+    server, links, _, _ = served
+    with pytest.raises(ClusterError, match="cannot tell a peer"):
+        links.load(server.address, [5], told=(b"", 1.0))
+    with pytest.raises(ClusterError, match="cannot tell a peer"):
+        links.load(server.address, [5], told=(pack_keys([5]), float("nan")))
+
+
+def test_the_answer_leaves_before_the_work_after_it_and_settle_waits_for_that_work():
+    token = secrets.token_bytes(TOKEN_BYTES)
+    store = DictStore(range(1, 10))
+    release, done = threading.Event(), []
+
+    def after() -> None:  # the store's policy work after an answer: held until released
+        release.wait(10)
+        done.append(len(store.told))
+
+    server = PageServer(store.read, store.write, PAGE, token, "127.0.0.1", MAX_PAGES, answered=after)
+    links = PeerLinks(token, PAGE, timeout_s=10)
+    try:
+        out = np.zeros((1, PAGE), dtype=np.uint8)
+        assert links.load(server.address, [1]).receive(out) == 1 and done == []  # answered while the work waits
+        settling = threading.Thread(target=links.settle)
+        settling.start()
+        settling.join(0.2)
+        assert settling.is_alive()  # settle waits for the work after the load's answer
+        release.set()
+        settling.join(10)
+        assert not settling.is_alive() and done[0] == 1
+        links.settle()  # nothing loaded since: no request sent
+        assert len(done) == 2  # the empty LOAD of the first settle had its own (empty) turn
+    finally:
+        release.set()
+        links.close()
+        server.close()
 
 
 def test_a_full_store_keeps_a_prefix_of_the_run():

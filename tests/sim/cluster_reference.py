@@ -8,7 +8,9 @@ the same objects the runtime runs: a :class:`~kvray.core.manager.CacheManager` p
 (its store's index, slots and placement policy), a :class:`~kvray.core.index.PrefixIndex`
 of locations (the controller's) and the runtime's :class:`~kvray.policy.cluster.ClusterPolicy`:
 
-1. the serving node's policy hears ``on_request`` (keys, backlog 0, tier costs);
+1. the serving node's policy hears ``on_request`` (keys, backlog 0, tier costs), and so
+   does each other node the request reads or stores pages on, before it does (backlog 0:
+   the serving engine's queue is not that node's), as the simulator tells them;
 2. a request whose pages all sit in that node's host tier is a local plan (the client's
    mapped slot directory): its hits are touched there and nothing is placed;
 3. otherwise the controller's longest cached prefix, and the cluster policy places the
@@ -94,15 +96,8 @@ class ClusterReference:
             return
         here = self.names[i % len(self.names)]
         node = self.nodes[here]
-        node.policy.on_request(
-            RequestInfo(
-                tuple(keys),
-                0.0,
-                self.tier_cost[here],
-                page_prefill_ms=self.config.page_prefill_ms or 0.0,
-                engines=self.config.prefill_engines,
-            )
-        )
+        self._keys, self._told = tuple(keys), set()
+        self._tell(here)
         if Tier.HOST in node.slots and self._in_host(here, keys) == len(keys):
             self._hit(here, keys)  # a local plan: the client read it all from its mapped host tier
             self.hit_pages_by_tier[Tier.HOST.label] += len(keys)
@@ -114,6 +109,20 @@ class ClusterReference:
         targets = self.policy.place(RequestView(tuple(keys), here, tuple(hit_nodes)), missing, self.view()) if missing else []
         loaded = self._load(here, keys, hit_nodes)
         self._store(here, keys, loaded, [here] * max(len(hit_nodes) - loaded, 0) + list(targets))
+
+    def _tell(self, name: str) -> None:
+        """Node ``name``'s policy hears of the request being served, once."""
+        if name not in self._told:
+            self._told.add(name)
+            self.nodes[name].policy.on_request(
+                RequestInfo(
+                    self._keys,
+                    0.0,
+                    self.tier_cost[name],
+                    page_prefill_ms=self.config.page_prefill_ms or 0.0,
+                    engines=self.config.prefill_engines,
+                )
+            )
 
     def _hit(self, name: str, keys: list[int]) -> tuple[int, dict[str, int]]:
         """A node's store reads (or hears of reads of) the cached prefix of ``keys``: how
@@ -147,6 +156,7 @@ class ClusterReference:
                 if got < len(run):
                     parts.append(("local", *self._hit(here, run[got:])))
             else:
+                self._tell(name)
                 n, by_tier = self._hit(name, run)
                 parts = [("local", n, by_tier)] if name == here else [("remote", n, {REMOTE: n} if n else {})]
             got = 0
@@ -168,6 +178,7 @@ class ClusterReference:
             n = len(list(group))
             run, parent = keys[row : row + n], keys[row - 1] if row else None
             manager = self.nodes[name]
+            self._tell(name)
             under = manager.index.handle_of(parent) if parent is not None else None
             manager.store_chain(run, _moved, parent=ROOT if under is None else under)
             self.free_share[name] = self._free_share(name)
