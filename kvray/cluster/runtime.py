@@ -38,7 +38,7 @@ from kvray.cluster.config import NAME_CHARS, NAMESPACE, RuntimeConfig, controlle
 from kvray.cluster.controller import ControllerActor
 from kvray.cluster.node_store import NodeStoreActor
 from kvray.cluster.shards import ControllerShards
-from kvray.cluster.transfer import TOKEN_BYTES
+from kvray.cluster.wire import TOKEN_BYTES
 from kvray.core.errors import ClusterError
 
 CONNECT_TIMEOUT_S = 5.0  # Ray itself retries an address nobody answers at for about a minute

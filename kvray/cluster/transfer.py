@@ -39,23 +39,7 @@ the connection closed after ``probes`` unanswered probes, freeing the server's t
 and descriptor. Within a request every wait is bounded by ``request_s``: a client that
 stops sending mid-request, or stops reading its answer, is hung up on.
 
-Wire format, little-endian, requests pipelined on a connection, answers in order::
-
-    handshake  client -> server   c (32-byte nonce)
-               server -> client   s (32-byte nonce), HMAC(token, "kvray page server" c s)
-               client -> server   HMAC(token, "kvray page client" c s)
-    requests   client -> server   u8 op, u32 n (<= max_pages), and
-                                    TELL:  f64 arrival ms (NaN: the server's clock), n (>= 1) x 16-byte
-                                           keys of the request; no answer, and the next request on
-                                           the link must be its LOAD or STORE
-                                    LOAD:  n x 16-byte keys
-                                    STORE: u8 has_parent, 16-byte parent key, u32 first depth,
-                                           u32 request pages (0: the run alone), n x 16-byte keys,
-                                           n x page_nbytes bytes, n x u64 xxh3-64 of them
-    answers    server -> client   LOAD:  u32 got (<= n), got x page_nbytes bytes, got x u64 xxh3-64
-                                  STORE: u32 stored (<= n), u32 landed (<= n), u32 d (<= MAX_DROPPED),
-                                         d x 16-byte keys dropped,
-                                         11 x u64 NodeReport (free, capacity per tier; bytes per link)
+The wire format (the handshake, each request and its answer) is in :mod:`kvray.cluster.wire`.
 
 A request's first LOAD or STORE to a peer goes after a TELL of the whole request (its keys
 and arrival), in the same send: the simulator tells a node's placement policy of each
@@ -84,38 +68,46 @@ import logging
 import math
 import secrets
 import socket
-import struct
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from threading import Lock, Thread
 
 import numpy as np
-import xxhash
 
 from kvray.cluster.keepalive import Keepalive
 from kvray.cluster.observe import NodeReport
 from kvray.cluster.protocol import Stored
 from kvray.cluster.row_pool import RowPool
+from kvray.cluster.wire import (
+    ARRIVAL,
+    CHECKSUM,
+    CLIENT_PROOF,
+    COUNT,
+    LOAD,
+    MAX_DROPPED,
+    NONCE_BYTES,
+    PARENT,
+    PROOF_BYTES,
+    REPORT,
+    REQUEST,
+    SERVER_PROOF,
+    STORE,
+    TELL,
+    TOKEN_BYTES,
+    WireError,
+    proof,
+    recv_bytes,
+    recv_pages,
+    send_pages,
+    verified,
+)
 from kvray.core.errors import ClusterError
 from kvray.core.keys import KEY_BYTES, pack_keys, unpack_keys
 from kvray.core.placement import RunPlace
 
 log = logging.getLogger(__name__)
 
-TOKEN_BYTES = 32
-NONCE_BYTES = 32
-PROOF_BYTES = 32  # HMAC-SHA256
-SERVER_PROOF, CLIENT_PROOF = b"kvray page server", b"kvray page client"
-REQUEST = struct.Struct("<BI")  # op, pages
-COUNT = struct.Struct("<I")
-REPORT = struct.Struct("<11Q")  # NodeReport.flat()
-PARENT = struct.Struct("<B16sII")  # has parent, parent key, the run's place in its request (RunPlace; 0 pages: none)
-CHECKSUM = np.dtype("<u8")
-LOAD, STORE, TELL = 1, 2, 3
-ARRIVAL = struct.Struct("<d")  # a TELL's arrival ms, NaN for none
-BATCH_BYTES = 1 << 20  # pages cross in batches of about this much, each hashed while the next one moves
-MAX_DROPPED = 1 << 16  # dropped keys one STORE answer carries (1 MiB); the rest go with the next
 ACCEPT_PAUSE_S = (0.01, 1.0)  # first and longest pause after a failed accept
 WARN_EVERY_S = 10.0
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -123,75 +115,6 @@ OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 Told = tuple[bytes, "float | None"]  # a request as a peer's policy is told of it (TELL): packed keys, arrival ms
 PageReader = Callable[[Sequence[int], np.ndarray, "Told | None"], int]  # (keys, out rows, told) -> pages written
 PageWriter = Callable[[Sequence[int], np.ndarray, "int | None", "RunPlace | None", "Told | None"], Stored]
-
-
-class WireError(OSError):
-    """A peer sent what no page server or client of this runtime sends: the connection is
-    dropped like a broken one, and the reason logged."""
-
-
-def _proof(token: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """Proof of the token for one connection: both fresh nonces make it useless on any
-    other, the role makes a server's proof useless as a client's (no reflection)."""
-    return hmac.digest(token, role + client_nonce + server_nonce, "sha256")
-
-
-def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> bool:
-    """Fill ``view`` from ``sock``; False if the peer closed first. With a ``deadline``
-    (``time.monotonic``), the whole read must finish by then: a peer trickling a byte at a
-    time gets no more time than a silent one."""
-    got = 0
-    while got < len(view):
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("deadline passed")
-            sock.settimeout(left)
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
-def _recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
-    buf = bytearray(n)
-    return bytes(buf) if _recv_exact(sock, memoryview(buf), deadline) else None
-
-
-def _batches(rows: np.ndarray) -> Iterator[np.ndarray]:
-    step = max(1, BATCH_BYTES // max(rows.shape[1], 1))
-    for start in range(0, len(rows), step):
-        yield rows[start : start + step]
-
-
-def _send_pages(sock: socket.socket, rows: np.ndarray) -> bytes:
-    """Send ``rows`` batch by batch and return the checksums of what was sent. Each batch is
-    hashed once the kernel has it, while it is on the wire, so hashing adds little time."""
-    checksums: list[int] = []
-    for batch in _batches(rows):
-        sock.sendall(memoryview(batch).cast("B"))
-        checksums.extend(xxhash.xxh3_64_intdigest(row) for row in batch)
-    return np.array(checksums, dtype=CHECKSUM).tobytes()
-
-
-def _recv_pages(sock: socket.socket, rows: np.ndarray) -> np.ndarray | None:
-    """Receive into ``rows`` batch by batch and return the checksums of what arrived (None if
-    the peer closed first). Each batch is hashed while the next one arrives."""
-    checksums = np.empty(len(rows), dtype=CHECKSUM)
-    done = 0
-    for batch in _batches(rows):
-        if not _recv_exact(sock, memoryview(batch).cast("B")):
-            return None
-        checksums[done : done + len(batch)] = [xxhash.xxh3_64_intdigest(row) for row in batch]
-        done += len(batch)
-    return checksums
-
-
-def _verified(arrived: np.ndarray, claimed: bytes) -> int:
-    """How many leading pages arrived as their sender hashed them: a run is only as good as its prefix."""
-    bad = np.flatnonzero(arrived != np.frombuffer(claimed, dtype=CHECKSUM))
-    return int(bad[0]) if len(bad) else len(arrived)
 
 
 class PageServer:
@@ -343,15 +266,17 @@ class PageServer:
         and still holds its place."""
         deadline = time.monotonic() + self._handshake_s
         try:
-            client_nonce = _recv_bytes(conn, NONCE_BYTES, deadline)
+            client_nonce = recv_bytes(conn, NONCE_BYTES, deadline)
             if client_nonce is None:
                 return False
             server_nonce = secrets.token_bytes(NONCE_BYTES)
-            conn.sendall(server_nonce + _proof(self._token, SERVER_PROOF, client_nonce, server_nonce))
-            proof = _recv_bytes(conn, PROOF_BYTES, deadline)
+            conn.sendall(server_nonce + proof(self._token, SERVER_PROOF, client_nonce, server_nonce))
+            peer_proof = recv_bytes(conn, PROOF_BYTES, deadline)
         except OSError:
             return False  # too slow, or gone
-        if proof is None or not hmac.compare_digest(proof, _proof(self._token, CLIENT_PROOF, client_nonce, server_nonce)):
+        if peer_proof is None or not hmac.compare_digest(
+            peer_proof, proof(self._token, CLIENT_PROOF, client_nonce, server_nonce)
+        ):
             return False
         with self._lock:
             if conn not in self._pending:
@@ -371,7 +296,7 @@ class PageServer:
             # (keepalive finds a dead one); within a request each wait is bounded.
             conn.settimeout(None)
             told: Told | None = None
-            while (head := _recv_bytes(conn, REQUEST.size)) is not None:
+            while (head := recv_bytes(conn, REQUEST.size)) is not None:
                 conn.settimeout(self._request_s)
                 op, n = REQUEST.unpack(head)
                 if n > self._max_pages or op not in (LOAD, STORE, TELL):
@@ -401,7 +326,7 @@ class PageServer:
     def _told(self, conn: socket.socket, n: int, pending: Told | None) -> Told | None:
         """A TELL's request (packed keys, arrival ms or None), for the LOAD or STORE after it;
         None (the caller hangs up) when the peer closed or sent what no client sends."""
-        raw = _recv_bytes(conn, ARRIVAL.size + n * KEY_BYTES)
+        raw = recv_bytes(conn, ARRIVAL.size + n * KEY_BYTES)
         if raw is None:
             return None
         (arrival_ms,) = ARRIVAL.unpack_from(raw)
@@ -413,28 +338,28 @@ class PageServer:
         return raw[ARRIVAL.size :], None if math.isnan(arrival_ms) else arrival_ms
 
     def _load(self, conn: socket.socket, rows: np.ndarray, told: Told | None) -> bool:
-        raw = _recv_bytes(conn, len(rows) * KEY_BYTES)
+        raw = recv_bytes(conn, len(rows) * KEY_BYTES)
         if raw is None:
             return False
         got = self._read(unpack_keys(raw), rows, told) if len(rows) else 0
         conn.sendall(COUNT.pack(got))
-        conn.sendall(_send_pages(conn, rows[:got]))
+        conn.sendall(send_pages(conn, rows[:got]))
         with self._lock:
             self.sent_bytes += got * self._page_nbytes
         return True
 
     def _store(self, conn: socket.socket, rows: np.ndarray, told: Told | None) -> bool:
         n = len(rows)
-        head = _recv_bytes(conn, PARENT.size + n * KEY_BYTES)
-        arrived = _recv_pages(conn, rows) if head is not None else None
-        claimed = _recv_bytes(conn, n * CHECKSUM.itemsize) if arrived is not None else None
+        head = recv_bytes(conn, PARENT.size + n * KEY_BYTES)
+        arrived = recv_pages(conn, rows) if head is not None else None
+        claimed = recv_bytes(conn, n * CHECKSUM.itemsize) if arrived is not None else None
         if claimed is None:
             return False
         has_parent, parent, first_depth, request_pages = PARENT.unpack_from(head)
         if has_parent > 1:
             return False  # not a kvray client: hang up
         keys = unpack_keys(head[PARENT.size :])
-        good = _verified(arrived, claimed)
+        good = verified(arrived, claimed)
         with self._lock:
             self.received_bytes += rows.nbytes
             self.corrupt += int(good < n)
@@ -508,7 +433,7 @@ def _tell(told: Told | None) -> bytes:
 
 
 def _count(sock: socket.socket) -> int:
-    head = _recv_bytes(sock, COUNT.size)
+    head = recv_bytes(sock, COUNT.size)
     if head is None:
         raise OSError("peer closed the connection")
     return COUNT.unpack(head)[0]
@@ -523,11 +448,11 @@ class PendingLoad(_Pending):
             got = _count(sock)
             if got > self.pages:
                 raise WireError(f"peer answered {got} pages for a request of {self.pages}")
-            arrived = _recv_pages(sock, out[:got])
-            claimed = _recv_bytes(sock, got * CHECKSUM.itemsize) if arrived is not None else None
+            arrived = recv_pages(sock, out[:got])
+            claimed = recv_bytes(sock, got * CHECKSUM.itemsize) if arrived is not None else None
             if claimed is None:
                 raise OSError("peer closed the connection mid-answer")
-            good = _verified(arrived, claimed)
+            good = verified(arrived, claimed)
             if good < got:
                 self.links.corrupt += 1
                 log.warning(
@@ -550,7 +475,7 @@ class PendingStore(_Pending):
             dropped = _count(sock)
             if dropped > MAX_DROPPED:
                 raise WireError(f"peer reported {dropped} dropped keys, more than an answer carries ({MAX_DROPPED})")
-            raw = _recv_bytes(sock, dropped * KEY_BYTES + REPORT.size)
+            raw = recv_bytes(sock, dropped * KEY_BYTES + REPORT.size)
             if raw is None:
                 raise OSError("peer closed the connection")
             return Stored(
@@ -603,13 +528,13 @@ class PeerLinks:
         """Have the server prove the token before anything else is sent, then prove it back."""
         client_nonce = secrets.token_bytes(NONCE_BYTES)
         sock.sendall(client_nonce)
-        reply = _recv_bytes(sock, NONCE_BYTES + PROOF_BYTES)
+        reply = recv_bytes(sock, NONCE_BYTES + PROOF_BYTES)
         if reply is None:
             raise OSError("peer closed the connection in the handshake")
-        server_nonce, proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
-        if not hmac.compare_digest(proof, _proof(self._token, SERVER_PROOF, client_nonce, server_nonce)):
+        server_nonce, peer_proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+        if not hmac.compare_digest(peer_proof, proof(self._token, SERVER_PROOF, client_nonce, server_nonce)):
             raise WireError("the peer does not hold this runtime's transfer token (a stale address?)")
-        sock.sendall(_proof(self._token, CLIENT_PROOF, client_nonce, server_nonce))
+        sock.sendall(proof(self._token, CLIENT_PROOF, client_nonce, server_nonce))
 
     def _send(self, address: tuple[str, int], write: Callable[[socket.socket], None]) -> _Link | None:
         """Send one request with ``write`` on the link to ``address``; None if that failed."""
@@ -660,7 +585,7 @@ class PeerLinks:
 
         def write(sock: socket.socket) -> None:
             sock.sendall(head + pack_keys(keys))
-            sock.sendall(_send_pages(sock, pages))
+            sock.sendall(send_pages(sock, pages))
 
         return PendingStore(self, self._send(address, write), len(keys))
 

@@ -34,7 +34,8 @@ import ray
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.cluster.keepalive import Keepalive
 from kvray.cluster.protocol import Plan
-from kvray.cluster.transfer import TOKEN_BYTES, PageServer, PeerLinks
+from kvray.cluster.transfer import PageServer, PeerLinks
+from kvray.cluster.wire import TOKEN_BYTES
 from kvray.core.config import PageLayout, TierSizes
 from tests.cluster.test_transfer import MAX_PAGES, PAGE, DictStore, eventually, page_of
 

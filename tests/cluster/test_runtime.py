@@ -16,7 +16,8 @@ import ray
 
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.cluster.protocol import Plan
-from kvray.cluster.transfer import TOKEN_BYTES, PeerLinks
+from kvray.cluster.transfer import PeerLinks
+from kvray.cluster.wire import TOKEN_BYTES
 from kvray.core.config import PageLayout, TierSizes
 
 pytestmark = pytest.mark.ray

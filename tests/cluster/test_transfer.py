@@ -22,16 +22,11 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvray.cluster import transfer
+from kvray.cluster import transfer, wire
 from kvray.cluster.observe import NodeReport
 from kvray.cluster.protocol import Stored
-from kvray.cluster.transfer import (
-    NONCE_BYTES,
-    PROOF_BYTES,
-    TOKEN_BYTES,
-    PageServer,
-    PeerLinks,
-)
+from kvray.cluster.transfer import PageServer, PeerLinks
+from kvray.cluster.wire import NONCE_BYTES, PROOF_BYTES, TOKEN_BYTES
 from kvray.core.errors import ClusterError
 from kvray.core.keys import pack_keys
 from kvray.core.placement import RunPlace
@@ -203,16 +198,16 @@ def test_a_tell_reaches_the_store_with_the_request_after_it_and_only_that_one(se
 @pytest.mark.parametrize(
     ("tell", "message"),
     [
-        (struct.pack("<BId", transfer.TELL, 0, 1.0), "a TELL of no keys"),
-        (struct.pack("<BId", transfer.TELL, 1, float("inf")) + pack_keys([5]), "a TELL at inf ms"),
-        (2 * (struct.pack("<BId", transfer.TELL, 1, 1.0) + pack_keys([5])), "a second TELL in a row"),
+        (struct.pack("<BId", wire.TELL, 0, 1.0), "a TELL of no keys"),
+        (struct.pack("<BId", wire.TELL, 1, float("inf")) + pack_keys([5]), "a TELL at inf ms"),
+        (2 * (struct.pack("<BId", wire.TELL, 1, 1.0) + pack_keys([5])), "a second TELL in a row"),
     ],
 )
 def test_a_tell_no_client_sends_is_hung_up_on_and_nothing_stored_is_touched(served, caplog, tell, message):
     server, links, store, _ = served
     held = {k: v.copy() for k, v in store.pages.items()}
     link = links._link(server.address)
-    link.sock.sendall(tell + struct.pack("<BI", transfer.LOAD, 1) + pack_keys([5]))
+    link.sock.sendall(tell + struct.pack("<BI", wire.LOAD, 1) + pack_keys([5]))
     with contextlib.suppress(ConnectionResetError):  # a reset when the server closed on bytes it had not read
         assert link.sock.recv(1) == b""  # hung up, no answer
     assert message in caplog.text and store.told == []
@@ -346,9 +341,9 @@ class Relay:
             sock.close()
 
 
-@pytest.mark.parametrize("batch_bytes", [PAGE, transfer.BATCH_BYTES])  # a page a batch, all in one
+@pytest.mark.parametrize("batch_bytes", [PAGE, wire.BATCH_BYTES])  # a page a batch, all in one
 def test_a_corrupted_page_in_an_answer_ends_the_hit_there(served, monkeypatch, batch_bytes):
-    monkeypatch.setattr(transfer, "BATCH_BYTES", batch_bytes)
+    monkeypatch.setattr(wire, "BATCH_BYTES", batch_bytes)
     server, _, _, token = served
     # Page 2 of the first answer: after the handshake and the count.
     offset = HANDSHAKE_REPLY + 4 + 2 * PAGE + 7
@@ -366,9 +361,9 @@ def test_a_corrupted_page_in_an_answer_ends_the_hit_there(served, monkeypatch, b
         relay.close()
 
 
-@pytest.mark.parametrize("batch_bytes", [PAGE, transfer.BATCH_BYTES])
+@pytest.mark.parametrize("batch_bytes", [PAGE, wire.BATCH_BYTES])
 def test_a_page_corrupted_on_its_way_to_the_server_is_not_stored(served, monkeypatch, batch_bytes):
-    monkeypatch.setattr(transfer, "BATCH_BYTES", batch_bytes)
+    monkeypatch.setattr(wire, "BATCH_BYTES", batch_bytes)
     server, _, store, token = served
     # Page 1 of the first run: after the client's handshake, the request head, the parent
     # and three keys.
