@@ -97,8 +97,11 @@ def test_sessions_with_arrivals_are_paced_by_the_workloads_own_order():
     start = min(x.sent_at for x in answers)
     sent = {(x.session, x.turn): x.sent_at - start for x in answers}
     order = [("a", 0), ("b", 0), ("a", 1), ("a", 2), ("b", 1)]
+    assert sorted(sent, key=sent.get) == order  # the trace's order, not one pace per session
     for n, key in enumerate(order):
-        assert n / 20 - 1e-3 <= sent[key] <= n / 20 + 0.05
+        # no sooner than its slot; the upper bound leaves room for a loaded machine's scheduling
+        # (0.05 s, a pace, was exceeded by 0.11 s under load 8)
+        assert n / 20 - 1e-3 <= sent[key] <= n / 20 + 0.5
     assert arrival_slots([a, b]) == [[0, 2, 3], [1, 4]]
     assert arrival_slots([a, Session("c", ((1,),), 0.0)]) is None  # one session without: paced per session
 
