@@ -207,18 +207,21 @@ def play(sessions: list[Session], group: EngineGroup, router: Router, rate: floa
     return answers, {t: n * PAGE for t, n in tiers.items() if n}, per_request, elapsed
 
 
-def cold_ttft_s(group: EngineGroup, length: int, vocab: int, seed: int) -> float:
-    """Median unloaded TTFT of cold ``length``-token prompts, one at a time on one engine."""
+def cold_probe_s(group: EngineGroup, length: int, vocab: int, seed: int) -> tuple[float, float]:
+    """Cold ``length``-token prompts, one at a time on one engine: the median unloaded TTFT,
+    and the median time from the first token to the answer's end (its decode steps)."""
     probes = Session("cold", tuple(draw(vocab, length, 99, seed, k) for k in range(COLD_PROBES)), 0.0)
-    return statistics.median(a.ttft_s for a in run_closed_loop([probes], group, Sticky(1), float("inf")))
+    answers = run_closed_loop([probes], group, Sticky(1), float("inf"))
+    return statistics.median(a.ttft_s for a in answers), statistics.median(a.done_at - a.sent_at - a.ttft_s for a in answers)
 
 
-def router_for(kind: str, group: EngineGroup, locate: Callable | None, page_ms: float) -> Router:
+def router_for(kind: str, group: EngineGroup, locate: Callable | None, page_ms: float, request_ms: float) -> Router:
     if kind == "round-robin":
         return RoundRobin(len(group.actors))
     if kind == "sticky":
         return Sticky(len(group.actors))
-    return PolicyRouter(group.nodes, make_cluster_policy(ROUTE_POLICY), locate, page_ms, engine_pages=VLLM_KV_PAGES - 1)
+    policy = make_cluster_policy(ROUTE_POLICY)
+    return PolicyRouter(group.nodes, policy, locate, page_ms, engine_pages=VLLM_KV_PAGES - 1, request_ms=request_ms)
 
 
 def say(line: str) -> None:
@@ -277,11 +280,12 @@ def sweep(
     measured_lengths = [len(p) for s in probe for p in s.prompts[s.warmup :]]
     median_len = int(statistics.median(measured_lengths))
     base = groups[CONTENDERS[BASE][0]]
-    cold_s = cold_ttft_s(base, median_len, vocab, index)
+    cold_s, decode_s = cold_probe_s(base, median_len, vocab, index)
     answers, _, _, _ = play(factory(10_000 * index + 1), base, Sticky(len(base.actors)), float("inf"))
     saturation = summarize(answers, float("inf"))["throughput_rps"]
     slo_s = SLO_SCALE * cold_s
     page_ms = 1e3 * cold_s / max(1.0, median_len / PAGE)
+    request_ms = 1e3 * decode_s  # the route verb's price of an outstanding request beyond its prefill
     ceiling, total = reuse_ceiling(probe, PAGE)
     say(
         f"serve {name}: vLLM alone saturates at {saturation:.2f} req/s; SLO {slo_s * 1e3:.0f} ms (cold TTFT {cold_s * 1e3:.0f} ms)"
@@ -296,7 +300,7 @@ def sweep(
         seed = 10_000 * index + 100 * (r * (len(size.rates) + len(size.fallback)) + p + 1) + contenders.index(c) + 2
         load_before = os.getloadavg()[0]
         answers, tiers, connector_ms, elapsed = play(
-            factory(seed), group, router_for(kind, group, locate, page_ms), m * saturation
+            factory(seed), group, router_for(kind, group, locate, page_ms, request_ms), m * saturation
         )
         point = summarize(answers, slo_s)
         point.update(
@@ -360,6 +364,8 @@ def sweep(
         "measured_prompt_tokens": total,
         "saturation_rps": saturation,
         "cold_ttft_ms": cold_s * 1e3,
+        "route_page_ms": page_ms,  # the route verb's prefill price of a page
+        "route_request_ms": request_ms,  # and of an outstanding request beyond its pages
         "slo_ttft_ms": slo_s * 1e3,
         "rates": {str(m): m * saturation for m in sorted({*size.rates, *size.fallback})},
         "runs": {c: {str(m): pts for m, pts in by_rate.items()} for c, by_rate in runs.items()},

@@ -102,17 +102,30 @@ class PolicyRouter(Router):
     page keys and the node of each cached page; with ``engine_pages`` (each engine's own
     KV space, in pages) the pages an engine still holds in its own prefix cache, as far as
     the routes sent to it tell (:class:`~kvray.engines.vllm.routing.EngineCaches`), count
-    as its node's, device tier; each engine's backlog is the pages its outstanding
-    requests must still prefill, at ``page_ms`` each (measured at warm-up)."""
+    as its node's, device tier; each engine's backlog is what its outstanding requests
+    still cost it: the pages they must prefill, at ``page_ms`` each, and ``request_ms``
+    each for the rest of a request's engine time (its answer's decode steps), both
+    measured at warm-up. Counting pages alone priced an outstanding request at its 1-2
+    computed pages, a fraction of what it holds the engine for, so the route verb kept
+    sessions where their pages were until one engine served 22 requests to the other's 16
+    and was the knee."""
 
     def __init__(
-        self, nodes: Sequence[str], policy: ClusterPolicy, locate: Locate, page_ms: float, engine_pages: int = 0
+        self,
+        nodes: Sequence[str],
+        policy: ClusterPolicy,
+        locate: Locate,
+        page_ms: float,
+        engine_pages: int = 0,
+        request_ms: float = 0.0,
     ) -> None:
         if len(set(nodes)) != len(nodes):
             raise ValueError(f"the route verb needs one engine per node; engines' nodes: {list(nodes)}")
         self.nodes, self.policy, self.locate, self.page_ms = list(nodes), policy, locate, page_ms
+        self.request_ms = request_ms
         self.name = f"route ({policy.name})"
         self.backlog_pages = [0] * len(nodes)
+        self.backlog_requests = [0] * len(nodes)
         self.pending: dict[str, tuple[int, int]] = {}
         self.engine_caches = EngineCaches(engine_pages) if engine_pages > 0 else None
 
@@ -122,7 +135,7 @@ class PolicyRouter(Router):
         if self.engine_caches is not None:
             hit_nodes, tiers = self.engine_caches.merge(keys, hit_nodes)
         view = ClusterView(
-            tuple(NodeView(n, backlog_ms=self.backlog_pages[i] * self.page_ms) for i, n in enumerate(self.nodes)),
+            tuple(NodeView(n, backlog_ms=self.backlog_ms(i)) for i, n in enumerate(self.nodes)),
             page_prefill_ms=self.page_ms,
         )
         request = RequestView(tuple(keys), None, tuple(hit_nodes), session, tiers)
@@ -131,12 +144,18 @@ class PolicyRouter(Router):
         if self.engine_caches is not None:
             self.engine_caches.served(self.nodes[engine], keys)
         self.backlog_pages[engine] += work
+        self.backlog_requests[engine] += 1
         self.pending[request_id] = (engine, work)
         return engine
+
+    def backlog_ms(self, engine: int) -> float:
+        """What engine ``engine``'s outstanding requests still cost it (see the class docstring)."""
+        return self.backlog_pages[engine] * self.page_ms + self.backlog_requests[engine] * self.request_ms
 
     def done(self, request_id: str) -> None:
         engine, work = self.pending.pop(request_id)
         self.backlog_pages[engine] -= work
+        self.backlog_requests[engine] -= 1
 
 
 @dataclass(frozen=True)

@@ -342,6 +342,20 @@ class KvrayClient(ChainStores):
         held = host.held(keys)
         return IN_FLIGHT.claim(self.config.name, keys[held:], self.timeout_s) if held < len(keys) else None
 
+    @property
+    def last_touch(self) -> ray.ObjectRef | None:
+        """The latest ``touch`` this client sent to its node's store that no write of its own
+        waited for yet: what another client storing the same request's pages
+        :meth:`follows <follow>`."""
+        return self._touched
+
+    def follow(self, touch: ray.ObjectRef | None) -> None:
+        """Make this client's next write to its node wait for ``touch`` (another client's
+        :attr:`last_touch`) first: when one client loads a request's pages and another
+        stores its new ones, the node's policy still sees the hits before the new pages."""
+        if touch is not None:
+            self._touched = touch
+
     def touch_unloaded(self, keys: Sequence[int], plan: Plan, cut: int) -> None:
         """The cached pages ``cut..`` a split request recomputes instead of loading: each
         holder counts them as read (the simulator touches a request's whole cached prefix),

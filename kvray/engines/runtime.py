@@ -86,6 +86,7 @@ class RuntimePages:
 
     def __init__(self, client, model_name: str | None = None, model_revision: str | None = None) -> None:
         self.client = client
+        self._model = (model_name, model_revision)
         self.layout: PageLayout = client.config.layout
         self.config = client.config.store_config(client.node_id)
         self.fingerprint = ModelFingerprint.of(self.layout, model_name or client.config.model_name, model_revision)
@@ -120,6 +121,14 @@ class RuntimePages:
                 "start the runtime with the engine's layout (kvray up --scenario with runtime.layout)"
             )
         return cls(client, model_name, model_revision)
+
+    def twin(self) -> RuntimePages:
+        """Another handle on the same runtime with the same page keys (a client and landing
+        buffer of its own), for a second thread: this one is not thread-safe."""
+        from kvray.cluster.client import KvrayClient
+
+        client = KvrayClient.connect(self.client.config.name, timeout_s=self.client.timeout_s)
+        return RuntimePages(client, *self._model)
 
     @property
     def capacity(self) -> int:

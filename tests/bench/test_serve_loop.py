@@ -137,6 +137,27 @@ def test_the_route_verb_follows_the_cached_pages_and_counts_backlog():
         PolicyRouter(["a", "a"], make_cluster_policy("cost-router"), lambda t: ([], []), 1.0)
 
 
+def test_the_route_verb_prices_an_outstanding_request_beyond_its_pages():
+    """b holds the session's 4 pages and serves one request of 1 page to compute: priced by
+    its page alone (10 ms) b still wins (a would fetch 4 pages, 0.5 x 10 ms each); priced
+    with the rest of its engine time (100 ms: its decode steps), a does."""
+    where = {"hot": ["b"] * 4, "busy": ["b"] * 4}
+
+    def route(request_ms: float) -> tuple[int, list[float]]:
+        policy = make_cluster_policy("cost-router")
+        router = PolicyRouter(["a", "b"], policy, lambda t: ([1, 2, 3, 4], where[t[0]]), 10.0, request_ms=request_ms)
+        assert router.pick("r0", "other", ["busy"]) == 1
+        backlog = [router.backlog_ms(0), router.backlog_ms(1)]
+        return router.pick("r1", "s", ["hot"]), backlog
+
+    assert route(0.0) == (1, [0.0, 10.0])  # its partial last page: its 4 full ones are cached on b
+    assert route(100.0) == (0, [0.0, 110.0])
+    router = PolicyRouter(["a", "b"], make_cluster_policy("cost-router"), lambda t: ([1], []), 10.0, request_ms=100.0)
+    router.pick("r0", "s", ["x"])
+    router.done("r0")
+    assert router.backlog_ms(0) == router.backlog_ms(1) == 0.0  # an answered request costs nothing more
+
+
 def test_the_route_verb_counts_what_an_engine_still_holds_in_its_own_cache():
     """The runtime reports nothing cached (its stores not yet written). A session's first
     turn lands on b (a is busy); once both are idle its next turn goes by the tie (a)

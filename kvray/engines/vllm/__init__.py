@@ -10,6 +10,8 @@ what passes between them is typed metadata that vLLM carries with each step:
   configuration, opens the pages and hands each call to its role's side;
 - :mod:`~kvray.engines.vllm.scheduler`: the scheduler side: what kvray holds of each
   request's prompt, and what the worker loads and saves in each step;
+- :mod:`~kvray.engines.vllm.lookups`: the scheduler side's calls to a kvray runtime, on a
+  thread of their own so that a lookup never stops the engine;
 - :mod:`~kvray.engines.vllm.worker`: the worker side: copies pages into and out of
   vLLM's paged KV cache, and on a kvray runtime reads and stores them itself;
 - :mod:`~kvray.engines.vllm.metadata`: what the two sides pass each other, and the

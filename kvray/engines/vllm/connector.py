@@ -188,7 +188,7 @@ class KVRayConnector(KVConnectorBase_V1):
             self.connector_worker.shutdown()
 
     # -- scheduler side ----------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def on_new_request(self, request: Request) -> None:

@@ -10,7 +10,9 @@ the request; pages of finished prefill blocks come back up in the step's output 
 stored here.
 
 On a **kvray runtime** the lookup is one controller round trip that pins the cached
-prefix, and the hit is reported as an *asynchronous* load (vLLM's ``load_async``): the
+prefix, made on a thread of its own (:mod:`kvray.engines.vllm.lookups`): vLLM is told
+``None`` (ask again later) until the plan is in, and steps its running requests meanwhile.
+The hit is reported as an *asynchronous* load (vLLM's ``load_async``): the
 request waits in ``WAITING_FOR_REMOTE_KVS`` while others run, and the worker reads the
 pages itself with the plan this side hands it (:mod:`kvray.engines.vllm.worker`). No page
 byte passes through this side, but a prefetch's. When the runtime's cluster policy decides
@@ -35,6 +37,7 @@ import numpy as np
 from kvray.core.config import PageLayout
 from kvray.core.store import PageStore
 from kvray.engines.runtime import RuntimePages
+from kvray.engines.vllm.lookups import RuntimeLookups
 from kvray.engines.vllm.metadata import (
     KVRayMetadata,
     KVRayWorkerMetadata,
@@ -129,15 +132,17 @@ class ConnectorScheduler:
         self.runtime = runtime
         self.counters = new_counters()
         self.verbs = ClusterVerbs(runtime, self.counters) if verbs else None
+        self.lookups = RuntimeLookups(runtime, self.counters) if runtime is not None else None
         self._requests: dict[str, TrackedRequest] = {}
         self._staged: dict[str, StagedHit] = {}
         self._accepted: dict[str, AcceptedHit] = {}
         self._pinned: dict[str, PinnedHit] = {}
         self._runtime_loads: list[RuntimeLoad] = []
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` whose pages kvray holds, read and verified now
-        (in-process store) or pinned for the worker to read (runtime: loaded asynchronously)."""
+        (in-process store) or pinned for the worker to read (runtime: loaded asynchronously;
+        ``None`` while the runtime's lookup runs)."""
         page = self.layout.page_tokens
         staged = self._staged.get(request.request_id)
         if staged is not None and staged.computed_tokens == num_computed_tokens:
@@ -154,6 +159,8 @@ class ConnectorScheduler:
             return 0, False
         if self.verbs is not None and self.verbs.answer(request.request_id) is PENDING:
             return None, False  # its decision or prefetch runs: vLLM asks again in a later step
+        if self.runtime is not None:  # counted and timed on the lookups' thread
+            return self._pin_on_runtime(request.request_id, tracked, first, loadable, num_computed_tokens)
         self.counters["lookups"] += 1
         started = time.perf_counter()
         try:
@@ -172,11 +179,8 @@ class ConnectorScheduler:
             self.verbs.ask(request.request_id, tracked.keys[:loadable], self.runtime.route_key(tracked.keys))
 
     def _look_up(self, req_id: str, tracked: TrackedRequest, first: int, loadable: int, computed: int) -> tuple[int, bool]:
-        """Pages ``first``..``loadable`` of the request's prompt: read and verified from the
-        store now, or pinned on the runtime."""
+        """Pages ``first``..``loadable`` of the request's prompt, read and verified from the store now."""
         page = self.layout.page_tokens
-        if self.runtime is not None:
-            return self._pin_on_runtime(req_id, tracked, first, loadable, computed)
         try:
             found, pages = self.store.get_pages(tracked.keys[first:loadable])
         except Exception as exc:  # a cache must never fail a request: any store failure is a miss
@@ -189,22 +193,27 @@ class ConnectorScheduler:
         self._staged[req_id] = StagedHit(first, computed, pages)
         return len(found) * page, False
 
-    def _pin_on_runtime(self, req_id: str, tracked: TrackedRequest, first: int, loadable: int, computed: int) -> tuple[int, bool]:
-        """Pin the runtime's cached prefix; its pages beyond ``first`` load asynchronously."""
+    def _pin_on_runtime(
+        self, req_id: str, tracked: TrackedRequest, first: int, loadable: int, computed: int
+    ) -> tuple[int | None, bool]:
+        """Pin the runtime's cached prefix; its pages beyond ``first`` load asynchronously.
+        ``None`` tokens while the lookup runs (vLLM asks again in a later step)."""
         if (stale := self._pinned.pop(req_id, None)) is not None:
-            self.runtime.release(stale.plan)
+            self.lookups.release(stale.plan)
         # Routed as the prompt's saves are (all its full pages): a prompt of at most
         # controller_route_depth + 1 pages would otherwise ask another shard than it saves to.
-        plan = self.runtime.lookup(tracked.keys[:loadable], self.runtime.route_key(tracked.keys))
+        plan = self.lookups.plan(req_id, tracked.keys[:loadable], self.runtime.route_key(tracked.keys))
+        if plan is None:
+            return None, False
         tracked.cached_pages = max(tracked.cached_pages, plan.hit_pages)  # the pages a split recomputes are not saved again
         verbs = self.verbs.answer(req_id) if self.verbs is not None else DEFAULT
         if verbs.load_pages is not None and verbs.load_pages < plan.hit_pages:  # a load split: vLLM computes the rest
             cut = max(verbs.load_pages, first)
             self.counters["recomputed_hit_pages"] += plan.hit_pages - cut
-            self.runtime.client.touch_unloaded(tracked.keys, plan, cut)  # their holders count them as read
+            self.lookups.touch_unloaded(tracked.keys, plan, cut)  # their holders count them as read
             plan = dataclasses.replace(plan, hit_nodes=plan.hit_nodes[:cut])  # the lease still pins (and ends) them all
         if plan.hit_pages <= first:
-            self.runtime.release(plan)
+            self.lookups.release(plan)
             return 0, False
         # a copy of a chain is stored from its root: only a hit vLLM computed nothing of is replicated
         pinned = self._pinned[req_id] = PinnedHit(first, computed, plan, verbs.replicate and first == 0)
@@ -221,7 +230,7 @@ class ConnectorScheduler:
         if pinned is None:
             return
         if taken == 0:
-            self.runtime.release(pinned.plan)
+            self.lookups.release(pinned.plan)
             return
         first, keys = pinned.first_page, self._requests[request.request_id].keys
         block_ids = blocks.get_block_ids()[0][first : first + taken]
@@ -320,8 +329,10 @@ class ConnectorScheduler:
         self._accepted.pop(req_id, None)
         if self.verbs is not None:
             self.verbs.forget(req_id)
+        if self.lookups is not None:
+            self.lookups.forget(req_id)
         if (pinned := self._pinned.pop(req_id, None)) is not None:
-            self.runtime.release(pinned.plan)
+            self.lookups.release(pinned.plan)
 
     def shutdown(self) -> None:
         if self.store is not None:
@@ -330,6 +341,9 @@ class ConnectorScheduler:
         if self.verbs is not None:
             self.verbs.close()
             self.verbs = None
+        if self.lookups is not None:
+            self.lookups.close()
+            self.lookups = None
         if self.runtime is not None:
             self.runtime.close()
             self.runtime = None

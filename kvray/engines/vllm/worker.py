@@ -5,7 +5,7 @@ scheduler side staged into the request's blocks before the forward pass, and cop
 computed full blocks out after it; the copies go up in the step's output
 (:mod:`kvray.engines.vllm.metadata`).
 
-On a **kvray runtime** it moves the bytes itself, on one background I/O thread:
+On a **kvray runtime** it moves the bytes itself, off vLLM's thread:
 
 - it reads the pages of each plan the scheduler side made (from its node's mapped host
   tier, or by TCP from a peer node's page server) straight into the request's blocks, and
@@ -13,7 +13,10 @@ On a **kvray runtime** it moves the bytes itself, on one background I/O thread:
   block in ``get_block_ids_with_load_errors``, and vLLM (with
   ``kv_load_failure_policy="recompute"``, which the connector sets) recomputes from there:
   a shorter hit, never a failed request or wrong KV;
-- it stores newly computed full blocks on its node's store.
+- it stores newly computed full blocks on its node's store, on a thread and client of
+  their own: a store waits for the store actor's answer (about 50 ms per request on the
+  served benchmark's agents at capacity, 15% of the I/O thread's time), and a load that
+  queued behind it held the next request, whose blocks are allocated, out of the engine.
 
 Pages hold K and V as ``[layers, 2, block_size, kv_heads, head_dim]`` whatever the
 attention backend's physical block layout; :class:`~kvray.engines.vllm.codec.BlockCodec`
@@ -73,11 +76,23 @@ class ConnectorWorker:
         self.runtime = runtime
         self.counters = new_counters()
         self.codec: BlockCodec | None = None
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvray-io") if runtime is not None else None
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvray-io") if runtime is not None else None  # loads
+        self._store_io, self._storer = self._open_storer()
         self._saved: list[SavedPages] = []
         self._loading: dict[str, LoadInFlight] = {}
         self._storing: list[Future] = []
         self._failed_blocks: set[int] = set()
+
+    def _open_storer(self) -> tuple[ThreadPoolExecutor | None, RuntimePages | None]:
+        """The thread and runtime handle stores use (see the module docstring); the loads'
+        own when a second client cannot be opened."""
+        if self.runtime is None:
+            return None, None
+        try:
+            return ThreadPoolExecutor(1, thread_name_prefix="kvray-store"), self.runtime.twin()
+        except Exception as exc:  # stores then wait behind loads, as one client must
+            log.warning("kvray: no second runtime client for stores (%r): they share the loads' thread", exc)
+            return self._io, self.runtime
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         context = self.vllm_config.compilation_config.static_forward_context
@@ -147,20 +162,25 @@ class ConnectorWorker:
 
     def wait_for_save(self, meta: KVRayMetadata) -> None:
         """Copy the step's completed prompt blocks out (all layers are written by now): up to
-        the scheduler side with the step's output, or onto the runtime by the I/O thread."""
+        the scheduler side with the step's output, or onto the runtime by the store thread."""
         for save in meta.saves:
             pages = self.codec.read_bytes(save.block_ids)
             if not meta.on_runtime:
                 self._saved.append(SavedPages(save, pages))
-            elif self._io is not None:  # the copy above is the worker's own: blocks may be reused now
+            elif self._store_io is not None:  # the copy above is the worker's own: blocks may be reused now
+                # the loads' latest touch of this node (this request's hits): the write waits for it
+                touch = self.runtime.client.last_touch if self._storer is not self.runtime else None
                 self._storing = [f for f in self._storing if not f.done()]
-                self._storing.append(self._io.submit(self._store_on_runtime, save, pages))
+                self._storing.append(self._store_io.submit(self._store_on_runtime, save, pages, touch))
 
-    def _store_on_runtime(self, save: PageSave, pages: np.ndarray) -> None:
-        """On the I/O thread: keep computed pages on this node's store (best effort)."""
+    def _store_on_runtime(self, save: PageSave, pages: np.ndarray, touch) -> None:
+        """On the store thread: keep computed pages on this node's store (best effort), after
+        ``touch`` (the loads' client's, so the node's policy sees the hits first)."""
+        storer = self._storer
         try:
-            self.counters["saved_pages"] += self.runtime.put_pages(
-                save.keys, pages, self.runtime.fingerprint.digest, save.parent_key, save.route_key
+            storer.client.follow(touch)
+            self.counters["saved_pages"] += storer.put_pages(
+                save.keys, pages, storer.fingerprint.digest, save.parent_key, save.route_key
             )
         except Exception as exc:  # storing is best effort: the pages are simply not cached
             self.counters["failures"] += 1
@@ -179,9 +199,12 @@ class ConnectorWorker:
         return meta
 
     def shutdown(self) -> None:
-        if self._io is not None:
-            self._io.shutdown(wait=True)  # pending loads and stores finish first
-            self._io = None
+        for pool in {self._io, self._store_io} - {None}:
+            pool.shutdown(wait=True)  # pending loads and stores finish first
+        self._io = self._store_io = None
+        if self._storer is not None and self._storer is not self.runtime:
+            self._storer.close()
+        self._storer = None
         if self.runtime is not None:
             self.runtime.close()
             self.runtime = None

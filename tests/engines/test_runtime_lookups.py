@@ -1,0 +1,85 @@
+"""The scheduler side's lookups off vLLM's thread (kvray/engines/vllm/lookups.py), without vLLM
+or Ray: a request is answered None until its plan is in, one lookup runs at a time, every
+plan taken or not is released exactly once, in order after the lookup, and a failed lookup
+is a miss (the engine test is test_vllm_on_ray.py)."""
+
+from __future__ import annotations
+
+import threading
+
+from kvray.cluster.protocol import NO_LEASE, Plan
+from kvray.engines.vllm.lookups import RuntimeLookups
+
+
+def new_counters() -> dict[str, int]:
+    return {"lookups": 0, "lookup_us": 0, "failures": 0}  # the side's (metadata.new_counters, which imports vLLM)
+
+
+class FakeRuntime:
+    """Looks up by waiting for ``gate`` and answering a plan per call (lease = call number);
+    records every call in order, with the thread it ran on."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.gate = threading.Event()
+        self.calls: list[tuple[str, object, str]] = []
+        self.fail = fail
+        self.client = self
+
+    def lookup(self, keys, route_key):
+        self.gate.wait(5)
+        if self.fail:
+            raise ConnectionError("controller gone")
+        plan = Plan(len(self.calls) + 1, ["a"] * len(keys), [])
+        self.calls.append(("lookup", plan.lease, threading.current_thread().name))
+        return plan
+
+    def release(self, plan):
+        self.calls.append(("release", plan.lease, threading.current_thread().name))
+
+    def touch_unloaded(self, keys, plan, cut):
+        self.calls.append(("touch", (plan.lease, cut), threading.current_thread().name))
+
+
+def test_a_request_is_answered_none_until_its_plan_is_in_and_one_lookup_runs_at_a_time():
+    runtime = FakeRuntime()
+    counters = new_counters()
+    lookups = RuntimeLookups(runtime, counters)
+    assert lookups.plan("r1", [1, 2, 3], route_key=1) is None  # asked
+    assert lookups.plan("r2", [4, 5], route_key=4) is None  # not asked: r1's lookup runs
+    assert lookups.plan("r1", [1, 2, 3], route_key=1) is None  # still running
+    runtime.gate.set()
+    lookups._asked["r1"].result(timeout=5)
+    plan = lookups.plan("r1", [1, 2, 3], route_key=1)
+    assert plan.lease == 1 and plan.hit_pages == 3  # taken
+    assert lookups.plan("r2", [4, 5], route_key=4) is None  # now asked
+    lookups._asked["r2"].result(timeout=5)
+    assert lookups.plan("r2", [4, 5], route_key=4).hit_pages == 2
+    lookups.release(plan)
+    lookups.close()
+    assert [c[:2] for c in runtime.calls] == [("lookup", 1), ("lookup", 2), ("release", 1)]
+    assert all(c[2].startswith("kvray-lookup") for c in runtime.calls)  # never on the caller's (vLLM's) thread
+    assert counters["lookups"] == 2 and counters["lookup_us"] > 0 and counters["failures"] == 0
+
+
+def test_a_request_gone_before_its_plan_was_taken_releases_it_once_after_the_lookup():
+    runtime = FakeRuntime()
+    lookups = RuntimeLookups(runtime, new_counters())
+    assert lookups.plan("r1", [1, 2], route_key=1) is None
+    lookups.forget("r1")  # while its lookup still waits for the controller
+    lookups.forget("r1")  # twice: nothing more
+    lookups.touch_unloaded([1, 2], Plan(7, ["a"], []), 1)
+    runtime.gate.set()
+    lookups.close()
+    assert [c[:2] for c in runtime.calls] == [("lookup", 1), ("release", 1), ("touch", (7, 1))]
+
+
+def test_a_failed_lookup_is_a_miss_never_a_failed_request():
+    runtime = FakeRuntime(fail=True)
+    runtime.gate.set()
+    counters = new_counters()
+    lookups = RuntimeLookups(runtime, counters)
+    assert lookups.plan("r", [1], route_key=1) is None
+    lookups._asked["r"].result(timeout=5)
+    plan = lookups.plan("r", [1], route_key=1)
+    assert plan.lease == NO_LEASE and plan.hit_pages == 0 and counters["failures"] == 1
+    lookups.close()
