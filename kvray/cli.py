@@ -489,6 +489,11 @@ def train_reuse(
         [], "--load", callback=LOAD, help=LOAD_HELP + ", per source and capacity; repeat for several (none: the own rate)"
     ),
     own_rate: bool = typer.Option(True, "--own-rate/--no-own-rate", help="with --load, also train at each source's own rate"),
+    promotions: bool = typer.Option(
+        True,
+        "--promotion-decisions/--no-promotion-decisions",
+        help="also fit the model on the teachers' promotion decisions (the page read from disk vs host's next victim)",
+    ),
     cluster: bool = typer.Option(
         False,
         "--cluster",
@@ -537,7 +542,7 @@ def train_reuse(
             return
         loads = ([None] if own_rate or not load else []) + list(load)
         card = train_reuse_policy(
-            out, seed, rounds, jobs, record, family, trace, fraction, train_fraction, pool, console.print, loads
+            out, seed, rounds, jobs, record, family, trace, fraction, train_fraction, pool, console.print, loads, promotions
         )
     console.print(f"wrote {out}: {card['training']['decisions']} decisions in {card['training']['wall_s']} s")
 

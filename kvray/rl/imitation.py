@@ -13,7 +13,7 @@ trace by time, at capacities 2/5/10/25% of each source's unique pages, on one no
 LRU keeps the prefill engine busy that share of the time (:mod:`kvray.sim.load`). A miss
 also delays the requests queued behind it, so a decision's weight (at any rate where a
 queue forms) is multiplied by one plus the requests' worth of work queued ahead of it
-(:func:`~kvray.policy.reuse.queue_weight`).
+(:func:`~kvray.policy.reuse_weights.queue_weight`).
 
 Everything random (which decisions are recorded, the fit's initialisation and batches)
 comes from the seed: a run reproduces its weights bit for bit on one machine.
@@ -74,19 +74,23 @@ def _at_load(job: tuple) -> list[TraceRequest]:
     return find_load(trace, scenario, load, node_capacities(scenario, trace, fraction)).trace
 
 
-def collect(job: tuple) -> tuple[list[np.ndarray], list[np.ndarray], list[float], float]:
+Collected = tuple[list[np.ndarray], list[np.ndarray], list[float], float, int]
+
+
+def collect(job: tuple) -> Collected:
     """One replay of the teacher-labelled policy: its recorded decisions (each candidate's
-    rows and labels, the decision's weight) and its mean TTFT."""
-    trace, fraction, scenario, model, record, seed, pool = job
-    policy = ReusePolicy(model, teacher=True, record=record, seed=seed, pool=pool)
+    rows and labels, the decision's weight), its mean TTFT and how many of the decisions
+    were promotions (with ``promotions``: the page read and host's next victim)."""
+    trace, fraction, scenario, model, record, seed, pool, promotions = job
+    policy = ReusePolicy(model, teacher=True, record=record, seed=seed, pool=pool, record_promotions=promotions)
     capacities = node_capacities(scenario, trace, fraction)[0]
     result = Simulator(scenario, policy, capacities).replay(trace)
-    return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms
+    return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms, policy.promotions_recorded
 
 
 def dagger(
     work: Callable[[ReuseModel | None, int], list[tuple]],
-    collect_one: Callable[[tuple], tuple[list[np.ndarray], list[np.ndarray], list[float], float]],
+    collect_one: Callable[[tuple], Collected],
     rounds: int,
     jobs: int,
     seed: int,
@@ -109,7 +113,7 @@ def dagger(
                 results = list(workers.map(collect_one, jobs_now))
         else:
             results = [collect_one(job) for job in jobs_now]
-        for x, y, w, _ in results:
+        for x, y, w, *_ in results:
             rows += x
             labels += y
             weights += w
@@ -121,6 +125,7 @@ def dagger(
                 "round": r,
                 "acted_by": "oracle among candidates" if r == 0 else "model",
                 "decisions": sum(len(x) for x, *_ in results),
+                "promotion_decisions": sum(res[4] for res in results),
                 "mean_ttft_ms": [round(res[3], 1) for res in results],
             }
         )
@@ -143,9 +148,13 @@ def train_reuse(
     say: Callable[[str], None] | None = None,
     pool: tuple[int, int, int] = POOL,
     loads: Sequence[float | None] = (None,),
+    promotions: bool = True,
 ) -> dict:
     """DAgger over the training ``sources`` (:func:`training_sources`) at every capacity
-    fraction and load (None: the source's own rate); writes the model and its card into ``out``."""
+    fraction and load (None: the source's own rate); writes the model and its card into ``out``.
+    With ``promotions``, the teachers also record their promotion decisions (the page read
+    from disk and host's next victim, :meth:`~kvray.policy.reuse.ReusePolicy.promote_target`):
+    the model that prices them is otherwise fitted on eviction pools of old pages only."""
     scenario = scenario or load_scenario(DEFAULT_SCENARIO)
     started = time.perf_counter()
     cells = [(t, f, scenario, u) for t in sources.values() for f in capacities for u in loads]
@@ -156,7 +165,7 @@ def train_reuse(
         traces = [_at_load(c) for c in cells]
     model, decisions, history = dagger(
         lambda model, r: [
-            (trace, f, scenario, model, record, seed * 1_000_003 + r * 1009 + i, pool)
+            (trace, f, scenario, model, record, seed * 1_000_003 + r * 1009 + i, pool, promotions)
             for i, (trace, (_, f, _, _)) in enumerate(zip(traces, cells))
         ],
         collect,
@@ -174,8 +183,14 @@ def train_reuse(
         "features": list(model.features()),
         "candidates": {"lru_oldest": pool[0], "least_frequent": pool[1], "oldest_never_read": pool[2]},
         "take": TAKE,
-        "label": "softmax over a decision's candidates of log1p(requests to next use) (never = 1e5), cross-entropy weighted by the miss cost where the eviction sends the page",
+        "label": "softmax over a decision's candidates of log1p(requests to next use) (never = 1e5), cross-entropy weighted by the miss cost where the eviction sends the page"
+        + (
+            "; a promotion decision's candidates are the page read from disk and host's next victim, weighted by a disk read's cost over a host read's"
+            if promotions
+            else ""
+        ),
         "training": {
+            "promotion_decisions": promotions,
             "seed": seed,
             "dagger_rounds": rounds,
             "record_share": record,
