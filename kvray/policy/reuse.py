@@ -20,8 +20,9 @@ with every disk read promoted.
 
 The model is trained by imitating the oracle in the simulator (:mod:`kvray.rl.imitation`):
 the same class runs as the *teacher's student* there (``teacher=True``: told the future like
-Belady, it records every scored candidate with its true next use, and acts by the model, or
-by the oracle among the candidates when it has no model yet: DAgger's rounds).
+Belady, it records every scored candidate with its true next use, and, with
+``record_promotions``, each promotion it prices: the page read beside host's next victim;
+it acts by the model, or by the oracle when it has no model yet: DAgger's rounds).
 
 Example::
 

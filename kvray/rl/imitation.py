@@ -3,8 +3,13 @@
 In the simulator the next use of every page is known (the Belady oracle's future), so every
 eviction decision of :class:`~kvray.policy.reuse.ReusePolicy` can be labelled: each of its
 candidates with the requests until its next use (never: :data:`~kvray.policy.reuse_model.NEVER_REQUESTS`),
-weighted by what a miss of that page costs from where the eviction sends it. Round 0 acts
-as the oracle among the candidates (the expert); every later round rolls out the model
+weighted by what a miss of that page costs from where the eviction sends it. So can every
+promotion decision (a page read from disk moves up to host only if the model ranks it
+nearer its next use than host's next victim): the pair, labelled the same way, weighted by
+what a disk read costs over a host read. Without those rows the model that prices a
+promotion was fitted on eviction pools of old pages only, and a page read this request lay
+outside them. Round 0 acts as the oracle among the candidates (the expert; it promotes a
+page iff it is used before host's victim); every later round rolls out the model
 fitted so far, so that it is labelled on the states its own choices lead to, and the model
 is refitted on all rounds' rows (DAgger's aggregation). Only the training sources are
 replayed: the five generated families (seeds 100-104) and the first part of each training
