@@ -21,7 +21,7 @@ from rich.console import Console
 
 from kvray.bench import NAMES as BENCHMARKS
 from kvray.core.errors import ConfigError, KvrayError
-from kvray.flags import CAPACITY_FRACTION, COUNT, LOAD, LOAD_HELP, NON_NEGATIVE, POSITIVE, TIME_FRACTION, in_range
+from kvray.flags import CAPACITY_FRACTION, COUNT, LOAD, LOAD_HELP, NON_NEGATIVE, POSITIVE, TIME_FRACTION, in_range, one_of
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="kvray: tiered KV-cache offload and reuse"
@@ -489,10 +489,12 @@ def train_reuse(
         [], "--load", callback=LOAD, help=LOAD_HELP + ", per source and capacity; repeat for several (none: the own rate)"
     ),
     own_rate: bool = typer.Option(True, "--own-rate/--no-own-rate", help="with --load, also train at each source's own rate"),
-    promotions: bool = typer.Option(
-        True,
-        "--promotion-decisions/--no-promotion-decisions",
-        help="also fit the model on the teachers' promotion decisions (the page read from disk vs host's next victim)",
+    promotions: str = typer.Option(
+        "all",
+        "--promotion-decisions",
+        callback=one_of("all", "rollouts", "none"),  # kvray.rl.imitation.PROMOTION_ROWS (not imported here: numpy)
+        help="teacher replays that also record promotion decisions (page read vs host's next victim): all, rollouts "
+        "(the DAgger rounds'), none",
     ),
     cluster: bool = typer.Option(
         False,

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvray.core.errors import ConfigError
 from kvray.policy.reuse import POOL, TAKE, ReusePolicy
 from kvray.policy.reuse_model import WEIGHTS_FILE, ReuseModel, batch_groups
 from kvray.rl.train import split_by_time
@@ -58,6 +59,9 @@ FAMILY_SEEDS = {"chat": 100, "document": 101, "agent": 102, "bursty": 103, "phas
 TRAIN_TRACE = "conversation_trace_first30min.jsonl"
 CAPACITIES = (0.02, 0.05, 0.10, 0.25)
 CARD_FILE = "card.json"
+# which teacher replays record their promotion decisions: every round's, the DAgger rollouts'
+# only (round 0's victim is the oracle's, rarely the one the model would pick), or none
+PROMOTION_ROWS = ("all", "rollouts", "none")
 
 
 def training_sources(families: Sequence[str], traces: Sequence[str], train_fraction: float) -> dict[str, list[TraceRequest]]:
@@ -85,9 +89,10 @@ Collected = tuple[list[np.ndarray], list[np.ndarray], list[float], float, int]
 def collect(job: tuple) -> Collected:
     """One replay of the teacher-labelled policy: its recorded decisions (each candidate's
     rows and labels, the decision's weight), its mean TTFT and how many of the decisions
-    were promotions (with ``promotions``: the page read and host's next victim)."""
+    were promotions (the page read and host's next victim; :data:`PROMOTION_ROWS`)."""
     trace, fraction, scenario, model, record, seed, pool, promotions = job
-    policy = ReusePolicy(model, teacher=True, record=record, seed=seed, pool=pool, record_promotions=promotions)
+    kept = promotions == "all" or (promotions == "rollouts" and model is not None)
+    policy = ReusePolicy(model, teacher=True, record=record, seed=seed, pool=pool, record_promotions=kept)
     capacities = node_capacities(scenario, trace, fraction)[0]
     result = Simulator(scenario, policy, capacities).replay(trace)
     return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms, policy.promotions_recorded
@@ -153,13 +158,16 @@ def train_reuse(
     say: Callable[[str], None] | None = None,
     pool: tuple[int, int, int] = POOL,
     loads: Sequence[float | None] = (None,),
-    promotions: bool = True,
+    promotions: str = "all",
 ) -> dict:
     """DAgger over the training ``sources`` (:func:`training_sources`) at every capacity
     fraction and load (None: the source's own rate); writes the model and its card into ``out``.
-    With ``promotions``, the teachers also record their promotion decisions (the page read
-    from disk and host's next victim, :meth:`~kvray.policy.reuse.ReusePolicy.promote_target`):
-    the model that prices them is otherwise fitted on eviction pools of old pages only."""
+    ``promotions`` says which replays also record their promotion decisions (the page read
+    from disk and host's next victim, :meth:`~kvray.policy.reuse.ReusePolicy.promote_target`;
+    :data:`PROMOTION_ROWS`): the model that prices them is otherwise fitted on eviction pools
+    of old pages only."""
+    if promotions not in PROMOTION_ROWS:
+        raise ConfigError(f"promotions={promotions!r}: expected one of {', '.join(PROMOTION_ROWS)}")
     scenario = scenario or load_scenario(DEFAULT_SCENARIO)
     started = time.perf_counter()
     cells = [(t, f, scenario, u) for t in sources.values() for f in capacities for u in loads]
@@ -191,7 +199,7 @@ def train_reuse(
         "label": "softmax over a decision's candidates of log1p(requests to next use) (never = 1e5), cross-entropy weighted by the miss cost where the eviction sends the page"
         + (
             "; a promotion decision's candidates are the page read from disk and host's next victim, weighted by a disk read's cost over a host read's"
-            if promotions
+            if promotions != "none"
             else ""
         ),
         "training": {

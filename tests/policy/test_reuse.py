@@ -219,6 +219,23 @@ def test_training_is_deterministic_by_seed(tmp_path):
     assert weights(3, "a") != weights(4, "c")
 
 
+def test_promotion_rows_come_from_every_round_the_rollouts_only_or_none(tmp_path):
+    """``promotions="rollouts"`` keeps round 0's (the oracle's victims) out; "none" trains on evictions only."""
+    from kvray.core.errors import ConfigError
+    from kvray.rl.imitation import train_reuse
+    from kvray.sim.workloads import WorkloadSpec, generate
+
+    sources = {"tiny": generate(WorkloadSpec(sessions=12), seed=5)}
+    counts = {}
+    for rows in ("all", "rollouts", "none"):
+        card = train_reuse(tmp_path / rows, sources, seed=3, rounds=1, record=1.0, capacities=(0.05,), epochs=1, promotions=rows)
+        counts[rows] = [r["promotion_decisions"] for r in card["training"]["rounds"]]
+        assert card["training"]["promotion_decisions"] == rows
+    assert counts["all"][0] > 0 and counts["rollouts"][0] == 0 and counts["rollouts"][1] > 0 and counts["none"] == [0, 0]
+    with pytest.raises(ConfigError, match="promotions='some'"):
+        train_reuse(tmp_path / "x", sources, promotions="some")
+
+
 def test_delayed_labels_are_the_requests_until_next_use_or_never_after_the_horizon():
     from kvray.policy.reuse_model import NEVER_REQUESTS
     from kvray.policy.reuse_online import DelayedLabels
