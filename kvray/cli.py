@@ -490,11 +490,12 @@ def train_reuse(
     ),
     own_rate: bool = typer.Option(True, "--own-rate/--no-own-rate", help="with --load, also train at each source's own rate"),
     promotions: str = typer.Option(
-        "all",
+        "none",
         "--promotion-decisions",
         callback=one_of("all", "rollouts", "none"),  # kvray.rl.imitation.PROMOTION_ROWS (not imported here: numpy)
         help="teacher replays that also record promotion decisions (page read vs host's next victim): all, rollouts "
-        "(the DAgger rounds'), none",
+        "(the DAgger rounds'), none (as policies/reuse was trained; docs/sim-eval/README.md, 'Promotion decisions in the "
+        "teacher's replays')",
     ),
     cluster: bool = typer.Option(
         False,

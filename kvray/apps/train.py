@@ -138,7 +138,7 @@ def train_reuse_policy(
     pool: tuple[int, int, int],
     progress: Callable[[str], None] | None = None,
     loads: Sequence[float | None] = (None,),
-    promotions: str = "all",
+    promotions: str = "none",
 ) -> dict:
     """``kvray train-reuse``: the per-page reuse model imitating the oracle over the training
     sources (:mod:`kvray.rl.imitation`), written with its card into ``out``."""

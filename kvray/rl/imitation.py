@@ -5,11 +5,13 @@ eviction decision of :class:`~kvray.policy.reuse.ReusePolicy` can be labelled: e
 candidates with the requests until its next use (never: :data:`~kvray.policy.reuse_model.NEVER_REQUESTS`),
 weighted by what a miss of that page costs from where the eviction sends it. So can every
 promotion decision (a page read from disk moves up to host only if the model ranks it
-nearer its next use than host's next victim): the pair, labelled the same way, weighted by
-what a disk read costs over a host read. Without those rows the model that prices a
-promotion was fitted on eviction pools of old pages only, and a page read this request lay
-outside them. Round 0 acts as the oracle among the candidates (the expert; it promotes a
-page iff it is used before host's victim); every later round rolls out the model
+nearer its next use than host's next victim): with ``promotions`` (:data:`PROMOTION_ROWS`)
+the pair is recorded too, labelled the same way, weighted by what a disk read costs over a
+host read. Without those rows the model that prices a promotion is fitted on eviction pools
+of old pages only, and a page read this request lies outside them; with them it was not
+better on the held-out cells (docs/sim-eval/README.md, "Promotion decisions in the teacher's
+replays"), so the default records none. Round 0 acts as the oracle among the candidates (the
+expert; it promotes a page iff it is used before host's victim); every later round rolls out the model
 fitted so far, so that it is labelled on the states its own choices lead to, and the model
 is refitted on all rounds' rows (DAgger's aggregation). Only the training sources are
 replayed: the five generated families (seeds 100-104) and the first part of each training
@@ -158,7 +160,7 @@ def train_reuse(
     say: Callable[[str], None] | None = None,
     pool: tuple[int, int, int] = POOL,
     loads: Sequence[float | None] = (None,),
-    promotions: str = "all",
+    promotions: str = "none",
 ) -> dict:
     """DAgger over the training ``sources`` (:func:`training_sources`) at every capacity
     fraction and load (None: the source's own rate); writes the model and its card into ``out``.
