@@ -16,7 +16,7 @@ Weights are stored as safetensors (no pickle) beside the feature names they were
 Example::
 
     import numpy as np
-    from kvray.policy.page_features import FEATURES, SOURCES, PageFeatures
+    from kvray.policy.page_features import FEATURES, SOURCES
     from kvray.policy.reuse_model import ReuseModel, log_next_use
 
     rng = np.random.default_rng(0)
