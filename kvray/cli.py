@@ -21,7 +21,7 @@ from rich.console import Console
 
 from kvray.bench import NAMES as BENCHMARKS
 from kvray.core.errors import ConfigError, KvrayError
-from kvray.flags import CAPACITY_FRACTION, COUNT, LOAD, LOAD_HELP, NON_NEGATIVE, POSITIVE, TIME_FRACTION, in_range
+from kvray.flags import CAPACITY_FRACTION, COUNT, LOAD, LOAD_HELP, NON_NEGATIVE, POSITIVE, TIME_FRACTION, in_range, one_of
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="kvray: tiered KV-cache offload and reuse"
@@ -489,6 +489,14 @@ def train_reuse(
         [], "--load", callback=LOAD, help=LOAD_HELP + ", per source and capacity; repeat for several (none: the own rate)"
     ),
     own_rate: bool = typer.Option(True, "--own-rate/--no-own-rate", help="with --load, also train at each source's own rate"),
+    promotions: str = typer.Option(
+        "none",
+        "--promotion-decisions",
+        callback=one_of("all", "rollouts", "none"),  # kvray.rl.imitation.PROMOTION_ROWS (not imported here: numpy)
+        help="teacher replays that also record promotion decisions (page read vs host's next victim): all, rollouts "
+        "(the DAgger rounds'), none (as policies/reuse was trained; docs/sim-eval/README.md, 'Promotion decisions in the "
+        "teacher's replays')",
+    ),
     cluster: bool = typer.Option(
         False,
         "--cluster",
@@ -537,7 +545,7 @@ def train_reuse(
             return
         loads = ([None] if own_rate or not load else []) + list(load)
         card = train_reuse_policy(
-            out, seed, rounds, jobs, record, family, trace, fraction, train_fraction, pool, console.print, loads
+            out, seed, rounds, jobs, record, family, trace, fraction, train_fraction, pool, console.print, loads, promotions
         )
     console.print(f"wrote {out}: {card['training']['decisions']} decisions in {card['training']['wall_s']} s")
 

@@ -49,6 +49,18 @@ def in_range(
     return check
 
 
+def one_of(*choices: str) -> Callable[[str], str]:
+    """A typer callback refusing a flag's value outside ``choices`` (click's ``Choice``, which
+    this typer's ``Option`` does not take)."""
+
+    def check(value: str) -> str:
+        if value not in choices:
+            raise typer.BadParameter(f"expected one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    return check
+
+
 COUNT = in_range(1)  # requests, nodes, sessions, repeats, jobs: one or more
 NON_NEGATIVE = in_range(0)  # a count where 0 means none, a seed, a cost
 POSITIVE = in_range(0, low_open=True)  # a scale or a rate

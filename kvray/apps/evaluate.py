@@ -412,8 +412,8 @@ def run_eval(
         summary["noise"] = {"copies": noise, "counts": noise_counts(floor), "cells": floor}
     if learned is not None and learned.partition(":")[0] == "reuse":
         from kvray.policy.reuse import DEFAULT_MODEL
-        from kvray.policy.reuse import decision_time_us as page_decision_us
         from kvray.policy.reuse_model import ReuseModel
+        from kvray.policy.reuse_model import decision_time_us as page_decision_us
 
         folder = shipped_or_given(learned.partition(":")[2] or DEFAULT_MODEL, "policies")
         summary["reuse_decision_us_per_page_batched"] = page_decision_us(ReuseModel.load(folder))

@@ -138,13 +138,16 @@ def train_reuse_policy(
     pool: tuple[int, int, int],
     progress: Callable[[str], None] | None = None,
     loads: Sequence[float | None] = (None,),
+    promotions: str = "none",
 ) -> dict:
     """``kvray train-reuse``: the per-page reuse model imitating the oracle over the training
     sources (:mod:`kvray.rl.imitation`), written with its card into ``out``."""
     from kvray.rl.imitation import train_reuse, training_sources
 
     sources = training_sources(families, [str(t) for t in traces], train_fraction)
-    return train_reuse(out, sources, seed, rounds, jobs, record, capacity_fractions, say=progress, pool=pool, loads=loads)
+    return train_reuse(
+        out, sources, seed, rounds, jobs, record, capacity_fractions, say=progress, pool=pool, loads=loads, promotions=promotions
+    )
 
 
 def train_cluster_reuse_policy(

@@ -20,8 +20,9 @@ with every disk read promoted.
 
 The model is trained by imitating the oracle in the simulator (:mod:`kvray.rl.imitation`):
 the same class runs as the *teacher's student* there (``teacher=True``: told the future like
-Belady, it records every scored candidate with its true next use, and acts by the model, or
-by the oracle among the candidates when it has no model yet: DAgger's rounds).
+Belady, it records every scored candidate with its true next use, and, with
+``record_promotions``, each promotion it prices: the page read beside host's next victim;
+it acts by the model, or by the oracle when it has no model yet: DAgger's rounds).
 
 Example::
 
@@ -51,6 +52,7 @@ from kvray.policy.reuse_admission import DiskGate
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
 from kvray.policy.reuse_online import SAMPLE, DelayedLabels, RecencyLRU, ShadowTripwire
 from kvray.policy.reuse_pool import first, gather_python
+from kvray.policy.reuse_weights import link_charged_miss, queue_weight
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.resources import shipped_or_given
 
@@ -103,6 +105,7 @@ class ReusePolicy(PlacementPolicy):
         promote_gate: float | None = None,
         link_charged: bool = False,
         next_use: Callable[[list[int], float], np.ndarray] | None = None,
+        record_promotions: bool = False,
     ):
         self.pool = pool or (model.pool if model is not None else POOL)
         if model is not None and model.pool != self.pool:
@@ -128,6 +131,10 @@ class ReusePolicy(PlacementPolicy):
         self.next_use = next_use  # teacher: the trace's next use of keys after a request index (a cluster node's own is stale)
         self.needs_future = teacher  # the simulator tells a teacher the future, as it tells Belady
         self.record = record  # share of decisions whose candidates are kept as training rows
+        # teacher: also keep the promotion decisions ({the page read, host's next victim}), the
+        # same share of them (the eviction model prices a promotion on a page outside its pools)
+        self.record_promotions = record_promotions and teacher
+        self.promotions_recorded = 0
         self._rng = np.random.default_rng(seed)
         self.rows: list[np.ndarray] = []
         self.labels: list[np.ndarray] = []
@@ -178,6 +185,7 @@ class ReusePolicy(PlacementPolicy):
         self._leaving: tuple[int, int] | None = None  # the page on_remove was last told of (a move re-inserts it)
         self._pending: dict[Tier, list[int]] = {}
         self._pending_score: dict[Tier, np.ndarray] = {}  # the scores of the last ranking's first TAKE, in order
+        self._pending_rows: dict[Tier, np.ndarray] = {}  # teacher: their feature rows, in order (promotion decisions)
         self._held = [0] * (max(Tier) + 1)  # pages per tier: a promotion into a tier with a free slot displaces none
         self.features = PageFeatures(ghost_capacity=max(sum(capacities.values()), 1))
         self._request_pages = 1
@@ -413,6 +421,8 @@ class ReusePolicy(PlacementPolicy):
             score = log_next_use(self._next_uses(handles) - self._label_now)
         ranked, order = self._ranking(handles, score)
         self._pending_score[tier] = score[order[: self.take]]
+        if self.record_promotions:
+            self._pending_rows[tier] = rows[order[: self.take]]
         if self._gate is not None and self._below[tier] == Tier.DISK:
             self._gate_rows = dict(zip(handles[order[: self.take]].tolist(), rows[order[: self.take]]))
         return ranked
@@ -464,6 +474,8 @@ class ReusePolicy(PlacementPolicy):
         victim_score = self._next_victim_score(up)
         if victim_score is None:  # every page of up is pinned: no room to make
             return False
+        if self.record_promotions and self.record > 0 and self._rng.random() < self.record:
+            self._keep_promotion(handle, tier, up)
         cost = self._tier_cost
         here = cost.get(up, 0.0)
         saved = cost.get(tier, 1.0) - here
@@ -473,6 +485,11 @@ class ReusePolicy(PlacementPolicy):
             return False
         return victim_score - self._page_score(handle, up) > math.log(max(lost, 1e-9) / saved)
 
+    def _next_victim(self, tier: Tier) -> int:
+        """Which of the last ranking's first TAKE the next eviction from ``tier`` takes (its
+        place in ``_pending_score``); :meth:`_next_victim_score` has just left it pending."""
+        return len(self._pending_score[tier]) - len(self._pending[tier])
+
     def _next_victim_score(self, tier: Tier) -> float | None:
         """The score of the page the next eviction from ``tier`` takes (a ranking made now,
         if none is pending, is left pending for it); None if every page is pinned."""
@@ -481,8 +498,7 @@ class ReusePolicy(PlacementPolicy):
         while pending:
             handle = pending[-1]
             if self._where.item(handle) == tier and pins.item(handle) == 0:
-                scores = self._pending_score[tier]
-                return float(scores[len(scores) - len(pending)])
+                return float(self._pending_score[tier][self._next_victim(tier)])
             pending.pop()
         candidates, rows = self._candidates(tier)
         if not len(candidates):
@@ -495,11 +511,31 @@ class ReusePolicy(PlacementPolicy):
         """``handle``'s eviction score were it in ``tier`` now (a teacher without a model: the oracle's)."""
         if self.model is None:
             return float(log_next_use(self._next_uses(np.array([handle])) - self._label_now)[0])
+        return float(self.model.predict(self._page_row(handle, tier))[0])
+
+    def _page_row(self, handle: int, tier: Tier) -> np.ndarray:
+        """``handle``'s feature row were it in ``tier`` now: the newest of the tier's recency
+        order (just read), offered by no ordering."""
         row = self.features.matrix(np.array([handle]), ~self.index.has_children([handle]), int(tier))
         row[:, -1] = 1.0  # just read: the newest of the tier's recency order
         if self.pool[1:] != (0, 0):
             row = np.hstack([row, np.zeros((1, len(SOURCES)), dtype=np.float32)])
-        return float(self.model.predict(row)[0])
+        return row
+
+    def _keep_promotion(self, handle: int, tier: Tier, up: Tier) -> None:
+        """Training rows of one promotion decision: the page read (scored in ``up``, as
+        :meth:`_page_score` scores it) and ``up``'s next victim (its row as ranked), each with its
+        true requests to next use, in the eviction decisions' label form: fitted together, the
+        two scores' difference is the log ratio of their next uses that :meth:`_promotion_pays`
+        compares. Weighted by what the wrong choice costs per reuse (a read from ``tier`` instead
+        of ``up``, the refused page's or the displaced victim's) times the queue behind it."""
+        victim = self._pending[up][-1]
+        rows = np.vstack([self._page_row(handle, up), self._pending_rows[up][self._next_victim(up)][None, :]])
+        self.rows.append(rows)
+        self.labels.append(log_next_use(self._next_uses(np.array([handle, victim])) - self._label_now))
+        saved = self._tier_cost.get(tier, 1.0) - self._tier_cost.get(up, 0.0)
+        self.weights.append(link_charged_miss(saved) * self._queue_weight)
+        self.promotions_recorded += 1
 
     def demote_target(self, handle: int, tier: Tier) -> Tier | None:
         """One tier down; into disk, only when the gate says the write pays (with a gate)."""
@@ -546,49 +582,3 @@ class ReusePolicy(PlacementPolicy):
         self.rows.append(rows)
         self.labels.append(log_next_use(self._next_uses(handles) - self._label_now))
         self.weights.append(link_charged_miss(miss, busy) * self._queue_weight)
-
-
-QUEUE_WEIGHT_CAP = 16.0  # a training decision weighs at most this many times its miss cost
-MIN_MISS = 0.05  # a decision's miss weighs at least this (a page sent to a fast tier still costs a load)
-
-
-def link_charged_miss(tier_cost: float, utilisation: float = 0.0) -> float:
-    """What a miss of a page sent to a tier costs, relative to recomputing it: its load time
-    there (``tier_cost``) stretched by the queue on the link it would be reloaded over (a link
-    busy ``utilisation`` of the time serves a new load about 1 / (1 - utilisation) as slowly,
-    at most :data:`QUEUE_WEIGHT_CAP` times), at most a recompute (1) and at least :data:`MIN_MISS`.
-    With an idle link it is the tier's own cost (the single-node teacher's weight)."""
-    stretch = 1.0 / max(1.0 - utilisation, 1.0 / QUEUE_WEIGHT_CAP)
-    return max(min(tier_cost * stretch, 1.0), MIN_MISS)
-
-
-def queue_weight(backlog_ms: float, request_ms: float) -> float:
-    """How many requests a miss delays: the request itself and, under load, those whose work is
-    queued ahead of it, each paying again for a slower service (capped at :data:`QUEUE_WEIGHT_CAP`);
-    1 where nothing is queued or time is not modeled."""
-    if request_ms <= 0 or backlog_ms <= 0:
-        return 1.0
-    return min(1.0 + backlog_ms / request_ms, QUEUE_WEIGHT_CAP)
-
-
-def decision_time_us(model: ReuseModel, pages: int = 4096, repeats: int = 200) -> float:
-    """Microseconds per candidate page of one scored decision (features read + model), the
-    batch being the model's whole candidate pool, in a cache of ``pages``."""
-    import time
-
-    features = PageFeatures(pages)
-    rng = np.random.default_rng(0)
-    handles = np.arange(pages)
-    features.insert(handles, rng.integers(0, 64, pages), 64, handles)
-    for _ in range(64):
-        features.tick()
-        features.access(rng.choice(pages, 32, replace=False))
-    width = sum(model.pool)
-    batch = rng.choice(pages, width, replace=False)
-    leaf = np.ones(width, dtype=bool)
-    source = rng.integers(0, 2, (width, len(SOURCES))).astype(np.float32) if model.pool[1:] != (0, 0) else None
-    started = time.perf_counter()
-    for _ in range(repeats):
-        rows = features.matrix(batch, leaf, 1)
-        model.predict(rows if source is None else np.hstack([rows, source]))
-    return (time.perf_counter() - started) / repeats / width * 1e6

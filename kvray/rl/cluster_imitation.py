@@ -10,8 +10,8 @@ under the cost router, each decision labelled with the oracle's next use of its 
 in requests of the trace (:class:`TraceNextUse`: a node hears only of some requests, so the
 next use it was told of may have passed elsewhere; :attr:`RequestInfo.index` is the clock) and
 weighted by what a miss costs there including the link the page would be reloaded over
-(:func:`~kvray.policy.reuse.link_charged_miss`, from that node's load paths' utilisation) and
-the queue behind it (:func:`~kvray.policy.reuse.queue_weight`).
+(:func:`~kvray.policy.reuse_weights.link_charged_miss`, from that node's load paths' utilisation) and
+the queue behind it (:func:`~kvray.policy.reuse_weights.queue_weight`).
 
 Training data keeps to the held-out protocol of ``kvray train --cluster``
 (:func:`kvray.rl.cluster_train.training_traces`): the generated families at seeds from 100
@@ -40,7 +40,7 @@ import numpy as np
 
 from kvray.policy.reuse import POOL, TAKE, ReusePolicy
 from kvray.policy.reuse_model import WEIGHTS_FILE, ReuseModel
-from kvray.rl.imitation import CARD_FILE, dagger
+from kvray.rl.imitation import CARD_FILE, Collected, dagger
 from kvray.scenario import Scenario
 from kvray.sim.workloads import FAMILIES
 from kvray.traces import TraceRequest, full_blocks
@@ -72,9 +72,10 @@ CLUSTER_POLICY = "cost-router"  # the cluster policy the teachers serve under: t
 FAMILY_SEED = 100  # the families' first seed (kvray train --cluster's); the held-out trace is seed 0
 
 
-def collect_cluster(job: tuple) -> tuple[list[np.ndarray], list[np.ndarray], list[float], float]:
+def collect_cluster(job: tuple) -> Collected:
     """One cluster replay with a teacher-labelled reuse policy on every node: every node's
-    recorded decisions (rows, labels, link-charged weights) and the replay's mean TTFT."""
+    recorded decisions (rows, labels, link-charged weights) and the replay's mean TTFT (no
+    promotion decisions: the nodes promote every disk read or none)."""
     from kvray.policy.cluster import make_cluster_policy
     from kvray.sim.cluster import ClusterSimulator
 
@@ -100,7 +101,7 @@ def collect_cluster(job: tuple) -> tuple[list[np.ndarray], list[np.ndarray], lis
         rows += policy.rows
         labels += policy.labels
         weights += policy.weights
-    return rows, labels, weights, result.mean_ttft_ms
+    return rows, labels, weights, result.mean_ttft_ms, 0
 
 
 def train_cluster_reuse(

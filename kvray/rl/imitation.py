@@ -3,8 +3,15 @@
 In the simulator the next use of every page is known (the Belady oracle's future), so every
 eviction decision of :class:`~kvray.policy.reuse.ReusePolicy` can be labelled: each of its
 candidates with the requests until its next use (never: :data:`~kvray.policy.reuse_model.NEVER_REQUESTS`),
-weighted by what a miss of that page costs from where the eviction sends it. Round 0 acts
-as the oracle among the candidates (the expert); every later round rolls out the model
+weighted by what a miss of that page costs from where the eviction sends it. So can every
+promotion decision (a page read from disk moves up to host only if the model ranks it
+nearer its next use than host's next victim): with ``promotions`` (:data:`PROMOTION_ROWS`)
+the pair is recorded too, labelled the same way, weighted by what a disk read costs over a
+host read. Without those rows the model that prices a promotion is fitted on eviction pools
+of old pages only, and a page read this request lies outside them; with them it was not
+better on the held-out cells (docs/sim-eval/README.md, "Promotion decisions in the teacher's
+replays"), so the default records none. Round 0 acts as the oracle among the candidates (the
+expert; it promotes a page iff it is used before host's victim); every later round rolls out the model
 fitted so far, so that it is labelled on the states its own choices lead to, and the model
 is refitted on all rounds' rows (DAgger's aggregation). Only the training sources are
 replayed: the five generated families (seeds 100-104) and the first part of each training
@@ -13,7 +20,7 @@ trace by time, at capacities 2/5/10/25% of each source's unique pages, on one no
 LRU keeps the prefill engine busy that share of the time (:mod:`kvray.sim.load`). A miss
 also delays the requests queued behind it, so a decision's weight (at any rate where a
 queue forms) is multiplied by one plus the requests' worth of work queued ahead of it
-(:func:`~kvray.policy.reuse.queue_weight`).
+(:func:`~kvray.policy.reuse_weights.queue_weight`).
 
 Everything random (which decisions are recorded, the fit's initialisation and batches)
 comes from the seed: a run reproduces its weights bit for bit on one machine.
@@ -40,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvray.core.errors import ConfigError
 from kvray.policy.reuse import POOL, TAKE, ReusePolicy
 from kvray.policy.reuse_model import WEIGHTS_FILE, ReuseModel, batch_groups
 from kvray.rl.train import split_by_time
@@ -53,6 +61,9 @@ FAMILY_SEEDS = {"chat": 100, "document": 101, "agent": 102, "bursty": 103, "phas
 TRAIN_TRACE = "conversation_trace_first30min.jsonl"
 CAPACITIES = (0.02, 0.05, 0.10, 0.25)
 CARD_FILE = "card.json"
+# which teacher replays record their promotion decisions: every round's, the DAgger rollouts'
+# only (round 0's victim is the oracle's, rarely the one the model would pick), or none
+PROMOTION_ROWS = ("all", "rollouts", "none")
 
 
 def training_sources(families: Sequence[str], traces: Sequence[str], train_fraction: float) -> dict[str, list[TraceRequest]]:
@@ -74,19 +85,24 @@ def _at_load(job: tuple) -> list[TraceRequest]:
     return find_load(trace, scenario, load, node_capacities(scenario, trace, fraction)).trace
 
 
-def collect(job: tuple) -> tuple[list[np.ndarray], list[np.ndarray], list[float], float]:
+Collected = tuple[list[np.ndarray], list[np.ndarray], list[float], float, int]
+
+
+def collect(job: tuple) -> Collected:
     """One replay of the teacher-labelled policy: its recorded decisions (each candidate's
-    rows and labels, the decision's weight) and its mean TTFT."""
-    trace, fraction, scenario, model, record, seed, pool = job
-    policy = ReusePolicy(model, teacher=True, record=record, seed=seed, pool=pool)
+    rows and labels, the decision's weight), its mean TTFT and how many of the decisions
+    were promotions (the page read and host's next victim; :data:`PROMOTION_ROWS`)."""
+    trace, fraction, scenario, model, record, seed, pool, promotions = job
+    kept = promotions == "all" or (promotions == "rollouts" and model is not None)
+    policy = ReusePolicy(model, teacher=True, record=record, seed=seed, pool=pool, record_promotions=kept)
     capacities = node_capacities(scenario, trace, fraction)[0]
     result = Simulator(scenario, policy, capacities).replay(trace)
-    return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms
+    return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms, policy.promotions_recorded
 
 
 def dagger(
     work: Callable[[ReuseModel | None, int], list[tuple]],
-    collect_one: Callable[[tuple], tuple[list[np.ndarray], list[np.ndarray], list[float], float]],
+    collect_one: Callable[[tuple], Collected],
     rounds: int,
     jobs: int,
     seed: int,
@@ -109,7 +125,7 @@ def dagger(
                 results = list(workers.map(collect_one, jobs_now))
         else:
             results = [collect_one(job) for job in jobs_now]
-        for x, y, w, _ in results:
+        for x, y, w, *_ in results:
             rows += x
             labels += y
             weights += w
@@ -121,6 +137,7 @@ def dagger(
                 "round": r,
                 "acted_by": "oracle among candidates" if r == 0 else "model",
                 "decisions": sum(len(x) for x, *_ in results),
+                "promotion_decisions": sum(res[4] for res in results),
                 "mean_ttft_ms": [round(res[3], 1) for res in results],
             }
         )
@@ -143,9 +160,16 @@ def train_reuse(
     say: Callable[[str], None] | None = None,
     pool: tuple[int, int, int] = POOL,
     loads: Sequence[float | None] = (None,),
+    promotions: str = "none",
 ) -> dict:
     """DAgger over the training ``sources`` (:func:`training_sources`) at every capacity
-    fraction and load (None: the source's own rate); writes the model and its card into ``out``."""
+    fraction and load (None: the source's own rate); writes the model and its card into ``out``.
+    ``promotions`` says which replays also record their promotion decisions (the page read
+    from disk and host's next victim, :meth:`~kvray.policy.reuse.ReusePolicy.promote_target`;
+    :data:`PROMOTION_ROWS`): the model that prices them is otherwise fitted on eviction pools
+    of old pages only."""
+    if promotions not in PROMOTION_ROWS:
+        raise ConfigError(f"promotions={promotions!r}: expected one of {', '.join(PROMOTION_ROWS)}")
     scenario = scenario or load_scenario(DEFAULT_SCENARIO)
     started = time.perf_counter()
     cells = [(t, f, scenario, u) for t in sources.values() for f in capacities for u in loads]
@@ -156,7 +180,7 @@ def train_reuse(
         traces = [_at_load(c) for c in cells]
     model, decisions, history = dagger(
         lambda model, r: [
-            (trace, f, scenario, model, record, seed * 1_000_003 + r * 1009 + i, pool)
+            (trace, f, scenario, model, record, seed * 1_000_003 + r * 1009 + i, pool, promotions)
             for i, (trace, (_, f, _, _)) in enumerate(zip(traces, cells))
         ],
         collect,
@@ -174,8 +198,14 @@ def train_reuse(
         "features": list(model.features()),
         "candidates": {"lru_oldest": pool[0], "least_frequent": pool[1], "oldest_never_read": pool[2]},
         "take": TAKE,
-        "label": "softmax over a decision's candidates of log1p(requests to next use) (never = 1e5), cross-entropy weighted by the miss cost where the eviction sends the page",
+        "label": "softmax over a decision's candidates of log1p(requests to next use) (never = 1e5), cross-entropy weighted by the miss cost where the eviction sends the page"
+        + (
+            "; a promotion decision's candidates are the page read from disk and host's next victim, weighted by a disk read's cost over a host read's"
+            if promotions != "none"
+            else ""
+        ),
         "training": {
+            "promotion_decisions": promotions,
             "seed": seed,
             "dagger_rounds": rounds,
             "record_share": record,

@@ -14,8 +14,8 @@ from kvray.core.placement import LRUPolicy, RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy import make_policy
 from kvray.policy.page_features import FEATURES, HALF_LIVES, NEVER, SOURCES, PageFeatures
-from kvray.policy.reuse import ReusePolicy, decision_time_us
-from kvray.policy.reuse_model import ReuseModel
+from kvray.policy.reuse import ReusePolicy
+from kvray.policy.reuse_model import ReuseModel, decision_time_us
 from kvray.policy.s3fifo import S3FIFOPolicy
 from tests.policy.cache_ops import NO_MOVE, apply, chain, operations
 from tests.properties import examples
@@ -210,12 +210,32 @@ def test_training_is_deterministic_by_seed(tmp_path):
     sources = {"tiny": generate(WorkloadSpec(sessions=12), seed=5)}
 
     def weights(seed: int, folder: str) -> bytes:
-        card = train_reuse(tmp_path / folder, sources, seed=seed, rounds=1, record=1.0, capacities=(0.05,), epochs=2)
+        card = train_reuse(
+            tmp_path / folder, sources, seed=seed, rounds=1, record=1.0, capacities=(0.05,), epochs=2, promotions="all"
+        )
         assert card["training"]["decisions"] > 0
+        assert all(0 < r["promotion_decisions"] < r["decisions"] for r in card["training"]["rounds"])
         return (tmp_path / folder / "reuse.safetensors").read_bytes()
 
     assert weights(3, "a") == weights(3, "b")
     assert weights(3, "a") != weights(4, "c")
+
+
+def test_promotion_rows_come_from_every_round_the_rollouts_only_or_none(tmp_path):
+    """``promotions="rollouts"`` keeps round 0's (the oracle's victims) out; "none" trains on evictions only."""
+    from kvray.core.errors import ConfigError
+    from kvray.rl.imitation import train_reuse
+    from kvray.sim.workloads import WorkloadSpec, generate
+
+    sources = {"tiny": generate(WorkloadSpec(sessions=12), seed=5)}
+    counts = {}
+    for rows in ("all", "rollouts", "none"):
+        card = train_reuse(tmp_path / rows, sources, seed=3, rounds=1, record=1.0, capacities=(0.05,), epochs=1, promotions=rows)
+        counts[rows] = [r["promotion_decisions"] for r in card["training"]["rounds"]]
+        assert card["training"]["promotion_decisions"] == rows
+    assert counts["all"][0] > 0 and counts["rollouts"][0] == 0 and counts["rollouts"][1] > 0 and counts["none"] == [0, 0]
+    with pytest.raises(ConfigError, match="promotions='some'"):
+        train_reuse(tmp_path / "x", sources, promotions="some")
 
 
 def test_delayed_labels_are_the_requests_until_next_use_or_never_after_the_horizon():
@@ -405,7 +425,7 @@ def test_a_heuristic_given_the_promotion_moves_disk_reads_up_and_is_registered()
 
 
 def test_a_training_decision_weighs_more_the_more_work_is_queued_ahead():
-    from kvray.policy.reuse import QUEUE_WEIGHT_CAP, queue_weight
+    from kvray.policy.reuse_weights import QUEUE_WEIGHT_CAP, queue_weight
 
     assert queue_weight(0.0, 10.0) == 1.0 and queue_weight(50.0, 0.0) == 1.0
     assert queue_weight(30.0, 10.0) == 4.0  # three requests' work ahead: the miss delays four
@@ -533,3 +553,61 @@ def test_a_promoting_shadow_is_charged_a_host_read_for_a_page_it_moved_up():
         paid = [shadow.serve(keys, COSTS)[0] for keys in ((11,), (22,), (11,), (11,), (11,))]
         costs[build().name] = paid[2:]
     assert costs == {"lru": [0.5, 0.5, 0.5], "lru-promote": [0.5, 0.1, 0.1]}
+
+
+def teacher_reads_from_disk(trace: list[int], policy: ReusePolicy, decided_at: int = 2):
+    """A teacher replays ``trace`` (one key a request, told each key's next use) on one host
+    slot and a disk: page 11 (request 0) demoted to disk while cold, 22 then holds host, and
+    request ``decided_at`` reads 11 from disk (the promotion is decided). Stops after it:
+    the manager and page 11's handle."""
+    manager = CacheManager({Tier.HOST: 1, Tier.DISK: 4}, policy)
+    for i, key in enumerate(trace[: decided_at + 1]):
+        nxt = next((j for j in range(i + 1, len(trace)) if trace[j] == key), math.inf)
+        policy.on_request(RequestInfo(keys=(key,), tier_cost=COSTS, future=np.array([nxt]), index=i))
+        match = manager.lookup([key])
+        manager.touch(match.handles)
+        manager.promote(match.handles, NO_MOVE)
+        manager.store_chain([key], NO_MOVE)
+        if i == 0:
+            manager.relocate(manager.index.handle_of(11), Tier.DISK, NO_MOVE)
+    return manager, manager.index.handle_of(11)
+
+
+NEAR, FAR = [11, 22, 11, 11, 22], [11, 22, 11, 22, 11]  # 11 read next before 22 / after it
+
+
+@pytest.mark.parametrize(("trace", "promoted"), [(NEAR, True), (FAR, False)])
+def test_a_teacher_without_a_model_promotes_as_the_oracle_and_records_the_decision(trace, promoted):
+    """Round 0 promotes a disk read iff its next use comes before host's next victim's, and
+    records the decision: the page read (scored in host, the newest there, offered by no
+    ordering) beside the victim's row as it was ranked, labelled with their true requests
+    to next use and weighed by a disk read's cost over a host read's."""
+    policy = ReusePolicy(teacher=True, record=1.0, record_promotions=True)
+    manager, page = teacher_reads_from_disk(trace, policy)
+    assert manager.index.tier[page] == (Tier.HOST if promoted else Tier.DISK)
+    assert policy.promotions_recorded == 1
+    rows, labels, weight = policy.rows[-1], policy.labels[-1], policy.weights[-1]
+    ranked_victim = policy.rows[-2]  # host's ranking that named the victim (22, alone there)
+    assert rows.shape == (2, len(FEATURES) + len(SOURCES)) and np.array_equal(rows[1], ranked_victim[0])
+    assert rows[0, FEATURES.index("tier")] == Tier.HOST and rows[0, FEATURES.index("candidate_position")] == 1.0
+    assert not rows[0, len(FEATURES) :].any()
+    page_next, victim_next = (1, 2) if promoted else (2, 1)  # requests from the decision (index 2) to each next use
+    assert np.allclose(labels, np.log1p([page_next, victim_next]))
+    assert weight == pytest.approx(COSTS[Tier.DISK] - COSTS[Tier.HOST])
+
+
+def test_promotion_decisions_are_recorded_only_when_asked():
+    policy = ReusePolicy(teacher=True, record=1.0)
+    teacher_reads_from_disk(NEAR, policy)
+    assert policy.promotions_recorded == 0 and all(len(rows) == 1 for rows in policy.rows)  # host's rankings only
+
+
+def test_a_dagger_round_promotes_as_its_model_says_and_records_what_the_oracle_would_do():
+    """With a model the teacher rolls it out: 22 read twice before, the model refuses 11
+    (fewer hits) though the oracle would promote it (read next); the label says promote."""
+    policy = ReusePolicy(most_read_nearest_model(), teacher=True, record=1.0, record_promotions=True, pool=(64, 0, 0))
+    manager, page = teacher_reads_from_disk([11, 22, 22, 22, 11, 11, 22], policy, decided_at=4)
+    assert manager.index.tier[page] == Tier.DISK and policy.promotions_recorded == 1
+    rows, labels = policy.rows[-1], policy.labels[-1]
+    page_score, victim_score = policy.model.predict(rows)
+    assert page_score > victim_score and labels[0] < labels[1]  # the model ranks the page further, the oracle nearer
