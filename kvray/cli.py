@@ -497,6 +497,16 @@ def train_reuse(
         "(the DAgger rounds'), none (as policies/reuse was trained; docs/sim-eval/README.md, 'Promotion decisions in the "
         "teacher's replays')",
     ),
+    teacher_promote: str = typer.Option(
+        "model",
+        "--teacher-promote",
+        callback=one_of("model", "none"),  # kvray.rl.imitation.TEACHER_PROMOTE
+        help="disk reads the teacher replays promote: model (round 0 as the oracle, then the model's choice) or none "
+        "(with --no-queue-weight: how policies/reuse was trained; docs/sim-eval/README.md)",
+    ),
+    queue_weighted: bool = typer.Option(
+        True, "--queue-weight/--no-queue-weight", help="weigh a decision by the requests queued behind its miss"
+    ),
     cluster: bool = typer.Option(
         False,
         "--cluster",
@@ -545,7 +555,21 @@ def train_reuse(
             return
         loads = ([None] if own_rate or not load else []) + list(load)
         card = train_reuse_policy(
-            out, seed, rounds, jobs, record, family, trace, fraction, train_fraction, pool, console.print, loads, promotions
+            out,
+            seed,
+            rounds,
+            jobs,
+            record,
+            family,
+            trace,
+            fraction,
+            train_fraction,
+            pool,
+            console.print,
+            loads,
+            promotions,
+            teacher_promote,
+            queue_weighted,
         )
     console.print(f"wrote {out}: {card['training']['decisions']} decisions in {card['training']['wall_s']} s")
 

@@ -139,6 +139,8 @@ def train_reuse_policy(
     progress: Callable[[str], None] | None = None,
     loads: Sequence[float | None] = (None,),
     promotions: str = "none",
+    promote: str = "model",
+    queue_weighted: bool = True,
 ) -> dict:
     """``kvray train-reuse``: the per-page reuse model imitating the oracle over the training
     sources (:mod:`kvray.rl.imitation`), written with its card into ``out``."""
@@ -146,7 +148,19 @@ def train_reuse_policy(
 
     sources = training_sources(families, [str(t) for t in traces], train_fraction)
     return train_reuse(
-        out, sources, seed, rounds, jobs, record, capacity_fractions, say=progress, pool=pool, loads=loads, promotions=promotions
+        out,
+        sources,
+        seed,
+        rounds,
+        jobs,
+        record,
+        capacity_fractions,
+        say=progress,
+        pool=pool,
+        loads=loads,
+        promotions=promotions,
+        promote=promote,
+        queue_weighted=queue_weighted,
     )
 
 

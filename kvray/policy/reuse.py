@@ -106,6 +106,7 @@ class ReusePolicy(PlacementPolicy):
         link_charged: bool = False,
         next_use: Callable[[list[int], float], np.ndarray] | None = None,
         record_promotions: bool = False,
+        queue_weighted: bool = True,
     ):
         self.pool = pool or (model.pool if model is not None else POOL)
         if model is not None and model.pool != self.pool:
@@ -130,6 +131,7 @@ class ReusePolicy(PlacementPolicy):
         self.needs_link_util = self.link_charged or promote_gate is not None
         self.next_use = next_use  # teacher: the trace's next use of keys after a request index (a cluster node's own is stale)
         self.needs_future = teacher  # the simulator tells a teacher the future, as it tells Belady
+        self.queue_weighted = queue_weighted and teacher  # a decision weighs the requests queued behind its miss
         self.record = record  # share of decisions whose candidates are kept as training rows
         # teacher: also keep the promotion decisions ({the page read, host's next victim}), the
         # same share of them (the eviction model prices a promotion on a page outside its pools)
@@ -240,7 +242,7 @@ class ReusePolicy(PlacementPolicy):
         self._request_pages = max(len(info.keys) * self.depth_scale, 1)
         self._tier_cost = info.tier_cost or {}
         self._load_util = info.load_util or {}
-        if self.teacher:
+        if self.queue_weighted:
             self._queue_weight = queue_weight(info.backlog_ms, info.page_prefill_ms * self._request_pages)
         self._pending.clear()
         self._leaving = None
@@ -284,6 +286,7 @@ class ReusePolicy(PlacementPolicy):
         key = self.index.key_of(handle)
         if self._leaving == (handle, key):  # moved between tiers: the same page, its history stays
             self.features.returned(key)
+            self._touch(handle, 0.0)
         else:
             now = self.features.now
             self._count[handle] = 1.0
@@ -313,11 +316,8 @@ class ReusePolicy(PlacementPolicy):
         n = len(handles)
         self._recency[handles[::-1]] = np.arange(self._clock + 1, self._clock + n + 1)  # the first read is the newest
         self._clock += n
-        now = self.features.now
-        count = self._count[handles] * np.exp(-self._pool_decay * (now - self._counted[handles])) + 1.0
-        self._count[handles] = count
-        self._counted[handles] = now
-        self._frequency[handles] = np.log(count) + self._pool_decay * now
+        for h in handles.tolist():
+            self._touch(h, 1.0)
         self.features.access(handles)
         for advisor in self._advisors:
             advisor.on_access(handles)
@@ -329,6 +329,15 @@ class ReusePolicy(PlacementPolicy):
             self._labels.used([key_of[h] for h in handles.tolist()], self.features.now)
         self._pending.clear()
         self._leaving = None
+
+    def _touch(self, handle: int, reads: float) -> None:
+        """``handle``'s decayed count brought to now plus ``reads`` (a move adds none), one page at a
+        time in libm's exp and log as _chain_reuse.h's: numpy's vector exp differs in the last bit,
+        which reorders the least-frequent ordering's near ties (the shipped model's replays, docs/sim-eval)."""
+        now = self.features.now
+        count = self._count.item(handle) * math.exp(-self._pool_decay * (now - self._counted.item(handle))) + reads
+        self._count[handle], self._counted[handle] = count, now
+        self._frequency[handle] = math.log(max(count, 1e-30)) + self._pool_decay * now
 
     def on_remove(self, handle: int, tier: Tier) -> None:
         for advisor in self._advisors:

@@ -64,6 +64,9 @@ CARD_FILE = "card.json"
 # which teacher replays record their promotion decisions: every round's, the DAgger rollouts'
 # only (round 0's victim is the oracle's, rarely the one the model would pick), or none
 PROMOTION_ROWS = ("all", "rollouts", "none")
+# which disk reads the teacher replays promote: as ReusePolicy's model decides (round 0 the oracle,
+# later rounds the model fitted so far), or none, as when policies/reuse was trained (5288765)
+TEACHER_PROMOTE = ("model", "none")
 
 
 def training_sources(families: Sequence[str], traces: Sequence[str], train_fraction: float) -> dict[str, list[TraceRequest]]:
@@ -92,9 +95,18 @@ def collect(job: tuple) -> Collected:
     """One replay of the teacher-labelled policy: its recorded decisions (each candidate's
     rows and labels, the decision's weight), its mean TTFT and how many of the decisions
     were promotions (the page read and host's next victim; :data:`PROMOTION_ROWS`)."""
-    trace, fraction, scenario, model, record, seed, pool, promotions = job
+    trace, fraction, scenario, model, record, seed, pool, promotions, promote, queue_weighted = job
     kept = promotions == "all" or (promotions == "rollouts" and model is not None)
-    policy = ReusePolicy(model, teacher=True, record=record, seed=seed, pool=pool, record_promotions=kept)
+    policy = ReusePolicy(
+        model,
+        teacher=True,
+        record=record,
+        seed=seed,
+        pool=pool,
+        record_promotions=kept,
+        promote=promote,
+        queue_weighted=queue_weighted,
+    )
     capacities = node_capacities(scenario, trace, fraction)[0]
     result = Simulator(scenario, policy, capacities).replay(trace)
     return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms, policy.promotions_recorded
@@ -161,15 +173,24 @@ def train_reuse(
     pool: tuple[int, int, int] = POOL,
     loads: Sequence[float | None] = (None,),
     promotions: str = "none",
+    promote: str = "model",
+    queue_weighted: bool = True,
 ) -> dict:
     """DAgger over the training ``sources`` (:func:`training_sources`) at every capacity
     fraction and load (None: the source's own rate); writes the model and its card into ``out``.
     ``promotions`` says which replays also record their promotion decisions (the page read
     from disk and host's next victim, :meth:`~kvray.policy.reuse.ReusePolicy.promote_target`;
     :data:`PROMOTION_ROWS`): the model that prices them is otherwise fitted on eviction pools
-    of old pages only."""
+    of old pages only. ``promote`` says which disk reads the replays promote (:data:`TEACHER_PROMOTE`)
+    and ``queue_weighted`` whether a decision weighs the requests queued behind its miss
+    (:func:`~kvray.policy.reuse_weights.queue_weight`); ``promote="none"`` without queue weights is
+    the recipe policies/reuse was trained with (docs/sim-eval/README.md)."""
     if promotions not in PROMOTION_ROWS:
         raise ConfigError(f"promotions={promotions!r}: expected one of {', '.join(PROMOTION_ROWS)}")
+    if promote not in TEACHER_PROMOTE:
+        raise ConfigError(f"promote={promote!r}: expected one of {', '.join(TEACHER_PROMOTE)}")
+    if promote == "none" and promotions != "none":
+        raise ConfigError(f"promotions={promotions!r} records promotion decisions, and promote='none' makes none")
     scenario = scenario or load_scenario(DEFAULT_SCENARIO)
     started = time.perf_counter()
     cells = [(t, f, scenario, u) for t in sources.values() for f in capacities for u in loads]
@@ -180,7 +201,7 @@ def train_reuse(
         traces = [_at_load(c) for c in cells]
     model, decisions, history = dagger(
         lambda model, r: [
-            (trace, f, scenario, model, record, seed * 1_000_003 + r * 1009 + i, pool, promotions)
+            (trace, f, scenario, model, record, seed * 1_000_003 + r * 1009 + i, pool, promotions, promote, queue_weighted)
             for i, (trace, (_, f, _, _)) in enumerate(zip(traces, cells))
         ],
         collect,
@@ -206,6 +227,8 @@ def train_reuse(
         ),
         "training": {
             "promotion_decisions": promotions,
+            "teacher_promote": promote,
+            "queue_weighted": queue_weighted,
             "seed": seed,
             "dagger_rounds": rounds,
             "record_share": record,

@@ -1,0 +1,91 @@
+"""The teacher's replays as policies/reuse was trained (5288765): no promotion, no queue weight, and the
+pool's decayed counts in libm's arithmetic (docs/sim-eval/README.md, "The per-page learned policy")."""
+
+import math
+
+import numpy as np
+import pytest
+
+from kvray.core.errors import ConfigError
+from kvray.core.manager import CacheManager
+from kvray.core.placement import RequestInfo
+from kvray.core.tiers import Tier
+from kvray.policy.reuse import ReusePolicy
+from tests.policy.cache_ops import NO_MOVE
+from tests.policy.test_reuse import NEAR, teacher_reads_from_disk
+
+
+def test_a_teacher_told_not_to_promote_leaves_a_disk_read_the_oracle_would_promote_on_disk():
+    manager, page = teacher_reads_from_disk(NEAR, ReusePolicy(teacher=True, record=1.0, promote="none"))
+    assert manager.index.tier[page] == Tier.DISK
+    manager, page = teacher_reads_from_disk(NEAR, ReusePolicy(teacher=True, record=1.0))
+    assert manager.index.tier[page] == Tier.HOST  # the default teacher promotes it (its next use is nearer)
+
+
+@pytest.mark.parametrize("queued", [True, False])
+def test_a_teacher_without_queue_weights_weighs_a_decision_by_its_miss_alone(queued):
+    policy = ReusePolicy(teacher=True, record=1.0, queue_weighted=queued)
+    manager = CacheManager({Tier.HOST: 2}, policy)
+    for i, key in enumerate([11, 22, 33]):  # 33's store ranks 11 and 22 (dropped: a miss costs a recompute, 1)
+        info = RequestInfo(keys=(key,), future=np.array([math.inf]), index=i, backlog_ms=30.0, page_prefill_ms=10.0)
+        policy.on_request(info)
+        manager.store_chain([key], NO_MOVE)
+    assert policy.weights == [4.0 if queued else 1.0]  # three requests' work ahead: the miss delays four
+
+
+def test_the_pool_s_decayed_counts_are_libm_s_and_a_move_brings_a_count_to_now():
+    """Each read adds one to a count decayed by libm's exp (numpy's vector exp differs in the
+    last bit, which reorders near ties of the least-frequent ordering); a move adds none but
+    decays the count to now, as the shipped model's replays did."""
+    policy = ReusePolicy()
+    manager = CacheManager({Tier.HOST: 1, Tier.DISK: 4}, policy)
+    decay = policy._pool_decay
+    manager.store_chain([11], NO_MOVE)
+    hot = manager.index.handle_of(11)
+    count, at = 1.0, policy.features.now
+    for _ in range(3):
+        policy.features.tick()
+        manager.touch(manager.lookup([11]).handles)
+        count = count * math.exp(-decay * (policy.features.now - at)) + 1.0
+        at = policy.features.now
+    assert policy._count[hot] == count and policy._frequency[hot] == math.log(count) + decay * at
+    policy.features.tick()
+    manager.store_chain([22], NO_MOVE)  # 11 moves down to disk
+    now = policy.features.now
+    assert manager.index.tier[hot] == Tier.DISK and policy._counted[hot] == now
+    moved = count * math.exp(-decay * (now - at))
+    assert policy._count[hot] == moved and policy._frequency[hot] == math.log(moved) + decay * now
+
+
+def test_a_training_that_promotes_nothing_cannot_record_promotion_decisions(tmp_path):
+    from kvray.rl.imitation import train_reuse
+
+    with pytest.raises(ConfigError, match="promote='none' makes none"):
+        train_reuse(tmp_path, {}, promote="none", promotions="all")
+    with pytest.raises(ConfigError, match="promote='every'"):
+        train_reuse(tmp_path, {}, promote="every")
+
+
+def test_the_card_records_the_teacher_s_promotion_and_queue_weights(tmp_path):
+    from kvray.rl.imitation import train_reuse
+    from kvray.sim.workloads import WorkloadSpec, generate
+
+    sources = {"tiny": generate(WorkloadSpec(sessions=12), seed=5)}
+    cards = {
+        (promote, queued): train_reuse(
+            tmp_path / f"{promote}{queued}",
+            sources,
+            seed=3,
+            rounds=0,
+            record=1.0,
+            capacities=(0.05,),
+            epochs=1,
+            promote=promote,
+            queue_weighted=queued,
+        )["training"]
+        for promote, queued in [("model", True), ("none", False)]
+    }
+    assert cards["model", True]["teacher_promote"] == "model" and cards["model", True]["queue_weighted"] is True
+    assert cards["none", False]["teacher_promote"] == "none" and cards["none", False]["queue_weighted"] is False
+    weights = {k: (tmp_path / f"{k[0]}{k[1]}" / "reuse.safetensors").read_bytes() for k in cards}
+    assert weights["model", True] != weights["none", False]
