@@ -40,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -229,6 +230,9 @@ def train_reuse(
             "promotion_decisions": promotions,
             "teacher_promote": promote,
             "queue_weighted": queue_weighted,
+            # the fit's float32 products are OpenBLAS's, whose kernels differ by CPU: the shipped
+            # policies/reuse rebuilds only on Haswell's (docs/sim-eval/README.md); None: detected
+            "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
             "seed": seed,
             "dagger_rounds": rounds,
             "record_share": record,

@@ -66,11 +66,12 @@ def test_a_training_that_promotes_nothing_cannot_record_promotion_decisions(tmp_
         train_reuse(tmp_path, {}, promote="every")
 
 
-def test_the_card_records_the_teacher_s_promotion_and_queue_weights(tmp_path):
+def test_the_card_records_the_teacher_s_promotion_and_queue_weights(tmp_path, monkeypatch):
     from kvray.rl.imitation import train_reuse
     from kvray.sim.workloads import WorkloadSpec, generate
 
     sources = {"tiny": generate(WorkloadSpec(sessions=12), seed=5)}
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")  # read by OpenBLAS at load: here only what the card says
     cards = {
         (promote, queued): train_reuse(
             tmp_path / f"{promote}{queued}",
@@ -87,5 +88,6 @@ def test_the_card_records_the_teacher_s_promotion_and_queue_weights(tmp_path):
     }
     assert cards["model", True]["teacher_promote"] == "model" and cards["model", True]["queue_weighted"] is True
     assert cards["none", False]["teacher_promote"] == "none" and cards["none", False]["queue_weighted"] is False
+    assert cards["none", False]["openblas_coretype"] == "Haswell"
     weights = {k: (tmp_path / f"{k[0]}{k[1]}" / "reuse.safetensors").read_bytes() for k in cards}
     assert weights["model", True] != weights["none", False]
