@@ -502,10 +502,17 @@ def train_reuse(
         "--teacher-promote",
         callback=one_of("model", "none"),  # kvray.rl.imitation.TEACHER_PROMOTE
         help="disk reads the teacher replays promote: model (round 0 as the oracle, then the model's choice) or none "
-        "(with --no-queue-weight: how policies/reuse was trained; docs/sim-eval/README.md)",
+        "(with --no-queue-weight --pool-counts libm: how policies/reuse was trained; docs/sim-eval/README.md)",
     ),
     queue_weighted: bool = typer.Option(
         True, "--queue-weight/--no-queue-weight", help="weigh a decision by the requests queued behind its miss"
+    ),
+    pool_counts: str = typer.Option(
+        "numpy",
+        "--pool-counts",
+        callback=one_of("numpy", "libm"),
+        help="the teacher's decayed read counts: numpy's vector exp (as replays now), or libm's per page, "
+        "as policies/reuse was trained (docs/sim-eval/README.md)",
     ),
     cluster: bool = typer.Option(
         False,
@@ -570,6 +577,7 @@ def train_reuse(
             promotions,
             teacher_promote,
             queue_weighted,
+            pool_counts == "libm",
         )
     console.print(f"wrote {out}: {card['training']['decisions']} decisions in {card['training']['wall_s']} s")
 

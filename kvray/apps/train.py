@@ -141,6 +141,7 @@ def train_reuse_policy(
     promotions: str = "none",
     promote: str = "model",
     queue_weighted: bool = True,
+    libm_counts: bool = False,
 ) -> dict:
     """``kvray train-reuse``: the per-page reuse model imitating the oracle over the training
     sources (:mod:`kvray.rl.imitation`), written with its card into ``out``."""
@@ -161,6 +162,7 @@ def train_reuse_policy(
         promotions=promotions,
         promote=promote,
         queue_weighted=queue_weighted,
+        libm_counts=libm_counts,
     )
 
 

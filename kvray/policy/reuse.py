@@ -107,6 +107,7 @@ class ReusePolicy(PlacementPolicy):
         next_use: Callable[[list[int], float], np.ndarray] | None = None,
         record_promotions: bool = False,
         queue_weighted: bool = True,
+        libm_counts: bool = False,
     ):
         self.pool = pool or (model.pool if model is not None else POOL)
         if model is not None and model.pool != self.pool:
@@ -132,6 +133,7 @@ class ReusePolicy(PlacementPolicy):
         self.next_use = next_use  # teacher: the trace's next use of keys after a request index (a cluster node's own is stale)
         self.needs_future = teacher  # the simulator tells a teacher the future, as it tells Belady
         self.queue_weighted = queue_weighted and teacher  # a decision weighs the requests queued behind its miss
+        self.libm_counts = libm_counts and teacher  # the pool's counts as 5288765 kept them (_touch)
         self.record = record  # share of decisions whose candidates are kept as training rows
         # teacher: also keep the promotion decisions ({the page read, host's next victim}), the
         # same share of them (the eviction model prices a promotion on a page outside its pools)
@@ -286,7 +288,8 @@ class ReusePolicy(PlacementPolicy):
         key = self.index.key_of(handle)
         if self._leaving == (handle, key):  # moved between tiers: the same page, its history stays
             self.features.returned(key)
-            self._touch(handle, 0.0)
+            if self.libm_counts:
+                self._touch(handle, 0.0)
         else:
             now = self.features.now
             self._count[handle] = 1.0
@@ -316,8 +319,14 @@ class ReusePolicy(PlacementPolicy):
         n = len(handles)
         self._recency[handles[::-1]] = np.arange(self._clock + 1, self._clock + n + 1)  # the first read is the newest
         self._clock += n
-        for h in handles.tolist():
-            self._touch(h, 1.0)
+        now = self.features.now
+        if self.libm_counts:
+            for h in handles.tolist():
+                self._touch(h, 1.0)
+        else:
+            count = self._count[handles] * np.exp(-self._pool_decay * (now - self._counted[handles])) + 1.0
+            self._count[handles], self._counted[handles] = count, now
+            self._frequency[handles] = np.log(count) + self._pool_decay * now
         self.features.access(handles)
         for advisor in self._advisors:
             advisor.on_access(handles)
@@ -331,9 +340,8 @@ class ReusePolicy(PlacementPolicy):
         self._leaving = None
 
     def _touch(self, handle: int, reads: float) -> None:
-        """``handle``'s decayed count brought to now plus ``reads`` (a move adds none), one page at a
-        time in libm's exp and log as _chain_reuse.h's: numpy's vector exp differs in the last bit,
-        which reorders the least-frequent ordering's near ties (the shipped model's replays, docs/sim-eval)."""
+        """``handle``'s count decayed to now plus ``reads`` in libm's exp and log, as 5288765's teacher
+        kept it (``libm_counts``): numpy's vector exp differs in the last bit, reordering near ties."""
         now = self.features.now
         count = self._count.item(handle) * math.exp(-self._pool_decay * (now - self._counted.item(handle))) + reads
         self._count[handle], self._counted[handle] = count, now

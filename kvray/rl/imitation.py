@@ -96,7 +96,7 @@ def collect(job: tuple) -> Collected:
     """One replay of the teacher-labelled policy: its recorded decisions (each candidate's
     rows and labels, the decision's weight), its mean TTFT and how many of the decisions
     were promotions (the page read and host's next victim; :data:`PROMOTION_ROWS`)."""
-    trace, fraction, scenario, model, record, seed, pool, promotions, promote, queue_weighted = job
+    trace, fraction, scenario, model, record, seed, pool, promotions, promote, queue_weighted, libm_counts = job
     kept = promotions == "all" or (promotions == "rollouts" and model is not None)
     policy = ReusePolicy(
         model,
@@ -107,6 +107,7 @@ def collect(job: tuple) -> Collected:
         record_promotions=kept,
         promote=promote,
         queue_weighted=queue_weighted,
+        libm_counts=libm_counts,
     )
     capacities = node_capacities(scenario, trace, fraction)[0]
     result = Simulator(scenario, policy, capacities).replay(trace)
@@ -176,6 +177,7 @@ def train_reuse(
     promotions: str = "none",
     promote: str = "model",
     queue_weighted: bool = True,
+    libm_counts: bool = False,
 ) -> dict:
     """DAgger over the training ``sources`` (:func:`training_sources`) at every capacity
     fraction and load (None: the source's own rate); writes the model and its card into ``out``.
@@ -184,8 +186,9 @@ def train_reuse(
     :data:`PROMOTION_ROWS`): the model that prices them is otherwise fitted on eviction pools
     of old pages only. ``promote`` says which disk reads the replays promote (:data:`TEACHER_PROMOTE`)
     and ``queue_weighted`` whether a decision weighs the requests queued behind its miss
-    (:func:`~kvray.policy.reuse_weights.queue_weight`); ``promote="none"`` without queue weights is
-    the recipe policies/reuse was trained with (docs/sim-eval/README.md)."""
+    (:func:`~kvray.policy.reuse_weights.queue_weight`); ``libm_counts`` keeps the pool's counts as
+    5288765 did (:meth:`~kvray.policy.reuse.ReusePolicy._touch`). ``promote="none"`` without queue
+    weights, with libm counts, is the recipe policies/reuse was trained with (docs/sim-eval/README.md)."""
     if promotions not in PROMOTION_ROWS:
         raise ConfigError(f"promotions={promotions!r}: expected one of {', '.join(PROMOTION_ROWS)}")
     if promote not in TEACHER_PROMOTE:
@@ -202,7 +205,19 @@ def train_reuse(
         traces = [_at_load(c) for c in cells]
     model, decisions, history = dagger(
         lambda model, r: [
-            (trace, f, scenario, model, record, seed * 1_000_003 + r * 1009 + i, pool, promotions, promote, queue_weighted)
+            (
+                trace,
+                f,
+                scenario,
+                model,
+                record,
+                seed * 1_000_003 + r * 1009 + i,
+                pool,
+                promotions,
+                promote,
+                queue_weighted,
+                libm_counts,
+            )
             for i, (trace, (_, f, _, _)) in enumerate(zip(traces, cells))
         ],
         collect,
@@ -230,6 +245,7 @@ def train_reuse(
             "promotion_decisions": promotions,
             "teacher_promote": promote,
             "queue_weighted": queue_weighted,
+            "pool_counts": "libm" if libm_counts else "numpy",
             # the fit's float32 products are OpenBLAS's, whose kernels differ by CPU: the shipped
             # policies/reuse rebuilds only on Haswell's (docs/sim-eval/README.md); None: detected
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),

@@ -242,9 +242,6 @@ static int reuse_insert(State *s, long h, int t) {
         PyObject *left = ghost_pop(r->ghosts, key);
         if (left == NULL) return -1;
         Py_DECREF(left);
-        /* its decayed count brought to now, in libm's exp and log (ReusePolicy._touch) */
-        double now = r->now, count = r->count[h] * exp(-r->pool_decay * (now - r->counted[h]));
-        r->count[h] = count, r->counted[h] = now, r->frequency[h] = log(count > 1e-30 ? count : 1e-30) + r->pool_decay * now;
     } else {
         double now = r->now;
         r->count[h] = 1.0, r->counted[h] = now, r->frequency[h] = r->pool_decay * now;

@@ -33,11 +33,13 @@ def test_a_teacher_without_queue_weights_weighs_a_decision_by_its_miss_alone(que
     assert policy.weights == [4.0 if queued else 1.0]  # three requests' work ahead: the miss delays four
 
 
-def test_the_pool_s_decayed_counts_are_libm_s_and_a_move_brings_a_count_to_now():
-    """Each read adds one to a count decayed by libm's exp (numpy's vector exp differs in the
-    last bit, which reorders near ties of the least-frequent ordering); a move adds none but
-    decays the count to now, as the shipped model's replays did."""
-    policy = ReusePolicy()
+@pytest.mark.parametrize("libm", [True, False])
+def test_a_teacher_with_libm_counts_decays_them_per_page_and_a_move_brings_a_count_to_now(libm):
+    """With ``libm_counts`` each read adds one to a count decayed by libm's exp (numpy's vector
+    exp differs in the last bit, which reorders near ties of the least-frequent ordering) and a
+    move adds none but decays the count to now, as the shipped model's replays did; without,
+    a move keeps the count as it was."""
+    policy = ReusePolicy(teacher=True, libm_counts=libm)
     manager = CacheManager({Tier.HOST: 1, Tier.DISK: 4}, policy)
     decay = policy._pool_decay
     manager.store_chain([11], NO_MOVE)
@@ -48,11 +50,19 @@ def test_the_pool_s_decayed_counts_are_libm_s_and_a_move_brings_a_count_to_now()
         manager.touch(manager.lookup([11]).handles)
         count = count * math.exp(-decay * (policy.features.now - at)) + 1.0
         at = policy.features.now
-    assert policy._count[hot] == count and policy._frequency[hot] == math.log(count) + decay * at
+    if libm:
+        assert policy._count[hot] == count and policy._frequency[hot] == math.log(count) + decay * at
+    else:
+        assert policy._count[hot] == pytest.approx(count, rel=1e-12)
+    kept = policy._count[hot]
     policy.features.tick()
     manager.store_chain([22], NO_MOVE)  # 11 moves down to disk
     now = policy.features.now
-    assert manager.index.tier[hot] == Tier.DISK and policy._counted[hot] == now
+    assert manager.index.tier[hot] == Tier.DISK
+    if not libm:
+        assert policy._counted[hot] == at and policy._count[hot] == kept
+        return
+    assert policy._counted[hot] == now
     moved = count * math.exp(-decay * (now - at))
     assert policy._count[hot] == moved and policy._frequency[hot] == math.log(moved) + decay * now
 
@@ -83,11 +93,13 @@ def test_the_card_records_the_teacher_s_promotion_and_queue_weights(tmp_path, mo
             epochs=1,
             promote=promote,
             queue_weighted=queued,
+            libm_counts=not queued,
         )["training"]
         for promote, queued in [("model", True), ("none", False)]
     }
     assert cards["model", True]["teacher_promote"] == "model" and cards["model", True]["queue_weighted"] is True
     assert cards["none", False]["teacher_promote"] == "none" and cards["none", False]["queue_weighted"] is False
-    assert cards["none", False]["openblas_coretype"] == "Haswell"
+    assert cards["none", False]["openblas_coretype"] == "Haswell" and cards["none", False]["pool_counts"] == "libm"
+    assert cards["model", True]["pool_counts"] == "numpy"
     weights = {k: (tmp_path / f"{k[0]}{k[1]}" / "reuse.safetensors").read_bytes() for k in cards}
     assert weights["model", True] != weights["none", False]
