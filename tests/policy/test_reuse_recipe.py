@@ -1,7 +1,9 @@
 """The teacher's replays as policies/reuse was trained (5288765): no promotion, no queue weight, and the
 pool's decayed counts in libm's arithmetic (docs/sim-eval/README.md, "The per-page learned policy")."""
 
+import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ from kvray.core.manager import CacheManager
 from kvray.core.placement import RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy.reuse import ReusePolicy
+from kvray.resources import shipped_or_given
+from tests.conftest import kvray_command
 from tests.policy.cache_ops import NO_MOVE
 from tests.policy.test_reuse import NEAR, teacher_reads_from_disk
 
@@ -103,3 +107,27 @@ def test_the_card_records_the_teacher_s_promotion_and_queue_weights(tmp_path, mo
     assert cards["model", True]["pool_counts"] == "numpy"
     weights = {k: (tmp_path / f"{k[0]}{k[1]}" / "reuse.safetensors").read_bytes() for k in cards}
     assert weights["model", True] != weights["none", False]
+
+
+@pytest.mark.slow
+@pytest.mark.train
+@pytest.mark.timeout(1800)  # ~130 s on a quiet machine
+def test_the_shipped_reuse_model_rebuilds_byte_for_byte(tmp_path):
+    """The command docs/sim-eval/README.md gives for policies/reuse writes its weights again,
+    byte for byte, and each round's decisions and replay figures as its card records them. In a
+    process of its own, as a user runs it: OpenBLAS picks its kernels when numpy loads, and the
+    recipe asks for Haswell's (the shipped model's fit; other kernels differ in the last bits)."""
+    shipped = shipped_or_given("reuse", "policies")
+    out = tmp_path / "reuse"
+    args = ["train-reuse", "--seed", "0", "--rounds", "2", "--lru-candidates", "64", "--frequency-candidates", "32"]
+    args += ["--never-read-candidates", "32", "--teacher-promote", "none", "--no-queue-weight", "--pool-counts", "libm"]
+    args += ["--jobs", "1", "--out", str(out)]
+    result = kvray_command(*args, timeout=1500, env={**os.environ, "OPENBLAS_CORETYPE": "Haswell"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (out / "reuse.safetensors").read_bytes() == (shipped / "reuse.safetensors").read_bytes(), (
+        "the weights differ: the teacher's replays or the fit changed; retrain policies/reuse"
+    )
+    made, kept = (json.loads((folder / "card.json").read_text())["training"] for folder in (out, shipped))
+    assert made["decisions"] == kept["decisions"]
+    for field in ("decisions", "mean_ttft_ms"):  # each round's replays as recorded
+        assert [r[field] for r in made["rounds"]] == [r[field] for r in kept["rounds"]]
