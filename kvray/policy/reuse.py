@@ -51,7 +51,7 @@ from kvray.policy.promote import promote_target, promoting
 from kvray.policy.reuse_admission import DiskGate
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
 from kvray.policy.reuse_online import SAMPLE, DelayedLabels, RecencyLRU, ShadowTripwire
-from kvray.policy.reuse_pool import first, gather_python
+from kvray.policy.reuse_pool import gather_python
 from kvray.policy.reuse_weights import link_charged_miss, queue_weight
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.resources import shipped_or_given
@@ -418,7 +418,6 @@ class ReusePolicy(PlacementPolicy):
         return candidates, ((np.frombuffer(bits, dtype=np.uint8)[:, None] >> np.arange(3)) & 1).astype(np.float32)
 
     gather_python = gather_python  # the numpy reference of _gather (kvray/policy/reuse_pool.py)
-    _first = staticmethod(first)
 
     def _rank(self, handles: np.ndarray, tier: Tier, rows: np.ndarray | None) -> list[int]:
         """``handles`` in eviction order: furthest predicted next use first (``rows``: their

@@ -6,12 +6,11 @@ Of the unpinned pages of a tier, the ``lru`` of lowest recency, the ``lfu`` of l
 frequency key and the ``fifo`` never read of lowest recency (:data:`kvray.policy.reuse.POOL`),
 each ordering's picks by (key, handle) ascending, concatenated in that order and deduplicated
 (a page's first offer wins), with which orderings offered each page. ``ReusePolicy`` takes
-these as its ``gather_python`` and ``_first``.
+:func:`gather_python` as its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -33,7 +32,6 @@ class PoolOwner(Protocol):
     _frequency: np.ndarray
     _bits: np.ndarray
     _first_at: np.ndarray
-    _first: Callable[[np.ndarray, np.ndarray, int], np.ndarray]
 
 
 def gather_python(policy: PoolOwner, tier: Tier) -> tuple[np.ndarray, np.ndarray]:
@@ -42,14 +40,14 @@ def gather_python(policy: PoolOwner, tier: Tier) -> tuple[np.ndarray, np.ndarray
     pins = policy.index.pins
     n = min(len(policy._where), len(pins))
     pages = np.flatnonzero((policy._where[:n] == tier) & (pins[:n] == 0))  # unpinned, ascending handles
-    candidates = policy._first(pages, policy._recency[pages], lru)
+    candidates = first(pages, policy._recency[pages], lru)
     source = np.zeros((0, 3), dtype=np.float32)
     if lfu or fifo:
         unread = pages[policy.features.hits[pages] == 0]
         offered = (
             candidates,
-            policy._first(pages, policy._frequency[pages], lfu),
-            policy._first(unread, policy._recency[unread], fifo),
+            first(pages, policy._frequency[pages], lfu),
+            first(unread, policy._recency[unread], fifo),
         )
         every = np.concatenate(offered)
         bits, first_at = policy._bits, policy._first_at  # scratch columns by handle

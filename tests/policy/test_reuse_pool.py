@@ -40,7 +40,6 @@ def columns(seed: int, pages: int, pinned: float) -> SimpleNamespace:
         features=SimpleNamespace(hits=rng.integers(0, 2, pages + 8).astype(np.float64)),
         _bits=np.zeros(pages, dtype=np.int8),
         _first_at=np.zeros(pages, dtype=np.int64),
-        _first=ReusePolicy._first,
     )
 
 
