@@ -48,9 +48,14 @@ setup(
         Extension(
             "kvray.sim._chain",
             ["kvray/sim/_chain.c"],
-            depends=["kvray/sim/_chain_state.h", "kvray/sim/_chain_links.h", "kvray/sim/_chain_reuse.h", "kvray/sim/_chain_s3fifo.h"],
+            depends=[
+                "kvray/sim/_chain_state.h",
+                "kvray/sim/_chain_links.h",
+                "kvray/sim/_chain_reuse.h",
+                "kvray/sim/_chain_s3fifo.h",
+            ],
             extra_compile_args=["-O2"],
         ),
-        Extension("kvray.policy._pool", ["kvray/policy/_pool.c"], extra_compile_args=["-O2"]),
+        Extension("kvray.policy._pool", ["kvray/policy/_pool.c"], extra_compile_args=["-O2", "-ffp-contract=off"]),
     ],
 )

@@ -33,7 +33,7 @@ static int worse(const Entry *a, const Entry *b) { /* a leaves before b: larger 
 }
 
 /* A bounded max-heap of the `cap` best (smallest) entries seen. */
-static void offer(Entry *heap, Py_ssize_t *size, Py_ssize_t cap, Entry e) {
+static inline void offer(Entry *heap, Py_ssize_t *size, Py_ssize_t cap, Entry e) {
     Py_ssize_t i;
     if (*size < cap) {
         i = (*size)++;
@@ -60,9 +60,24 @@ static void offer(Entry *heap, Py_ssize_t *size, Py_ssize_t cap, Entry e) {
     heap[i] = e;
 }
 
-static int ascending(const void *a, const void *b) {
-    const Entry *x = a, *y = b;
-    return worse(x, y) ? 1 : worse(y, x) ? -1 : 0;
+/* Sort a full or partial heap of `size` entries ascending in place: pop the worst to the end,
+ * size times (a heap sort; no allocation, unlike qsort). */
+static void drain(Entry *heap, Py_ssize_t size) {
+    for (Py_ssize_t end = size - 1; end > 0; end--) {
+        Entry e = heap[end];
+        heap[end] = heap[0];
+        Py_ssize_t i = 0;
+        for (;;) {
+            Py_ssize_t l = 2 * i + 1, r = l + 1, m = i;
+            const Entry *top = &e;
+            if (l < end && worse(&heap[l], top)) m = l, top = &heap[l];
+            if (r < end && worse(&heap[r], top)) m = r;
+            if (m == i) break;
+            heap[i] = heap[m];
+            i = m;
+        }
+        heap[i] = e;
+    }
 }
 
 static int column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *name) {
@@ -96,13 +111,19 @@ static Py_ssize_t gather(int tier, const Py_ssize_t cap[3], Py_buffer cols[5], i
     }
     for (int o = 0; o < 3; o++)
         if ((heaps[o] = PyMem_Malloc((cap[o] ? cap[o] : 1) * sizeof(Entry))) == NULL) { PyErr_NoMemory(); goto done; }
+    Py_ssize_t keyed = nrec < nfreq ? nrec : nfreq; /* handles every ordering's column covers */
+    if (nhits < keyed) keyed = nhits;
+    for (Py_ssize_t h = keyed; h < n; h++) /* a page of the tier beyond them */
+        if (where[h] == tier && pins[h] == 0) { PyErr_SetString(PyExc_IndexError, "pool: a column shorter than the cache"); goto done; }
+    if (n > keyed) n = keyed;
+    /* Handles ascend, so a key equal to a full heap's worst is worse (a larger handle): only a
+     * smaller key enters, which each heap's top (its worst) tells without the call. */
     for (Py_ssize_t h = 0; h < n; h++) {
         if (where[h] != tier || pins[h] != 0) continue;
-        if (h >= nrec || h >= nfreq || h >= nhits) { PyErr_SetString(PyExc_IndexError, "pool: a column shorter than the cache"); goto done; }
-        Entry by_recency = {(double)recency[h], h};
-        offer(heaps[0], &size[0], cap[0], by_recency);
-        if (cap[1]) offer(heaps[1], &size[1], cap[1], (Entry){frequency[h], h});
-        if (cap[2] && hits[h] == 0.0) offer(heaps[2], &size[2], cap[2], by_recency);
+        double r = (double)recency[h];
+        if (cap[0] && (size[0] < cap[0] || r < heaps[0][0].key)) offer(heaps[0], &size[0], cap[0], (Entry){r, h});
+        if (cap[1] && (size[1] < cap[1] || frequency[h] < heaps[1][0].key)) offer(heaps[1], &size[1], cap[1], (Entry){frequency[h], h});
+        if (cap[2] && hits[h] == 0.0 && (size[2] < cap[2] || r < heaps[2][0].key)) offer(heaps[2], &size[2], cap[2], (Entry){r, h});
     }
     /* the picks deduplicated through a small open-addressing table (handle -> place in out) */
     Py_ssize_t slots = 16;
@@ -115,7 +136,7 @@ static Py_ssize_t gather(int tier, const Py_ssize_t cap[3], Py_buffer cols[5], i
     for (Py_ssize_t i = 0; i < slots; i++) table[i].handle = -1; /* handles are never negative */
     k = 0;
     for (int o = 0; o < 3; o++) {
-        qsort(heaps[o], size[o], sizeof(Entry), ascending);
+        drain(heaps[o], size[o]);
         for (Py_ssize_t i = 0; i < size[o]; i++) {
             int64_t h = heaps[o][i].handle;
             Py_ssize_t at = (Py_ssize_t)(((uint64_t)h * 0x9E3779B97F4A7C15ull) >> 40) & (slots - 1);
@@ -386,6 +407,129 @@ done:
     return result;
 }
 
+/* -- the reuse model's forward pass: ReuseModel.predict (kvray/policy/reuse_model.py) -----------
+ *
+ * forward(rows, mean, scale, w1, b1, w2, b2, portable=False) -> bytes of float32 (one score per row)
+ *   rows float32 (n x F), mean and scale float32 (F), w1 float32 (F x H), b1 and w2 float32 (H),
+ *   b2 float32 (1). Each row standardised as numpy does it ((x - mean) / scale, in float32),
+ *   its hidden units as fused multiply-adds over the features in order from 0 (what OpenBLAS's
+ *   small sgemm kernels do on this repository's machines), plus b1, ReLU, and the output as
+ *   fused multiply-adds over the hidden units in order, plus b2. numpy's product of the hidden
+ *   layer and w2 is a BLAS gemv whose sums run in another, CPU-dependent order, so a score can
+ *   differ from predict's in its last bits (tests/policy/test_reuse_pool.py bounds it, and checks
+ *   that a replay's decisions are the same). Compiled with -ffp-contract=off (setup.py): the
+ *   compiler fuses nothing else. Where the CPU has AVX and FMA, in AVX (forward_fma), else (or
+ *   with `portable`) row by row in libm's fmaf: the same scores, bit for bit. */
+#define MAX_WIDTH 256 /* features or hidden units of a row */
+#define BLOCK_ROWS 4 /* rows scored together in AVX: independent sums for the CPU to overlap */
+#define BLOCK_UNITS 8 /* hidden units summed together (one AVX vector) */
+
+typedef struct {
+    Py_ssize_t F, H;
+    const float *mean, *scale, *w1, *b1, *w2;
+    float b2;
+} Model;
+
+/* The scores of n rows into out, one row at a time (forward_fma below: the same operations, in AVX). */
+static inline __attribute__((always_inline)) void forward_rows(const Model *m, const float *rows, Py_ssize_t n, float *out) {
+    float x[MAX_WIDTH], hidden[MAX_WIDTH];
+    Py_ssize_t F = m->F, H = m->H;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const float *row = rows + i * F;
+        for (Py_ssize_t f = 0; f < F; f++) x[f] = (row[f] - m->mean[f]) / m->scale[f];
+        for (Py_ssize_t j = 0; j < H; j++) hidden[j] = 0.0f;
+        for (Py_ssize_t f = 0; f < F; f++) /* by feature: each unit's sum still in feature order */
+            for (Py_ssize_t j = 0; j < H; j++) hidden[j] = fmaf(x[f], m->w1[f * H + j], hidden[j]);
+        float score = 0.0f;
+        for (Py_ssize_t j = 0; j < H; j++) {
+            float v = hidden[j] + m->b1[j];
+            score = fmaf(v > 0.0f || v != v ? v : 0.0f, m->w2[j], score); /* np.maximum(v, 0): NaN stays */
+        }
+        out[i] = score + m->b2;
+    }
+}
+
+/* libm's fmaf is exact wherever it runs (in software without the instruction): the same scores, slower */
+static void forward_any(const Model *m, const float *rows, Py_ssize_t n, float *out) { forward_rows(m, rows, n, out); }
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define FORWARD_DISPATCH 1
+#include <immintrin.h>
+/* forward_rows in AVX: eight hidden units of four rows per step, each lane the same fused
+ * multiply-add (vfmadd's lanes round as fmaf does) in the same feature order. */
+__attribute__((target("avx,fma"))) static void forward_fma(const Model *m, const float *rows, Py_ssize_t n, float *out) {
+    Py_ssize_t F = m->F, H = m->H;
+    if (H % BLOCK_UNITS != 0) {
+        forward_rows(m, rows, n, out);
+        return;
+    }
+    float x[BLOCK_ROWS][MAX_WIDTH], hidden[BLOCK_ROWS][MAX_WIDTH];
+    for (Py_ssize_t i = 0; i < n; i += BLOCK_ROWS) {
+        Py_ssize_t take = n - i < BLOCK_ROWS ? n - i : BLOCK_ROWS;
+        for (Py_ssize_t r = 0; r < BLOCK_ROWS; r++) {
+            const float *row = rows + (i + (r < take ? r : 0)) * F; /* a block's missing rows repeat its first */
+            for (Py_ssize_t f = 0; f < F; f++) x[r][f] = (row[f] - m->mean[f]) / m->scale[f];
+        }
+        for (Py_ssize_t j0 = 0; j0 < H; j0 += BLOCK_UNITS) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (Py_ssize_t f = 0; f < F; f++) {
+                __m256 w = _mm256_loadu_ps(m->w1 + f * H + j0);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(x[0][f]), w, a0);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(x[1][f]), w, a1);
+                a2 = _mm256_fmadd_ps(_mm256_set1_ps(x[2][f]), w, a2);
+                a3 = _mm256_fmadd_ps(_mm256_set1_ps(x[3][f]), w, a3);
+            }
+            _mm256_storeu_ps(hidden[0] + j0, a0);
+            _mm256_storeu_ps(hidden[1] + j0, a1);
+            _mm256_storeu_ps(hidden[2] + j0, a2);
+            _mm256_storeu_ps(hidden[3] + j0, a3);
+        }
+        float score[BLOCK_ROWS] = {0.0f};
+        for (Py_ssize_t j = 0; j < H; j++)
+            for (int r = 0; r < BLOCK_ROWS; r++) {
+                float v = hidden[r][j] + m->b1[j];
+                score[r] = fmaf(v > 0.0f || v != v ? v : 0.0f, m->w2[j], score[r]);
+            }
+        for (Py_ssize_t r = 0; r < take; r++) out[i + r] = score[r] + m->b2;
+    }
+}
+#else
+#define FORWARD_DISPATCH 0
+#endif
+
+static PyObject *forward(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *objs[7];
+    int portable = 0; /* the scalar path on any CPU (the tests compare the two) */
+    if (!PyArg_ParseTuple(args, "OOOOOOO|p", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &objs[6], &portable))
+        return NULL;
+    static const char *names[7] = {"rows", "mean", "scale", "w1", "b1", "w2", "b2"};
+    Py_buffer cols[7];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 7; got++)
+        if (column(objs[got], &cols[got], 4, names[got]) < 0) goto done;
+    Py_ssize_t F = cols[1].len / 4, H = cols[4].len / 4;
+    if (F < 1 || F > MAX_WIDTH || H < 1 || H > MAX_WIDTH || cols[2].len / 4 != F || cols[3].len / 4 != F * H ||
+        cols[5].len / 4 != H || cols[6].len / 4 < 1 || (cols[0].len / 4) % F != 0) {
+        PyErr_SetString(PyExc_ValueError, "forward: rows (n x F), mean and scale (F), w1 (F x H), b1 and w2 (H), b2 (1)");
+        goto done;
+    }
+    Py_ssize_t n = cols[0].len / 4 / F;
+    const float *rows = cols[0].buf, *mean = cols[1].buf, *scale = cols[2].buf, *w1 = cols[3].buf, *b1 = cols[4].buf;
+    const float *w2 = cols[5].buf, b2 = ((const float *)cols[6].buf)[0];
+    if ((result = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(float))) == NULL) goto done;
+    Model model = {F, H, mean, scale, w1, b1, w2, b2};
+    float *out = (float *)PyBytes_AS_STRING(result);
+#if FORWARD_DISPATCH
+    if (!portable && __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma")) forward_fma(&model, rows, n, out);
+    else
+#endif
+        forward_any(&model, rows, n, out);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&cols[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"pool", pool, METH_VARARGS,
      "pool(tier, lru, lfu, fifo, where, pins, recency, frequency, hits) -> (handles, bits) (see kvray/policy/reuse.py)"},
@@ -395,6 +539,9 @@ static PyMethodDef methods[] = {
     {"scored", scored, METH_VARARGS,
      "scored(tier, lru, lfu, fifo, where, pins, recency, frequency, first_child, now, now_ms, decay, root_k, <PageFeatures' "
      "columns>) -> (handles, rows): the pool and its feature rows in one call (see kvray/policy/reuse.py)"},
+    {"forward", forward, METH_VARARGS,
+     "forward(rows, mean, scale, w1, b1, w2, b2, portable=False) -> float32 scores: ReuseModel.predict, sums in a fixed order (see "
+     "kvray/policy/reuse_model.py)"},
     {"ranking", ranking, METH_VARARGS,
      "ranking(score, handles, depth) -> (ranked handles, order): np.lexsort((-depth[handles], -score)) (see "
      "kvray/policy/reuse.py)"},

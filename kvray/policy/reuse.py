@@ -432,7 +432,8 @@ class ReusePolicy(PlacementPolicy):
             key_of = self._key_of
             self._labels.decided(rows, [key_of[h] for h in handles.tolist()], self.features.now)
         if self.model is not None:
-            score = self.model.predict(rows)
+            # in C (score) but for a teacher: the shipped model's rebuild replays predict (docs/sim-eval)
+            score = (self.model.predict if self.teacher else self.model.score)(rows)
         else:  # a teacher without a model acts as the oracle among the candidates
             score = log_next_use(self._next_uses(handles) - self._label_now)
         ranked, order = self._ranking(handles, score)
@@ -527,7 +528,7 @@ class ReusePolicy(PlacementPolicy):
         """``handle``'s eviction score were it in ``tier`` now (a teacher without a model: the oracle's)."""
         if self.model is None:
             return float(log_next_use(self._next_uses(np.array([handle])) - self._label_now)[0])
-        return float(self.model.predict(self._page_row(handle, tier))[0])
+        return float((self.model.predict if self.teacher else self.model.score)(self._page_row(handle, tier))[0])
 
     def _page_row(self, handle: int, tier: Tier) -> np.ndarray:
         """``handle``'s feature row were it in ``tier`` now: the newest of the tier's recency
