@@ -56,6 +56,11 @@ setup(
             ],
             extra_compile_args=["-O2"],
         ),
-        Extension("kvray.policy._pool", ["kvray/policy/_pool.c"], extra_compile_args=["-O2", "-ffp-contract=off"]),
+        Extension(
+            "kvray.policy._pool",
+            ["kvray/policy/_pool.c"],
+            depends=["kvray/policy/_pool_forward.h"],
+            extra_compile_args=["-O2", "-ffp-contract=off"],
+        ),
     ],
 )

@@ -195,6 +195,7 @@ done:
 #define NFEATURES 17
 
 #define NSOURCES 3 /* SOURCES: which orderings offered a candidate, after the features when more than LRU offers */
+#include "_pool_forward.h"
 
 /* PageFeatures' columns (F_DECAY .. F_GHOST in the argument order of rows and scored). */
 enum { F_DECAY, F_INSERTED, F_LAST, F_LAST_MS, F_GAP1, F_GAP2, F_COUNTS, F_HITS, F_DEPTH, F_PAGES, F_ROOT, F_GHOST, NF };
@@ -291,6 +292,37 @@ done:
     return result;
 }
 
+/* A row's width: the features, and which orderings offered the page when more than LRU offers. */
+static Py_ssize_t row_width(const Py_ssize_t cap[3]) { return NFEATURES + (cap[1] || cap[2] ? NSOURCES : 0); }
+
+/* The pool of `tier` (gather) into *out_p and its rows (row_width(cap) floats each) into *rows_p,
+ * both PyMem_Malloc'ed; each candidate a leaf when first_child (int32) is -1. Its size, or -1
+ * with an exception set. */
+static Py_ssize_t pool_rows(int tier, const Py_ssize_t cap[3], Py_buffer cols[5], const Py_buffer *fb, const Features *f,
+                            int64_t **out_p, float **rows_p) {
+    int64_t *out = NULL;
+    uint8_t *bits = NULL;
+    float *rows = NULL;
+    Py_ssize_t k = gather(tier, cap, cols, &out, &bits), width = row_width(cap), nfirst = fb->len / 4;
+    const int32_t *first = fb->buf;
+    if (k < 0) return -1;
+    if ((rows = PyMem_Malloc((k ? k : 1) * width * sizeof(float))) == NULL) { PyErr_NoMemory(); goto fail; }
+    float *row = rows;
+    for (Py_ssize_t i = 0; i < k; i++, row += width) {
+        if (out[i] >= nfirst) { PyErr_SetString(PyExc_IndexError, "scored: first_child shorter than the cache"); goto fail; }
+        if (write_row(f, row, out[i], first[out[i]] == -1, tier, i, k) < 0) goto fail;
+        for (int o = 0; width > NFEATURES && o < NSOURCES; o++) row[NFEATURES + o] = (float)((bits[i] >> o) & 1);
+    }
+    PyMem_Free(bits);
+    *out_p = out, *rows_p = rows;
+    return k;
+fail:
+    PyMem_Free(out);
+    PyMem_Free(bits);
+    PyMem_Free(rows);
+    return -1;
+}
+
 /* -- a scoring's inputs in one call: the pool and its rows --------------------------------------
  *
  * scored(tier, lru, lfu, fifo, where, pins, recency, frequency, first_child, now, now_ms, decay,
@@ -316,24 +348,16 @@ static PyObject *scored(PyObject *module, PyObject *args) {
     int got = 0, have_first = 0;
     PyObject *handles = NULL, *table = NULL, *result = NULL;
     int64_t *out = NULL;
-    uint8_t *bits = NULL;
+    float *rows_out = NULL;
     for (; got < 5; got++)
         if (column(pool_objs[got], &cols[got], POOL_SIZES[got], POOL_NAMES[got]) < 0) goto done;
     if (column(first_obj, &fb, 4, "first_child") < 0) goto done;
     have_first = 1;
     if (load_features(&f, objs) < 0) goto done;
-    Py_ssize_t k = gather(tier, cap, cols, &out, &bits);
+    Py_ssize_t k = pool_rows(tier, cap, cols, &fb, &f, &out, &rows_out);
     if (k < 0) goto done;
-    int sources = cap[1] || cap[2];
-    Py_ssize_t width = NFEATURES + (sources ? NSOURCES : 0), nfirst = fb.len / 4;
-    const int32_t *first = fb.buf;
-    if ((table = PyByteArray_FromStringAndSize(NULL, k * width * (Py_ssize_t)sizeof(float))) == NULL) goto done;
-    float *row = (float *)PyByteArray_AS_STRING(table);
-    for (Py_ssize_t i = 0; i < k; i++, row += width) {
-        if (out[i] >= nfirst) { PyErr_SetString(PyExc_IndexError, "scored: first_child shorter than the cache"); goto done; }
-        if (write_row(&f, row, out[i], first[out[i]] == -1, tier, i, k) < 0) goto done;
-        for (int o = 0; sources && o < NSOURCES; o++) row[NFEATURES + o] = (float)((bits[i] >> o) & 1);
-    }
+    Py_ssize_t width = row_width(cap);
+    if ((table = PyByteArray_FromStringAndSize((const char *)rows_out, k * width * (Py_ssize_t)sizeof(float))) == NULL) goto done;
     if ((handles = PyBytes_FromStringAndSize((const char *)out, k * (Py_ssize_t)sizeof(int64_t))) != NULL)
         result = PyTuple_Pack(2, handles, table);
 done:
@@ -343,7 +367,7 @@ done:
     Py_XDECREF(handles);
     Py_XDECREF(table);
     PyMem_Free(out);
-    PyMem_Free(bits);
+    PyMem_Free(rows_out);
     return result;
 }
 
@@ -366,6 +390,25 @@ static int leaves_first(const void *a, const void *b) {
     return x->at < y->at ? -1 : x->at > y->at;
 }
 
+/* The n candidates in ranking order (PyMem_Malloc'ed), by depth (int32 by handle); NULL with an exception set. */
+static Ranked *rank(const float *score, const int64_t *handles, Py_ssize_t n, const Py_buffer *depth_col) {
+    const int32_t *depth = depth_col->buf;
+    Py_ssize_t ndepth = depth_col->len / 4;
+    Ranked *items = PyMem_Malloc((n ? n : 1) * sizeof(Ranked));
+    if (items == NULL) return (Ranked *)PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (handles[i] < 0 || handles[i] >= ndepth) { PyErr_SetString(PyExc_IndexError, "ranking: a handle beyond depth"); break; }
+        if (score[i] != score[i]) { PyErr_SetString(PyExc_ValueError, "ranking: a NaN score"); break; }
+        items[i] = (Ranked){score[i], depth[handles[i]], i};
+    }
+    if (PyErr_Occurred()) {
+        PyMem_Free(items);
+        return NULL;
+    }
+    qsort(items, n, sizeof(Ranked), leaves_first);
+    return items;
+}
+
 static PyObject *ranking(PyObject *module, PyObject *args) {
     (void)module;
     PyObject *objs[3];
@@ -378,18 +421,10 @@ static PyObject *ranking(PyObject *module, PyObject *args) {
     Ranked *items = NULL;
     for (; got < 3; got++)
         if (column(objs[got], &cols[got], sizes[got], names[got]) < 0) goto done;
-    Py_ssize_t n = cols[0].len / 4, ndepth = cols[2].len / 4;
-    const float *score = cols[0].buf;
+    Py_ssize_t n = cols[0].len / 4;
     const int64_t *handles = cols[1].buf;
-    const int32_t *depth = cols[2].buf;
     if (cols[1].len / 8 != n) { PyErr_SetString(PyExc_ValueError, "ranking: as many scores as handles"); goto done; }
-    if ((items = PyMem_Malloc((n ? n : 1) * sizeof(Ranked))) == NULL) { PyErr_NoMemory(); goto done; }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (handles[i] < 0 || handles[i] >= ndepth) { PyErr_SetString(PyExc_IndexError, "ranking: a handle beyond depth"); goto done; }
-        if (score[i] != score[i]) { PyErr_SetString(PyExc_ValueError, "ranking: a NaN score"); goto done; }
-        items[i] = (Ranked){score[i], depth[handles[i]], i};
-    }
-    qsort(items, n, sizeof(Ranked), leaves_first);
+    if ((items = rank(cols[0].buf, handles, n, &cols[2])) == NULL) goto done;
     if ((ranked = PyList_New(n)) == NULL || (order = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t))) == NULL) goto done;
     int64_t *at = (int64_t *)PyBytes_AS_STRING(order);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -407,124 +442,102 @@ done:
     return result;
 }
 
-/* -- the reuse model's forward pass: ReuseModel.predict (kvray/policy/reuse_model.py) -----------
+/* -- a whole scoring in one call: the pool, its rows, the model's scores and their ranking -------
+ *
+ * ranked_pool(tier, lru, lfu, fifo, where, pins, recency, frequency, first_child, depth, take,
+ *             mean, scale, w1, b1, w2, b2, now, now_ms, decay, root_k, <PageFeatures' columns>)
+ *   -> (ranked, scores)
+ *   scored()'s pool and rows, forward()'s scores of them and ranking()'s order: ranked, the pool's
+ *   handles in that order (a list); scores, the first `take` ranked's scores (a list of floats).
+ *   ReusePolicy's scoring where nothing keeps the rows (no teacher, online refit or disk gate). */
+static PyObject *ranked_pool(PyObject *module, PyObject *args) {
+    (void)module;
+    int tier;
+    Py_ssize_t cap[3], take;
+    PyObject *pool_objs[5], *first_obj, *depth_obj, *wobjs[6], *objs[NF];
+    Features f = {.got = 0};
+    if (!PyArg_ParseTuple(args, "innnOOOOOOnOOOOOOddOiOOOOOOOOOOO", &tier, &cap[0], &cap[1], &cap[2], &pool_objs[0],
+                          &pool_objs[1], &pool_objs[2], &pool_objs[3], &first_obj, &depth_obj, &take, &wobjs[0], &wobjs[1],
+                          &wobjs[2], &wobjs[3], &wobjs[4], &wobjs[5], &f.now, &f.now_ms, &objs[F_DECAY], &f.root_k,
+                          &objs[F_INSERTED], &objs[F_LAST], &objs[F_LAST_MS], &objs[F_GAP1], &objs[F_GAP2], &objs[F_COUNTS],
+                          &objs[F_HITS], &objs[F_DEPTH], &objs[F_PAGES], &objs[F_ROOT], &objs[F_GHOST]))
+        return NULL;
+    pool_objs[4] = objs[F_HITS];
+    Py_buffer cols[5], fb, db, w[6];
+    int got = 0, have = 0, wgot = 0;
+    PyObject *order = NULL, *scores = NULL, *result = NULL;
+    int64_t *out = NULL;
+    float *rows = NULL, *score = NULL;
+    Ranked *items = NULL;
+    Model model;
+    for (; got < 5; got++)
+        if (column(pool_objs[got], &cols[got], POOL_SIZES[got], POOL_NAMES[got]) < 0) goto done;
+    if (column(first_obj, &fb, 4, "first_child") < 0) goto done;
+    have = 1;
+    if (column(depth_obj, &db, 4, "depth") < 0) goto done;
+    have = 2;
+    for (; wgot < 6; wgot++)
+        if (column(wobjs[wgot], &w[wgot], 4, MODEL_NAMES[wgot]) < 0) goto done;
+    if (load_model(&model, w) < 0 || load_features(&f, objs) < 0) goto done;
+    if (model.F != row_width(cap)) { PyErr_SetString(PyExc_ValueError, "ranked_pool: the model's features are not the pool's rows"); goto done; }
+    Py_ssize_t k = pool_rows(tier, cap, cols, &fb, &f, &out, &rows);
+    if (k < 0) goto done;
+    if ((score = PyMem_Malloc((k ? k : 1) * sizeof(float))) == NULL) { PyErr_NoMemory(); goto done; }
+    score_rows(&model, rows, k, score, 0);
+    if ((items = rank(score, out, k, &db)) == NULL) goto done;
+    Py_ssize_t first = take < k ? (take > 0 ? take : 0) : k;
+    if ((order = PyList_New(k)) == NULL || (scores = PyList_New(first)) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *h = PyLong_FromLongLong(out[items[i].at]);
+        if (h == NULL) goto done;
+        PyList_SET_ITEM(order, i, h);
+        if (i < first) {
+            PyObject *v = PyFloat_FromDouble(items[i].score);
+            if (v == NULL) goto done;
+            PyList_SET_ITEM(scores, i, v);
+        }
+    }
+    result = PyTuple_Pack(2, order, scores);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&cols[i]);
+    if (have > 0) PyBuffer_Release(&fb);
+    if (have > 1) PyBuffer_Release(&db);
+    for (int i = 0; i < wgot; i++) PyBuffer_Release(&w[i]);
+    release_features(&f);
+    Py_XDECREF(order);
+    Py_XDECREF(scores);
+    PyMem_Free(out);
+    PyMem_Free(rows);
+    PyMem_Free(score);
+    PyMem_Free(items);
+    return result;
+}
+
+/* -- the reuse model's forward pass (_pool_forward.h) ------------------------------------------
  *
  * forward(rows, mean, scale, w1, b1, w2, b2, portable=False) -> bytes of float32 (one score per row)
- *   rows float32 (n x F), mean and scale float32 (F), w1 float32 (F x H), b1 and w2 float32 (H),
- *   b2 float32 (1). Each row standardised as numpy does it ((x - mean) / scale, in float32),
- *   its hidden units as fused multiply-adds over the features in order from 0 (what OpenBLAS's
- *   small sgemm kernels do on this repository's machines), plus b1, ReLU, and the output as
- *   fused multiply-adds over the hidden units in order, plus b2. numpy's product of the hidden
- *   layer and w2 is a BLAS gemv whose sums run in another, CPU-dependent order, so a score can
- *   differ from predict's in its last bits (tests/policy/test_reuse_pool.py bounds it, and checks
- *   that a replay's decisions are the same). Compiled with -ffp-contract=off (setup.py): the
- *   compiler fuses nothing else. Where the CPU has AVX and FMA, in AVX (forward_fma), else (or
- *   with `portable`) row by row in libm's fmaf: the same scores, bit for bit. */
-#define MAX_WIDTH 256 /* features or hidden units of a row */
-#define BLOCK_ROWS 4 /* rows scored together in AVX: independent sums for the CPU to overlap */
-#define BLOCK_UNITS 8 /* hidden units summed together (one AVX vector) */
-
-typedef struct {
-    Py_ssize_t F, H;
-    const float *mean, *scale, *w1, *b1, *w2;
-    float b2;
-} Model;
-
-/* The scores of n rows into out, one row at a time (forward_fma below: the same operations, in AVX). */
-static inline __attribute__((always_inline)) void forward_rows(const Model *m, const float *rows, Py_ssize_t n, float *out) {
-    float x[MAX_WIDTH], hidden[MAX_WIDTH];
-    Py_ssize_t F = m->F, H = m->H;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const float *row = rows + i * F;
-        for (Py_ssize_t f = 0; f < F; f++) x[f] = (row[f] - m->mean[f]) / m->scale[f];
-        for (Py_ssize_t j = 0; j < H; j++) hidden[j] = 0.0f;
-        for (Py_ssize_t f = 0; f < F; f++) /* by feature: each unit's sum still in feature order */
-            for (Py_ssize_t j = 0; j < H; j++) hidden[j] = fmaf(x[f], m->w1[f * H + j], hidden[j]);
-        float score = 0.0f;
-        for (Py_ssize_t j = 0; j < H; j++) {
-            float v = hidden[j] + m->b1[j];
-            score = fmaf(v > 0.0f || v != v ? v : 0.0f, m->w2[j], score); /* np.maximum(v, 0): NaN stays */
-        }
-        out[i] = score + m->b2;
-    }
-}
-
-/* libm's fmaf is exact wherever it runs (in software without the instruction): the same scores, slower */
-static void forward_any(const Model *m, const float *rows, Py_ssize_t n, float *out) { forward_rows(m, rows, n, out); }
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define FORWARD_DISPATCH 1
-#include <immintrin.h>
-/* forward_rows in AVX: eight hidden units of four rows per step, each lane the same fused
- * multiply-add (vfmadd's lanes round as fmaf does) in the same feature order. */
-__attribute__((target("avx,fma"))) static void forward_fma(const Model *m, const float *rows, Py_ssize_t n, float *out) {
-    Py_ssize_t F = m->F, H = m->H;
-    if (H % BLOCK_UNITS != 0) {
-        forward_rows(m, rows, n, out);
-        return;
-    }
-    float x[BLOCK_ROWS][MAX_WIDTH], hidden[BLOCK_ROWS][MAX_WIDTH];
-    for (Py_ssize_t i = 0; i < n; i += BLOCK_ROWS) {
-        Py_ssize_t take = n - i < BLOCK_ROWS ? n - i : BLOCK_ROWS;
-        for (Py_ssize_t r = 0; r < BLOCK_ROWS; r++) {
-            const float *row = rows + (i + (r < take ? r : 0)) * F; /* a block's missing rows repeat its first */
-            for (Py_ssize_t f = 0; f < F; f++) x[r][f] = (row[f] - m->mean[f]) / m->scale[f];
-        }
-        for (Py_ssize_t j0 = 0; j0 < H; j0 += BLOCK_UNITS) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (Py_ssize_t f = 0; f < F; f++) {
-                __m256 w = _mm256_loadu_ps(m->w1 + f * H + j0);
-                a0 = _mm256_fmadd_ps(_mm256_set1_ps(x[0][f]), w, a0);
-                a1 = _mm256_fmadd_ps(_mm256_set1_ps(x[1][f]), w, a1);
-                a2 = _mm256_fmadd_ps(_mm256_set1_ps(x[2][f]), w, a2);
-                a3 = _mm256_fmadd_ps(_mm256_set1_ps(x[3][f]), w, a3);
-            }
-            _mm256_storeu_ps(hidden[0] + j0, a0);
-            _mm256_storeu_ps(hidden[1] + j0, a1);
-            _mm256_storeu_ps(hidden[2] + j0, a2);
-            _mm256_storeu_ps(hidden[3] + j0, a3);
-        }
-        float score[BLOCK_ROWS] = {0.0f};
-        for (Py_ssize_t j = 0; j < H; j++)
-            for (int r = 0; r < BLOCK_ROWS; r++) {
-                float v = hidden[r][j] + m->b1[j];
-                score[r] = fmaf(v > 0.0f || v != v ? v : 0.0f, m->w2[j], score[r]);
-            }
-        for (Py_ssize_t r = 0; r < take; r++) out[i + r] = score[r] + m->b2;
-    }
-}
-#else
-#define FORWARD_DISPATCH 0
-#endif
-
+ *   rows float32 (n x F), the weights as _pool_forward.h reads them; `portable`: row by row in
+ *   libm's fmaf on any CPU (the tests compare it with the AVX path). */
 static PyObject *forward(PyObject *module, PyObject *args) {
     (void)module;
     PyObject *objs[7];
-    int portable = 0; /* the scalar path on any CPU (the tests compare the two) */
+    int portable = 0;
     if (!PyArg_ParseTuple(args, "OOOOOOO|p", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &objs[6], &portable))
         return NULL;
-    static const char *names[7] = {"rows", "mean", "scale", "w1", "b1", "w2", "b2"};
     Py_buffer cols[7];
     int got = 0;
+    Model model;
     PyObject *result = NULL;
     for (; got < 7; got++)
-        if (column(objs[got], &cols[got], 4, names[got]) < 0) goto done;
-    Py_ssize_t F = cols[1].len / 4, H = cols[4].len / 4;
-    if (F < 1 || F > MAX_WIDTH || H < 1 || H > MAX_WIDTH || cols[2].len / 4 != F || cols[3].len / 4 != F * H ||
-        cols[5].len / 4 != H || cols[6].len / 4 < 1 || (cols[0].len / 4) % F != 0) {
-        PyErr_SetString(PyExc_ValueError, "forward: rows (n x F), mean and scale (F), w1 (F x H), b1 and w2 (H), b2 (1)");
+        if (column(objs[got], &cols[got], 4, got ? MODEL_NAMES[got - 1] : "rows") < 0) goto done;
+    if (load_model(&model, cols + 1) < 0) goto done;
+    if ((cols[0].len / 4) % model.F != 0) {
+        PyErr_SetString(PyExc_ValueError, "forward: rows of F values each");
         goto done;
     }
-    Py_ssize_t n = cols[0].len / 4 / F;
-    const float *rows = cols[0].buf, *mean = cols[1].buf, *scale = cols[2].buf, *w1 = cols[3].buf, *b1 = cols[4].buf;
-    const float *w2 = cols[5].buf, b2 = ((const float *)cols[6].buf)[0];
+    Py_ssize_t n = cols[0].len / 4 / model.F;
     if ((result = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(float))) == NULL) goto done;
-    Model model = {F, H, mean, scale, w1, b1, w2, b2};
-    float *out = (float *)PyBytes_AS_STRING(result);
-#if FORWARD_DISPATCH
-    if (!portable && __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma")) forward_fma(&model, rows, n, out);
-    else
-#endif
-        forward_any(&model, rows, n, out);
+    score_rows(&model, cols[0].buf, n, (float *)PyBytes_AS_STRING(result), portable);
 done:
     for (int i = 0; i < got; i++) PyBuffer_Release(&cols[i]);
     return result;
@@ -539,6 +552,9 @@ static PyMethodDef methods[] = {
     {"scored", scored, METH_VARARGS,
      "scored(tier, lru, lfu, fifo, where, pins, recency, frequency, first_child, now, now_ms, decay, root_k, <PageFeatures' "
      "columns>) -> (handles, rows): the pool and its feature rows in one call (see kvray/policy/reuse.py)"},
+    {"ranked_pool", ranked_pool, METH_VARARGS,
+     "ranked_pool(tier, lru, lfu, fifo, where, pins, recency, frequency, first_child, depth, take, mean, scale, w1, b1, w2, "
+     "b2, <PageFeatures' row inputs>) -> (ranked handles, their first take scores): a whole scoring (see kvray/policy/reuse.py)"},
     {"forward", forward, METH_VARARGS,
      "forward(rows, mean, scale, w1, b1, w2, b2, portable=False) -> float32 scores: ReuseModel.predict, sums in a fixed order (see "
      "kvray/policy/reuse_model.py)"},

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvray.policy import _pool, page_features, reuse, reuse_model
+from kvray.policy import _pool, page_features, reuse, reuse_model, reuse_pool
 from kvray.policy.page_features import FEATURES, HALF_LIVES, NEVER, PageFeatures
 from kvray.policy.reuse import ReusePolicy
 from kvray.policy.reuse_model import ReuseModel
@@ -26,7 +26,7 @@ from tests.properties import examples
 def pool_built() -> None:
     """Failing, not skipping: an install that lost the extension runs every replay slower."""
     assert reuse._pool is not None, "kvray.policy._pool is not built: make install, or python setup.py build_ext --inplace"
-    assert page_features._pool is reuse._pool and reuse_model._pool is reuse._pool
+    assert page_features._pool is reuse._pool and reuse_model._pool is reuse._pool and reuse_pool._pool is reuse._pool
 
 
 TRACE = "data/traces/conversation_trace_first30min.jsonl"
@@ -111,6 +111,7 @@ def test_a_reuse_replay_makes_the_same_decisions_with_the_pool_and_rows_in_c_or_
     monkeypatch.setattr(reuse, "_pool", None)
     monkeypatch.setattr(page_features, "_pool", None)
     monkeypatch.setattr(reuse_model, "_pool", None)  # the model's scores by predict (BLAS)
+    monkeypatch.setattr(reuse_pool, "_pool", None)
     python = replay()
     assert compiled[1] > 1000 and compiled[2] > 1  # it evicted, by scoring pools
     assert compiled == python
