@@ -159,3 +159,22 @@ def test_the_c_forward_pass_refuses_mismatched_weights():
         _pool.forward(rows, *weights[:4], model.w2[:-1], model.b2)
     with pytest.raises(ValueError, match="forward"):
         _pool.forward(np.zeros((3, len(model.mean) - 1), dtype=np.float32), *weights[:5], model.b2)
+
+
+def test_a_whole_scoring_in_one_c_call_is_the_scoring_in_parts():
+    """``_pool.ranked_pool`` (pool, rows, forward pass and ranking in one call) against the same
+    scoring in parts (``scored``, ``ReuseModel.score``, ``ranking``: ``ReusePolicy._rank``) in
+    every tier of a cache warmed by 200 conversation requests: the same ranking, the same
+    scores of its first TAKE, the same pool size."""
+    requests = read_trace(TRACE, limit=200)
+    scenario = load_scenario(DEFAULT_SCENARIO)
+    simulator = Simulator(scenario, ReusePolicy.load(tripwire=None), fast_capacity(scenario, requests, fraction=0.05))
+    simulator.replay(requests)
+    policy = simulator.policy
+    for tier in policy.tiers:
+        fused = policy._pool_ranked(tier, 0)
+        fused_scores, fused_scored = list(policy._pending_score[tier]), policy.scored
+        candidates, rows = policy._candidates(tier)
+        parts = policy._rank(candidates, tier, rows)
+        assert len(fused) > policy.take and fused == parts and fused_scored == policy.scored == len(candidates)
+        assert fused_scores == policy._pending_score[tier].tolist()
