@@ -1,5 +1,6 @@
-/* The reuse policy's candidate pool and its feature rows in C (a scoring's inputs): one pass over a tier's pages instead of a mask,
- * three partial sorts and a deduplication in numpy (docs/sim-eval/README.md, "Replay speed").
+/* The reuse policy's scoring in C: its candidate pool and their feature rows (one pass over a tier's pages instead of a mask,
+ * three partial sorts and a deduplication in numpy), the reuse model's scores of them (_pool_forward.h) and their ranking,
+ * each callable alone and all four in one call, ranked_pool (docs/sim-eval/README.md, "Replay speed").
  *
  * A transcription of the Python gathering in kvray/policy/reuse_pool.py (gather_python and
  * first), which stays the reference (tests/policy/test_reuse_pool.py compares them on
