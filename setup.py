@@ -5,8 +5,8 @@ kvray/core/keys.py); ``kvray.core._pagecopy`` copies a page and computes its xxh
 one pass (kvray/core/_pagecopy.c; why: kvray/core/pages.py); ``kvray.sim._chain`` is the
 simulator's chain writer under LRU, eviction cascade and link bookings included
 (kvray/sim/_chain.c; why: kvray/sim/node.py, ``SimNode.store_chain``); ``kvray.policy._pool``
-gathers the learned policy's candidate pool in one pass (kvray/policy/_pool.c; why:
-kvray/policy/reuse.py, ``ReusePolicy._gather``). ``pip install -e .``
+gathers the learned policy's candidate pool in one pass and scores it, feature rows and
+model included (kvray/policy/_pool.c; why: kvray/policy/reuse.py, ``ReusePolicy._pool_ranked``). ``pip install -e .``
 (``make install``) builds them in place; a checkout used through ``PYTHONPATH`` builds them
 with ``python setup.py build_ext --inplace``, and without them kvray converts lists, copies,
 hashes and replays in Python, only slower.
@@ -48,9 +48,19 @@ setup(
         Extension(
             "kvray.sim._chain",
             ["kvray/sim/_chain.c"],
-            depends=["kvray/sim/_chain_state.h", "kvray/sim/_chain_reuse.h", "kvray/sim/_chain_s3fifo.h"],
+            depends=[
+                "kvray/sim/_chain_state.h",
+                "kvray/sim/_chain_links.h",
+                "kvray/sim/_chain_reuse.h",
+                "kvray/sim/_chain_s3fifo.h",
+            ],
             extra_compile_args=["-O2"],
         ),
-        Extension("kvray.policy._pool", ["kvray/policy/_pool.c"], extra_compile_args=["-O2"]),
+        Extension(
+            "kvray.policy._pool",
+            ["kvray/policy/_pool.c"],
+            depends=["kvray/policy/_pool_forward.h"],
+            extra_compile_args=["-O2", "-ffp-contract=off"],
+        ),
     ],
 )

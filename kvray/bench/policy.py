@@ -21,9 +21,11 @@
   one ``victim`` call of LRU in the same cache state.
 - ``reuse_replay``: the per-page learned policy (``reuse``, shipped model, its sampled
   shadow tripwire on) replaying the same slice as ``sim_replay_requests_per_s`` against LRU
-  replaying it, alternating, CPU time; the goal is at least half LRU's speed. Beside it,
-  one scoring (the pool gathered from the three orderings, features read, model run) in
-  microseconds per candidate page, against one LRU ``victim`` call; the goal is 1 us.
+  replaying it, alternating, CPU time; the goal is at least half LRU's speed (measured
+  2026-12-04: 0.117x, ``--quick`` 0.122x; docs/sim-eval, "Replay speed", sixth pass, says
+  where the rest of the time goes). Beside it, one scoring (the pool gathered from the three
+  orderings, features read, model run, ranked: one C call) in microseconds per candidate
+  page, against one LRU ``victim`` call; the goal is 1 us (measured 0.41 us).
 - ``rl_router_decision``: microseconds per request of the trained cluster router
   (``rl-router``: route, load_pages, prefetch and replicate) against the cost router's, on the same
   views of a warm 8-node heterogeneous cluster. The goal is 20 us.

@@ -1,5 +1,6 @@
-/* The reuse policy's candidate pool and its feature rows in C (a scoring's inputs): one pass over a tier's pages instead of a mask,
- * three partial sorts and a deduplication in numpy (docs/sim-eval/README.md, "Replay speed").
+/* The reuse policy's scoring in C: its candidate pool and their feature rows (one pass over a tier's pages instead of a mask,
+ * three partial sorts and a deduplication in numpy), the reuse model's scores of them (_pool_forward.h) and their ranking,
+ * each callable alone and all four in one call, ranked_pool (docs/sim-eval/README.md, "Replay speed").
  *
  * A transcription of the Python gathering in kvray/policy/reuse_pool.py (gather_python and
  * first), which stays the reference (tests/policy/test_reuse_pool.py compares them on
@@ -33,7 +34,7 @@ static int worse(const Entry *a, const Entry *b) { /* a leaves before b: larger 
 }
 
 /* A bounded max-heap of the `cap` best (smallest) entries seen. */
-static void offer(Entry *heap, Py_ssize_t *size, Py_ssize_t cap, Entry e) {
+static inline void offer(Entry *heap, Py_ssize_t *size, Py_ssize_t cap, Entry e) {
     Py_ssize_t i;
     if (*size < cap) {
         i = (*size)++;
@@ -60,9 +61,24 @@ static void offer(Entry *heap, Py_ssize_t *size, Py_ssize_t cap, Entry e) {
     heap[i] = e;
 }
 
-static int ascending(const void *a, const void *b) {
-    const Entry *x = a, *y = b;
-    return worse(x, y) ? 1 : worse(y, x) ? -1 : 0;
+/* Sort a full or partial heap of `size` entries ascending in place: pop the worst to the end,
+ * size times (a heap sort; no allocation, unlike qsort). */
+static void drain(Entry *heap, Py_ssize_t size) {
+    for (Py_ssize_t end = size - 1; end > 0; end--) {
+        Entry e = heap[end];
+        heap[end] = heap[0];
+        Py_ssize_t i = 0;
+        for (;;) {
+            Py_ssize_t l = 2 * i + 1, r = l + 1, m = i;
+            const Entry *top = &e;
+            if (l < end && worse(&heap[l], top)) m = l, top = &heap[l];
+            if (r < end && worse(&heap[r], top)) m = r;
+            if (m == i) break;
+            heap[i] = heap[m];
+            i = m;
+        }
+        heap[i] = e;
+    }
 }
 
 static int column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *name) {
@@ -96,13 +112,19 @@ static Py_ssize_t gather(int tier, const Py_ssize_t cap[3], Py_buffer cols[5], i
     }
     for (int o = 0; o < 3; o++)
         if ((heaps[o] = PyMem_Malloc((cap[o] ? cap[o] : 1) * sizeof(Entry))) == NULL) { PyErr_NoMemory(); goto done; }
+    Py_ssize_t keyed = nrec < nfreq ? nrec : nfreq; /* handles every ordering's column covers */
+    if (nhits < keyed) keyed = nhits;
+    for (Py_ssize_t h = keyed; h < n; h++) /* a page of the tier beyond them */
+        if (where[h] == tier && pins[h] == 0) { PyErr_SetString(PyExc_IndexError, "pool: a column shorter than the cache"); goto done; }
+    if (n > keyed) n = keyed;
+    /* Handles ascend, so a key equal to a full heap's worst is worse (a larger handle): only a
+     * smaller key enters, which each heap's top (its worst) tells without the call. */
     for (Py_ssize_t h = 0; h < n; h++) {
         if (where[h] != tier || pins[h] != 0) continue;
-        if (h >= nrec || h >= nfreq || h >= nhits) { PyErr_SetString(PyExc_IndexError, "pool: a column shorter than the cache"); goto done; }
-        Entry by_recency = {(double)recency[h], h};
-        offer(heaps[0], &size[0], cap[0], by_recency);
-        if (cap[1]) offer(heaps[1], &size[1], cap[1], (Entry){frequency[h], h});
-        if (cap[2] && hits[h] == 0.0) offer(heaps[2], &size[2], cap[2], by_recency);
+        double r = (double)recency[h];
+        if (cap[0] && (size[0] < cap[0] || r < heaps[0][0].key)) offer(heaps[0], &size[0], cap[0], (Entry){r, h});
+        if (cap[1] && (size[1] < cap[1] || frequency[h] < heaps[1][0].key)) offer(heaps[1], &size[1], cap[1], (Entry){frequency[h], h});
+        if (cap[2] && hits[h] == 0.0 && (size[2] < cap[2] || r < heaps[2][0].key)) offer(heaps[2], &size[2], cap[2], (Entry){r, h});
     }
     /* the picks deduplicated through a small open-addressing table (handle -> place in out) */
     Py_ssize_t slots = 16;
@@ -115,7 +137,7 @@ static Py_ssize_t gather(int tier, const Py_ssize_t cap[3], Py_buffer cols[5], i
     for (Py_ssize_t i = 0; i < slots; i++) table[i].handle = -1; /* handles are never negative */
     k = 0;
     for (int o = 0; o < 3; o++) {
-        qsort(heaps[o], size[o], sizeof(Entry), ascending);
+        drain(heaps[o], size[o]);
         for (Py_ssize_t i = 0; i < size[o]; i++) {
             int64_t h = heaps[o][i].handle;
             Py_ssize_t at = (Py_ssize_t)(((uint64_t)h * 0x9E3779B97F4A7C15ull) >> 40) & (slots - 1);
@@ -174,6 +196,7 @@ done:
 #define NFEATURES 17
 
 #define NSOURCES 3 /* SOURCES: which orderings offered a candidate, after the features when more than LRU offers */
+#include "_pool_forward.h"
 
 /* PageFeatures' columns (F_DECAY .. F_GHOST in the argument order of rows and scored). */
 enum { F_DECAY, F_INSERTED, F_LAST, F_LAST_MS, F_GAP1, F_GAP2, F_COUNTS, F_HITS, F_DEPTH, F_PAGES, F_ROOT, F_GHOST, NF };
@@ -270,6 +293,37 @@ done:
     return result;
 }
 
+/* A row's width: the features, and which orderings offered the page when more than LRU offers. */
+static Py_ssize_t row_width(const Py_ssize_t cap[3]) { return NFEATURES + (cap[1] || cap[2] ? NSOURCES : 0); }
+
+/* The pool of `tier` (gather) into *out_p and its rows (row_width(cap) floats each) into *rows_p,
+ * both PyMem_Malloc'ed; each candidate a leaf when first_child (int32) is -1. Its size, or -1
+ * with an exception set. */
+static Py_ssize_t pool_rows(int tier, const Py_ssize_t cap[3], Py_buffer cols[5], const Py_buffer *fb, const Features *f,
+                            int64_t **out_p, float **rows_p) {
+    int64_t *out = NULL;
+    uint8_t *bits = NULL;
+    float *rows = NULL;
+    Py_ssize_t k = gather(tier, cap, cols, &out, &bits), width = row_width(cap), nfirst = fb->len / 4;
+    const int32_t *first = fb->buf;
+    if (k < 0) return -1;
+    if ((rows = PyMem_Malloc((k ? k : 1) * width * sizeof(float))) == NULL) { PyErr_NoMemory(); goto fail; }
+    float *row = rows;
+    for (Py_ssize_t i = 0; i < k; i++, row += width) {
+        if (out[i] >= nfirst) { PyErr_SetString(PyExc_IndexError, "scored: first_child shorter than the cache"); goto fail; }
+        if (write_row(f, row, out[i], first[out[i]] == -1, tier, i, k) < 0) goto fail;
+        for (int o = 0; width > NFEATURES && o < NSOURCES; o++) row[NFEATURES + o] = (float)((bits[i] >> o) & 1);
+    }
+    PyMem_Free(bits);
+    *out_p = out, *rows_p = rows;
+    return k;
+fail:
+    PyMem_Free(out);
+    PyMem_Free(bits);
+    PyMem_Free(rows);
+    return -1;
+}
+
 /* -- a scoring's inputs in one call: the pool and its rows --------------------------------------
  *
  * scored(tier, lru, lfu, fifo, where, pins, recency, frequency, first_child, now, now_ms, decay,
@@ -295,24 +349,16 @@ static PyObject *scored(PyObject *module, PyObject *args) {
     int got = 0, have_first = 0;
     PyObject *handles = NULL, *table = NULL, *result = NULL;
     int64_t *out = NULL;
-    uint8_t *bits = NULL;
+    float *rows_out = NULL;
     for (; got < 5; got++)
         if (column(pool_objs[got], &cols[got], POOL_SIZES[got], POOL_NAMES[got]) < 0) goto done;
     if (column(first_obj, &fb, 4, "first_child") < 0) goto done;
     have_first = 1;
     if (load_features(&f, objs) < 0) goto done;
-    Py_ssize_t k = gather(tier, cap, cols, &out, &bits);
+    Py_ssize_t k = pool_rows(tier, cap, cols, &fb, &f, &out, &rows_out);
     if (k < 0) goto done;
-    int sources = cap[1] || cap[2];
-    Py_ssize_t width = NFEATURES + (sources ? NSOURCES : 0), nfirst = fb.len / 4;
-    const int32_t *first = fb.buf;
-    if ((table = PyByteArray_FromStringAndSize(NULL, k * width * (Py_ssize_t)sizeof(float))) == NULL) goto done;
-    float *row = (float *)PyByteArray_AS_STRING(table);
-    for (Py_ssize_t i = 0; i < k; i++, row += width) {
-        if (out[i] >= nfirst) { PyErr_SetString(PyExc_IndexError, "scored: first_child shorter than the cache"); goto done; }
-        if (write_row(&f, row, out[i], first[out[i]] == -1, tier, i, k) < 0) goto done;
-        for (int o = 0; sources && o < NSOURCES; o++) row[NFEATURES + o] = (float)((bits[i] >> o) & 1);
-    }
+    Py_ssize_t width = row_width(cap);
+    if ((table = PyByteArray_FromStringAndSize((const char *)rows_out, k * width * (Py_ssize_t)sizeof(float))) == NULL) goto done;
     if ((handles = PyBytes_FromStringAndSize((const char *)out, k * (Py_ssize_t)sizeof(int64_t))) != NULL)
         result = PyTuple_Pack(2, handles, table);
 done:
@@ -322,7 +368,7 @@ done:
     Py_XDECREF(handles);
     Py_XDECREF(table);
     PyMem_Free(out);
-    PyMem_Free(bits);
+    PyMem_Free(rows_out);
     return result;
 }
 
@@ -345,6 +391,25 @@ static int leaves_first(const void *a, const void *b) {
     return x->at < y->at ? -1 : x->at > y->at;
 }
 
+/* The n candidates in ranking order (PyMem_Malloc'ed), by depth (int32 by handle); NULL with an exception set. */
+static Ranked *rank(const float *score, const int64_t *handles, Py_ssize_t n, const Py_buffer *depth_col) {
+    const int32_t *depth = depth_col->buf;
+    Py_ssize_t ndepth = depth_col->len / 4;
+    Ranked *items = PyMem_Malloc((n ? n : 1) * sizeof(Ranked));
+    if (items == NULL) return (Ranked *)PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (handles[i] < 0 || handles[i] >= ndepth) { PyErr_SetString(PyExc_IndexError, "ranking: a handle beyond depth"); break; }
+        if (score[i] != score[i]) { PyErr_SetString(PyExc_ValueError, "ranking: a NaN score"); break; }
+        items[i] = (Ranked){score[i], depth[handles[i]], i};
+    }
+    if (PyErr_Occurred()) {
+        PyMem_Free(items);
+        return NULL;
+    }
+    qsort(items, n, sizeof(Ranked), leaves_first);
+    return items;
+}
+
 static PyObject *ranking(PyObject *module, PyObject *args) {
     (void)module;
     PyObject *objs[3];
@@ -357,18 +422,10 @@ static PyObject *ranking(PyObject *module, PyObject *args) {
     Ranked *items = NULL;
     for (; got < 3; got++)
         if (column(objs[got], &cols[got], sizes[got], names[got]) < 0) goto done;
-    Py_ssize_t n = cols[0].len / 4, ndepth = cols[2].len / 4;
-    const float *score = cols[0].buf;
+    Py_ssize_t n = cols[0].len / 4;
     const int64_t *handles = cols[1].buf;
-    const int32_t *depth = cols[2].buf;
     if (cols[1].len / 8 != n) { PyErr_SetString(PyExc_ValueError, "ranking: as many scores as handles"); goto done; }
-    if ((items = PyMem_Malloc((n ? n : 1) * sizeof(Ranked))) == NULL) { PyErr_NoMemory(); goto done; }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (handles[i] < 0 || handles[i] >= ndepth) { PyErr_SetString(PyExc_IndexError, "ranking: a handle beyond depth"); goto done; }
-        if (score[i] != score[i]) { PyErr_SetString(PyExc_ValueError, "ranking: a NaN score"); goto done; }
-        items[i] = (Ranked){score[i], depth[handles[i]], i};
-    }
-    qsort(items, n, sizeof(Ranked), leaves_first);
+    if ((items = rank(cols[0].buf, handles, n, &cols[2])) == NULL) goto done;
     if ((ranked = PyList_New(n)) == NULL || (order = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t))) == NULL) goto done;
     int64_t *at = (int64_t *)PyBytes_AS_STRING(order);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -386,6 +443,107 @@ done:
     return result;
 }
 
+/* -- a whole scoring in one call: the pool, its rows, the model's scores and their ranking -------
+ *
+ * ranked_pool(tier, lru, lfu, fifo, where, pins, recency, frequency, first_child, depth, take,
+ *             mean, scale, w1, b1, w2, b2, now, now_ms, decay, root_k, <PageFeatures' columns>)
+ *   -> (ranked, scores)
+ *   scored()'s pool and rows, forward()'s scores of them and ranking()'s order: ranked, the pool's
+ *   handles in that order (a list); scores, the first `take` ranked's scores (a list of floats).
+ *   ReusePolicy's scoring where nothing keeps the rows (no teacher, online refit or disk gate). */
+static PyObject *ranked_pool(PyObject *module, PyObject *args) {
+    (void)module;
+    int tier;
+    Py_ssize_t cap[3], take;
+    PyObject *pool_objs[5], *first_obj, *depth_obj, *wobjs[6], *objs[NF];
+    Features f = {.got = 0};
+    if (!PyArg_ParseTuple(args, "innnOOOOOOnOOOOOOddOiOOOOOOOOOOO", &tier, &cap[0], &cap[1], &cap[2], &pool_objs[0],
+                          &pool_objs[1], &pool_objs[2], &pool_objs[3], &first_obj, &depth_obj, &take, &wobjs[0], &wobjs[1],
+                          &wobjs[2], &wobjs[3], &wobjs[4], &wobjs[5], &f.now, &f.now_ms, &objs[F_DECAY], &f.root_k,
+                          &objs[F_INSERTED], &objs[F_LAST], &objs[F_LAST_MS], &objs[F_GAP1], &objs[F_GAP2], &objs[F_COUNTS],
+                          &objs[F_HITS], &objs[F_DEPTH], &objs[F_PAGES], &objs[F_ROOT], &objs[F_GHOST]))
+        return NULL;
+    pool_objs[4] = objs[F_HITS];
+    Py_buffer cols[5], fb, db, w[6];
+    int got = 0, have = 0, wgot = 0;
+    PyObject *order = NULL, *scores = NULL, *result = NULL;
+    int64_t *out = NULL;
+    float *rows = NULL, *score = NULL;
+    Ranked *items = NULL;
+    Model model;
+    for (; got < 5; got++)
+        if (column(pool_objs[got], &cols[got], POOL_SIZES[got], POOL_NAMES[got]) < 0) goto done;
+    if (column(first_obj, &fb, 4, "first_child") < 0) goto done;
+    have = 1;
+    if (column(depth_obj, &db, 4, "depth") < 0) goto done;
+    have = 2;
+    for (; wgot < 6; wgot++)
+        if (column(wobjs[wgot], &w[wgot], 4, MODEL_NAMES[wgot]) < 0) goto done;
+    if (load_model(&model, w) < 0 || load_features(&f, objs) < 0) goto done;
+    if (model.F != row_width(cap)) { PyErr_SetString(PyExc_ValueError, "ranked_pool: the model's features are not the pool's rows"); goto done; }
+    Py_ssize_t k = pool_rows(tier, cap, cols, &fb, &f, &out, &rows);
+    if (k < 0) goto done;
+    if ((score = PyMem_Malloc((k ? k : 1) * sizeof(float))) == NULL) { PyErr_NoMemory(); goto done; }
+    score_rows(&model, rows, k, score, 0);
+    if ((items = rank(score, out, k, &db)) == NULL) goto done;
+    Py_ssize_t first = take < k ? (take > 0 ? take : 0) : k;
+    if ((order = PyList_New(k)) == NULL || (scores = PyList_New(first)) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *h = PyLong_FromLongLong(out[items[i].at]);
+        if (h == NULL) goto done;
+        PyList_SET_ITEM(order, i, h);
+        if (i < first) {
+            PyObject *v = PyFloat_FromDouble(items[i].score);
+            if (v == NULL) goto done;
+            PyList_SET_ITEM(scores, i, v);
+        }
+    }
+    result = PyTuple_Pack(2, order, scores);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&cols[i]);
+    if (have > 0) PyBuffer_Release(&fb);
+    if (have > 1) PyBuffer_Release(&db);
+    for (int i = 0; i < wgot; i++) PyBuffer_Release(&w[i]);
+    release_features(&f);
+    Py_XDECREF(order);
+    Py_XDECREF(scores);
+    PyMem_Free(out);
+    PyMem_Free(rows);
+    PyMem_Free(score);
+    PyMem_Free(items);
+    return result;
+}
+
+/* -- the reuse model's forward pass (_pool_forward.h) ------------------------------------------
+ *
+ * forward(rows, mean, scale, w1, b1, w2, b2, portable=False) -> bytes of float32 (one score per row)
+ *   rows float32 (n x F), the weights as _pool_forward.h reads them; `portable`: row by row in
+ *   libm's fmaf on any CPU (the tests compare it with the AVX path). */
+static PyObject *forward(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *objs[7];
+    int portable = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOOO|p", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &objs[6], &portable))
+        return NULL;
+    Py_buffer cols[7];
+    int got = 0;
+    Model model;
+    PyObject *result = NULL;
+    for (; got < 7; got++)
+        if (column(objs[got], &cols[got], 4, got ? MODEL_NAMES[got - 1] : "rows") < 0) goto done;
+    if (load_model(&model, cols + 1) < 0) goto done;
+    if ((cols[0].len / 4) % model.F != 0) {
+        PyErr_SetString(PyExc_ValueError, "forward: rows of F values each");
+        goto done;
+    }
+    Py_ssize_t n = cols[0].len / 4 / model.F;
+    if ((result = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(float))) == NULL) goto done;
+    score_rows(&model, cols[0].buf, n, (float *)PyBytes_AS_STRING(result), portable);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&cols[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"pool", pool, METH_VARARGS,
      "pool(tier, lru, lfu, fifo, where, pins, recency, frequency, hits) -> (handles, bits) (see kvray/policy/reuse.py)"},
@@ -395,6 +553,12 @@ static PyMethodDef methods[] = {
     {"scored", scored, METH_VARARGS,
      "scored(tier, lru, lfu, fifo, where, pins, recency, frequency, first_child, now, now_ms, decay, root_k, <PageFeatures' "
      "columns>) -> (handles, rows): the pool and its feature rows in one call (see kvray/policy/reuse.py)"},
+    {"ranked_pool", ranked_pool, METH_VARARGS,
+     "ranked_pool(tier, lru, lfu, fifo, where, pins, recency, frequency, first_child, depth, take, mean, scale, w1, b1, w2, "
+     "b2, <PageFeatures' row inputs>) -> (ranked handles, their first take scores): a whole scoring (see kvray/policy/reuse.py)"},
+    {"forward", forward, METH_VARARGS,
+     "forward(rows, mean, scale, w1, b1, w2, b2, portable=False) -> float32 scores: ReuseModel.predict, sums in a fixed order (see "
+     "kvray/policy/reuse_model.py)"},
     {"ranking", ranking, METH_VARARGS,
      "ranking(score, handles, depth) -> (ranked handles, order): np.lexsort((-depth[handles], -score)) (see "
      "kvray/policy/reuse.py)"},

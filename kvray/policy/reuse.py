@@ -37,7 +37,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +51,7 @@ from kvray.policy.promote import promote_target, promoting
 from kvray.policy.reuse_admission import DiskGate
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
 from kvray.policy.reuse_online import SAMPLE, DelayedLabels, RecencyLRU, ShadowTripwire
-from kvray.policy.reuse_pool import gather_python
+from kvray.policy.reuse_pool import gather, gather_python
 from kvray.policy.reuse_weights import link_charged_miss, queue_weight
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.resources import shipped_or_given
@@ -188,7 +188,7 @@ class ReusePolicy(PlacementPolicy):
         self._key_of: dict[int, int] = {}
         self._leaving: tuple[int, int] | None = None  # the page on_remove was last told of (a move re-inserts it)
         self._pending: dict[Tier, list[int]] = {}
-        self._pending_score: dict[Tier, np.ndarray] = {}  # the scores of the last ranking's first TAKE, in order
+        self._pending_score: dict[Tier, Sequence[float]] = {}  # the scores of the last ranking's first TAKE, in order
         self._pending_rows: dict[Tier, np.ndarray] = {}  # teacher: their feature rows, in order (promotion decisions)
         self._held = [0] * (max(Tier) + 1)  # pages per tier: a promotion into a tier with a free slot displaces none
         self.features = PageFeatures(ghost_capacity=max(sum(capacities.values()), 1))
@@ -368,12 +368,26 @@ class ReusePolicy(PlacementPolicy):
             handle = pending.pop()
             if self._where.item(handle) == tier and pins.item(handle) == 0:
                 return handle
-        candidates, rows = self._candidates(tier)
-        if len(candidates) <= 1:
-            return int(candidates[0]) if len(candidates) else None
-        ranked = self._rank(candidates, tier, rows)
+        ranked = self._pool_ranked(tier, 1)
+        if len(ranked) <= 1:
+            return ranked[0] if ranked else None
         self._pending[tier] = ranked[1 : self.take][::-1]  # popped from the end
         return ranked[0]
+
+    def _pool_ranked(self, tier: Tier, least: int) -> list[int]:
+        """``tier``'s pool, ranked (:meth:`_rank`) when it holds more than ``least`` pages. Where
+        nothing keeps the rows (no teacher, refit or disk gate) in one C call where built
+        (``kvray.policy._pool.ranked_pool``: :meth:`_candidates`, ``ReuseModel.score`` and :meth:`_ranking`)."""
+        model = self.model
+        if _pool is not None and model is not None and not self.teacher and self._labels is None and self._gate is None:
+            columns = (self._where, self.index.pins, self._recency, self._frequency, self.index.first_child, self.index.depth)
+            weights = (model.mean, model.scale, model.w1, model.b1, model.w2, model.b2)
+            ranked, scores = _pool.ranked_pool(int(tier), *self.pool, *columns, self.take, *weights, *self.features.row_inputs())
+            if len(ranked) > least:
+                self.scored, self._pending_score[tier] = len(ranked), scores
+            return ranked
+        candidates, rows = self._candidates(tier)
+        return candidates.tolist() if len(candidates) <= least else self._rank(candidates, tier, rows)
 
     def oldest(self, tier: Tier) -> int | None:
         """The least recently used unpinned page of ``tier`` (LRU's victim: stamps are unique)."""
@@ -402,21 +416,7 @@ class ReusePolicy(PlacementPolicy):
         rows = self.features.matrix(candidates, ~self.index.has_children(candidates), int(tier))
         return candidates, np.hstack([rows, source]) if len(source) else rows
 
-    def _gather(self, tier: Tier) -> tuple[np.ndarray, np.ndarray]:
-        """The pool of ``tier``: its candidates in the order offered, deduplicated, and which
-        orderings offered each (no columns when LRU alone offers). In C where built
-        (:mod:`kvray.policy._pool`, one pass over the tier's pages), else :meth:`gather_python`,
-        the reference it transcribes."""
-        lru, lfu, fifo = self.pool
-        if _pool is None:
-            return self.gather_python(tier)
-        columns = (self._where, self.index.pins, self._recency, self._frequency, self.features.hits)
-        handles, bits = _pool.pool(int(tier), lru, lfu, fifo, *columns)
-        candidates = np.frombuffer(handles, dtype=np.int64)
-        if not (lfu or fifo):
-            return candidates, np.zeros((0, 3), dtype=np.float32)
-        return candidates, ((np.frombuffer(bits, dtype=np.uint8)[:, None] >> np.arange(3)) & 1).astype(np.float32)
-
+    _gather = gather  # the pool in C where built, else gather_python (kvray/policy/reuse_pool.py)
     gather_python = gather_python  # the numpy reference of _gather (kvray/policy/reuse_pool.py)
 
     def _rank(self, handles: np.ndarray, tier: Tier, rows: np.ndarray | None) -> list[int]:
@@ -432,7 +432,8 @@ class ReusePolicy(PlacementPolicy):
             key_of = self._key_of
             self._labels.decided(rows, [key_of[h] for h in handles.tolist()], self.features.now)
         if self.model is not None:
-            score = self.model.predict(rows)
+            # in C (score) but for a teacher: the shipped model's rebuild replays predict (docs/sim-eval)
+            score = (self.model.predict if self.teacher else self.model.score)(rows)
         else:  # a teacher without a model acts as the oracle among the candidates
             score = log_next_use(self._next_uses(handles) - self._label_now)
         ranked, order = self._ranking(handles, score)
@@ -516,10 +517,9 @@ class ReusePolicy(PlacementPolicy):
             if self._where.item(handle) == tier and pins.item(handle) == 0:
                 return float(self._pending_score[tier][self._next_victim(tier)])
             pending.pop()
-        candidates, rows = self._candidates(tier)
-        if not len(candidates):
+        ranked = self._pool_ranked(tier, 0)
+        if not ranked:
             return None
-        ranked = self._rank(candidates, tier, rows)
         self._pending[tier] = ranked[: self.take][::-1]  # popped from the end: the first next
         return float(self._pending_score[tier][0])
 
@@ -527,7 +527,7 @@ class ReusePolicy(PlacementPolicy):
         """``handle``'s eviction score were it in ``tier`` now (a teacher without a model: the oracle's)."""
         if self.model is None:
             return float(log_next_use(self._next_uses(np.array([handle])) - self._label_now)[0])
-        return float(self.model.predict(self._page_row(handle, tier))[0])
+        return float((self.model.predict if self.teacher else self.model.score)(self._page_row(handle, tier))[0])
 
     def _page_row(self, handle: int, tier: Tier) -> np.ndarray:
         """``handle``'s feature row were it in ``tier`` now: the newest of the tier's recency

@@ -1,12 +1,13 @@
-"""The reuse policy's candidate pool in numpy: the reference that its gathering in C
-(``kvray.policy._pool.pool`` and ``scored``, kvray/policy/_pool.c) transcribes, and which
-tests/policy/test_reuse_pool.py compares it with on random columns full of ties.
+"""The reuse policy's candidate pool: :func:`gather`, in C where built (``kvray.policy._pool.pool``
+and ``scored``, kvray/policy/_pool.c), and :func:`gather_python` in numpy, the reference that
+the C transcribes and tests/policy/test_reuse_pool.py compares it with on random columns full
+of ties.
 
 Of the unpinned pages of a tier, the ``lru`` of lowest recency, the ``lfu`` of lowest
 frequency key and the ``fifo`` never read of lowest recency (:data:`kvray.policy.reuse.POOL`),
 each ordering's picks by (key, handle) ascending, concatenated in that order and deduplicated
 (a page's first offer wins), with which orderings offered each page. ``ReusePolicy`` takes
-:func:`gather_python` as its own.
+both as its own (``_gather``, ``gather_python``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ import numpy as np
 from kvray.core.index import PrefixIndex
 from kvray.core.tiers import Tier
 from kvray.policy.page_features import PageFeatures
+
+try:  # the gathering in C (kvray/policy/_pool.c); without it gather_python
+    from kvray.policy import _pool
+except ImportError:  # pragma: no cover - a checkout whose extensions were not built
+    _pool = None
 
 
 class PoolOwner(Protocol):
@@ -32,6 +38,21 @@ class PoolOwner(Protocol):
     _frequency: np.ndarray
     _bits: np.ndarray
     _first_at: np.ndarray
+
+
+def gather(policy: PoolOwner, tier: Tier) -> tuple[np.ndarray, np.ndarray]:
+    """The pool of ``tier``: its candidates in the order offered, deduplicated, and which
+    orderings offered each (no columns when LRU alone offers). In C where built (one pass
+    over the tier's pages), else :func:`gather_python`, the reference it transcribes."""
+    lru, lfu, fifo = policy.pool
+    if _pool is None:
+        return gather_python(policy, tier)
+    columns = (policy._where, policy.index.pins, policy._recency, policy._frequency, policy.features.hits)
+    handles, bits = _pool.pool(int(tier), lru, lfu, fifo, *columns)
+    candidates = np.frombuffer(handles, dtype=np.int64)
+    if not (lfu or fifo):
+        return candidates, np.zeros((0, 3), dtype=np.float32)
+    return candidates, ((np.frombuffer(bits, dtype=np.uint8)[:, None] >> np.arange(3)) & 1).astype(np.float32)
 
 
 def gather_python(policy: PoolOwner, tier: Tier) -> tuple[np.ndarray, np.ndarray]:

@@ -21,6 +21,7 @@
  *   queued links included).
  */
 #include "_chain_state.h"
+#include "_chain_links.h"
 #include "_chain_s3fifo.h"
 #include "_chain_reuse.h"
 
