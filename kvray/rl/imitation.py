@@ -5,7 +5,8 @@ eviction decision of :class:`~kvray.policy.reuse.ReusePolicy` can be labelled: e
 candidates with the requests until its next use (never: :data:`~kvray.policy.reuse_model.NEVER_REQUESTS`),
 weighted by what a miss of that page costs from where the eviction sends it. So can every
 promotion decision (a page read from disk moves up to host only if the model ranks it
-nearer its next use than host's next victim): with ``promotions`` (:data:`PROMOTION_ROWS`)
+nearer its next use than host's next victim): with the recipe's ``promotions``
+(:class:`~kvray.rl.teacher_recipe.TeacherRecipe`)
 the pair is recorded too, labelled the same way, weighted by what a disk read costs over a
 host read. Without those rows the model that prices a promotion is fitted on eviction pools
 of old pages only, and a page read this request lies outside them; with them it was not
@@ -48,9 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvray.core.errors import ConfigError
 from kvray.policy.reuse import POOL, TAKE, ReusePolicy
 from kvray.policy.reuse_model import WEIGHTS_FILE, ReuseModel, batch_groups
+from kvray.rl.teacher_recipe import TeacherRecipe
 from kvray.rl.train import split_by_time
 from kvray.scenario import DEFAULT_SCENARIO, Scenario, load_scenario
 from kvray.sim.load import find_load
@@ -62,12 +63,6 @@ FAMILY_SEEDS = {"chat": 100, "document": 101, "agent": 102, "bursty": 103, "phas
 TRAIN_TRACE = "conversation_trace_first30min.jsonl"
 CAPACITIES = (0.02, 0.05, 0.10, 0.25)
 CARD_FILE = "card.json"
-# which teacher replays record their promotion decisions: every round's, the DAgger rollouts'
-# only (round 0's victim is the oracle's, rarely the one the model would pick), or none
-PROMOTION_ROWS = ("all", "rollouts", "none")
-# which disk reads the teacher replays promote: as ReusePolicy's model decides (round 0 the oracle,
-# later rounds the model fitted so far), or none, as when policies/reuse was trained (5288765)
-TEACHER_PROMOTE = ("model", "none")
 
 
 def training_sources(families: Sequence[str], traces: Sequence[str], train_fraction: float) -> dict[str, list[TraceRequest]]:
@@ -95,19 +90,18 @@ Collected = tuple[list[np.ndarray], list[np.ndarray], list[float], float, int]
 def collect(job: tuple) -> Collected:
     """One replay of the teacher-labelled policy: its recorded decisions (each candidate's
     rows and labels, the decision's weight), its mean TTFT and how many of the decisions
-    were promotions (the page read and host's next victim; :data:`PROMOTION_ROWS`)."""
-    trace, fraction, scenario, model, record, seed, pool, promotions, promote, queue_weighted, libm_counts = job
-    kept = promotions == "all" or (promotions == "rollouts" and model is not None)
+    were promotions (the page read and host's next victim; ``TeacherRecipe.promotions``)."""
+    trace, fraction, scenario, model, record, seed, pool, recipe = job
     policy = ReusePolicy(
         model,
         teacher=True,
         record=record,
         seed=seed,
         pool=pool,
-        record_promotions=kept,
-        promote=promote,
-        queue_weighted=queue_weighted,
-        libm_counts=libm_counts,
+        record_promotions=recipe.records_promotions(rollout=model is not None),
+        promote=recipe.promote,
+        queue_weighted=recipe.queue_weighted,
+        libm_counts=recipe.libm_counts,
     )
     capacities = node_capacities(scenario, trace, fraction)[0]
     result = Simulator(scenario, policy, capacities).replay(trace)
@@ -174,27 +168,14 @@ def train_reuse(
     say: Callable[[str], None] | None = None,
     pool: tuple[int, int, int] = POOL,
     loads: Sequence[float | None] = (None,),
-    promotions: str = "none",
-    promote: str = "model",
-    queue_weighted: bool = True,
-    libm_counts: bool = False,
+    recipe: TeacherRecipe = TeacherRecipe(),
 ) -> dict:
     """DAgger over the training ``sources`` (:func:`training_sources`) at every capacity
-    fraction and load (None: the source's own rate); writes the model and its card into ``out``.
-    ``promotions`` says which replays also record their promotion decisions (the page read
-    from disk and host's next victim, :meth:`~kvray.policy.reuse.ReusePolicy.promote_target`;
-    :data:`PROMOTION_ROWS`): the model that prices them is otherwise fitted on eviction pools
-    of old pages only. ``promote`` says which disk reads the replays promote (:data:`TEACHER_PROMOTE`)
-    and ``queue_weighted`` whether a decision weighs the requests queued behind its miss
-    (:func:`~kvray.policy.reuse_weights.queue_weight`); ``libm_counts`` keeps the pool's counts as
-    5288765 did (:meth:`~kvray.policy.reuse.ReusePolicy._touch`). ``promote="none"`` without queue
-    weights, with libm counts, is the recipe policies/reuse was trained with (docs/sim-eval/README.md)."""
-    if promotions not in PROMOTION_ROWS:
-        raise ConfigError(f"promotions={promotions!r}: expected one of {', '.join(PROMOTION_ROWS)}")
-    if promote not in TEACHER_PROMOTE:
-        raise ConfigError(f"promote={promote!r}: expected one of {', '.join(TEACHER_PROMOTE)}")
-    if promote == "none" and promotions != "none":
-        raise ConfigError(f"promotions={promotions!r} records promotion decisions, and promote='none' makes none")
+    fraction and load (None: the source's own rate), the teacher acting and weighing as ``recipe``
+    says (:class:`~kvray.rl.teacher_recipe.TeacherRecipe`: without promotion rows the model that
+    prices a promotion is fitted on eviction pools of old pages only; ``teacher_recipe.SHIPPED`` is
+    the recipe policies/reuse was trained with, docs/sim-eval/README.md); writes the model and its
+    card into ``out``."""
     scenario = scenario or load_scenario(DEFAULT_SCENARIO)
     started = time.perf_counter()
     cells = [(t, f, scenario, u) for t in sources.values() for f in capacities for u in loads]
@@ -213,10 +194,7 @@ def train_reuse(
                 record,
                 seed * 1_000_003 + r * 1009 + i,
                 pool,
-                promotions,
-                promote,
-                queue_weighted,
-                libm_counts,
+                recipe,
             )
             for i, (trace, (_, f, _, _)) in enumerate(zip(traces, cells))
         ],
@@ -238,14 +216,11 @@ def train_reuse(
         "label": "softmax over a decision's candidates of log1p(requests to next use) (never = 1e5), cross-entropy weighted by the miss cost where the eviction sends the page"
         + (
             "; a promotion decision's candidates are the page read from disk and host's next victim, weighted by a disk read's cost over a host read's"
-            if promotions != "none"
+            if recipe.promotions != "none"
             else ""
         ),
         "training": {
-            "promotion_decisions": promotions,
-            "teacher_promote": promote,
-            "queue_weighted": queue_weighted,
-            "pool_counts": "libm" if libm_counts else "numpy",
+            **recipe.card(),
             # the fit's float32 products are OpenBLAS's, whose kernels differ by CPU: the shipped
             # policies/reuse rebuilds only on Haswell's (docs/sim-eval/README.md); None: detected
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
