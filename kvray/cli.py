@@ -22,7 +22,7 @@ from rich.console import Console
 from kvray.bench import NAMES as BENCHMARKS
 from kvray.core.errors import ConfigError, KvrayError
 from kvray.flags import CAPACITY_FRACTION, COUNT, LOAD, LOAD_HELP, NON_NEGATIVE, POSITIVE, TIME_FRACTION, in_range, one_of
-from kvray.rl.teacher_recipe import PROMOTION_ROWS, TEACHER_PROMOTE, TeacherRecipe
+from kvray.rl.teacher_recipe import PROMOTION_LABELS, PROMOTION_ROWS, TEACHER_PROMOTE, TeacherRecipe
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="kvray: tiered KV-cache offload and reuse"
@@ -498,6 +498,14 @@ def train_reuse(
         "(the DAgger rounds'), none (as policies/reuse was trained; docs/sim-eval/README.md, 'Promotion decisions in the "
         "teacher's replays')",
     ),
+    promotion_label: str = typer.Option(
+        "pair",
+        "--promotion-label",
+        callback=one_of(*PROMOTION_LABELS),
+        help="where the recorded promotion decisions are fitted: pair (in the eviction model's softmax, whose score "
+        "difference prices a promotion) or pointwise (a promotion head of its own: is the page read before host's next "
+        "victim?; docs/sim-eval/README.md, 'A pointwise promotion head')",
+    ),
     teacher_promote: str = typer.Option(
         "model",
         "--teacher-promote",
@@ -563,7 +571,11 @@ def train_reuse(
             return
         loads = ([None] if own_rate or not load else []) + list(load)
         recipe = TeacherRecipe(
-            promotions=promotions, promote=teacher_promote, queue_weighted=queue_weighted, libm_counts=pool_counts == "libm"
+            promotions=promotions,
+            promote=teacher_promote,
+            queue_weighted=queue_weighted,
+            libm_counts=pool_counts == "libm",
+            promotion_label=promotion_label,
         )
         card = train_reuse_policy(
             out,

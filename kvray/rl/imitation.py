@@ -51,6 +51,7 @@ import numpy as np
 
 from kvray.policy.reuse import POOL, TAKE, ReusePolicy
 from kvray.policy.reuse_model import WEIGHTS_FILE, ReuseModel, batch_groups
+from kvray.policy.reuse_promotion import HEAD_FILE, PromotionHead
 from kvray.rl.teacher_recipe import TeacherRecipe
 from kvray.rl.train import split_by_time
 from kvray.scenario import DEFAULT_SCENARIO, Scenario, load_scenario
@@ -84,13 +85,16 @@ def _at_load(job: tuple) -> list[TraceRequest]:
     return find_load(trace, scenario, load, node_capacities(scenario, trace, fraction)).trace
 
 
-Collected = tuple[list[np.ndarray], list[np.ndarray], list[float], float, int]
+# the eviction decisions' rows, labels and weights, the replay's mean TTFT, the promotion decisions
+# recorded, and those the promotion head is fitted on (pairs, labels, weights; empty without one)
+Collected = tuple[list[np.ndarray], list[np.ndarray], list[float], float, int, tuple[list, list, list]]
 
 
 def collect(job: tuple) -> Collected:
     """One replay of the teacher-labelled policy: its recorded decisions (each candidate's
     rows and labels, the decision's weight), its mean TTFT and how many of the decisions
-    were promotions (the page read and host's next victim; ``TeacherRecipe.promotions``)."""
+    were promotions (the page read and host's next victim; ``TeacherRecipe.promotions``), and with
+    a pointwise ``promotion_label`` those decisions as the promotion head's rows instead."""
     trace, fraction, scenario, model, record, seed, pool, recipe = job
     policy = ReusePolicy(
         model,
@@ -99,13 +103,15 @@ def collect(job: tuple) -> Collected:
         seed=seed,
         pool=pool,
         record_promotions=recipe.records_promotions(rollout=model is not None),
+        pointwise_promotions=recipe.promotion_label == "pointwise",
         promote=recipe.promote,
         queue_weighted=recipe.queue_weighted,
         libm_counts=recipe.libm_counts,
     )
     capacities = node_capacities(scenario, trace, fraction)[0]
     result = Simulator(scenario, policy, capacities).replay(trace)
-    return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms, policy.promotions_recorded
+    head = policy.head_rows or ([], [], [])
+    return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms, policy.promotions_recorded, head
 
 
 def dagger(
@@ -121,10 +127,13 @@ def dagger(
     """DAgger: round 0 replays ``work(None, 0)``'s jobs acting as the oracle among the
     candidates, every later round ``work(model, r)``'s with the model fitted so far;
     ``collect_one`` replays a job into its recorded decisions, and after each round the model
-    is refitted on every round's rows. Returns the last model, the decisions fitted on and
-    each round's account."""
+    is refitted on every round's rows, and its promotion head on every round's promotion
+    decisions where the replays recorded them for one (:mod:`kvray.policy.reuse_promotion`;
+    the rollouts then promote as the head says). Returns the last model, the eviction
+    decisions fitted on and each round's account."""
     model: ReuseModel | None = None
     rows, labels, weights = [], [], []
+    pairs, pair_labels, pair_weights = [], [], []
     history = []
     for r in range(rounds + 1):
         jobs_now = work(model, r)
@@ -133,19 +142,25 @@ def dagger(
                 results = list(workers.map(collect_one, jobs_now))
         else:
             results = [collect_one(job) for job in jobs_now]
-        for x, y, w, *_ in results:
+        for x, y, w, _, _, (px, py, pw) in results:
             rows += x
             labels += y
             weights += w
+            pairs += px
+            pair_labels += py
+            pair_weights += pw
         groups, targets, mask = batch_groups(rows, labels, sum(pool))
         model = ReuseModel.fit(groups, targets, mask, np.asarray(weights), seed, epochs=epochs)
         model.pool = pool
+        if pairs:
+            model.promotion = PromotionHead.fit(pairs, pair_labels, np.asarray(pair_weights), seed, epochs=epochs)
         history.append(
             {
                 "round": r,
                 "acted_by": "oracle among candidates" if r == 0 else "model",
                 "decisions": sum(len(x) for x, *_ in results),
                 "promotion_decisions": sum(res[4] for res in results),
+                "promotion_head_decisions": sum(len(res[5][0]) for res in results),
                 "mean_ttft_ms": [round(res[3], 1) for res in results],
             }
         )
@@ -216,8 +231,19 @@ def train_reuse(
         "label": "softmax over a decision's candidates of log1p(requests to next use) (never = 1e5), cross-entropy weighted by the miss cost where the eviction sends the page"
         + (
             "; a promotion decision's candidates are the page read from disk and host's next victim, weighted by a disk read's cost over a host read's"
-            if recipe.promotions != "none"
+            if recipe.promotions != "none" and recipe.promotion_label == "pair"
             else ""
+        ),
+        **(
+            {
+                "promotion_head": {
+                    "weights": HEAD_FILE,
+                    "inputs": "the page read from disk's row as it would sit in host, then host's next victim's row as ranked",
+                    "label": "the page's next use comes strictly before the victim's (binary cross-entropy), weighted by a disk read's cost over a host read's times the queue behind it",
+                }
+            }
+            if model.promotion is not None
+            else {}
         ),
         "training": {
             **recipe.card(),

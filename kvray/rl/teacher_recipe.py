@@ -28,22 +28,28 @@ PROMOTION_ROWS = ("all", "rollouts", "none")
 # which disk reads the teacher replays promote: as ReusePolicy's model decides (round 0 the oracle,
 # later rounds the model fitted so far), or none, as when policies/reuse was trained (5288765)
 TEACHER_PROMOTE = ("model", "none")
+# where the recorded promotion decisions are fitted: as pairs in the eviction model's softmax (its
+# score difference prices a promotion), or pointwise into a promotion head of their own
+# (kvray.policy.reuse_promotion: is the page read before host's next victim?)
+PROMOTION_LABELS = ("pair", "pointwise")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TeacherRecipe:
-    """The teacher's four settings. ``promotions``: which replays also record their promotion
+    """The teacher's settings. ``promotions``: which replays also record their promotion
     decisions (:data:`PROMOTION_ROWS`; the page read from disk beside host's next victim, as
     :meth:`~kvray.policy.reuse.ReusePolicy.promote_target` prices it); ``promote``: which disk reads
     the replays promote (:data:`TEACHER_PROMOTE`); ``queue_weighted``: whether a decision weighs the
     requests queued behind its miss (:func:`~kvray.policy.reuse_weights.queue_weight`);
     ``libm_counts``: the pool's decayed counts kept per page in libm's arithmetic, as 5288765 kept
-    them (:meth:`~kvray.policy.reuse.ReusePolicy._touch`)."""
+    them (:meth:`~kvray.policy.reuse.ReusePolicy._touch`); ``promotion_label``: where the recorded
+    promotion decisions are fitted (:data:`PROMOTION_LABELS`)."""
 
     promotions: str = "none"
     promote: str = "model"
     queue_weighted: bool = True
     libm_counts: bool = False
+    promotion_label: str = "pair"
 
     def __post_init__(self) -> None:
         if self.promotions not in PROMOTION_ROWS:
@@ -52,6 +58,12 @@ class TeacherRecipe:
             raise ConfigError(f"promote={self.promote!r}: expected one of {', '.join(TEACHER_PROMOTE)}")
         if self.promote == "none" and self.promotions != "none":
             raise ConfigError(f"promotions={self.promotions!r} records promotion decisions, and promote='none' makes none")
+        if self.promotion_label not in PROMOTION_LABELS:
+            raise ConfigError(f"promotion_label={self.promotion_label!r}: expected one of {', '.join(PROMOTION_LABELS)}")
+        if self.promotion_label == "pointwise" and self.promotions == "none":
+            raise ConfigError(
+                "promotion_label='pointwise' fits a head to promotion decisions, and promotions='none' records none"
+            )
 
     def records_promotions(self, rollout: bool) -> bool:
         """Whether a replay records its promotion decisions: a DAgger rollout (``rollout``: it has
@@ -65,6 +77,7 @@ class TeacherRecipe:
             "teacher_promote": self.promote,
             "queue_weighted": self.queue_weighted,
             "pool_counts": "libm" if self.libm_counts else "numpy",
+            "promotion_label": self.promotion_label,
         }
 
 
