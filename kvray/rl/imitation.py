@@ -11,7 +11,9 @@ the pair is recorded too, labelled the same way, weighted by what a disk read co
 host read. Without those rows the model that prices a promotion is fitted on eviction pools
 of old pages only, and a page read this request lies outside them; with them it was not
 better on the held-out cells (docs/sim-eval/README.md, "Promotion decisions in the teacher's
-replays"), so the default records none. Round 0 acts as the oracle among the candidates (the
+replays"), so the default records none. With the recipe's pointwise ``promotion_label`` the
+pairs fit a promotion head of its own instead (:mod:`kvray.policy.reuse_promotion`: is the page
+read before the victim?), not better either ("A pointwise promotion head"). Round 0 acts as the oracle among the candidates (the
 expert; it promotes a page iff it is used before host's victim); every later round rolls out the model
 fitted so far, so that it is labelled on the states its own choices lead to, and the model
 is refitted on all rounds' rows (DAgger's aggregation). Only the training sources are
