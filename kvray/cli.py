@@ -22,6 +22,7 @@ from rich.console import Console
 from kvray.bench import NAMES as BENCHMARKS
 from kvray.core.errors import ConfigError, KvrayError
 from kvray.flags import CAPACITY_FRACTION, COUNT, LOAD, LOAD_HELP, NON_NEGATIVE, POSITIVE, TIME_FRACTION, in_range, one_of
+from kvray.rl.teacher_recipe import PROMOTION_LABELS, PROMOTION_ROWS, TEACHER_PROMOTE, TeacherRecipe
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="kvray: tiered KV-cache offload and reuse"
@@ -492,15 +493,23 @@ def train_reuse(
     promotions: str = typer.Option(
         "none",
         "--promotion-decisions",
-        callback=one_of("all", "rollouts", "none"),  # kvray.rl.imitation.PROMOTION_ROWS (not imported here: numpy)
+        callback=one_of(*PROMOTION_ROWS),
         help="teacher replays that also record promotion decisions (page read vs host's next victim): all, rollouts "
         "(the DAgger rounds'), none (as policies/reuse was trained; docs/sim-eval/README.md, 'Promotion decisions in the "
         "teacher's replays')",
     ),
+    promotion_label: str = typer.Option(
+        "pair",
+        "--promotion-label",
+        callback=one_of(*PROMOTION_LABELS),
+        help="where the recorded promotion decisions are fitted: pair (in the eviction model's softmax, whose score "
+        "difference prices a promotion) or pointwise (a promotion head of its own: is the page read before host's next "
+        "victim?; docs/sim-eval/README.md, 'A pointwise promotion head')",
+    ),
     teacher_promote: str = typer.Option(
         "model",
         "--teacher-promote",
-        callback=one_of("model", "none"),  # kvray.rl.imitation.TEACHER_PROMOTE
+        callback=one_of(*TEACHER_PROMOTE),
         help="disk reads the teacher replays promote: model (round 0 as the oracle, then the model's choice) or none "
         "(with --no-queue-weight --pool-counts libm: how policies/reuse was trained; docs/sim-eval/README.md)",
     ),
@@ -561,6 +570,13 @@ def train_reuse(
             console.print(f"wrote {out}: {card['training']['decisions']} decisions in {card['training']['wall_s']} s")
             return
         loads = ([None] if own_rate or not load else []) + list(load)
+        recipe = TeacherRecipe(
+            promotions=promotions,
+            promote=teacher_promote,
+            queue_weighted=queue_weighted,
+            libm_counts=pool_counts == "libm",
+            promotion_label=promotion_label,
+        )
         card = train_reuse_policy(
             out,
             seed,
@@ -574,10 +590,7 @@ def train_reuse(
             pool,
             console.print,
             loads,
-            promotions,
-            teacher_promote,
-            queue_weighted,
-            pool_counts == "libm",
+            recipe,
         )
     console.print(f"wrote {out}: {card['training']['decisions']} decisions in {card['training']['wall_s']} s")
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvray.core.errors import ConfigError
+from kvray.rl.teacher_recipe import TeacherRecipe
 from kvray.scenario import DEFAULT_CLUSTER_SCENARIO, DEFAULT_SCENARIO, Scenario, load_scenario
 from kvray.traces import TraceRequest
 
@@ -138,13 +139,10 @@ def train_reuse_policy(
     pool: tuple[int, int, int],
     progress: Callable[[str], None] | None = None,
     loads: Sequence[float | None] = (None,),
-    promotions: str = "none",
-    promote: str = "model",
-    queue_weighted: bool = True,
-    libm_counts: bool = False,
+    recipe: TeacherRecipe = TeacherRecipe(),
 ) -> dict:
     """``kvray train-reuse``: the per-page reuse model imitating the oracle over the training
-    sources (:mod:`kvray.rl.imitation`), written with its card into ``out``."""
+    sources (:mod:`kvray.rl.imitation`), the teacher as ``recipe`` says, written with its card into ``out``."""
     from kvray.rl.imitation import train_reuse, training_sources
 
     sources = training_sources(families, [str(t) for t in traces], train_fraction)
@@ -159,10 +157,7 @@ def train_reuse_policy(
         say=progress,
         pool=pool,
         loads=loads,
-        promotions=promotions,
-        promote=promote,
-        queue_weighted=queue_weighted,
-        libm_counts=libm_counts,
+        recipe=recipe,
     )
 
 

@@ -106,6 +106,7 @@ class ReusePolicy(PlacementPolicy):
         link_charged: bool = False,
         next_use: Callable[[list[int], float], np.ndarray] | None = None,
         record_promotions: bool = False,
+        pointwise_promotions: bool = False,
         queue_weighted: bool = True,
         libm_counts: bool = False,
     ):
@@ -139,6 +140,9 @@ class ReusePolicy(PlacementPolicy):
         # same share of them (the eviction model prices a promotion on a page outside its pools)
         self.record_promotions = record_promotions and teacher
         self.promotions_recorded = 0
+        # ... into the promotion head's rows (pairs, labels, weights; reuse_promotion), not the eviction model's
+        self.head_rows: tuple[list, list, list] | None = ([], [], []) if pointwise_promotions and teacher else None
+        self._head = model.promotion if model is not None else None  # decides promotion where the model has one
         self._rng = np.random.default_rng(seed)
         self.rows: list[np.ndarray] = []
         self.labels: list[np.ndarray] = []
@@ -438,7 +442,7 @@ class ReusePolicy(PlacementPolicy):
             score = log_next_use(self._next_uses(handles) - self._label_now)
         ranked, order = self._ranking(handles, score)
         self._pending_score[tier] = score[order[: self.take]]
-        if self.record_promotions:
+        if self.record_promotions or self._head is not None:
             self._pending_rows[tier] = rows[order[: self.take]]
         if self._gate is not None and self._below[tier] == Tier.DISK:
             self._gate_rows = dict(zip(handles[order[: self.take]].tolist(), rows[order[: self.take]]))
@@ -485,7 +489,8 @@ class ReusePolicy(PlacementPolicy):
         ``log1p(requests to next use)``, its scores are log next use up to one shared offset,
         so ``exp(-score)`` is a reuse rate up to one shared factor and the rule reads
         ``victim_score - page_score > log(victim's extra cost / page's saving)``. The victim is
-        the one the next eviction takes: the ranking made here serves that eviction."""
+        the one the next eviction takes: the ranking made here serves that eviction. A model with
+        a promotion head (:mod:`~kvray.policy.reuse_promotion`) asks it instead: is the page read first?"""
         if self._held[up] < self.capacities.get(up, 0):
             return True
         victim_score = self._next_victim_score(up)
@@ -500,6 +505,8 @@ class ReusePolicy(PlacementPolicy):
         lost = (cost.get(below, 1.0) if below is not None else 1.0) - here
         if saved <= 0.0:
             return False
+        if self._head is not None:  # the pointwise head: is the page read before the victim?
+            return self._head.pays(self._page_row(handle, up), self._pending_rows[up][self._next_victim(up)], saved, lost)
         return victim_score - self._page_score(handle, up) > math.log(max(lost, 1e-9) / saved)
 
     def _next_victim(self, tier: Tier) -> int:
@@ -544,13 +551,15 @@ class ReusePolicy(PlacementPolicy):
         true requests to next use, in the eviction decisions' label form: fitted together, the
         two scores' difference is the log ratio of their next uses that :meth:`_promotion_pays`
         compares. Weighted by what the wrong choice costs per reuse (a read from ``tier`` instead
-        of ``up``, the refused page's or the displaced victim's) times the queue behind it."""
+        of ``up``, the refused page's or the displaced victim's) times the queue behind it. With
+        ``pointwise_promotions`` they go to ``head_rows``, the promotion head's (:mod:`~kvray.policy.reuse_promotion`)."""
         victim = self._pending[up][-1]
         rows = np.vstack([self._page_row(handle, up), self._pending_rows[up][self._next_victim(up)][None, :]])
-        self.rows.append(rows)
-        self.labels.append(log_next_use(self._next_uses(np.array([handle, victim])) - self._label_now))
+        into = self.head_rows or (self.rows, self.labels, self.weights)
+        into[0].append(rows)
+        into[1].append(log_next_use(self._next_uses(np.array([handle, victim])) - self._label_now))
         saved = self._tier_cost.get(tier, 1.0) - self._tier_cost.get(up, 0.0)
-        self.weights.append(link_charged_miss(saved) * self._queue_weight)
+        into[2].append(link_charged_miss(saved) * self._queue_weight)
         self.promotions_recorded += 1
 
     def demote_target(self, handle: int, tier: Tier) -> Tier | None:

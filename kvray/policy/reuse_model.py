@@ -35,6 +35,7 @@ import numpy as np
 
 from kvray.core.errors import PolicyError
 from kvray.policy.page_features import FEATURES, SOURCES, PageFeatures
+from kvray.policy.reuse_promotion import PromotionHead, adam
 
 try:  # the forward pass in C (kvray/policy/_pool.c); without it ReuseModel.predict
     from kvray.policy import _pool
@@ -71,6 +72,7 @@ class ReuseModel:
     puts its weight where the oracle's does."""
 
     pool: tuple[int, int, int] = LRU_POOL  # the candidates it ranks: how many from each ordering (reuse.POOL)
+    promotion: PromotionHead | None = None  # decides promotion where trained with one (reuse_promotion)
 
     def __init__(self, mean: np.ndarray, scale: np.ndarray, w1: np.ndarray, b1: np.ndarray, w2: np.ndarray, b2: np.ndarray):
         self.mean, self.scale = mean.astype(np.float32), scale.astype(np.float32)
@@ -154,14 +156,7 @@ class ReuseModel:
         grads["w1"] = np.einsum("bkf,bkh->fh", x, back)
         grads["b1"] = back.sum(axis=(0, 1))
         self._steps += 1
-        for name, grad in grads.items():
-            m, v = self._adam.get(name, (np.zeros_like(grad), np.zeros_like(grad)))
-            m = 0.9 * m + 0.1 * grad
-            v = 0.999 * v + 0.001 * grad * grad
-            self._adam[name] = (m, v)
-            m_hat, v_hat = m / (1 - 0.9**self._steps), v / (1 - 0.999**self._steps)
-            param = getattr(self, name)
-            param -= (lr * m_hat / (np.sqrt(v_hat) + 1e-8)).astype(np.float32)
+        adam(self, self._adam, self._steps, grads, lr)
 
     def save(self, folder: Path) -> Path:
         from safetensors.numpy import save_file
@@ -172,6 +167,8 @@ class ReuseModel:
         if self.pool != LRU_POOL:  # a tensor, not metadata: safetensors writes metadata keys in no fixed order
             tensors["pool"] = np.asarray(self.pool, dtype=np.int64)
         save_file(tensors, str(path), metadata={"features": ",".join(self.features())})
+        if self.promotion is not None:  # a file of its own: a model without one is written as before
+            self.promotion.save(folder)
         return path
 
     def features(self) -> tuple[str, ...]:
@@ -193,6 +190,7 @@ class ReuseModel:
             pool = f.get_tensor("pool").tolist() if "pool" in f.keys() else LRU_POOL
         model = cls(**tensors)
         model.pool = tuple(int(n) for n in pool)
+        model.promotion = PromotionHead.load(path.parent)
         if names != ",".join(model.features()):
             expected = ",".join(model.features())
             raise PolicyError(f"{path}: fitted on features {names!r}, this kvray computes {expected!r}")

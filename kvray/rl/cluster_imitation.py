@@ -101,7 +101,7 @@ def collect_cluster(job: tuple) -> Collected:
         rows += policy.rows
         labels += policy.labels
         weights += policy.weights
-    return rows, labels, weights, result.mean_ttft_ms, 0
+    return rows, labels, weights, result.mean_ttft_ms, 0, ([], [], [])
 
 
 def train_cluster_reuse(

@@ -5,12 +5,15 @@ eviction decision of :class:`~kvray.policy.reuse.ReusePolicy` can be labelled: e
 candidates with the requests until its next use (never: :data:`~kvray.policy.reuse_model.NEVER_REQUESTS`),
 weighted by what a miss of that page costs from where the eviction sends it. So can every
 promotion decision (a page read from disk moves up to host only if the model ranks it
-nearer its next use than host's next victim): with ``promotions`` (:data:`PROMOTION_ROWS`)
+nearer its next use than host's next victim): with the recipe's ``promotions``
+(:class:`~kvray.rl.teacher_recipe.TeacherRecipe`)
 the pair is recorded too, labelled the same way, weighted by what a disk read costs over a
 host read. Without those rows the model that prices a promotion is fitted on eviction pools
 of old pages only, and a page read this request lies outside them; with them it was not
 better on the held-out cells (docs/sim-eval/README.md, "Promotion decisions in the teacher's
-replays"), so the default records none. Round 0 acts as the oracle among the candidates (the
+replays"), so the default records none. With the recipe's pointwise ``promotion_label`` the
+pairs fit a promotion head of its own instead (:mod:`kvray.policy.reuse_promotion`: is the page
+read before the victim?), not better either ("A pointwise promotion head"). Round 0 acts as the oracle among the candidates (the
 expert; it promotes a page iff it is used before host's victim); every later round rolls out the model
 fitted so far, so that it is labelled on the states its own choices lead to, and the model
 is refitted on all rounds' rows (DAgger's aggregation). Only the training sources are
@@ -48,9 +51,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvray.core.errors import ConfigError
 from kvray.policy.reuse import POOL, TAKE, ReusePolicy
 from kvray.policy.reuse_model import WEIGHTS_FILE, ReuseModel, batch_groups
+from kvray.policy.reuse_promotion import HEAD_FILE, PromotionHead
+from kvray.rl.teacher_recipe import TeacherRecipe
 from kvray.rl.train import split_by_time
 from kvray.scenario import DEFAULT_SCENARIO, Scenario, load_scenario
 from kvray.sim.load import find_load
@@ -62,12 +66,6 @@ FAMILY_SEEDS = {"chat": 100, "document": 101, "agent": 102, "bursty": 103, "phas
 TRAIN_TRACE = "conversation_trace_first30min.jsonl"
 CAPACITIES = (0.02, 0.05, 0.10, 0.25)
 CARD_FILE = "card.json"
-# which teacher replays record their promotion decisions: every round's, the DAgger rollouts'
-# only (round 0's victim is the oracle's, rarely the one the model would pick), or none
-PROMOTION_ROWS = ("all", "rollouts", "none")
-# which disk reads the teacher replays promote: as ReusePolicy's model decides (round 0 the oracle,
-# later rounds the model fitted so far), or none, as when policies/reuse was trained (5288765)
-TEACHER_PROMOTE = ("model", "none")
 
 
 def training_sources(families: Sequence[str], traces: Sequence[str], train_fraction: float) -> dict[str, list[TraceRequest]]:
@@ -89,29 +87,33 @@ def _at_load(job: tuple) -> list[TraceRequest]:
     return find_load(trace, scenario, load, node_capacities(scenario, trace, fraction)).trace
 
 
-Collected = tuple[list[np.ndarray], list[np.ndarray], list[float], float, int]
+# the eviction decisions' rows, labels and weights, the replay's mean TTFT, the promotion decisions
+# recorded, and those the promotion head is fitted on (pairs, labels, weights; empty without one)
+Collected = tuple[list[np.ndarray], list[np.ndarray], list[float], float, int, tuple[list, list, list]]
 
 
 def collect(job: tuple) -> Collected:
     """One replay of the teacher-labelled policy: its recorded decisions (each candidate's
     rows and labels, the decision's weight), its mean TTFT and how many of the decisions
-    were promotions (the page read and host's next victim; :data:`PROMOTION_ROWS`)."""
-    trace, fraction, scenario, model, record, seed, pool, promotions, promote, queue_weighted, libm_counts = job
-    kept = promotions == "all" or (promotions == "rollouts" and model is not None)
+    were promotions (the page read and host's next victim; ``TeacherRecipe.promotions``), and with
+    a pointwise ``promotion_label`` those decisions as the promotion head's rows instead."""
+    trace, fraction, scenario, model, record, seed, pool, recipe = job
     policy = ReusePolicy(
         model,
         teacher=True,
         record=record,
         seed=seed,
         pool=pool,
-        record_promotions=kept,
-        promote=promote,
-        queue_weighted=queue_weighted,
-        libm_counts=libm_counts,
+        record_promotions=recipe.records_promotions(rollout=model is not None),
+        pointwise_promotions=recipe.promotion_label == "pointwise",
+        promote=recipe.promote,
+        queue_weighted=recipe.queue_weighted,
+        libm_counts=recipe.libm_counts,
     )
     capacities = node_capacities(scenario, trace, fraction)[0]
     result = Simulator(scenario, policy, capacities).replay(trace)
-    return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms, policy.promotions_recorded
+    head = policy.head_rows or ([], [], [])
+    return policy.rows, policy.labels, policy.weights, result.mean_ttft_ms, policy.promotions_recorded, head
 
 
 def dagger(
@@ -127,10 +129,13 @@ def dagger(
     """DAgger: round 0 replays ``work(None, 0)``'s jobs acting as the oracle among the
     candidates, every later round ``work(model, r)``'s with the model fitted so far;
     ``collect_one`` replays a job into its recorded decisions, and after each round the model
-    is refitted on every round's rows. Returns the last model, the decisions fitted on and
-    each round's account."""
+    is refitted on every round's rows, and its promotion head on every round's promotion
+    decisions where the replays recorded them for one (:mod:`kvray.policy.reuse_promotion`;
+    the rollouts then promote as the head says). Returns the last model, the eviction
+    decisions fitted on and each round's account."""
     model: ReuseModel | None = None
     rows, labels, weights = [], [], []
+    pairs, pair_labels, pair_weights = [], [], []
     history = []
     for r in range(rounds + 1):
         jobs_now = work(model, r)
@@ -139,19 +144,25 @@ def dagger(
                 results = list(workers.map(collect_one, jobs_now))
         else:
             results = [collect_one(job) for job in jobs_now]
-        for x, y, w, *_ in results:
+        for x, y, w, _, _, (px, py, pw) in results:
             rows += x
             labels += y
             weights += w
+            pairs += px
+            pair_labels += py
+            pair_weights += pw
         groups, targets, mask = batch_groups(rows, labels, sum(pool))
         model = ReuseModel.fit(groups, targets, mask, np.asarray(weights), seed, epochs=epochs)
         model.pool = pool
+        if pairs:
+            model.promotion = PromotionHead.fit(pairs, pair_labels, np.asarray(pair_weights), seed, epochs=epochs)
         history.append(
             {
                 "round": r,
                 "acted_by": "oracle among candidates" if r == 0 else "model",
                 "decisions": sum(len(x) for x, *_ in results),
                 "promotion_decisions": sum(res[4] for res in results),
+                "promotion_head_decisions": sum(len(res[5][0]) for res in results),
                 "mean_ttft_ms": [round(res[3], 1) for res in results],
             }
         )
@@ -174,27 +185,14 @@ def train_reuse(
     say: Callable[[str], None] | None = None,
     pool: tuple[int, int, int] = POOL,
     loads: Sequence[float | None] = (None,),
-    promotions: str = "none",
-    promote: str = "model",
-    queue_weighted: bool = True,
-    libm_counts: bool = False,
+    recipe: TeacherRecipe = TeacherRecipe(),
 ) -> dict:
     """DAgger over the training ``sources`` (:func:`training_sources`) at every capacity
-    fraction and load (None: the source's own rate); writes the model and its card into ``out``.
-    ``promotions`` says which replays also record their promotion decisions (the page read
-    from disk and host's next victim, :meth:`~kvray.policy.reuse.ReusePolicy.promote_target`;
-    :data:`PROMOTION_ROWS`): the model that prices them is otherwise fitted on eviction pools
-    of old pages only. ``promote`` says which disk reads the replays promote (:data:`TEACHER_PROMOTE`)
-    and ``queue_weighted`` whether a decision weighs the requests queued behind its miss
-    (:func:`~kvray.policy.reuse_weights.queue_weight`); ``libm_counts`` keeps the pool's counts as
-    5288765 did (:meth:`~kvray.policy.reuse.ReusePolicy._touch`). ``promote="none"`` without queue
-    weights, with libm counts, is the recipe policies/reuse was trained with (docs/sim-eval/README.md)."""
-    if promotions not in PROMOTION_ROWS:
-        raise ConfigError(f"promotions={promotions!r}: expected one of {', '.join(PROMOTION_ROWS)}")
-    if promote not in TEACHER_PROMOTE:
-        raise ConfigError(f"promote={promote!r}: expected one of {', '.join(TEACHER_PROMOTE)}")
-    if promote == "none" and promotions != "none":
-        raise ConfigError(f"promotions={promotions!r} records promotion decisions, and promote='none' makes none")
+    fraction and load (None: the source's own rate), the teacher acting and weighing as ``recipe``
+    says (:class:`~kvray.rl.teacher_recipe.TeacherRecipe`: without promotion rows the model that
+    prices a promotion is fitted on eviction pools of old pages only; ``teacher_recipe.SHIPPED`` is
+    the recipe policies/reuse was trained with, docs/sim-eval/README.md); writes the model and its
+    card into ``out``."""
     scenario = scenario or load_scenario(DEFAULT_SCENARIO)
     started = time.perf_counter()
     cells = [(t, f, scenario, u) for t in sources.values() for f in capacities for u in loads]
@@ -213,10 +211,7 @@ def train_reuse(
                 record,
                 seed * 1_000_003 + r * 1009 + i,
                 pool,
-                promotions,
-                promote,
-                queue_weighted,
-                libm_counts,
+                recipe,
             )
             for i, (trace, (_, f, _, _)) in enumerate(zip(traces, cells))
         ],
@@ -238,14 +233,22 @@ def train_reuse(
         "label": "softmax over a decision's candidates of log1p(requests to next use) (never = 1e5), cross-entropy weighted by the miss cost where the eviction sends the page"
         + (
             "; a promotion decision's candidates are the page read from disk and host's next victim, weighted by a disk read's cost over a host read's"
-            if promotions != "none"
+            if recipe.promotions != "none" and recipe.promotion_label == "pair"
             else ""
         ),
+        **(
+            {
+                "promotion_head": {
+                    "weights": HEAD_FILE,
+                    "inputs": "the page read from disk's row as it would sit in host, then host's next victim's row as ranked",
+                    "label": "the page's next use comes strictly before the victim's (binary cross-entropy), weighted by a disk read's cost over a host read's times the queue behind it",
+                }
+            }
+            if model.promotion is not None
+            else {}
+        ),
         "training": {
-            "promotion_decisions": promotions,
-            "teacher_promote": promote,
-            "queue_weighted": queue_weighted,
-            "pool_counts": "libm" if libm_counts else "numpy",
+            **recipe.card(),
             # the fit's float32 products are OpenBLAS's, whose kernels differ by CPU: the shipped
             # policies/reuse rebuilds only on Haswell's (docs/sim-eval/README.md); None: detected
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),

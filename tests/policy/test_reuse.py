@@ -205,13 +205,15 @@ def test_a_decision_costs_under_a_few_microseconds_per_page():
 
 def test_training_is_deterministic_by_seed(tmp_path):
     from kvray.rl.imitation import train_reuse
+    from kvray.rl.teacher_recipe import TeacherRecipe
     from kvray.sim.workloads import WorkloadSpec, generate
 
     sources = {"tiny": generate(WorkloadSpec(sessions=12), seed=5)}
+    recipe = TeacherRecipe(promotions="all")
 
     def weights(seed: int, folder: str) -> bytes:
         card = train_reuse(
-            tmp_path / folder, sources, seed=seed, rounds=1, record=1.0, capacities=(0.05,), epochs=2, promotions="all"
+            tmp_path / folder, sources, seed=seed, rounds=1, record=1.0, capacities=(0.05,), epochs=2, recipe=recipe
         )
         assert card["training"]["decisions"] > 0
         assert all(0 < r["promotion_decisions"] < r["decisions"] for r in card["training"]["rounds"])
@@ -225,17 +227,19 @@ def test_promotion_rows_come_from_every_round_the_rollouts_only_or_none(tmp_path
     """``promotions="rollouts"`` keeps round 0's (the oracle's victims) out; "none" trains on evictions only."""
     from kvray.core.errors import ConfigError
     from kvray.rl.imitation import train_reuse
+    from kvray.rl.teacher_recipe import TeacherRecipe
     from kvray.sim.workloads import WorkloadSpec, generate
 
     sources = {"tiny": generate(WorkloadSpec(sessions=12), seed=5)}
     counts = {}
     for rows in ("all", "rollouts", "none"):
-        card = train_reuse(tmp_path / rows, sources, seed=3, rounds=1, record=1.0, capacities=(0.05,), epochs=1, promotions=rows)
+        recipe = TeacherRecipe(promotions=rows)
+        card = train_reuse(tmp_path / rows, sources, seed=3, rounds=1, record=1.0, capacities=(0.05,), epochs=1, recipe=recipe)
         counts[rows] = [r["promotion_decisions"] for r in card["training"]["rounds"]]
         assert card["training"]["promotion_decisions"] == rows
     assert counts["all"][0] > 0 and counts["rollouts"][0] == 0 and counts["rollouts"][1] > 0 and counts["none"] == [0, 0]
     with pytest.raises(ConfigError, match="promotions='some'"):
-        train_reuse(tmp_path / "x", sources, promotions="some")
+        TeacherRecipe(promotions="some")
 
 
 def test_delayed_labels_are_the_requests_until_next_use_or_never_after_the_horizon():

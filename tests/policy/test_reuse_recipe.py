@@ -1,6 +1,7 @@
 """The teacher's replays as policies/reuse was trained (5288765): no promotion, no queue weight, and the
 pool's decayed counts in libm's arithmetic (docs/sim-eval/README.md, "The per-page learned policy")."""
 
+import dataclasses
 import json
 import math
 import os
@@ -14,6 +15,7 @@ from kvray.core.placement import RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy.reuse import ReusePolicy
 from kvray.resources import shipped_or_given
+from kvray.rl.teacher_recipe import SHIPPED, TeacherRecipe
 from tests.conftest import kvray_command
 from tests.policy.cache_ops import NO_MOVE
 from tests.policy.test_reuse import NEAR, teacher_reads_from_disk
@@ -71,13 +73,22 @@ def test_a_teacher_with_libm_counts_decays_them_per_page_and_a_move_brings_a_cou
     assert policy._count[hot] == moved and policy._frequency[hot] == math.log(moved) + decay * now
 
 
-def test_a_training_that_promotes_nothing_cannot_record_promotion_decisions(tmp_path):
-    from kvray.rl.imitation import train_reuse
-
+def test_a_training_that_promotes_nothing_cannot_record_promotion_decisions():
     with pytest.raises(ConfigError, match="promote='none' makes none"):
-        train_reuse(tmp_path, {}, promote="none", promotions="all")
+        TeacherRecipe(promote="none", promotions="all")
     with pytest.raises(ConfigError, match="promote='every'"):
-        train_reuse(tmp_path, {}, promote="every")
+        TeacherRecipe(promote="every")
+
+
+def test_the_recipe_is_one_frozen_object_and_the_shipped_one_is_policies_reuse_s():
+    """Made once at the edge and carried unchanged into every replay job; ``SHIPPED`` is the
+    recipe the documented rebuild command's flags make (the slow test below rebuilds with them)."""
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TeacherRecipe().promote = "none"  # type: ignore[misc]
+    card = json.loads((shipped_or_given("reuse", "policies") / "card.json").read_text())["training"]
+    for setting in ("teacher_promote", "queue_weighted", "pool_counts"):  # its card predates promotion_decisions
+        assert SHIPPED.card()[setting] == card[setting]
+    assert SHIPPED.card()["promotion_decisions"] == "none"
 
 
 def test_the_card_records_the_teacher_s_promotion_and_queue_weights(tmp_path, monkeypatch):
@@ -95,9 +106,7 @@ def test_the_card_records_the_teacher_s_promotion_and_queue_weights(tmp_path, mo
             record=1.0,
             capacities=(0.05,),
             epochs=1,
-            promote=promote,
-            queue_weighted=queued,
-            libm_counts=not queued,
+            recipe=TeacherRecipe(promote=promote, queue_weighted=queued, libm_counts=not queued),
         )["training"]
         for promote, queued in [("model", True), ("none", False)]
     }

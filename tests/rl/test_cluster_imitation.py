@@ -81,8 +81,8 @@ def tiny_cells(load: float = 0.85):
 
 def test_cluster_labels_are_the_trace_s_next_use_and_weights_charge_the_busy_links():
     scenario, trace, caps = tiny_cells()
-    rows, labels, weights, _, promotions = collect_cluster((scenario, trace, caps, None, 1.0, 0, (16, 8, 8), None))
-    assert promotions == 0  # its nodes promote every disk read or none: no promotion is decided
+    rows, labels, weights, _, promotions, head_rows = collect_cluster((scenario, trace, caps, None, 1.0, 0, (16, 8, 8), None))
+    assert promotions == 0 and head_rows == ([], [], [])  # its nodes promote every disk read or none: none is decided
     assert len(rows) > 20 and len(rows) == len(labels) == len(weights)
     every = np.concatenate(labels)
     assert np.isfinite(every).all() and every.min() >= math.log1p(1.0) - 1e-6  # never a use that already passed
