@@ -380,10 +380,11 @@ class ReusePolicy(PlacementPolicy):
 
     def _pool_ranked(self, tier: Tier, least: int) -> list[int]:
         """``tier``'s pool, ranked (:meth:`_rank`) when it holds more than ``least`` pages. Where
-        nothing keeps the rows (no teacher, refit or disk gate) in one C call where built
+        nothing keeps the rows (no teacher, refit, disk gate or promotion head) in one C call where built
         (``kvray.policy._pool.ranked_pool``: :meth:`_candidates`, ``ReuseModel.score`` and :meth:`_ranking`)."""
         model = self.model
-        if _pool is not None and model is not None and not self.teacher and self._labels is None and self._gate is None:
+        keeps_rows = self.teacher or self._labels is not None or self._gate is not None or self._head is not None
+        if _pool is not None and model is not None and not keeps_rows:
             columns = (self._where, self.index.pins, self._recency, self._frequency, self.index.first_child, self.index.depth)
             weights = (model.mean, model.scale, model.w1, model.b1, model.w2, model.b2)
             ranked, scores = _pool.ranked_pool(int(tier), *self.pool, *columns, self.take, *weights, *self.features.row_inputs())
