@@ -428,6 +428,7 @@ class KvrayClient(ChainStores):
         self._check(keys)
         loaded = self._load(keys, plan)
         self._renew_if_stale(keep=loaded.pages)
+        loaded.buffer = self.buffer.name
         return loaded
 
     def load_chunks(self, keys: Sequence[int], plan: Plan, chunk_pages: int | None = None) -> Iterator[tuple[int, Loaded]]:

@@ -188,6 +188,7 @@ class Loaded:
     paths: dict[str, int] = field(default_factory=dict)  # transfer path -> pages
     mapped: list[int] = field(default_factory=list)  # keys copied from the mapped host tier
     mapped_s: float = 0.0  # how long those copies took (the store counts them as its loads)
+    buffer: str = ""  # the landing buffer holding the rows once ``load`` returned (a later copy checks it still does)
 
     def merge(self, other: Loaded) -> None:
         """Count ``other`` (a later chunk of the same request) in this one."""

@@ -152,7 +152,7 @@ class ClusterVerbs:
             return 0
         loaded = client.load(keys[: plan.hit_pages], plan)
         client.release(plan, loaded)
-        copied = client.replicate(keys, plan, loaded)
+        copied = sum(client.replicate(keys, plan, loaded).values())
         client.settle()  # the controller indexes the copies before the request's own lookup
         return copied
 

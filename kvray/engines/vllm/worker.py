@@ -133,7 +133,7 @@ class ConnectorWorker:
         """Keep a copy of the pages just read in this node's store (the cluster policy's
         ``replicate``), from the client's buffer that still holds them; best effort."""
         try:
-            self.counters["replicated_pages"] += self.runtime.client.replicate(load.keys, load.plan, loaded)
+            self.counters["replicated_pages"] += sum(self.runtime.client.replicate(load.keys, load.plan, loaded).values())
         except Exception as exc:  # a copy not kept is a later remote read, never a failed request
             self.counters["failures"] += 1
             log.warning("kvray could not keep a copy of %d pages here: %r", loaded.pages, exc)
