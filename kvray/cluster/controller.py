@@ -33,7 +33,7 @@ with every store registered at each; clients route each request to its chain's s
 Before a request is served, the replay's driver (or any front end) asks ``decide``: the
 cluster policy's ``route``, ``load_pages``, ``prefetch`` and ``replicate`` for it, from the
 same views the simulator builds (:class:`~kvray.cluster.protocol.Decision`); the serving
-engine executes them. A replica (a copy of a hit chain on the serving node) is indexed as
+engine executes them. A replica (a copy of a hit chain on a node ``replicate`` named) is indexed as
 a page's second location: lookups from that node find it there first, as the simulator's
 holders do, and a page evicted from one location keeps the others.
 
