@@ -25,10 +25,11 @@ from kvray.core.keys import ModelFingerprint, page_keys
 from kvray.lazy import lazy_attributes
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from kvray.core.store import LoadResult, PageStore
+    from kvray.core.request_kv import LoadResult
+    from kvray.core.store import PageStore
 
 # PageStore loads torch: imported on first use (kvray.lazy says why)
-__getattr__ = lazy_attributes(__name__, {"LoadResult": "kvray.core.store", "PageStore": "kvray.core.store"})
+__getattr__ = lazy_attributes(__name__, {"LoadResult": "kvray.core.request_kv", "PageStore": "kvray.core.store"})
 
 __all__ = [
     "KvrayError",

@@ -48,7 +48,8 @@ from kvray.sim.simulator import fast_capacity
 from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, cacheable_pages, full_blocks, read_trace
 
 # What ``cluster_verbs`` counts: requests decided, served on another node than their front
-# end's, split (part of the hit recomputed), prefetched and replicated; pages of the last three.
+# end's, split (part of the hit recomputed), prefetched and replicated; pages of the last three
+# (and ``replicated_pages_by_node``: the pages copied to each node the policy named).
 VERBS = (
     "decisions",
     "routed_elsewhere",
@@ -197,6 +198,7 @@ class Replay:
         self.fingerprint = runtime.config.fingerprint()
         self.page_tokens = runtime.config.layout.page_tokens
         self.verbs = dict.fromkeys(VERBS, 0)
+        self.replicated_by_node: dict[str, int] = {}  # node -> pages the replicate verb copied there
 
     def run(
         self, trace: list[TraceRequest], progress: bool = True, on_request: Callable[[int], None] | None = None
@@ -225,7 +227,7 @@ class Replay:
             self.settings.name,
             moved - moved_before,
             cluster_policy=self.runtime.config.cluster_policy,
-            cluster_verbs=dict(self.verbs),
+            cluster_verbs={**self.verbs, "replicated_pages_by_node": dict(self.replicated_by_node)},
             policy_stats=policy_stats_since(policy_before, policy_after),
             wrong_pages=wrong_pages,
             lost_nodes=lost_nodes,
@@ -270,10 +272,11 @@ class Replay:
             return front, {}
         shards = self.runtime.shards
         decision = _bounded(shards.handles[shards.of(keys)].decide.remote(pack_keys(keys), front), CALL_TIMEOUT_S, "decide")
+        if decision.budget_set is not None:  # the request's writes go under the budget decided with it
+            ray.wait([decision.budget_set], timeout=CALL_TIMEOUT_S)
         if decision.node not in self.engines:
             return front, {}  # its engine was lost since the controller last heard
-        verbs = {"load_pages": decision.load_pages, "prefetch": decision.prefetch}
-        verbs["replicate"] = decision.node in decision.replicate
+        verbs = {"load_pages": decision.load_pages, "prefetch": decision.prefetch, "replicate": decision.replicate}
         return decision.node, verbs
 
     def _count(self, front: str, node: str, verbs: dict, done: dict) -> None:
@@ -285,6 +288,9 @@ class Replay:
         counts["replications"] += done.get("replicated_pages", 0) > 0
         for key in ("recomputed_hit_pages", "prefetched_pages", "replicated_pages"):
             counts[key] += done.get(key, 0)
+        for copied_to, pages in done.get("replicated_pages_by_node", {}).items():
+            if pages:
+                self.replicated_by_node[copied_to] = self.replicated_by_node.get(copied_to, 0) + pages
 
     def _lose_node(self, node: str, lost_nodes: list[str]) -> None:
         """A node's engine died: drop the node's locations and let the others re-route."""

@@ -13,7 +13,9 @@ The cluster policy's verbs for the request (``Controller.decide``, asked by the 
 arrive with it: ``load_pages`` loads only that much of the cached prefix and recomputes
 the rest; ``prefetch`` starts the lookup and load before the request takes the node's
 prefill engine (``_engine``, held while computing), otherwise they run once it has it;
-``replicate`` keeps a copy of the loaded prefix in this node's store afterwards. The
+``replicate`` names the nodes that keep a copy of the cached prefix afterwards: the landing
+buffer holds all of it by then (the loaded pages and the ones recomputed), and it goes from
+there to each named node's store (``KvrayClient.replicate``). The
 driver sends one request at a time, so nothing waits for the engine here and prefetch
 changes the order of the steps, not the measured time.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import ray
@@ -78,7 +81,7 @@ class ReplayEngine:
         input_length: int,
         load_pages: int | None = None,
         prefetch: bool = False,
-        replicate: bool = False,
+        replicate: Sequence[str] = (),
         arrival_ms: float | None = None,
     ) -> dict:
         """Serve one request as the cluster policy decided (see the module docstring);
@@ -99,13 +102,15 @@ class ReplayEngine:
                 steps.enter_context(self._engine)
             ttft, compute, wrong = self._compute(keys, r.hit, r.rows, input_length, t0)
             r.store()
-        replicated = self.client.replicate(keys, r.plan, r.loaded) if replicate else 0
+        # the buffer holds the whole cached prefix: rows 0..hit loaded, the rest of it recomputed
+        copies = self.client.replicate(keys, r.plan, r.loaded, replicate, pages=r.plan.hit_pages) if replicate else {}
         self.client.settle()
         served = self._served(ttft, compute, input_length, r.loaded.by_tier, wrong)
         served["verbs"] = {
             "prefetched_pages": r.hit if prefetch else 0,
             "recomputed_hit_pages": r.recomputed,
-            "replicated_pages": replicated,
+            "replicated_pages": sum(copies.values()),
+            "replicated_pages_by_node": copies,
         }
         return served
 

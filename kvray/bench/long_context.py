@@ -52,7 +52,8 @@ from kvray.bench.side_by_side import drop_cache
 from kvray.core.config import PageLayout, StoreConfig, TierSizes
 from kvray.core.errors import ClusterError
 from kvray.core.pages import request_bytes
-from kvray.core.store import PageStore, chunk_buffer
+from kvray.core.request_kv import chunk_buffer
+from kvray.core.store import PageStore
 from kvray.core.tiers import Tier
 from kvray.core.tiers.disk import HEADER_BYTES
 from kvray.progress import progress_bar

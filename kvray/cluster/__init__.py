@@ -13,8 +13,9 @@ The only part of kvray that imports Ray. The pieces, from the bottom:
   load delivered, the handle of one request).
 - :mod:`~kvray.cluster.client`: what engines and jobs call, one round trip per request:
   ``with client.request(keys) as r:`` (lookup + pin and load on entry, release and store
-  on exit), or those verbs one by one. Same-node bytes move through shared memory
-  (:mod:`~kvray.cluster.shm`), cross-node bytes through Ray's object store or a
+  on exit), or those verbs one by one (the loads in :mod:`~kvray.cluster.loading`, the
+  stores and copies in :mod:`~kvray.cluster.storing`). Same-node bytes move through shared
+  memory (:mod:`~kvray.cluster.shm`), cross-node bytes through Ray's object store or a
   collective (gloo on CPU, NCCL on GPU), chosen by size.
 - :mod:`~kvray.cluster.runtime`: starting or joining Ray and placing the actors.
 - :mod:`~kvray.apps.replay`: ``kvray run`` and ``kvray demo``, trace replay on all of it.

@@ -33,7 +33,7 @@ with every store registered at each; clients route each request to its chain's s
 Before a request is served, the replay's driver (or any front end) asks ``decide``: the
 cluster policy's ``route``, ``load_pages``, ``prefetch`` and ``replicate`` for it, from the
 same views the simulator builds (:class:`~kvray.cluster.protocol.Decision`); the serving
-engine executes them. A replica (a copy of a hit chain on the serving node) is indexed as
+engine executes them. A replica (a copy of a hit chain on a node ``replicate`` named) is indexed as
 a page's second location: lookups from that node find it there first, as the simulator's
 holders do, and a page evicted from one location keeps the others.
 
@@ -364,20 +364,22 @@ class Controller:
         load = min(max(int(self.policy.load_pages(view, cluster)), 0), hits) if hits else 0
         prefetch = load > 0 and bool(self.policy.prefetch(view, cluster))
         replicate = tuple(n for n in self.policy.replicate(view, cluster) if n in self.stores) if hits else ()
-        self._send_disk_budget(node, cluster)
-        return Decision(node, hits, load, prefetch, replicate)
+        return Decision(node, hits, load, prefetch, replicate, self._send_disk_budget(node, cluster))
 
-    def _send_disk_budget(self, node: str, cluster: ClusterView) -> None:
+    def _send_disk_budget(self, node: str, cluster: ClusterView) -> ray.ObjectRef | None:
         """The policy's NVMe write budget for the serving node (asked where the simulator asks
-        it), sent to the node's store when it changes. Nothing waits for it: the store applies
-        it to its writes from when it arrives (the simulator, to this request's already)."""
+        it), sent to the node's store when it changes; returns that call (None: unchanged).
+        The controller does not wait for it (it would hold up every lookup for a round trip):
+        the request's executor does (``Decision.budget_set``), before the request's writes,
+        which the simulator puts under the budget it set for the same request."""
         try:
             rate = checked_rate(self.policy.disk_write_budget(cluster.node(node), cluster))
         except ConfigError as exc:
             raise PolicyError(f"cluster policy {self.policy.name!r}: {exc}") from exc
-        if rate != self.disk_budgets.get(node):
-            self.disk_budgets[node] = rate
-            self.stores[node].set_disk_write_budget.remote(rate)
+        if rate == self.disk_budgets.get(node):
+            return None
+        self.disk_budgets[node] = rate
+        return self.stores[node].set_disk_write_budget.remote(rate)
 
     def _request_view(self, keys: tuple[int, ...], handles: np.ndarray, requester: str | None) -> RequestView:
         hit_nodes = tuple(self._hit_nodes(handles, requester))

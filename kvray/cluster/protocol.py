@@ -44,6 +44,8 @@ from kvray.core.errors import RequestError
 from kvray.core.placement import RunPlace
 
 if TYPE_CHECKING:
+    import ray
+
     from kvray.cluster.observe import NodeReport
 
 NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
@@ -143,13 +145,17 @@ class Decision(NamedTuple):
     engine executes: ``node`` serves it; of the ``hit_pages`` cached, the first ``load_pages``
     are loaded and the rest recomputed; ``prefetch``: the load starts before the request
     waits for its engine; ``replicate``: nodes that keep a copy of the hit chain afterwards.
-    The default (no decision asked) is the requester serving with every hit page loaded."""
+    ``budget_set``: when the policy's NVMe write budget for ``node`` changed, the serving
+    store's call that applies it (an object ref); the executor waits for it before the
+    request, so the request's own writes are under it, as in the simulator. The default (no
+    decision asked) is the requester serving with every hit page loaded."""
 
     node: str
     hit_pages: int = 0
     load_pages: int = 0
     prefetch: bool = False
     replicate: tuple[str, ...] = ()
+    budget_set: ray.ObjectRef | None = None
 
 
 class Stored(NamedTuple):
@@ -182,6 +188,7 @@ class Loaded:
     paths: dict[str, int] = field(default_factory=dict)  # transfer path -> pages
     mapped: list[int] = field(default_factory=list)  # keys copied from the mapped host tier
     mapped_s: float = 0.0  # how long those copies took (the store counts them as its loads)
+    buffer: str = ""  # the landing buffer holding the rows once ``load`` returned (a later copy checks it still does)
 
     def merge(self, other: Loaded) -> None:
         """Count ``other`` (a later chunk of the same request) in this one."""

@@ -31,8 +31,6 @@ from kvray.cluster.protocol import Loaded, Plan, Release, Run, Stored, runs_of
 from kvray.cluster.shards import ControllerShards
 from kvray.core.errors import RequestError
 
-LOCAL = "local"  # the same-node path (kvray.cluster.paths.LocalPath)
-
 
 class ChainStores:
     """:meth:`store` and :meth:`replicate` for :class:`~kvray.cluster.client.KvrayClient` (which defines the
@@ -163,38 +161,61 @@ class ChainStores:
             if shard != owner and length > start:
                 self._sent(self.shards.handles[shard].commit.remote(None, list(chain[:length]), list(nodes[:length]), 0, {}))
 
-    def replicate(self, keys: Sequence[int], plan: Plan, loaded: Loaded) -> int:
-        """Keep on this node a copy of the request's loaded prefix (the cluster policy's
-        ``replicate`` verb, for the serving node): buffer rows ``0..loaded.pages``, still
-        holding the pages just loaded, go to this node's store, and the controller indexes
-        the pages it did not place here as replicas. Call right after the request, before
-        the next load; returns pages this node's store added (0: none came from elsewhere,
-        or the buffer was replaced meanwhile)."""
-        upto = loaded.pages
-        store = self.local_store
-        if store is None or self.context.stale or all(node == self.node_id for node in plan.hit_nodes[:upto]):
-            return 0
-        if self._touched is not None:
+    def replicate(
+        self,
+        keys: Sequence[int],
+        plan: Plan,
+        loaded: Loaded,
+        nodes: Sequence[str] | None = None,
+        pages: int | None = None,
+    ) -> dict[str, int]:
+        """Copy the request's cached prefix to each of ``nodes`` (the cluster policy's
+        ``replicate`` verb; default: this node); returns the pages each node's store added.
+
+        The copy goes from buffer rows ``0..pages`` (default ``loaded.pages``: the pages just
+        loaded; a caller that computed the rest of the cached prefix into the buffer, as the
+        replay's engine does, passes ``plan.hit_pages``), so the bytes leave the node that now
+        holds them all, over the paths a store takes (:meth:`path_for`: shared memory here,
+        a peer's page server or the object store elsewhere). Each peer's store hears of the
+        request with the copy, if first (``PathContext.tell_peer``), as the simulator tells
+        every node a request writes to, and the controller indexes the pages it held
+        elsewhere as further locations (``commit(..., replica=True)``). A node whose index
+        locations already hold every page gets nothing. Call right after the request,
+        before the next load; nothing is copied once the buffer was replaced (a call given
+        up on may have written it) or when no node named is a live store."""
+        upto = min(loaded.pages if pages is None else pages, plan.hit_pages)
+        if not upto or self.context.stale or loaded.buffer != self.context.buffer.name:
+            return {}
+        held = plan.hit_nodes[:upto]
+        targets = [n for n in dict.fromkeys(nodes or [self.node_id]) if n in self.stores and any(h != n for h in held)]
+        if not targets:
+            return {}
+        if self._touched is not None and self.node_id in targets:
             ray.wait([self._touched], timeout=self.timeout_s)  # the policy sees the hits before the copies
             self._touched = None
         sub = list(keys[:upto])
-        path = self.paths[LOCAL]
-        result = _finished(path, path.start_store(store, sub, Run(self.node_id, 0, upto), None, len(keys)))
-        if result is None:
-            return 0
-        evicted = {self.node_id: result.dropped} if result.dropped else {}
+        pending = []
+        for node in targets:  # the copies move concurrently, one chain per node
+            path = self.paths[self.path_for(node, upto * self.page_nbytes)]
+            pending.append((node, path, path.start_store(self.stores[node], sub, Run(node, 0, upto), None, len(keys))))
         owner = self.shards.of(sub)
-        reports = {self.node_id: result.report}
-        self._sent(
-            self.shards.handles[owner].commit.remote(
-                None, sub[: result.landed], [self.node_id] * result.landed, 0, evicted, reports, None, True
-            )
-        )
-        for shard, controller in enumerate(self.shards.handles):
-            if evicted and shard != owner:
-                self._sent(controller.commit.remote(None, [], [], 0, evicted, reports))
+        copied, evicted, reports = {}, {}, {}
+        for node, path, transfer in pending:
+            result = _finished(path, transfer)
+            if result is None:
+                continue
+            copied[node], reports[node] = result.stored, result.report
+            dropped = {node: result.dropped} if result.dropped else {}
+            evicted.update(dropped)
+            landed = sub[: result.landed]
+            commit = self.shards.handles[owner].commit
+            self._sent(commit.remote(None, landed, [node] * len(landed), 0, dropped, {node: result.report}, None, True))
+        if evicted:  # pages evicted from any chain: every other shard forgets those it indexes
+            for shard, controller in enumerate(self.shards.handles):
+                if shard != owner:
+                    self._sent(controller.commit.remote(None, [], [], 0, evicted, reports))
         self._renew_if_stale(keep=0)
-        return result.stored
+        return copied
 
 
 def _finished(path: StoreCallPath, transfer) -> Stored | None:

@@ -7,7 +7,8 @@ plane (the tier pools holding bytes). Its verbs work on whole requests:
 - ``store(tokens, kv)``: keep the KV of every full page not cached yet.
 - ``lookup(tokens)``: how many leading tokens are cached (no bytes move).
 - ``load(tokens)``: the KV of the longest cached prefix, checksum-verified; ``load_chunks``
-  streams it a chunk at a time, read ahead, for prefixes larger than the engine has room for.
+  streams it a chunk at a time, read ahead, for prefixes larger than the engine has room for
+  (these three, a request's KV as one tensor, in :mod:`kvray.core.request_kv`).
 - ``put_pages`` / ``get_pages``: the same by keys and raw page bytes, for the runtime's
   transfers between nodes (pages travel with their model fingerprint).
 - ``read_pages(keys, targets)``: the primitive under ``load`` and ``get_pages``, for
@@ -34,38 +35,25 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvray.core.chain_writes import ChainWriters, DiskWrites
-from kvray.core.config import PageLayout, StoreConfig
-from kvray.core.errors import FingerprintMismatch, LayoutError, RequestError, StorageError
+from kvray.core.config import StoreConfig
+from kvray.core.errors import FingerprintMismatch, LayoutError, StorageError
 from kvray.core.index import ROOT, parents_first
-from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
+from kvray.core.keys import ModelFingerprint, page_keys
 from kvray.core.manager import TIERS, CacheManager
 from kvray.core.pages import (
-    check_chunk_buffers,
-    check_load_out,
-    check_request_kv,
     hash_page,
-    request_bytes,
-    request_page,
-    request_runs,
     runs,
-    torch_dtype,
 )
 from kvray.core.placement import LRUPolicy, PlacementPolicy, RequestInfo, RunPlace
+from kvray.core.request_kv import RequestKV
 from kvray.core.tiers import LOCAL_TIERS, DiskPool, HostPool, Pool, StoredPage, Tier
 from kvray.core.tiers.directory import SlotDirectory, directory_name, mapped_reads_sound
 from kvray.core.tiers.disk import verified
-from kvray.core.tiers.memory import resident_empty
 from kvray.core.write_budget import budget_stats
-
-if TYPE_CHECKING:  # torch is imported where a tensor is made (kvray.lazy)
-    import torch
 
 PageSource = Callable[[int], np.ndarray]
 
@@ -75,43 +63,7 @@ def _no_reads() -> Iterator[tuple[StoredPage | None, int]]:
     yield from ()  # page index within the request -> a byte view of it
 
 
-@dataclass(frozen=True)
-class LoadResult:
-    """KV of a request's longest cached prefix."""
-
-    tokens: int  # leading tokens whose KV is in ``kv``
-    kv: torch.Tensor  # [layers, 2, tokens, kv_heads, head_dim]
-    pages_by_tier: dict[str, int]
-
-
-@dataclass(frozen=True)
-class LoadChunk:
-    """One batch of a streamed load (:meth:`PageStore.load_chunks`): the KV of tokens
-    ``start .. start + tokens`` of the request, valid until the next batch is asked for.
-
-    Example::
-
-        for chunk in store.load_chunks(prompt_tokens, chunk_tokens=8192):
-            engine_cache[:, :, chunk.start : chunk.start + chunk.tokens] = chunk.kv  # copy before the next
-    """
-
-    start: int
-    tokens: int
-    kv: torch.Tensor  # [layers, 2, tokens, kv_heads, head_dim]
-    pages_by_tier: dict[str, int]
-
-
-def chunk_buffer(layout: PageLayout, tokens: int) -> torch.Tensor:
-    """A host buffer for the KV of ``tokens`` tokens (``[layers, 2, tokens, kv_heads, head_dim]``)
-    that pages copy into at memory speed: page-aligned and resident from the start
-    (:func:`~kvray.core.tiers.memory.resident_empty`)."""
-    import torch
-
-    raw = resident_empty(1, tokens * layout.page_nbytes // layout.page_tokens)
-    return torch.from_numpy(raw).view(torch_dtype(layout)).reshape(layout.request_shape(tokens))
-
-
-class PageStore:
+class PageStore(RequestKV):
     """Tiered page store for one model layout.
 
     ``policy`` is the placement policy object the store's manager consults (LRU when none is
@@ -235,95 +187,6 @@ class PageStore:
         asks before storing the rest of a chain (moves nothing, counts nothing)."""
         with self._lock:
             return self.manager.index.match(keys)
-
-    def store(self, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor, salt: str = "", priority: int = 0) -> int:
-        """Keep the KV of each full page of ``tokens`` that is not cached yet; returns pages stored."""
-        arr = as_token_array(tokens, self.config.max_request_tokens)
-        check_request_kv(self.layout, kv, arr.size)
-        kv_bytes = request_bytes(kv)
-        return self._store_pages(
-            self.keys(arr, salt),
-            lambda i: request_page(self.layout, kv_bytes, i),
-            priority,
-            page_runs=lambda pages: request_runs(self.layout, kv_bytes, pages),
-        )
-
-    def load(self, tokens: Sequence[int] | np.ndarray, salt: str = "", out: torch.Tensor | None = None) -> LoadResult:
-        """KV of the longest cached prefix of ``tokens``, every page checksum-verified.
-
-        ``out`` (contiguous ``[layers, 2, >=tokens, kv_heads, head_dim]``) receives the KV
-        in place; otherwise a new tensor is returned.
-        """
-        keys = self.keys(tokens, salt)
-        tokens_wanted = len(keys) * self.layout.page_tokens
-        if out is None:
-            import torch
-
-            out = torch.empty(self.layout.request_shape(tokens_wanted), dtype=torch_dtype(self.layout))
-        else:
-            check_load_out(self.layout, out, tokens_wanted)
-        out_bytes = request_bytes(out)
-        got, by_tier = self._read_into(
-            keys, lambda i: request_page(self.layout, out_bytes, i), lambda pages: request_runs(self.layout, out_bytes, pages)
-        )
-        return LoadResult(got * self.layout.page_tokens, out[:, :, : got * self.layout.page_tokens], by_tier)
-
-    def load_chunks(
-        self,
-        tokens: Sequence[int] | np.ndarray,
-        chunk_tokens: int,
-        salt: str = "",
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> Iterator[LoadChunk]:
-        """The longest cached prefix of ``tokens``, ``chunk_tokens`` at a time, read ahead.
-
-        For a prefix larger than the engine has room for (a million tokens is 4 GB of KV in
-        a small model): the engine holds two chunks, consumes one while the next is read
-        into the other (a background thread; disk reads and copies release the GIL), and
-        each chunk's pages are pinned only while it is read. A chunk's ``kv`` is valid
-        until the next one is asked for. Keys chain, so a cached page names its whole
-        prefix: a chunk read after an earlier one is still exactly its tokens' KV, and the
-        stream ends at the first chunk that comes back short (a page evicted meanwhile, or
-        one that failed verification): a shorter prefix, never wrong KV. ``out``: the engine's
-        two chunk buffers (contiguous ``[layers, 2, chunk_tokens, kv_heads, head_dim]`` in host
-        memory, reused across loads; fresh memory costs a page fault per 4 KiB on first use,
-        and a buffer that starts on a 4 KiB boundary copies fastest, see
-        :func:`~kvray.core.tiers.memory.aligned_empty`), else two such buffers are allocated.
-        """
-        page = self.layout.page_tokens
-        if chunk_tokens <= 0 or chunk_tokens % page:
-            raise RequestError(f"chunk_tokens={chunk_tokens} must be a positive multiple of page_tokens={page}")
-        keys = self.keys(tokens, salt)
-        step = chunk_tokens // page
-        if out is None:
-            buffers = [chunk_buffer(self.layout, chunk_tokens) for _ in range(2)]
-        else:
-            check_chunk_buffers(self.layout, out, chunk_tokens)
-            buffers = list(out)
-        as_bytes = [request_bytes(b) for b in buffers]
-
-        def read(i: int) -> tuple[int, dict[str, int]]:
-            rows = as_bytes[(i // step) % 2]
-            return self._read_into(
-                keys[i : i + step],
-                lambda j: request_page(self.layout, rows, j),
-                lambda pages: request_runs(self.layout, rows, pages),
-            )
-
-        if not keys:
-            return
-        with ThreadPoolExecutor(1, thread_name_prefix="kvray-load-ahead") as ahead:
-            pending = ahead.submit(read, 0)
-            for start in range(0, len(keys), step):
-                got, by_tier = pending.result()
-                full = got == len(keys[start : start + step])
-                if full and start + step < len(keys):
-                    pending = ahead.submit(read, start + step)  # into the other buffer
-                if got:
-                    kv = buffers[(start // step) % 2][:, :, : got * page]
-                    yield LoadChunk(start * page, got * page, kv, by_tier)
-                if not full:
-                    return
 
     # -- page verbs (runtime transfers) --------------------------------------------------
     def put_pages(

@@ -37,7 +37,7 @@ from kvray.core.config import PageLayout
 from kvray.core.errors import ConfigError, KvrayError, RequestError
 from kvray.core.keys import ModelFingerprint, as_token_array, page_keys
 from kvray.core.pages import torch_dtype
-from kvray.core.store import LoadResult
+from kvray.core.request_kv import LoadResult
 
 log = logging.getLogger(__name__)
 

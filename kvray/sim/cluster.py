@@ -121,6 +121,8 @@ class ClusterSimulator:
         self._view_at = -np.inf
         self._paths: dict[tuple[int, int, Tier, Tier | None], tuple[Link, ...]] = {}
         self._disk_budgets: dict[str, float | None] = {}  # node -> the policy's NVMe write budget, as last set
+        # node -> pages the replicate verb stored there (the runtime's cluster_verbs.replicated_pages_by_node)
+        self.replicated_pages: dict[str, int] = {}
 
     @property
     def links(self) -> list[Link]:
@@ -401,7 +403,8 @@ class ClusterSimulator:
                 return 0
 
             node.clock = end
-            node.store_chain(view.keys, copy, tenant=tenant, stop=hits)
+            if stored := node.store_chain(view.keys, copy, tenant=tenant, stop=hits):
+                self.replicated_pages[name] = self.replicated_pages.get(name, 0) + stored
 
     # -- replay --------------------------------------------------------------------------
     def replay(

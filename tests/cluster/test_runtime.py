@@ -6,6 +6,7 @@ own kvray runtime (a controller and one store actor per node) under a unique nam
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import secrets
 import time
@@ -201,3 +202,27 @@ def test_page_servers_serve_only_this_runtimes_token_holders(shared):
     while ray.get(runtime.stores[other].stats.remote())["tcp_rejected"] < 1:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("tcp", [True, False])  # to the peers' page servers, or through Ray's object store
+def test_replicate_copies_a_hit_to_every_node_named_and_the_copies_read_back_exact(with_paths, tcp):
+    runtime, client = with_paths(tcp=tcp)
+    keys = client.keys_for_trace([9100 + 10 * tcp + i for i in range(3)])  # three pages: they stay on this node
+    with client.request(keys) as r:
+        expected = fill(r.rows, 41 + tcp)
+        r.store()
+    client.settle()
+    with client.request(keys) as r:
+        assert r.hit == len(keys)
+    assert set(r.plan.hit_nodes) == {client.node_id}
+    others = [node for node in runtime.stores if node != client.node_id]
+    controller = runtime.shards.for_keys(keys)
+    before = ray.get(controller.snapshot.remote(), timeout=60)["replica_locations"]
+    # a buffer replaced since the load (a call given up on may have written it) is never copied from
+    assert client.replicate(keys, r.plan, dataclasses.replace(r.loaded, buffer="replaced"), others) == {}
+    assert client.replicate(keys, r.plan, r.loaded, others) == {node: len(keys) for node in others}
+    client.settle()
+    for node in others:
+        assert np.array_equal(ray.get(runtime.stores[node].get_pages.remote(keys), timeout=60), expected)
+    assert ray.get(controller.snapshot.remote(), timeout=60)["replica_locations"] == before + len(others) * len(keys)
+    assert client.replicate(keys, r.plan, r.loaded, [client.node_id]) == {}  # this node holds them all: nothing to copy

@@ -30,7 +30,7 @@ def test_a_request_waits_for_its_verbs_then_gets_them():
 
     def decided() -> Verbs:
         gate.wait(5)
-        return Verbs(load_pages=2, replicate=True)
+        return Verbs(load_pages=2, replicate=("node-b",))
 
     verbs = Scripted(decided)
     assert verbs.answer("never-asked") == DEFAULT
@@ -38,7 +38,7 @@ def test_a_request_waits_for_its_verbs_then_gets_them():
     assert verbs.answer("r") is PENDING
     gate.set()
     verbs.close()
-    assert verbs.answer("r") == Verbs(2, True) and verbs.failures == 0
+    assert verbs.answer("r") == Verbs(2, ("node-b",)) and verbs.failures == 0
     verbs.forget("r")
     assert verbs.answer("r") == DEFAULT
 

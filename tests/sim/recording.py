@@ -84,6 +84,19 @@ class RecordingVerbs(_Recorder, LocalFirstRing):
         return [request.requester] if elsewhere and len(request.keys) % 2 == 1 else []
 
 
+class RecordingVerbsElsewhere(RecordingVerbs):
+    """:class:`RecordingVerbs`, but an odd request with a cached prefix is copied to every
+    node that neither serves it nor holds a page of it (a third node, on three), the
+    simulator's ``replicate`` to a node of the policy's choosing."""
+
+    name = "recording-verbs-elsewhere"
+
+    def replicate(self, request: RequestView, cluster: ClusterView) -> list[str]:
+        if len(request.keys) % 2 == 0:
+            return []
+        return [n for n in cluster.names if n != request.requester and n not in request.hit_nodes]
+
+
 class RecordingLRU(_Recorder, LRUPolicy):
     """LRU, writing down every request it is told of."""
 

@@ -15,7 +15,9 @@ cluster simulator itself (:class:`~kvray.sim.cluster.ClusterSimulator` on
 ``simulations/this-machine-runtime-3node.yaml`` cut to two nodes): a recording policy that
 decides every verb from what both worlds show alike runs in the runtime's controller
 (``Controller.decide``, executed by the replay's engines) and in the simulator, and both
-must show its ``route`` the same views and end with the same hits.
+must show its ``route`` the same views, end with the same hits, and copy the same pages
+to the same nodes. On all three nodes a policy replicates to nodes that neither serve a
+request nor hold its pages: the copies land where the simulator puts them and read back exact.
 
 Quiet means nothing else runs and each request starts after the last one's reports
 landed (the replay's engines settle between requests); link utilisations are read over a
@@ -30,9 +32,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import ray
 
-from kvray.apps.replay import replay_on_runtime, settings_from
-from kvray.cluster.runtime import alive_nodes
+from kvray.apps.replay import replay_on_runtime, replay_with, settings_from
+from kvray.cluster.checked import PagePattern
+from kvray.cluster.runtime import Runtime, alive_nodes
 from kvray.core.keys import trace_page_keys
 from kvray.core.placement import RequestInfo
 from kvray.policy.cluster import ClusterView, NodeView, RequestView
@@ -42,7 +46,7 @@ from kvray.sim.simulator import Simulator
 from kvray.traces import read_trace
 from tests.conftest import extra_nodes
 from tests.sim.cluster_reference import ClusterReference
-from tests.sim.recording import RECORDS, RecordingLRU, RecordingRing, RecordingVerbs, read_records
+from tests.sim.recording import RECORDS, RecordingLRU, RecordingRing, RecordingVerbs, RecordingVerbsElsewhere, read_records
 
 pytestmark = pytest.mark.ray
 
@@ -53,13 +57,14 @@ CLUSTER = ROOT / "simulations" / "this-machine-runtime-3node.yaml"
 CONVERSATION = ROOT / "data" / "traces" / "conversation_trace_first30min.jsonl"  # shared prefixes: hits on every node
 REQUESTS = 120
 SOLO = {"kvray_views_solo": 1.0}  # one of the two nodes
-PAIR = {"kvray_views": 1.0}  # both
+PAIR = {"kvray_views": 1.0}  # two of the three
+TRIO = {"kvray_views_trio": 1.0}  # all three
 
 
 @pytest.fixture(scope="module")
-def two_nodes(ray_cluster):
-    """Two store nodes of their own: one offers SOLO and PAIR, the other PAIR."""
-    with extra_nodes(ray_cluster, PAIR | SOLO, PAIR):
+def extra_store_nodes(ray_cluster):
+    """Three store nodes of their own: one offers SOLO, PAIR and TRIO, one PAIR and TRIO, one TRIO."""
+    with extra_nodes(ray_cluster, PAIR | SOLO | TRIO, PAIR | TRIO, TRIO):
         yield
 
 
@@ -106,7 +111,7 @@ def assert_same_views(settings, result, places, infos, reference: ClusterReferen
     }
 
 
-def test_one_node_the_runtime_shows_the_policies_what_the_simulator_does(two_nodes):
+def test_one_node_the_runtime_shows_the_policies_what_the_simulator_does(extra_store_nodes):
     settings, result, places, infos = recorded_run("views-one", SOLO)
     node = places[0][2].names
     assert len(node) == 1
@@ -127,7 +132,7 @@ def test_one_node_the_runtime_shows_the_policies_what_the_simulator_does(two_nod
     assert any(view.free_share["host"] < 1.0 for _, _, cluster in places for view in cluster.nodes)
 
 
-def test_two_nodes_the_runtime_shows_the_policies_what_the_reference_does(two_nodes):
+def test_two_nodes_the_runtime_shows_the_policies_what_the_reference_does(extra_store_nodes):
     # Requests over 8 pages are spread by the ring, so pages cross nodes both ways.
     settings, result, places, infos = recorded_run("views-two", PAIR, local_pages_limit=8)
     nodes = places[0][2].names
@@ -158,39 +163,58 @@ def _rounded(cluster: ClusterView) -> ClusterView:
     return ClusterView(tuple(node(n) for n in cluster.nodes), cluster.page_prefill_ms)
 
 
-@pytest.mark.parametrize("tcp", [True, False])  # pages between nodes by the page server, or Ray's object store
-def test_the_runtime_executes_every_cluster_verb_as_the_simulator_does(two_nodes, tcp):
+def verbs_replay(name: str, resources: dict, nodes: int, cluster_policy: type, tcp: bool = True, check=None) -> tuple:
+    """The conversation prefix replayed by the runtime on the ``resources`` nodes and by the
+    cluster simulator on ``simulations/this-machine-runtime-3node.yaml`` cut to ``nodes``,
+    both under ``cluster_policy`` (a recording one, by import path in the controller);
+    ``check(runtime, settings)`` runs on the runtime once the replay is done. Returns the
+    runtime's result, route and ``placed`` records, the simulator, its policy and result,
+    the simulator's node names by runtime node, and the trace."""
     shutil.rmtree(RECORDS, ignore_errors=True)
     runtime = {
-        "name": f"verbs-two-{tcp}",
+        "name": name,
         "tcp": tcp,
         "policy": "tests.sim.recording:RecordingPlaces",
-        "cluster_policy": "tests.sim.recording:RecordingVerbs",
-        "store_resources": PAIR,
+        "cluster_policy": f"tests.sim.recording:{cluster_policy.__name__}",
+        "store_resources": resources,
         "observe_window_s": 1e-6,
     }
     settings = settings_from(CLUSTER, runtime, {}, {"prefill_us_per_token": 0.0})
     trace = read_trace(CONVERSATION, limit=60)
-    members = alive_nodes(PAIR)  # the runtime's membership order, which the front end goes round
-    result = replay_on_runtime(trace, settings, progress=False).as_dict()
+    members = alive_nodes(resources)  # the runtime's membership order, which the front end goes round
+    started = Runtime.start(settings.runtime)
+    try:
+        result = replay_with(started, trace, settings, progress=False).as_dict()
+        if check is not None:
+            check(started, settings)
+    finally:
+        started.close()
     assert result["wrong_pages"] == 0
-    verbs = result["cluster_verbs"]
-    assert min(verbs["routed_elsewhere"], verbs["load_splits"], verbs["prefetches"], verbs["replications"]) > 0, verbs
     (routes,) = read_records("route")  # one controller
     placed = read_records("placed")  # one list per store
 
-    two = load_scenario(CLUSTER).model_copy(update={"nodes": [NodeSpec(name="node", count=2)]})
-    policy = RecordingVerbs()
+    scenario = load_scenario(CLUSTER).model_copy(update={"nodes": [NodeSpec(name="node", count=nodes)]})
+    policy = cluster_policy()
     policy.sink = None
-    simulator = ClusterSimulator(two, "tests.sim.recording:RecordingPlaces", policy)
+    simulator = ClusterSimulator(scenario, "tests.sim.recording:RecordingPlaces", policy)
     for node in simulator.nodes:
         node.policy.sink = None
     simulated = simulator.replay(trace).as_dict()
-    names = dict(zip(["node-0", "node-1"], members))
+    names = dict(zip([f"node-{i}" for i in range(nodes)], members))
     fingerprint = settings.runtime.fingerprint()
     expected = [_as_runtime(request, cluster, names, fingerprint) for request, cluster in policy.seen if request.keys]
     assert [(request, _rounded(cluster)) for request, cluster in routes] == expected
     assert result["hit_tokens_by_tier"] == simulated["hit_tokens_by_tier"] and result["hit_tokens"] > 0
+    return result, placed, simulator, simulated, names, trace, fingerprint
+
+
+@pytest.mark.parametrize("tcp", [True, False])  # pages between nodes by the page server, or Ray's object store
+def test_the_runtime_executes_every_cluster_verb_as_the_simulator_does(extra_store_nodes, tcp):
+    result, placed, simulator, simulated, names, trace, fingerprint = verbs_replay(
+        f"verbs-two-{tcp}", PAIR, 2, RecordingVerbs, tcp
+    )
+    verbs = result["cluster_verbs"]
+    assert min(verbs["routed_elsewhere"], verbs["load_splits"], verbs["prefetches"], verbs["replications"]) > 0, verbs
     # each world reports what the node policies counted (PlacementPolicy.stats), summed over the nodes:
     # the pages they admitted and the requests they were told of, a node whose pages another node
     # reads included (the runtime's page server hears of the request with the read)
@@ -205,10 +229,48 @@ def test_the_runtime_executes_every_cluster_verb_as_the_simulator_does(two_nodes
     # and requests at the trace's arrival times, as in the simulator (a per-page policy reads
     # them as features: with run-relative depths and wall-clock arrivals, reuse's hits ran
     # 1.063x the simulator's on 3 nodes; docs/sim-eval, "The per-page learned policy on the runtime")
+    assert_same_pages(placed, simulator, trace, fingerprint)
+    arrivals = {r.timestamp_ms for r in trace}
+    assert all(r[1] in arrivals for records in placed for r in records if r[0] == "request")
+    assert verbs["replicated_pages_by_node"] == {names[n]: pages for n, pages in simulator.replicated_pages.items()}
+
+
+def assert_same_pages(placed, simulator: ClusterSimulator, trace, fingerprint: bytes) -> None:
+    """Each node's policy admitted the same pages (key, depth, request length), in the same
+    order, in both worlds; and some page sits past its chain's root."""
     bound = {k: trace_page_keys(fingerprint, [k])[0] for r in trace for k in r.hash_ids}
     expected_pages = [[("page", bound[r[1]], *r[2:]) for r in node.policy.seen if r[0] == "page"] for node in simulator.nodes]
     runtime_pages = [[r for r in records if r[0] == "page"] for records in placed]
     assert sorted(runtime_pages, key=lambda pages: pages[:1]) == sorted(expected_pages, key=lambda pages: pages[:1])
     assert any(depth > 0 for pages in expected_pages for _, _, depth, _ in pages)
-    arrivals = {r.timestamp_ms for r in trace}
-    assert all(r[1] in arrivals for records in placed for r in records if r[0] == "request")
+
+
+def test_the_runtime_replicates_to_a_third_node_as_the_simulator_does(extra_store_nodes):
+    """``replicate`` naming nodes that neither serve the request nor hold its pages: the
+    runtime copies the cached prefix there (from the serving node's landing buffer, over
+    the page servers) and tells their stores of the request; the pages land on the node the
+    simulator puts them on, as many, read back exact, and every view and hit agrees."""
+    read_back: dict[str, int] = {}
+
+    def every_page_held_reads_back_exact(runtime: Runtime, settings) -> None:
+        pattern = PagePattern(settings.runtime.layout.page_nbytes)
+        for node, store in runtime.stores.items():
+            keys = [key for key, _ in ray.get(store.holdings.remote(), timeout=60)["pages"]]
+            for i in range(0, len(keys), 16):  # 1 MiB pages: a few at a time through the object store
+                chunk = keys[i : i + 16]
+                rows = ray.get(store.get_pages.remote(chunk), timeout=60)
+                assert len(rows) == len(chunk) and pattern.wrong(chunk, rows) == 0
+            read_back[node] = len(keys)
+
+    result, placed, simulator, simulated, names, trace, fingerprint = verbs_replay(
+        "verbs-three", TRIO, 3, RecordingVerbsElsewhere, check=every_page_held_reads_back_exact
+    )
+    copied = result["cluster_verbs"]["replicated_pages_by_node"]
+    assert copied and copied == {names[n]: pages for n, pages in simulator.replicated_pages.items()}
+    assert result["cluster_verbs"]["replications"] > 0
+    assert all(read_back[node] >= pages > 0 for node, pages in copied.items())
+    for counted in ("pages_admitted", "requests_told"):
+        assert result["policy_stats"][counted] == simulated["policy_stats"][counted] > 0, counted
+    told = [[r for r in records if r[0] == "request"] for records in placed]
+    assert sorted(told) == sorted([[r for r in node.policy.seen if r[0] == "request"] for node in simulator.nodes])
+    assert_same_pages(placed, simulator, trace, fingerprint)

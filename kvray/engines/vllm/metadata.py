@@ -32,7 +32,7 @@ def new_counters() -> dict[str, int]:
     benchmark can split a request's TTFT. The cluster policy's verbs
     (:mod:`kvray.engines.vllm.verbs`): ``decisions`` asked, ``recomputed_hit_pages`` (cached
     pages vLLM computed as a load split told it), ``prefetched_pages`` (copied to this node
-    while the request waited), ``replicated_pages`` (kept here after loading, by the worker)."""
+    while the request waited), ``replicated_pages`` (copied after loading to the nodes the policy named, by the worker)."""
     counters = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "saved_pages": 0, "failures": 0, "lost_pages": 0,
                 "lookup_us": 0, "load_us": 0, "decisions": 0, "recomputed_hit_pages": 0, "prefetched_pages": 0,
                 "replicated_pages": 0}  # fmt: skip
@@ -66,13 +66,13 @@ class PageSave:
 class RuntimeLoad:
     """Pages the worker reads from the kvray runtime into ``block_ids``, by itself: the
     pages' keys and the scheduler's plan (the pinned lease and the node of each page);
-    ``replicate``: then keep a copy of them in this node's store (the cluster policy's verb)."""
+    ``replicate``: then copy them to these nodes' stores (the cluster policy's verb)."""
 
     req_id: str
     keys: list[int]
     block_ids: list[int]
     plan: Plan
-    replicate: bool = False
+    replicate: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ class PinnedHit:
     first_page: int
     computed_tokens: int
     plan: Plan  # cut where a load split ends the hit
-    replicate: bool = False  # the worker keeps a copy of the pages on this node after reading them
+    replicate: tuple[str, ...] = ()  # the nodes the worker copies the pages to after reading them
 
     @property
     def pages(self) -> int:
@@ -216,7 +216,7 @@ class ConnectorScheduler:
             self.lookups.release(plan)
             return 0, False
         # a copy of a chain is stored from its root: only a hit vLLM computed nothing of is replicated
-        pinned = self._pinned[req_id] = PinnedHit(first, computed, plan, verbs.replicate and first == 0)
+        pinned = self._pinned[req_id] = PinnedHit(first, computed, plan, verbs.replicate if first == 0 else ())
         self.counters["hit_pages"] += pinned.pages
         return pinned.pages * self.layout.page_tokens, True
 

@@ -15,9 +15,9 @@ the simulator's ``ClusterSimulator.serve`` uses) and executes them:
   store (and indexed there as replicas) on a thread of this side, while vLLM keeps the
   request waiting (``get_num_new_matched_tokens`` answers ``None``: ask again later); its
   lookup then reads them from this node.
-- **replicate** (to this node, what the policies here name): the worker, having read the
-  pages into the request's blocks, keeps a copy of them in this node's store
-  (:meth:`~kvray.cluster.storing.ChainStores.replicate`).
+- **replicate** (to every node the decision names, this one or others): the worker, having
+  read the pages into the request's blocks, copies them from its landing buffer to those
+  nodes' stores (:meth:`~kvray.cluster.storing.ChainStores.replicate`).
 
 A request waits at most ``timeout_s`` for its decision and prefetch; a decision that fails
 or comes late is the default one (load every hit page, nothing else): the cache never fails
@@ -68,10 +68,10 @@ def wants_verbs(runtime: RuntimePages, setting: bool | None) -> bool:
 
 class Verbs(NamedTuple):
     """What an engine does with one request's cached prefix: load the first ``load_pages``
-    (None: all of them), keep a copy here after loading (``replicate``)."""
+    (None: all of them), then copy them to the nodes ``replicate`` names."""
 
     load_pages: int | None = None
-    replicate: bool = False
+    replicate: tuple[str, ...] = ()
 
 
 PENDING = object()  # the answer while a request's decision or prefetch runs
@@ -131,10 +131,12 @@ class ClusterVerbs:
         client = self.runtime.client
         controller = client.shards.handles[client.shards.owner(route_key)]
         decision = ray.get(controller.decide.remote(pack_keys(keys), client.node_id, 0.0, False), timeout=self.timeout_s)
+        if decision.budget_set is not None:  # the request's writes go under the budget decided with it
+            ray.wait([decision.budget_set], timeout=self.timeout_s)
         load = None if decision.load_pages >= decision.hit_pages else decision.load_pages
         if decision.prefetch and decision.load_pages:
             self.counters["prefetched_pages"] += self._prefetch(keys[: decision.load_pages], route_key)
-        return Verbs(load, client.node_id in decision.replicate)
+        return Verbs(load, decision.replicate)
 
     def _prefetch(self, keys: list[int], route_key: int) -> int:
         """Copy the cached pages of ``keys`` that live on other nodes into this node's store
@@ -150,7 +152,7 @@ class ClusterVerbs:
             return 0
         loaded = client.load(keys[: plan.hit_pages], plan)
         client.release(plan, loaded)
-        copied = client.replicate(keys, plan, loaded)
+        copied = sum(client.replicate(keys, plan, loaded).values())
         client.settle()  # the controller indexes the copies before the request's own lookup
         return copied
 

@@ -130,13 +130,15 @@ class ConnectorWorker:
         return loaded.pages
 
     def _replicate(self, load: RuntimeLoad, loaded: Loaded) -> None:
-        """Keep a copy of the pages just read in this node's store (the cluster policy's
-        ``replicate``), from the client's buffer that still holds them; best effort."""
+        """Copy the pages just read to the stores of the nodes the cluster policy's
+        ``replicate`` named, from the client's buffer that still holds them; best effort."""
         try:
-            self.counters["replicated_pages"] += self.runtime.client.replicate(load.keys, load.plan, loaded)
+            self.counters["replicated_pages"] += sum(
+                self.runtime.client.replicate(load.keys, load.plan, loaded, load.replicate).values()
+            )
         except Exception as exc:  # a copy not kept is a later remote read, never a failed request
             self.counters["failures"] += 1
-            log.warning("kvray could not keep a copy of %d pages here: %r", loaded.pages, exc)
+            log.warning("kvray could not copy %d pages to %s: %r", loaded.pages, ", ".join(load.replicate), exc)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose runtime load ended; the blocks of pages that did not arrive are
