@@ -33,6 +33,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from kvray.core.errors import RequestError
+
 ROOT = -1  # the parent handle of a request's first page
 NONE = -1  # no child / no sibling
 UNTRACKED = -1  # a tier or slot this index does not keep
@@ -148,9 +150,19 @@ class PrefixIndex:
         return lo
 
     def lookup(self, keys: Sequence[int]) -> np.ndarray:
-        """Handles of the longest cached prefix of ``keys``."""
+        """Handles of the longest cached prefix of ``keys``. Keys that do not chain (a page
+        cached below one that is not: not one request's prefix) are refused by name, not
+        answered with another chain's pages or a bare ``KeyError``."""
         n = self.match(keys)
-        return np.fromiter(map(self._handles.__getitem__, keys[:n]), dtype=np.int64, count=n)
+        try:
+            return np.fromiter(map(self._handles.__getitem__, keys[:n]), dtype=np.int64, count=n)
+        except KeyError:
+            gap = next(i for i, key in enumerate(keys[:n]) if key not in self._handles)
+            later = next(i for i in range(n - 1, gap, -1) if keys[i] in self._handles)
+            raise RequestError(
+                f"keys do not chain: key #{later} ({keys[later]:#x}) is cached but key #{gap} ({keys[gap]:#x}) "
+                "before it is not; each key must name its whole prefix (kvray.core.keys.page_keys)"
+            ) from None
 
     # -- updates -----------------------------------------------------------------------
     def add(

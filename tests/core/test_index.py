@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvray.core.errors import RequestError
 from kvray.core.index import ROOT, PrefixIndex, parents_first
 from tests.properties import examples
 
@@ -138,3 +139,13 @@ def test_remove_subtree_takes_the_descendants_or_nothing_when_one_is_pinned():
     assert len(index) == 4
     index.unpin(np.array([c]))
     assert index.remove_subtree(b) == [c, b] and sorted(index.keys()) == [1, 4]
+
+
+def test_keys_that_do_not_chain_are_refused_by_name_and_nothing_changes():
+    index = PrefixIndex()
+    first = index.add(1, 1, 0, 0, parent=ROOT)
+    index.add(2, 1, 1, 0, parent=first)
+    with pytest.raises(RequestError, match=r"key #1 \(0x2\) is cached but key #0 \(0x9\) before it is not"):
+        index.lookup([9, 2])  # a client's keys that are not one chain: 2 is cached under 1, not 9
+    assert index.lookup([1, 2]).tolist() == [first, first + 1]
+    assert index.pins[:2].tolist() == [0, 0]
