@@ -110,6 +110,7 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         pointwise_promotions: bool = False,
         queue_weighted: bool = True,
         libm_counts: bool = False,
+        hand_over: bool = False,
     ):
         self.pool = pool or (model.pool if model is not None else POOL)
         if model is not None and model.pool != self.pool:
@@ -118,6 +119,7 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         self.model = model
         self.refit = refit and model is not None  # online refit on delayed labels (reuse_online)
         self.tripwire_margin = tripwire  # follow a heuristic while the cache's cost runs this share above its shadow's
+        self.hand_over = hand_over  # a heuristic the tripwire starts to follow gets the cache in recency order (_hand_over)
         self.refits = 0
         self._tripwire: ShadowTripwire | None = None  # made by bind, with a tripwire margin
         self.scored = 0  # candidates of the last scoring
@@ -157,10 +159,11 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         tripwire: float | None = TRIPWIRE,
         disk_gate: bool = False,
         promote: str = "model",
+        hand_over: bool = False,
     ) -> ReusePolicy:
         """The model in ``path`` (a folder or weights file), else the shipped one."""
         model = ReuseModel.load(shipped_or_given(path or DEFAULT_MODEL, "policies"))
-        return cls(model, refit=refit, tripwire=tripwire, disk_gate=disk_gate, promote=promote)
+        return cls(model, refit=refit, tripwire=tripwire, disk_gate=disk_gate, promote=promote, hand_over=hand_over)
 
     @classmethod
     def load_cluster(cls, path: str | Path) -> ReusePolicy:
@@ -209,6 +212,7 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         self._ready_labels: list[np.ndarray] = []
         self._tripwire = None
         self._advisors: list[PlacementPolicy] = []
+        self._handed: PlacementPolicy | None = None  # the advisor the cache was last handed over to
         self._gate = None
         self._gate_rows: dict[int, np.ndarray] = {}  # feature rows of the next pages to leave for disk
         if self.disk_gate and capacities.get(Tier.DISK, 0) > 0:
@@ -366,7 +370,10 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         followed = self._tripwire.follow() if self._tripwire is not None else None
         if followed is not None:  # the tripwire: a heuristic's shadow is ahead of the model
             self._pending.clear()
+            if self.hand_over and followed is not self._handed:
+                self._hand_over(followed)
             return followed.victim(tier)
+        self._handed = None
         pins = self.index.pins
         pending = self._pending.get(tier)
         while pending:
@@ -378,6 +385,20 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
             return ranked[0] if ranked else None
         self._pending[tier] = ranked[1 : self.take][::-1]  # popped from the end
         return ranked[0]
+
+    def _hand_over(self, advisor: PlacementPolicy) -> None:
+        """The cache handed to an advisor the tripwire starts to follow: each tier's pages in
+        this policy's recency order, oldest first, and which were read since stored (what an
+        S3-FIFO rebuilds its queues from: :meth:`~kvray.policy.s3fifo.S3FIFOPolicy.hand_over`;
+        an LRU advisor reads the recency column itself)."""
+        self._handed = advisor
+        hand = getattr(advisor, "hand_over", None)
+        if hand is None:
+            return
+        for tier in self.tiers:
+            pages = np.flatnonzero(self._where == tier)
+            pages = pages[np.argsort(self._recency[pages], kind="stable")]
+            hand(tier, pages, self.features.hits[pages] > 0)
 
     def _pool_ranked(self, tier: Tier, least: int) -> list[int]:
         """``tier``'s pool, ranked (:meth:`_rank`) when it holds more than ``least`` pages. Where
