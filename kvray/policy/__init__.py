@@ -29,10 +29,12 @@ from kvray.policy.threshold import ThresholdPolicy
 from kvray.policy.wfq import WFQPolicy
 
 
-def _reuse(path: str | None = None, refit: bool = False, disk_gate: bool = False, promote: str = "model") -> PlacementPolicy:
+def _reuse(
+    path: str | None = None, refit: bool = False, disk_gate: bool = False, promote: str = "model", hand_over: bool = False
+) -> PlacementPolicy:
     from kvray.policy.reuse import ReusePolicy  # loads weights; kept out of plain imports
 
-    return ReusePolicy.load(path or None, refit=refit, disk_gate=disk_gate, promote=promote)
+    return ReusePolicy.load(path or None, refit=refit, disk_gate=disk_gate, promote=promote, hand_over=hand_over)
 
 
 def _reuse_cluster(path: str) -> PlacementPolicy:
@@ -68,6 +70,8 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "s3fifo-promote": promoting(S3FIFOPolicy),
     # and `reuse` promoting every disk read, not only those its model says pay (kvray.policy.reuse.PROMOTION)
     "reuse-promote-every": lambda: _reuse(promote="every"),
+    # and a heuristic the tripwire starts to follow handed the cache in recency order (ReusePolicy._hand_over)
+    "reuse-handover": lambda: _reuse(hand_over=True),
 }
 
 

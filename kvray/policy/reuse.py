@@ -52,6 +52,7 @@ from kvray.policy.reuse_admission import DiskGate
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
 from kvray.policy.reuse_online import SAMPLE, DelayedLabels, RecencyLRU, ShadowTripwire
 from kvray.policy.reuse_pool import gather, gather_python
+from kvray.policy.reuse_pricing import PromotionPricing
 from kvray.policy.reuse_weights import link_charged_miss, queue_weight
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.resources import shipped_or_given
@@ -81,7 +82,7 @@ DEFAULT_MODEL = "reuse"  # policies/reuse
 PROMOTION = ("model", "every", "none")
 
 
-class ReusePolicy(PlacementPolicy):
+class ReusePolicy(PromotionPricing, PlacementPolicy):
     """Evict, among each tier's least recently used unpinned pages, the one the model
     predicts is used furthest ahead; demote one tier down."""
 
@@ -109,6 +110,7 @@ class ReusePolicy(PlacementPolicy):
         pointwise_promotions: bool = False,
         queue_weighted: bool = True,
         libm_counts: bool = False,
+        hand_over: bool = False,
     ):
         self.pool = pool or (model.pool if model is not None else POOL)
         if model is not None and model.pool != self.pool:
@@ -117,6 +119,7 @@ class ReusePolicy(PlacementPolicy):
         self.model = model
         self.refit = refit and model is not None  # online refit on delayed labels (reuse_online)
         self.tripwire_margin = tripwire  # follow a heuristic while the cache's cost runs this share above its shadow's
+        self.hand_over = hand_over  # a heuristic the tripwire starts to follow gets the cache in recency order (_hand_over)
         self.refits = 0
         self._tripwire: ShadowTripwire | None = None  # made by bind, with a tripwire margin
         self.scored = 0  # candidates of the last scoring
@@ -156,10 +159,11 @@ class ReusePolicy(PlacementPolicy):
         tripwire: float | None = TRIPWIRE,
         disk_gate: bool = False,
         promote: str = "model",
+        hand_over: bool = False,
     ) -> ReusePolicy:
         """The model in ``path`` (a folder or weights file), else the shipped one."""
         model = ReuseModel.load(shipped_or_given(path or DEFAULT_MODEL, "policies"))
-        return cls(model, refit=refit, tripwire=tripwire, disk_gate=disk_gate, promote=promote)
+        return cls(model, refit=refit, tripwire=tripwire, disk_gate=disk_gate, promote=promote, hand_over=hand_over)
 
     @classmethod
     def load_cluster(cls, path: str | Path) -> ReusePolicy:
@@ -208,6 +212,7 @@ class ReusePolicy(PlacementPolicy):
         self._ready_labels: list[np.ndarray] = []
         self._tripwire = None
         self._advisors: list[PlacementPolicy] = []
+        self._handed: PlacementPolicy | None = None  # the advisor the cache was last handed over to
         self._gate = None
         self._gate_rows: dict[int, np.ndarray] = {}  # feature rows of the next pages to leave for disk
         if self.disk_gate and capacities.get(Tier.DISK, 0) > 0:
@@ -365,7 +370,10 @@ class ReusePolicy(PlacementPolicy):
         followed = self._tripwire.follow() if self._tripwire is not None else None
         if followed is not None:  # the tripwire: a heuristic's shadow is ahead of the model
             self._pending.clear()
+            if self.hand_over and followed is not self._handed:
+                self._hand_over(followed)
             return followed.victim(tier)
+        self._handed = None
         pins = self.index.pins
         pending = self._pending.get(tier)
         while pending:
@@ -377,6 +385,20 @@ class ReusePolicy(PlacementPolicy):
             return ranked[0] if ranked else None
         self._pending[tier] = ranked[1 : self.take][::-1]  # popped from the end
         return ranked[0]
+
+    def _hand_over(self, advisor: PlacementPolicy) -> None:
+        """The cache handed to an advisor the tripwire starts to follow: each tier's pages in
+        this policy's recency order, oldest first, and which were read since stored (what an
+        S3-FIFO rebuilds its queues from: :meth:`~kvray.policy.s3fifo.S3FIFOPolicy.hand_over`;
+        an LRU advisor reads the recency column itself)."""
+        self._handed = advisor
+        hand = getattr(advisor, "hand_over", None)
+        if hand is None:
+            return
+        for tier in self.tiers:
+            pages = np.flatnonzero(self._where == tier)
+            pages = pages[np.argsort(self._recency[pages], kind="stable")]
+            hand(tier, pages, self.features.hits[pages] > 0)
 
     def _pool_ranked(self, tier: Tier, least: int) -> list[int]:
         """``tier``'s pool, ranked (:meth:`_rank`) when it holds more than ``least`` pages. Where
@@ -480,88 +502,6 @@ class ReusePolicy(PlacementPolicy):
         if self.promote == "every" or (self.model is None and not self.teacher):
             return up
         return up if self._promotion_pays(handle, tier, up) else None
-
-    def _promotion_pays(self, handle: int, tier: Tier, up: Tier) -> bool:
-        """Promote when the page's predicted reuse times the load each reuse saves (``tier``'s
-        cost less ``up``'s) beats the predicted reuse of ``up``'s next victim times what each of
-        its reuses costs more once it is demoted; free where ``up`` has a free slot. Both
-        scores come from the eviction model in ``up`` (the page scored as the newest of the
-        tier's recency order, offered by no ordering): fitted to the oracle's softmax over
-        ``log1p(requests to next use)``, its scores are log next use up to one shared offset,
-        so ``exp(-score)`` is a reuse rate up to one shared factor and the rule reads
-        ``victim_score - page_score > log(victim's extra cost / page's saving)``. The victim is
-        the one the next eviction takes: the ranking made here serves that eviction. A model with
-        a promotion head (:mod:`~kvray.policy.reuse_promotion`) asks it instead: is the page read first?"""
-        if self._held[up] < self.capacities.get(up, 0):
-            return True
-        victim_score = self._next_victim_score(up)
-        if victim_score is None:  # every page of up is pinned: no room to make
-            return False
-        if self.record_promotions and self.record > 0 and self._rng.random() < self.record:
-            self._keep_promotion(handle, tier, up)
-        cost = self._tier_cost
-        here = cost.get(up, 0.0)
-        saved = cost.get(tier, 1.0) - here
-        below = self._below[up]
-        lost = (cost.get(below, 1.0) if below is not None else 1.0) - here
-        if saved <= 0.0:
-            return False
-        if self._head is not None:  # the pointwise head: is the page read before the victim?
-            return self._head.pays(self._page_row(handle, up), self._pending_rows[up][self._next_victim(up)], saved, lost)
-        return victim_score - self._page_score(handle, up) > math.log(max(lost, 1e-9) / saved)
-
-    def _next_victim(self, tier: Tier) -> int:
-        """Which of the last ranking's first TAKE the next eviction from ``tier`` takes (its
-        place in ``_pending_score``); :meth:`_next_victim_score` has just left it pending."""
-        return len(self._pending_score[tier]) - len(self._pending[tier])
-
-    def _next_victim_score(self, tier: Tier) -> float | None:
-        """The score of the page the next eviction from ``tier`` takes (a ranking made now,
-        if none is pending, is left pending for it); None if every page is pinned."""
-        pending = self._pending.get(tier)
-        pins = self.index.pins
-        while pending:
-            handle = pending[-1]
-            if self._where.item(handle) == tier and pins.item(handle) == 0:
-                return float(self._pending_score[tier][self._next_victim(tier)])
-            pending.pop()
-        ranked = self._pool_ranked(tier, 0)
-        if not ranked:
-            return None
-        self._pending[tier] = ranked[: self.take][::-1]  # popped from the end: the first next
-        return float(self._pending_score[tier][0])
-
-    def _page_score(self, handle: int, tier: Tier) -> float:
-        """``handle``'s eviction score were it in ``tier`` now (a teacher without a model: the oracle's)."""
-        if self.model is None:
-            return float(log_next_use(self._next_uses(np.array([handle])) - self._label_now)[0])
-        return float((self.model.predict if self.teacher else self.model.score)(self._page_row(handle, tier))[0])
-
-    def _page_row(self, handle: int, tier: Tier) -> np.ndarray:
-        """``handle``'s feature row were it in ``tier`` now: the newest of the tier's recency
-        order (just read), offered by no ordering."""
-        row = self.features.matrix(np.array([handle]), ~self.index.has_children([handle]), int(tier))
-        row[:, -1] = 1.0  # just read: the newest of the tier's recency order
-        if self.pool[1:] != (0, 0):
-            row = np.hstack([row, np.zeros((1, len(SOURCES)), dtype=np.float32)])
-        return row
-
-    def _keep_promotion(self, handle: int, tier: Tier, up: Tier) -> None:
-        """Training rows of one promotion decision: the page read (scored in ``up``, as
-        :meth:`_page_score` scores it) and ``up``'s next victim (its row as ranked), each with its
-        true requests to next use, in the eviction decisions' label form: fitted together, the
-        two scores' difference is the log ratio of their next uses that :meth:`_promotion_pays`
-        compares. Weighted by what the wrong choice costs per reuse (a read from ``tier`` instead
-        of ``up``, the refused page's or the displaced victim's) times the queue behind it. With
-        ``pointwise_promotions`` they go to ``head_rows``, the promotion head's (:mod:`~kvray.policy.reuse_promotion`)."""
-        victim = self._pending[up][-1]
-        rows = np.vstack([self._page_row(handle, up), self._pending_rows[up][self._next_victim(up)][None, :]])
-        into = self.head_rows or (self.rows, self.labels, self.weights)
-        into[0].append(rows)
-        into[1].append(log_next_use(self._next_uses(np.array([handle, victim])) - self._label_now))
-        saved = self._tier_cost.get(tier, 1.0) - self._tier_cost.get(up, 0.0)
-        into[2].append(link_charged_miss(saved) * self._queue_weight)
-        self.promotions_recorded += 1
 
     def demote_target(self, handle: int, tier: Tier) -> Tier | None:
         """One tier down; into disk, only when the gate says the write pays (with a gate)."""

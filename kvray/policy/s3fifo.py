@@ -98,6 +98,19 @@ class S3FIFOPolicy(PlacementPolicy):
             del queues.main[handle]
         del self._frequency[handle]
 
+    def hand_over(self, tier: Tier, pages: np.ndarray, read: np.ndarray) -> None:
+        """Rebuild ``tier``'s queues from the pages it holds (``pages``, oldest first; ``read``:
+        which were read since stored): the read ones in the main queue, the others in the
+        small queue, each in that order, their counts kept, the ghost kept. Why: an S3-FIFO
+        told of a cache it does not evict (the tripwire's advisor while the model decides)
+        never scans its small queue, so that queue grows to hold most of the cache in
+        insertion order; handed the cache, it would evict as if those pages had just
+        arrived (docs/sim-eval, "The tripwire's hand-over")."""
+        queues = self._queues[tier]
+        order = pages.tolist()
+        queues.small = OrderedDict((h, None) for h, r in zip(order, read.tolist()) if not r)
+        queues.main = OrderedDict((h, None) for h, r in zip(order, read.tolist()) if r)
+
     def victim(self, tier: Tier) -> int | None:
         queues = self._queues[tier]
         if len(queues.small) >= queues.small_target:
