@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvray.bench.serve_cpu import CpuMeter, per_request_ms
 from kvray.bench.serve_engines import MAX_PAGES, PAGE, EngineGroup, group_specs
 from kvray.bench.serve_loop import Sticky, run_closed_loop, summarize
 from kvray.bench.serve_workload import conversations
@@ -29,7 +30,11 @@ def test_a_real_engine_answers_closed_loop_and_hits_a_users_history(ray_cluster)
         assert group.ready(timeout_s=600) is None
         sessions = conversations(2, 2, PAGE, 8192, seed=0, shared_pages=1, own_pages=2, warmup=1)
         assert max(len(p) for s in sessions for p in s.prompts) <= MAX_PAGES * PAGE
+        meter = CpuMeter(group.actors)  # read by the engine's own process, on vLLM's interpreter
+        before = meter.read()
         answers = run_closed_loop(sessions, group, Sticky(1), rate=float("inf"))
+        cpu = per_request_ms(before, meter.read(), len(answers))
+        assert 0 < cpu["engines"] == cpu["total"] < 60e3  # the prefills and decode steps, not the idle engine
         assert len(answers) == 6
         assert_closed_loop(sessions, answers)
         later = [a for a in answers if a.turn > 0]
