@@ -192,6 +192,7 @@ class Played:
     hit_tokens_by_tier: dict[str, int]  # kvray's hit tokens by tier over the measured part
     connector_ms: dict[str, float]  # lookup, load
     cpu_ms: dict[str, float]  # by role (serve_cpu.CpuMeter) and total; empty without a meter
+    engine_steps: dict[str, float]  # vLLM steps, those that computed nothing, KV wake-ups (ServingEngine.steps)
     elapsed_s: dict[str, float]  # warmup, measured
 
 
@@ -209,13 +210,16 @@ def play(sessions: list[Session], group: EngineGroup, router: Router, rate: floa
     cpu = per_request_ms(cpu_before, meter.read(), len(answers)) if meter else {}
     tiers: dict[str, int] = {}
     spent = {"lookup_us": 0, "load_us": 0}
+    steps: dict[str, float] = {}
     for b, a in zip(before, group.stats()):
         for tier, pages in a["pages_by_tier"].items():
             tiers[tier] = tiers.get(tier, 0) + pages - b["pages_by_tier"].get(tier, 0)
         for k in spent:
             spent[k] += a["counters"].get(k, 0) - b["counters"].get(k, 0)
+        for k, n in a["steps"].items():
+            steps[k] = steps.get(k, 0) + (n - b["steps"][k]) / max(1, len(answers))
     per_request = {k.removesuffix("_us"): v / 1e3 / max(1, len(answers)) for k, v in spent.items()}
-    return Played(answers, {t: n * PAGE for t, n in tiers.items() if n}, per_request, cpu, elapsed)
+    return Played(answers, {t: n * PAGE for t, n in tiers.items() if n}, per_request, cpu, steps, elapsed)
 
 
 def cold_probe_s(group: EngineGroup, length: int, vocab: int, seed: int) -> tuple[float, float]:
@@ -346,6 +350,7 @@ def sweep(
             hit_tokens_by_tier=tiers,
             connector_ms_per_request=played.connector_ms,  # within the TTFT's parts (wait or step)
             cpu_ms_per_request=played.cpu_ms,
+            engine_steps_per_request=played.engine_steps,
             reuse_share=point["cached_tokens"] / ceiling if ceiling else float("nan"),
             served_share=served_share(point, tiers),
             load_average_1min=[load_before, os.getloadavg()[0]],  # the machine's other work
@@ -429,7 +434,13 @@ def median_point(points: list[dict]) -> dict:
             continue
         if isinstance(v, (int, float)):
             out[k] = statistics.median(p[k] for p in points)
-        elif k in ("mean_ttft_parts_ms", "connector_ms_per_request", "cpu_ms_per_request", "served_share"):
+        elif k in (
+            "mean_ttft_parts_ms",
+            "connector_ms_per_request",
+            "cpu_ms_per_request",
+            "engine_steps_per_request",
+            "served_share",
+        ):
             out[k] = {part: statistics.median(p[k].get(part, 0.0) for p in points) for part in v}
     return out
 
