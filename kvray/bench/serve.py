@@ -77,6 +77,7 @@ from kvray.bench.serve_loop import (
     served_share,
     summarize,
 )
+from kvray.bench.serve_probes import cold_probe_s, remote_page_ms
 from kvray.bench.serve_workload import (
     WORKLOADS_ENV,
     Session,
@@ -98,7 +99,6 @@ from kvray.progress import progress_bar
 from kvray.traces import read_trace
 
 SLO_SCALE = 3.0  # TTFT SLO / vLLM alone's unloaded TTFT of a cold median-length prompt
-COLD_PROBES = 3
 ROUTE_POLICY = "cost-router"
 
 
@@ -222,21 +222,14 @@ def play(sessions: list[Session], group: EngineGroup, router: Router, rate: floa
     return Played(answers, {t: n * PAGE for t, n in tiers.items() if n}, per_request, cpu, steps, elapsed)
 
 
-def cold_probe_s(group: EngineGroup, length: int, vocab: int, seed: int) -> tuple[float, float]:
-    """Cold ``length``-token prompts, one at a time on one engine: the median unloaded TTFT,
-    and the median time from the first token to the answer's end (its decode steps)."""
-    probes = Session("cold", tuple(draw(vocab, length, 99, seed, k) for k in range(COLD_PROBES)), 0.0)
-    answers = run_closed_loop([probes], group, Sticky(1), float("inf"))
-    return statistics.median(a.ttft_s for a in answers), statistics.median(a.done_at - a.sent_at - a.ttft_s for a in answers)
-
-
-def router_for(kind: str, group: EngineGroup, locate: Callable | None, page_ms: float, request_ms: float) -> Router:
+def router_for(kind: str, group: EngineGroup, locate: Callable | None, page_ms: float, request_ms: float,
+               fetch_ms: float = 0.0) -> Router:  # fmt: skip
     if kind == "round-robin":
         return RoundRobin(len(group.actors))
     if kind == "sticky":
         return Sticky(len(group.actors))
     policy = make_cluster_policy(ROUTE_POLICY)
-    return PolicyRouter(group.nodes, policy, locate, page_ms, engine_pages=VLLM_KV_PAGES - 1, request_ms=request_ms)
+    return PolicyRouter(group.nodes, policy, locate, page_ms, VLLM_KV_PAGES - 1, request_ms, page_fetch_ms=fetch_ms)
 
 
 def say(line: str) -> None:
@@ -326,10 +319,10 @@ def sweep(
     slo_s = SLO_SCALE * cold_s
     page_ms = 1e3 * cold_s / max(1.0, median_len / PAGE)
     request_ms = 1e3 * decode_s  # the route verb's price of an outstanding request beyond its prefill
+    fetch_ms = remote_page_ms(groups[CONTENDERS[ROUTE][0]], median_len, vocab, index) if ROUTE in contenders else 0.0
     ceiling, total = reuse_ceiling(probe, PAGE)
-    say(
-        f"serve {name}: vLLM alone saturates at {saturation:.2f} req/s; SLO {slo_s * 1e3:.0f} ms (cold TTFT {cold_s * 1e3:.0f} ms)"
-    )
+    say(f"serve {name}: vLLM alone saturates at {saturation:.2f} req/s; SLO {slo_s * 1e3:.0f} ms (cold TTFT "
+        f"{cold_s * 1e3:.0f} ms); the route verb's prices: {page_ms:.1f} ms a page to prefill, {fetch_ms:.2f} to fetch")  # fmt: skip
     setup_s = time.monotonic() - began
     runs: dict[str, dict[float, list[dict]]] = {c: {m: [] for m in sorted({*size.rates, *size.fallback})} for c in contenders}
 
@@ -339,8 +332,8 @@ def sweep(
         group = groups[group_name]
         seed = 10_000 * index + 100 * (r * (len(size.rates) + len(size.fallback)) + p + 1) + contenders.index(c) + 2
         load_before = os.getloadavg()[0]
-        played = play(factory(seed), group, router_for(kind, group, locate, page_ms, request_ms), m * saturation,
-                      meters[group_name])  # fmt: skip
+        played = play(factory(seed), group, router_for(kind, group, locate, page_ms, request_ms, fetch_ms),
+                      m * saturation, meters[group_name])  # fmt: skip
         point = summarize(played.answers, slo_s)
         elapsed, tiers = played.elapsed_s, played.hit_tokens_by_tier
         point.update(
@@ -410,6 +403,7 @@ def sweep(
         "cold_ttft_ms": cold_s * 1e3,
         "route_page_ms": page_ms,  # the route verb's prefill price of a page
         "route_request_ms": request_ms,  # and of an outstanding request beyond its pages
+        "route_fetch_ms": fetch_ms,  # and of a page loaded from the other node (remote_page_ms; 0: not measured)
         "slo_ttft_ms": slo_s * 1e3,
         "rates": {str(m): m * saturation for m in sorted({*size.rates, *size.fallback})},
         "runs": {c: {str(m): pts for m, pts in by_rate.items()} for c, by_rate in runs.items()},
