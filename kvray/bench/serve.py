@@ -27,6 +27,9 @@ saturation (its throughput when every session sends as fast as answers come). SL
 ``SLO_SCALE`` x vLLM alone's unloaded TTFT of a cold prompt of the workload's median
 length. Goodput: the highest offered rate at which 90% of the requests met it,
 interpolated between the swept rates about it (:func:`~kvray.bench.serve_loop.goodput`). Repeats alternate the contenders' order.
+CPU: vLLM alone and kvray's runtime at saturation, each repeat, their processes' CPU time
+per measured request (:mod:`kvray.bench.serve_cpu`), which the machine's load moves far
+less than the wall-clock figures; every sweep point records it too.
 Long-document QA measures a document's TTFT cold and when kvray serves it from its host
 tier and from disk (LMCache's CI gates).
 
