@@ -51,7 +51,7 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
         "controller_memory_per_page",
         "controller_shard_spread",
     ),
-    "kvray.bench.serve": ("serve",),
+    "kvray.bench.serve_report": ("serve",),
     "kvray.bench.serve_routers": ("router_vs_prefix_affinity",),
     "kvray.bench.gpu": ("gpu_device_tier", "gpu_vllm_ttft"),
     "kvray.bench.long_context": ("long_context",),

@@ -27,11 +27,14 @@ saturation (its throughput when every session sends as fast as answers come). SL
 ``SLO_SCALE`` x vLLM alone's unloaded TTFT of a cold prompt of the workload's median
 length. Goodput: the highest offered rate at which 90% of the requests met it,
 interpolated between the swept rates about it (:func:`~kvray.bench.serve_loop.goodput`). Repeats alternate the contenders' order.
+CPU: vLLM alone and kvray's runtime at saturation, each repeat, their processes' CPU time
+per measured request (:mod:`kvray.bench.serve_cpu`), which the machine's load moves far
+less than the wall-clock figures; every sweep point records it too.
 Long-document QA measures a document's TTFT cold and when kvray serves it from its host
 tier and from disk (LMCache's CI gates).
 
-Results: ``<KVRAY_BENCH_OUT or results>/serve.json`` and a plot per workload beside it
-(``serve-<workload>.png``: mean, p90 and p99 TTFT against the offered rate).
+Results: ``<KVRAY_BENCH_OUT or results>/serve.json``; the rows of ``kvray bench`` and a plot per
+workload beside it are :mod:`kvray.bench.serve_report`'s.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from pathlib import Path
 import ray
 from rich.console import Console
 
-from kvray.bench import BenchResult, benchmark
+from kvray.bench.serve_cpu import CpuMeter, median_per_request, per_request_ms
 from kvray.bench.serve_engines import (
     INSTANCES,
     LMCACHE_ENV,
@@ -77,8 +80,8 @@ from kvray.bench.serve_loop import (
     served_share,
     summarize,
 )
+from kvray.bench.serve_probes import cold_probe_s, remote_page_ms
 from kvray.bench.serve_workload import (
-    TRACE_ENV,
     WORKLOADS_ENV,
     Session,
     agent_trajectories,
@@ -99,7 +102,6 @@ from kvray.progress import progress_bar
 from kvray.traces import read_trace
 
 SLO_SCALE = 3.0  # TTFT SLO / vLLM alone's unloaded TTFT of a cold median-length prompt
-COLD_PROBES = 3
 ROUTE_POLICY = "cost-router"
 
 
@@ -184,44 +186,53 @@ def split_warmup(sessions: list[Session]) -> tuple[list[Session], list[Session]]
     return warm, measured
 
 
-def play(sessions: list[Session], group: EngineGroup, router: Router, rate: float) -> tuple[list[Answer], dict, dict, dict]:
-    """Warm-up at full speed, then the measured prompts at ``rate``; the measured answers,
-    kvray's hit tokens by tier over the run, its connectors' lookup and load time per
-    measured request (ms), and the wall time of the warm-up and of the measured part (s)."""
+@dataclass
+class Played:
+    """One run of :func:`play`: the measured answers and what the run cost (per measured
+    request: the connectors' lookup and load time, the CPU time of the contender's processes)."""
+
+    answers: list[Answer]
+    hit_tokens_by_tier: dict[str, int]  # kvray's hit tokens by tier over the measured part
+    connector_ms: dict[str, float]  # lookup, load
+    cpu_ms: dict[str, float]  # by role (serve_cpu.CpuMeter) and total; empty without a meter
+    engine_steps: dict[str, float]  # vLLM steps, those that computed nothing, KV wake-ups (ServingEngine.steps)
+    elapsed_s: dict[str, float]  # warmup, measured
+
+
+def play(sessions: list[Session], group: EngineGroup, router: Router, rate: float, meter: CpuMeter | None = None) -> Played:
+    """Warm-up at full speed, then the measured prompts at ``rate``; what the measured part
+    cost is read around it."""
     warm, measured = split_warmup(sessions)
     began = time.monotonic()
     if warm:
         run_closed_loop(warm, group, router, float("inf"))
-    before = group.stats()
+    before, cpu_before = group.stats(), meter.read() if meter else {}
     warmed = time.monotonic()
     answers = run_closed_loop(measured, group, router, rate)
     elapsed = {"warmup": warmed - began, "measured": time.monotonic() - warmed}
+    cpu = per_request_ms(cpu_before, meter.read(), len(answers)) if meter else {}
     tiers: dict[str, int] = {}
     spent = {"lookup_us": 0, "load_us": 0}
+    steps: dict[str, float] = {}
     for b, a in zip(before, group.stats()):
         for tier, pages in a["pages_by_tier"].items():
             tiers[tier] = tiers.get(tier, 0) + pages - b["pages_by_tier"].get(tier, 0)
         for k in spent:
             spent[k] += a["counters"].get(k, 0) - b["counters"].get(k, 0)
+        for k, n in a["steps"].items():
+            steps[k] = steps.get(k, 0) + (n - b["steps"][k]) / max(1, len(answers))
     per_request = {k.removesuffix("_us"): v / 1e3 / max(1, len(answers)) for k, v in spent.items()}
-    return answers, {t: n * PAGE for t, n in tiers.items() if n}, per_request, elapsed
+    return Played(answers, {t: n * PAGE for t, n in tiers.items() if n}, per_request, cpu, steps, elapsed)
 
 
-def cold_probe_s(group: EngineGroup, length: int, vocab: int, seed: int) -> tuple[float, float]:
-    """Cold ``length``-token prompts, one at a time on one engine: the median unloaded TTFT,
-    and the median time from the first token to the answer's end (its decode steps)."""
-    probes = Session("cold", tuple(draw(vocab, length, 99, seed, k) for k in range(COLD_PROBES)), 0.0)
-    answers = run_closed_loop([probes], group, Sticky(1), float("inf"))
-    return statistics.median(a.ttft_s for a in answers), statistics.median(a.done_at - a.sent_at - a.ttft_s for a in answers)
-
-
-def router_for(kind: str, group: EngineGroup, locate: Callable | None, page_ms: float, request_ms: float) -> Router:
+def router_for(kind: str, group: EngineGroup, locate: Callable | None, page_ms: float, request_ms: float,
+               fetch_ms: float = 0.0) -> Router:  # fmt: skip
     if kind == "round-robin":
         return RoundRobin(len(group.actors))
     if kind == "sticky":
         return Sticky(len(group.actors))
     policy = make_cluster_policy(ROUTE_POLICY)
-    return PolicyRouter(group.nodes, policy, locate, page_ms, engine_pages=VLLM_KV_PAGES - 1, request_ms=request_ms)
+    return PolicyRouter(group.nodes, policy, locate, page_ms, VLLM_KV_PAGES - 1, request_ms, page_fetch_ms=fetch_ms)
 
 
 def say(line: str) -> None:
@@ -267,11 +278,36 @@ def workloads(size: Size, vocab: int, trace: str | None) -> dict[str, Factory]:
     }
 
 
+def saturated(
+    name: str, factory: Factory, contenders: list[str], groups: dict[str, EngineGroup], meters: dict[str, CpuMeter],
+    size: Size, index: int,
+) -> dict[str, list[dict]]:  # fmt: skip
+    """``contenders`` (vLLM alone first, then kvray's) at saturation, every session sending as
+    fast as its answers come, ``size.repeats`` times, their order alternating: each run's
+    throughput and CPU time per measured request (:mod:`kvray.bench.serve_cpu`). vLLM alone's
+    first run sets the sweep's rates; fresh token ids per run (seeds 1-99 of the workload's
+    10,000, below the sweep's)."""
+    out: dict[str, list[dict]] = {c: [] for c in contenders}
+    for k in range(size.repeats):
+        for c in contenders if k % 2 == 0 else contenders[::-1]:
+            group_name, kind = CONTENDERS[c]
+            group = groups[group_name]
+            load_before = os.getloadavg()[0]
+            seed = 10_000 * index + 1 + 10 * k + contenders.index(c)
+            played = play(factory(seed), group, router_for(kind, group, None, 0.0, 0.0), float("inf"), meters[group_name])
+            throughput = summarize(played.answers, float("inf"))["throughput_rps"]
+            out[c].append({"throughput_rps": throughput, "cpu_ms_per_request": played.cpu_ms,
+                           "load_average_1min": [load_before, os.getloadavg()[0]]})  # fmt: skip
+            cpu = ", ".join(f"{role} {ms:.0f}" for role, ms in played.cpu_ms.items())
+            say(f"serve {name}: {c} at saturation: {throughput:.2f} req/s, CPU per request {cpu} ms; load {load_before:.1f}")
+    return out
+
+
 def sweep(
     name: str, factory: Factory, contenders: list[str], groups: dict[str, EngineGroup], size: Size, vocab: int,
-    locate: Callable | None, index: int,
+    locate: Callable | None, index: int, meters: dict[str, CpuMeter],
 ) -> dict:  # fmt: skip
-    """vLLM alone's saturation and SLO, then every contender at every rate, repeats
+    """vLLM alone's saturation (:func:`saturated`) and SLO, then every contender at every rate, repeats
     alternating; within a repeat a contender that failed the SLO share at
     ``size.stop_after_failed`` rates in a row is past its knee and skips the higher ones
     (they would take the time of its queues and, by then, not pass)."""
@@ -281,15 +317,15 @@ def sweep(
     median_len = int(statistics.median(measured_lengths))
     base = groups[CONTENDERS[BASE][0]]
     cold_s, decode_s = cold_probe_s(base, median_len, vocab, index)
-    answers, _, _, _ = play(factory(10_000 * index + 1), base, Sticky(len(base.actors)), float("inf"))
-    saturation = summarize(answers, float("inf"))["throughput_rps"]
+    at_saturation = saturated(name, factory, [c for c in (BASE, KVRAY) if c in contenders], groups, meters, size, index)
+    saturation = at_saturation[BASE][0]["throughput_rps"]
     slo_s = SLO_SCALE * cold_s
     page_ms = 1e3 * cold_s / max(1.0, median_len / PAGE)
     request_ms = 1e3 * decode_s  # the route verb's price of an outstanding request beyond its prefill
+    fetch_ms = remote_page_ms(groups[CONTENDERS[ROUTE][0]], median_len, vocab, index) if ROUTE in contenders else 0.0
     ceiling, total = reuse_ceiling(probe, PAGE)
-    say(
-        f"serve {name}: vLLM alone saturates at {saturation:.2f} req/s; SLO {slo_s * 1e3:.0f} ms (cold TTFT {cold_s * 1e3:.0f} ms)"
-    )
+    say(f"serve {name}: vLLM alone saturates at {saturation:.2f} req/s; SLO {slo_s * 1e3:.0f} ms (cold TTFT "
+        f"{cold_s * 1e3:.0f} ms); the route verb's prices: {page_ms:.1f} ms a page to prefill, {fetch_ms:.2f} to fetch")  # fmt: skip
     setup_s = time.monotonic() - began
     runs: dict[str, dict[float, list[dict]]] = {c: {m: [] for m in sorted({*size.rates, *size.fallback})} for c in contenders}
 
@@ -299,22 +335,24 @@ def sweep(
         group = groups[group_name]
         seed = 10_000 * index + 100 * (r * (len(size.rates) + len(size.fallback)) + p + 1) + contenders.index(c) + 2
         load_before = os.getloadavg()[0]
-        answers, tiers, connector_ms, elapsed = play(
-            factory(seed), group, router_for(kind, group, locate, page_ms, request_ms), m * saturation
-        )
-        point = summarize(answers, slo_s)
+        played = play(factory(seed), group, router_for(kind, group, locate, page_ms, request_ms, fetch_ms),
+                      m * saturation, meters[group_name])  # fmt: skip
+        point = summarize(played.answers, slo_s)
+        elapsed, tiers = played.elapsed_s, played.hit_tokens_by_tier
         point.update(
             repeat=r,
             elapsed_s=elapsed,
             offered_rps=m * saturation,
             hit_tokens_by_tier=tiers,
-            connector_ms_per_request=connector_ms,  # within the TTFT's parts (wait or step)
+            connector_ms_per_request=played.connector_ms,  # within the TTFT's parts (wait or step)
+            cpu_ms_per_request=played.cpu_ms,
+            engine_steps_per_request=played.engine_steps,
             reuse_share=point["cached_tokens"] / ceiling if ceiling else float("nan"),
             served_share=served_share(point, tiers),
             load_average_1min=[load_before, os.getloadavg()[0]],  # the machine's other work
         )
         runs[c][m].append(point)
-        parts = ", ".join(f"{k} {v:.0f}" for k, v in {**point["mean_ttft_parts_ms"], **connector_ms}.items())
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in {**point["mean_ttft_parts_ms"], **played.connector_ms}.items())
         served = ", ".join(f"{k} {v:.0%}" for k, v in point["served_share"].items() if v)
         say(f"serve {name}, repeat {r + 1}: {c} at {m:g} x saturation ({m * saturation:.2f} req/s): "
             f"mean TTFT {point['mean_ttft_ms']:.0f} ms ({parts} ms; prompt tokens: {served}), "
@@ -363,9 +401,12 @@ def sweep(
         "reuse_ceiling_tokens": ceiling,
         "measured_prompt_tokens": total,
         "saturation_rps": saturation,
+        "at_saturation": at_saturation,  # vLLM alone's and kvray's runs at saturation: throughput, CPU per request
+        "cpu_ms_per_request": {c: median_per_request([p["cpu_ms_per_request"] for p in pts]) for c, pts in at_saturation.items()},
         "cold_ttft_ms": cold_s * 1e3,
         "route_page_ms": page_ms,  # the route verb's prefill price of a page
         "route_request_ms": request_ms,  # and of an outstanding request beyond its pages
+        "route_fetch_ms": fetch_ms,  # and of a page loaded from the other node (remote_page_ms; 0: not measured)
         "slo_ttft_ms": slo_s * 1e3,
         "rates": {str(m): m * saturation for m in sorted({*size.rates, *size.fallback})},
         "runs": {c: {str(m): pts for m, pts in by_rate.items()} for c, by_rate in runs.items()},
@@ -390,7 +431,13 @@ def median_point(points: list[dict]) -> dict:
             continue
         if isinstance(v, (int, float)):
             out[k] = statistics.median(p[k] for p in points)
-        elif k in ("mean_ttft_parts_ms", "connector_ms_per_request", "served_share"):
+        elif k in (
+            "mean_ttft_parts_ms",
+            "connector_ms_per_request",
+            "cpu_ms_per_request",
+            "engine_steps_per_request",
+            "served_share",
+        ):
             out[k] = {part: statistics.median(p[k].get(part, 0.0) for p in points) for part in v}
     return out
 
@@ -487,6 +534,8 @@ def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
             raise RuntimeError(f"vLLM alone did not start: {out['errors'].get(CONTENDERS[BASE][0])}")
         out["elapsed_s"]["engines"] = time.monotonic() - started
         runtime_group = groups.get(CONTENDERS[ROUTE][0])
+        # each group's processes; the runtime's actors count for the contenders that use it
+        meters = {g: CpuMeter(group.actors, runtime if group is runtime_group else None) for g, group in groups.items()}
         locate = None
         if runtime_group is not None and len(set(nodes)) == INSTANCES:
             locate = locate_on(runtime, ray.get(runtime_group.actors[0].fingerprint.remote(), timeout=60))
@@ -507,7 +556,7 @@ def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
         for index, (name, factory) in enumerate(workloads(size, vocab, trace).items()):
             if name in chosen:  # ``index`` seeds the workload's token ids, the same whichever run alone
                 contenders = contenders_of(name, size, groups, locate is not None)
-                out["workloads"][name] = sweep(name, factory, contenders, groups, size, vocab, locate, index)
+                out["workloads"][name] = sweep(name, factory, contenders, groups, size, vocab, locate, index, meters)
                 out["elapsed_s"][name] = time.monotonic() - started
         if LONGDOC in chosen and "in-process" in groups:
             out["long_document"] = long_document(groups["in-process"], size, vocab)
@@ -523,91 +572,4 @@ def run_serve(size: Size, out_dir: Path, trace: str | None = None) -> dict:
     say(f"serve: {out['elapsed_s']['total'] / 60:.1f} min wall (load average {os.getloadavg()[0]:.1f})")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "serve.json").write_text(json.dumps(out, indent=2))
-    out["plots"] = [str(plot(name, w, out_dir / f"serve-{name}.png")) for name, w in out["workloads"].items()]
     return out
-
-
-def plot(name: str, workload: dict, path: Path) -> Path:
-    """Mean, p90 and p99 TTFT against the offered rate, a line per contender, the SLO marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, (stat, label) in zip(axes, (("mean_ttft_ms", "mean"), ("p90_ttft_ms", "p90"), ("p99_ttft_ms", "p99"))):
-        for contender, by_rate in workload["median"].items():
-            rates = [workload["rates"][m] for m in by_rate]
-            ax.plot(rates, [v[stat] / 1e3 for v in by_rate.values()], marker="o", label=contender)
-        ax.axhline(workload["slo_ttft_ms"] / 1e3, color="grey", linestyle="--", label="TTFT SLO")
-        ax.axvline(workload["saturation_rps"], color="grey", linestyle=":", label="vLLM alone's saturation")
-        ax.set_xlim(left=0)
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("offered rate (requests/s)")
-        ax.set_ylabel(f"{label} TTFT (s)")
-        ax.set_title(f"{name}: {label} TTFT")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def point_near(workload: dict, contender: str, stat: str, multiple: float) -> float:
-    """``stat`` of ``contender`` at the swept rate nearest ``multiple`` x saturation (nan if it did not run)."""
-    by_rate = workload["median"].get(contender)
-    if not by_rate:
-        return float("nan")
-    m = min(by_rate, key=lambda k: abs(float(k) - multiple))
-    return by_rate[m][stat]
-
-
-@benchmark("serve")
-def serve(quick: bool) -> list[BenchResult]:
-    out = run_serve(QUICK if quick else FULL, Path(os.environ.get("KVRAY_BENCH_OUT", "results")), os.environ.get(TRACE_ENV))
-    return rows(out)
-
-
-def rows(out: dict) -> list[BenchResult]:
-    """The rows of ``kvray bench --only serve``: kvray's figure (:data:`KVRAY`'s),
-    the baseline's from the same run, their ratio; each row's params say where they came from."""
-    nan = float("nan")
-    results = []
-    for name, w in out["workloads"].items():
-        params = {k: w[k] for k in ("saturation_rps", "slo_ttft_ms", "kv_pages", "vllm_kv_pages", "kvray_host_pages",
-                                    "kv_over_vllm", "kv_over_host", "reuse_ceiling_tokens", "measured_requests",
-                                    "goodput_rps", "goodput_by_repeat_rps")}  # fmt: skip
-        params["reuse_share_at_0.75"] = {c: point_near(w, c, "reuse_share", 0.75) for c in w["median"]}
-        params["errors"] = out["errors"]
-        good = w["goodput_rps"]
-        if name in PRIMARY:
-            results.append(BenchResult(f"serve_{name}_ttft_vs_vllm", point_near(w, KVRAY, "mean_ttft_ms", 0.75),
-                                       point_near(w, BASE, "mean_ttft_ms", 0.75), "ms", "<= 0.30", params))  # fmt: skip
-        results.append(BenchResult(f"serve_{name}_goodput_vs_vllm", good.get(KVRAY, nan), good[BASE], "req/s", ">= 3.0", params))
-        if name in PRIMARY:
-            results.append(
-                BenchResult(f"serve_{name}_goodput[in-process vs vllm]", good.get(INPROC, nan), good[BASE], "req/s", None, params)
-            )
-            split = {c: {m: {k: v[k] for k in ("mean_ttft_ms", "mean_ttft_parts_ms", "served_share", "slo_attainment")}
-                         for m, v in w["median"][c].items()} for c in (RR, ROUTE) if c in w["median"]}  # fmt: skip
-            results.append(
-                BenchResult(
-                    "serve_router_goodput_vs_round_robin", good.get(ROUTE, nan), good.get(RR, nan), "req/s", ">= 1.2",
-                    {**params, "ttft_and_tokens_by_rate": split},
-                )
-            )  # fmt: skip
-            results.append(BenchResult("serve_router_ttft_vs_round_robin", point_near(w, ROUTE, "mean_ttft_ms", 0.75),
-                                       point_near(w, RR, "mean_ttft_ms", 0.75), "ms", None, params))  # fmt: skip
-            if STICKY in good:
-                results.append(BenchResult("serve_sticky_goodput_vs_round_robin", good[STICKY], good[RR], "req/s", None, params))
-            if LMCACHE in w["median"]:
-                results.append(
-                    BenchResult("serve_vs_lmcache_goodput", good.get(KVRAY, nan), good[LMCACHE], "req/s", ">= 1.0", params)
-                )
-                results.append(BenchResult("serve_vs_lmcache_ttft", point_near(w, KVRAY, "mean_ttft_ms", 0.75),
-                                           point_near(w, LMCACHE, "mean_ttft_ms", 0.75), "ms", "<= 1.0", params))  # fmt: skip
-    goals = {"host": "<= 0.233", "disk": "<= 0.435"}  # LMCache's CI: a hit >= 4.3x (host) / 2.3x (disk) faster than cold
-    for tier, figures in out.get("long_document", {}).items():
-        results.append(BenchResult(f"serve_longdoc_hit_vs_cold[{tier}]", figures["hit_ttft_ms"], figures["cold_ttft_ms"], "ms",
-                                   goals[tier], {**figures, "errors": out["errors"]}))  # fmt: skip
-    return results

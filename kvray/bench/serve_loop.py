@@ -108,7 +108,9 @@ class PolicyRouter(Router):
     measured at warm-up. Counting pages alone priced an outstanding request at its 1-2
     computed pages, a fraction of what it holds the engine for, so the route verb kept
     sessions where their pages were until one engine served 22 requests to the other's 16
-    and was the knee."""
+    and was the knee. ``page_fetch_ms``, where measured, is what loading a page from
+    the other node costs (the view's, which the cost router weighs remote pages by in
+    place of its guess of half a page of prefill)."""
 
     def __init__(
         self,
@@ -118,11 +120,12 @@ class PolicyRouter(Router):
         page_ms: float,
         engine_pages: int = 0,
         request_ms: float = 0.0,
+        page_fetch_ms: float = 0.0,
     ) -> None:
         if len(set(nodes)) != len(nodes):
             raise ValueError(f"the route verb needs one engine per node; engines' nodes: {list(nodes)}")
         self.nodes, self.policy, self.locate, self.page_ms = list(nodes), policy, locate, page_ms
-        self.request_ms = request_ms
+        self.request_ms, self.page_fetch_ms = request_ms, page_fetch_ms
         self.name = f"route ({policy.name})"
         self.backlog_pages = [0] * len(nodes)
         self.backlog_requests = [0] * len(nodes)
@@ -137,6 +140,7 @@ class PolicyRouter(Router):
         view = ClusterView(
             tuple(NodeView(n, backlog_ms=self.backlog_ms(i)) for i, n in enumerate(self.nodes)),
             page_prefill_ms=self.page_ms,
+            page_fetch_ms=self.page_fetch_ms,
         )
         request = RequestView(tuple(keys), None, tuple(hit_nodes), session, tiers)
         engine = self.nodes.index(self.policy.route(request, view))

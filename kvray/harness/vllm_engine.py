@@ -78,6 +78,20 @@ def connector_of(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
 
 
+def wake_on_kv(llm, callback) -> None:
+    """Have the connector of an in-process engine on a kvray runtime call ``callback()``
+    whenever a lookup or a load of its ends (from the thread that ran it), so a loop that
+    steps the engine can sleep while every request waits for its KV
+    (:mod:`kvray.harness.vllm_serving`). No-op for an in-process store, which looks up and
+    loads on vLLM's own thread."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    lookups = connector_of(llm).scheduler.lookups
+    if lookups is not None:
+        lookups.on_done = callback
+        get_kv_transfer_group().worker.on_load_end = callback
+
+
 def generate(llm, prompt: list[int] | dict, max_tokens: int) -> tuple[list[int], float]:
     """Greedy output tokens of one prompt (token ids, or ``{"tokens": [...], "cache_salt": ...}``)
     and the wall time of the call."""

@@ -67,10 +67,12 @@ class NodeView:
 @dataclass(frozen=True)
 class ClusterView:
     """Every node, in a fixed order (the scenario's, or the controller's membership order),
-    and what recomputing a page costs, against which a policy weighs loads and queues."""
+    and what recomputing a page and fetching one from another node cost, against which a
+    policy weighs loads and queues."""
 
     nodes: tuple[NodeView, ...]
     page_prefill_ms: float = 0.0  # time to recompute one page on these engines (0: unknown)
+    page_fetch_ms: float = 0.0  # time to load one cached page from another node, as measured (0: unknown)
 
     @property
     def names(self) -> list[str]:
@@ -170,8 +172,10 @@ class CostRouter(LocalFirstRing):
     """A router weighing prefix overlap against load, as NVIDIA Dynamo's KV router does:
     serve on the node with the least ``backlog_ms + page_prefill_ms x (pages it must
     prefill + remote_weight x pages it must fetch from another node)``; ties go to the
-    requester (the front end's choice), then to the scenario's order. Pages are placed as
-    :class:`LocalFirstRing` places them, relative to the node chosen.
+    requester (the front end's choice), then to the scenario's order. ``remote_weight`` is
+    the view's measured ``page_fetch_ms / page_prefill_ms`` where it has one, the
+    constructor's guess otherwise. Pages are placed as :class:`LocalFirstRing` places them,
+    relative to the node chosen.
 
     Example::
 
@@ -190,13 +194,21 @@ class CostRouter(LocalFirstRing):
         hits = request.hit_nodes
         page_ms = cluster.page_prefill_ms or 1.0
         missing = len(request.keys) - len(hits)
+        remote_weight = self.remote_weight_in(cluster)
         best, best_cost = None, float("inf")
         for node in cluster.nodes:
             local = sum(1 for h in hits if h == node.name)
-            cost = node.backlog_ms + page_ms * (missing + self.remote_weight * (len(hits) - local))
+            cost = node.backlog_ms + page_ms * (missing + remote_weight * (len(hits) - local))
             if cost < best_cost or (cost == best_cost and node.name == request.requester):
                 best, best_cost = node.name, cost
         return best
+
+    def remote_weight_in(self, cluster: ClusterView) -> float:
+        """A page fetched from another node in pages of prefill: measured where the view
+        says what a fetch costs, else :attr:`remote_weight`."""
+        if cluster.page_fetch_ms > 0 and cluster.page_prefill_ms > 0:
+            return cluster.page_fetch_ms / cluster.page_prefill_ms
+        return self.remote_weight
 
 
 class AlwaysPrefetch(LocalFirstRing):

@@ -125,7 +125,7 @@ class ResidualRouter(CostRouter):
         page_ms = cluster.page_prefill_ms or 1.0
         missing = n_keys - n_hits
         names, backlogs, index, total_backlog = self._node_state(cluster)
-        remote_weight = self.remote_weight
+        remote_weight = self.remote_weight_in(cluster)
         # CostRouter.route's cost, to the bit: a node holding none of the hit fetches all of it
         far = page_ms * (missing + remote_weight * n_hits)
         costs = [b + far for b in backlogs]

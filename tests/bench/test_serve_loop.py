@@ -158,6 +158,22 @@ def test_the_route_verb_prices_an_outstanding_request_beyond_its_pages():
     assert router.backlog_ms(0) == router.backlog_ms(1) == 0.0  # an answered request costs nothing more
 
 
+def test_the_route_verb_weighs_a_page_from_the_other_node_at_its_measured_fetch_cost():
+    """b holds the session's 4 pages and serves a request (15 ms of backlog). At the cost
+    router's guess, half a page of prefill (5 ms) a page fetched, a costs 10 + 20 = 30 ms
+    against b's 25; at a measured 0.5 ms a page, 12: a serves."""
+    where = {"hot": ["b"] * 4, "busy": ["b"] * 4}
+
+    def route(fetch_ms: float) -> int:
+        policy = make_cluster_policy("cost-router")
+        locate = lambda t: ([1, 2, 3, 4], where[t[0]])  # noqa: E731
+        router = PolicyRouter(["a", "b"], policy, locate, 10.0, request_ms=5.0, page_fetch_ms=fetch_ms)
+        assert router.pick("r0", "other", ["busy"]) == 1
+        return router.pick("r1", "s", ["hot"])
+
+    assert route(0.0) == 1 and route(0.5) == 0
+
+
 def test_the_route_verb_counts_what_an_engine_still_holds_in_its_own_cache():
     """The runtime reports nothing cached (its stores not yet written). A session's first
     turn lands on b (a is busy); once both are idle its next turn goes by the tie (a)

@@ -19,11 +19,11 @@ from kvray.bench.serve import (
     STICKY,
     chosen_workloads,
     contenders_of,
-    rows,
     workloads,
 )
 from kvray.bench.serve_engines import INSTANCES, MAX_PAGES, PAGE, VLLM_KV_PAGES
 from kvray.bench.serve_loop import repeat_attainments
+from kvray.bench.serve_report import rows
 from kvray.bench.serve_workload import WORKLOADS_ENV, kv_pages
 from kvray.core.errors import ConfigError
 
@@ -36,6 +36,9 @@ def workload(goodputs: dict[str, float], ttft_ms: dict[str, float]) -> dict:
         **dict.fromkeys(keys, 1.0),
         "goodput_rps": goodputs,
         "goodput_by_repeat_rps": {c: [g, g] for c, g in goodputs.items()},
+        "cpu_ms_per_request": {c: {"engines": 100.0 if c == BASE else 30.0, "total": 100.0 if c == BASE else 30.0}
+                               for c in (BASE, KVRAY) if c in goodputs},
+        "at_saturation": {},
         "median": {c: {"0.25": {"mean_ttft_ms": 1.0, "reuse_share": 0.1, **split},
                        "0.75": {"mean_ttft_ms": t, "reuse_share": 0.9, **split}}
                    for c, t in ttft_ms.items()},
@@ -65,6 +68,8 @@ def test_rows_have_kvray_beside_the_baseline_and_their_ratio():
         "serve_multiround_goodput_vs_vllm",
         "serve_multiround_goodput[in-process vs vllm]",
         "serve_agentic_goodput_vs_vllm",
+        "serve_multiround_cpu_per_request_vs_vllm",
+        "serve_agentic_cpu_per_request_vs_vllm",
         "serve_router_goodput_vs_round_robin",
         "serve_router_ttft_vs_round_robin",
         "serve_sticky_goodput_vs_round_robin",
@@ -77,6 +82,8 @@ def test_rows_have_kvray_beside_the_baseline_and_their_ratio():
     assert (ttft.kvray, ttft.baseline, ttft.ratio, ttft.meets_goal) == (200, 800, 0.25, True)  # at 0.75 x saturation
     assert by_name["serve_multiround_goodput_vs_vllm"].ratio == 3.0 and by_name["serve_multiround_goodput_vs_vllm"].meets_goal
     assert by_name["serve_agentic_goodput_vs_vllm"].ratio == 4.0
+    cpu = by_name["serve_agentic_cpu_per_request_vs_vllm"]  # CPU-ms per request at saturation, kvray's over vLLM's
+    assert (cpu.kvray, cpu.baseline, cpu.ratio, cpu.meets_goal) == (30.0, 100.0, 0.3, True)
     assert math.isclose(by_name["serve_router_goodput_vs_round_robin"].ratio, 1.2)
     assert by_name["serve_router_ttft_vs_round_robin"].ratio == 1.5  # 300 against 200 ms at 0.75 x saturation
     split = by_name["serve_router_goodput_vs_round_robin"].params["ttft_and_tokens_by_rate"]
@@ -140,4 +147,7 @@ def test_a_run_of_one_workload_sweeps_its_contenders_only(monkeypatch):
     with pytest.raises(ConfigError, match="docs"):
         chosen_workloads(None)
     out = {"errors": {}, "workloads": {"agentic": workload({BASE: 1.0, RR: 3.0}, {BASE: 300, RR: 100})}}
-    assert [r.name for r in rows(out)] == ["serve_agentic_goodput_vs_vllm"]  # alone, no primary workload's rows
+    assert [r.name for r in rows(out)] == [
+        "serve_agentic_goodput_vs_vllm",
+        "serve_agentic_cpu_per_request_vs_vllm",
+    ]  # no primary rows

@@ -6,6 +6,7 @@ is a miss (the engine test is test_vllm_on_ray.py)."""
 from __future__ import annotations
 
 import threading
+import time
 
 from kvray.cluster.protocol import NO_LEASE, Plan
 from kvray.engines.vllm.lookups import RuntimeLookups
@@ -82,4 +83,22 @@ def test_a_failed_lookup_is_a_miss_never_a_failed_request():
     lookups._asked["r"].result(timeout=5)
     plan = lookups.plan("r", [1], route_key=1)
     assert plan.lease == NO_LEASE and plan.hit_pages == 0 and counters["failures"] == 1
+    lookups.close()
+
+
+def test_on_done_runs_as_each_lookup_ends_so_the_next_ask_takes_its_plan():
+    """An engine loop sleeping while the lookup runs is woken once its plan is in, not before."""
+    runtime = FakeRuntime()
+    lookups = RuntimeLookups(runtime, new_counters())
+    woken: list[bool] = []
+    lookups.on_done = lambda: woken.append(lookups._asked["r1"].done())
+    assert lookups.plan("r1", [1, 2], route_key=1) is None
+    assert woken == []  # the lookup waits for the gate
+    runtime.gate.set()
+    lookups._asked["r1"].exception(timeout=5)
+    for _ in range(500):  # the callback runs on the lookup thread just after the future completes
+        if woken:
+            break
+        time.sleep(0.01)
+    assert woken == [True] and lookups.plan("r1", [1, 2], route_key=1).lease == 1
     lookups.close()

@@ -66,6 +66,7 @@ RAY_EDGES = frozenset(
         "kvray.bench.long_context",
         "kvray.bench.runtime",
         "kvray.bench.serve",
+        "kvray.bench.serve_cpu",  # CPU time of the serving actors
         "kvray.bench.serve_engines",
         "kvray.bench.serve_routers",  # Ray Serve's routers, in vLLM's environment
         "kvray.engines.runtime",  # an engine joining the Ray cluster of a named runtime

@@ -297,3 +297,16 @@ def test_the_shipped_router_rebuilds_byte_for_byte(tmp_path):
         assert (out / name).read_bytes() == (shipped / name).read_bytes(), (
             f"{name} differs: the simulator or PPO changed; retrain"
         )
+
+
+def test_a_measured_fetch_price_moves_the_candidates_as_the_cost_router():
+    """The view's measured ``page_fetch_ms`` prices a page from another node in both routers alike."""
+    from dataclasses import replace
+
+    from kvray.policy.cluster import ClusterView, NodeView, RequestView
+
+    view = ClusterView((NodeView("a", backlog_ms=30.0), NodeView("b", backlog_ms=15.0)), 20.0, page_fetch_ms=2.0)
+    request = RequestView(keys=(1, 2, 3), requester="b", hit_nodes=("a", "a"))
+    assert ResidualRouter().observe(request, view)[1][0] == CostRouter().route(request, view) == "b"
+    guessed = replace(view, page_fetch_ms=0.0)  # 0.5 a page: a's 50 beats b's 55
+    assert ResidualRouter().observe(request, guessed)[1][0] == CostRouter().route(request, guessed) == "a"

@@ -4,6 +4,8 @@ heuristics decide as documented, and the oracle is never worse than Belady."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import yaml
@@ -193,6 +195,10 @@ def test_cost_router_weighs_overlap_against_load():
     assert CostRouter().route(request, loaded) == "b"  # 50 > 40
     tie = ClusterView((NodeView("a"), NodeView("b")), page_prefill_ms=20.0)
     assert CostRouter().route(RequestView(keys=(1,), requester="b"), tie) == "b"
+    # a measured fetch price replaces the 0.5-page guess: 2 ms a page fetched, so b's 15 + 20 + 4 < a's 30 + 20
+    measured = ClusterView((NodeView("a", backlog_ms=30.0), NodeView("b", backlog_ms=15.0)), 20.0, page_fetch_ms=2.0)
+    assert CostRouter().route(request, measured) == "b"
+    assert CostRouter().route(request, replace(measured, page_fetch_ms=0.0)) == "a"  # unknown: 50 < 15 + 20 + 20
 
 
 def test_replicate_hot_copies_to_the_reader_after_the_threshold():

@@ -14,6 +14,10 @@ pin all their prefixes for as long as they queue (seconds at capacity), holding 
 host tier could evict. With one at a time the pins are those the blocking lookup took:
 the request vLLM is about to schedule.
 
+``on_done``, where set, runs on this thread as each lookup ends: an engine loop that has
+nothing to step while lookups run (:mod:`kvray.harness.vllm_serving`) sleeps until then
+instead of stepping vLLM empty every few milliseconds to ask again.
+
 Every call of the scheduler side's client (lookups, releases, touches of pages a load
 split recomputes) runs on this thread, in the order made, because the client is not
 thread-safe (:class:`~kvray.engines.runtime.RuntimePages`).
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -52,6 +56,7 @@ class RuntimeLookups:
         self.counters = counters
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvray-lookup")
         self._asked: dict[str, Future] = {}  # request -> its lookup (-> Plan), until taken or forgotten
+        self.on_done: Callable[[], None] | None = None  # runs as each lookup ends (see the module docstring)
 
     def plan(self, req_id: str, keys: Sequence[int], route_key: int) -> Plan | None:
         """The pinned plan of ``keys`` for ``req_id``, taken (the caller releases it), once
@@ -61,7 +66,9 @@ class RuntimeLookups:
         if future is None:
             if any(not f.done() for f in self._asked.values()):
                 return None
-            self._asked[req_id] = self._pool.submit(self._look_up, list(keys), route_key)
+            future = self._asked[req_id] = self._pool.submit(self._look_up, list(keys), route_key)
+            if self.on_done is not None:  # once the plan is in: vLLM's next ask finds it
+                future.add_done_callback(lambda _: self.on_done())
             return None
         if not future.done():
             return None

@@ -18,6 +18,10 @@ On a **kvray runtime** it moves the bytes itself, off vLLM's thread:
   served benchmark's agents at capacity, 15% of the I/O thread's time), and a load that
   queued behind it held the next request, whose blocks are allocated, out of the engine.
 
+``on_load_end``, where set, runs on the I/O thread as each runtime load ends: an engine loop
+with nothing to step while loads run (:mod:`kvray.harness.vllm_serving`) sleeps until then
+instead of stepping vLLM empty every few milliseconds to learn it.
+
 Pages hold K and V as ``[layers, 2, block_size, kv_heads, head_dim]`` whatever the
 attention backend's physical block layout; :class:`~kvray.engines.vllm.codec.BlockCodec`
 converts.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -82,6 +87,7 @@ class ConnectorWorker:
         self._loading: dict[str, LoadInFlight] = {}
         self._storing: list[Future] = []
         self._failed_blocks: set[int] = set()
+        self.on_load_end: Callable[[], None] | None = None  # runs as each runtime load ends (module docstring)
 
     def _open_storer(self) -> tuple[ThreadPoolExecutor | None, RuntimePages | None]:
         """The thread and runtime handle stores use (see the module docstring); the loads'
@@ -111,7 +117,10 @@ class ConnectorWorker:
             if self._io is None:  # this worker could not reach the runtime: every page is a miss
                 self._loading[load.req_id] = LoadInFlight(load.block_ids, _done(0))
             else:
-                self._loading[load.req_id] = LoadInFlight(load.block_ids, self._io.submit(self._load_from_runtime, load))
+                future = self._io.submit(self._load_from_runtime, load)
+                if self.on_load_end is not None:  # once it ended: the next step's get_finished reports it
+                    future.add_done_callback(lambda _: self.on_load_end())
+                self._loading[load.req_id] = LoadInFlight(load.block_ids, future)
 
     def _load_from_runtime(self, load: RuntimeLoad) -> int:
         """On the I/O thread: read the plan's pages (mapped host tier, or TCP from a peer)
