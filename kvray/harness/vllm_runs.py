@@ -92,7 +92,8 @@ def run_on_ray_nodes(spec: dict) -> dict:
     ``kvray_runtime``; the actor is connected to Ray already. The runtime has
     ``spec["controller_shards"]`` controller shards (default 1) and ``spec["cluster_policy"]``
     (default ``local-first``). Reports each step's node
-    and engine results, and each shard's lookups and leases still open at the end.
+    and engine results, and each shard's lookups and leases still open at the end; with
+    ``spec["compare_copies"]``, also what :func:`copies_on_both` finds.
     """
     import ray
     from ray.cluster_utils import Cluster
@@ -133,7 +134,8 @@ def run_on_ray_nodes(spec: dict) -> dict:
             ray.kill(host)
         snapshots = ray.get([shard.snapshot.remote() for shard in runtime.shards.handles], timeout=60)
         shards = [{"lookups": s["lookups"], "open_leases": s["open_leases"]} for s in snapshots]
-        return {"nodes": nodes, "steps": steps, "shards": shards}
+        copies = {"copies": copies_on_both(runtime, nodes)} if spec.get("compare_copies") else {}
+        return {"nodes": nodes, "steps": steps, "shards": shards, **copies}
     finally:
         if runtime is not None:
             runtime.close()
@@ -142,6 +144,21 @@ def run_on_ray_nodes(spec: dict) -> dict:
 
 
 NODE_ARGS = {"num_cpus": 1, "object_store_memory": 100 << 20}
+
+
+def copies_on_both(runtime, nodes: list[str]) -> dict:
+    """The pages each node's store holds, how many both hold, and how many of those read
+    back byte for byte the same from each: a page one node copied (``replicate``) from the
+    other is exact there only if every byte is."""
+    import numpy as np
+    import ray
+
+    held = [ray.get(runtime.stores[node].info.remote(), timeout=60)["keys"] for node in nodes]
+    both = sorted(set(held[0]).intersection(*held[1:]))
+    rows = [ray.get(runtime.stores[node].get_pages.remote(both), timeout=60) for node in nodes]
+    whole = all(len(r) == len(both) for r in rows)  # a store that ends its prefix early read some page as bad
+    equal = sum(all(np.array_equal(row[i], rows[0][i]) for row in rows) for i in range(len(both))) if whole else 0
+    return {"held": [len(keys) for keys in held], "on_both": len(both), "equal": equal}
 
 
 class EngineHost:

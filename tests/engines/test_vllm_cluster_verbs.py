@@ -11,6 +11,12 @@ the verbs (``cluster_verbs: false``) loads the whole 16-page prefix; an engine t
 them serves the 16-page prompt (prefetched here while it waits, then half loaded from this
 node and half computed by vLLM), the 8-page one (half loaded from A's node and copied
 here) and the 8-page one again (its copy read here, the rest computed).
+
+A copy to a node other than the engine's own runs on a second runtime
+(``tests.engines.verb_policy:ReplicateElsewhere``: copy a cached prefix to every node that
+neither serves the request nor holds it): the second node stores the 8-page prefix, an
+engine there reads it and copies it to the head node, whose store then holds the same
+bytes, and an engine on the head node reads the copy from its own node.
 """
 
 from __future__ import annotations
@@ -28,11 +34,16 @@ LONG, SHORT = 1024, 512  # prefix tokens: 16 and 8 pages
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
+def make_prompts() -> dict[str, list[int]]:
+    """The prompts of both runs: "a" and "b" continue a 16-page prefix, "a2" and "c" an 8-page one."""
     rng = random.Random(7)
     long, short, *ends = ([rng.randrange(3, 1000) for _ in range(n)] for n in (LONG, SHORT, 40, 40, 50, 50))
-    prompts = {"a": long + ends[0], "a2": short + ends[1], "b": long + ends[2], "c": short + ends[3]}
+    return {"a": long + ends[0], "a2": short + ends[1], "b": long + ends[2], "c": short + ends[3]}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    prompts = make_prompts()
     kvray = runtime_engine("kvray-vllm-verbs")
     steps = [
         {"node": 0, "engines": [{"kvray": {**kvray, "cluster_verbs": False}, "prompts": [prompts["a"], prompts["a2"]]}]},
@@ -88,3 +99,43 @@ def test_a_replicated_split_is_read_here_next_time_and_matches_vllm_alone(run):
 
 def test_every_lease_ends(run):
     assert [shard["open_leases"] for shard in run["shards"]] == [0]
+
+
+@pytest.fixture(scope="module")
+def elsewhere(tmp_path_factory) -> dict:
+    """A second runtime, whose cluster policy (``ReplicateElsewhere``) copies a cached prefix
+    to the node that neither serves the request nor holds it: on the second node an engine
+    that does not ask the verbs stores the 8-page prefix, one that asks them reads it there
+    and copies it to the head node; then, on the head node, an engine that does not ask
+    them reads the copy."""
+    prompts = make_prompts()
+    kvray = runtime_engine("kvray-vllm-elsewhere")
+    plain = {**kvray, "cluster_verbs": False}
+    steps = [
+        {"node": 1, "engines": [{"kvray": plain, "prompts": [prompts["a2"]]}, {"kvray": kvray, "prompts": [prompts["c"]]}]},
+        {"node": 0, "engines": [{"kvray": plain, "prompts": [prompts["c"]]}]},
+    ]
+    policy = "tests.engines.verb_policy:ReplicateElsewhere"
+    spec = ray_nodes_spec(tmp_path_factory, "kvray-vllm-elsewhere", steps, cluster_policy=policy, compare_copies=True)
+    return run_in_vllm_env(spec, timeout=900)
+
+
+def test_a_replica_on_another_node_is_exact_there_and_matches_vllm_alone(run, elsewhere):
+    """The copy to another node than the engine's own: its pages land on the node the
+    policy named, byte for byte those of the node they came from, and an engine there reads
+    them from its own node to vLLM alone's output; every lease ends."""
+    alone, _, _ = engines(run)
+    pages = SHORT // BLOCK
+    ((stored,), (copied,)), ((read,),) = ([e["results"] for e in step["engines"]] for step in elsewhere["steps"])
+    assert stored["counters"]["loaded_pages"] == 0 and stored["counters"]["saved_pages"] == pages  # on its own node
+    counters = copied["counters"]
+    assert counters["decisions"] == 1 and counters["loaded_pages"] == pages and counters["tcp_pages"] == 0  # from its own node
+    assert counters["replicated_pages"] == pages and counters["recomputed_hit_pages"] == 0
+    assert counters["lost_pages"] == 0 and counters["failures"] == 0
+    assert copied["tokens"] == alone[1]["tokens"]
+    # the head node holds the copy, and its bytes are the second node's
+    assert elsewhere["copies"]["on_both"] == elsewhere["copies"]["equal"] == pages
+    assert read["counters"]["loaded_pages"] == pages and read["counters"]["tcp_pages"] == 0  # the copy, on the head node
+    assert read["counters"]["decisions"] == 0 and read["counters"]["lost_pages"] == 0
+    assert read["tokens"] == alone[1]["tokens"]
+    assert [shard["open_leases"] for shard in elsewhere["shards"]] == [0]

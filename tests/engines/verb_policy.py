@@ -1,5 +1,5 @@
-"""A cluster policy that uses every verb a vLLM engine executes, for
-tests/engines/test_vllm_cluster_verbs.py (the runtime's controller builds it by import path:
+"""Cluster policies that use the verbs a vLLM engine executes, for
+tests/engines/test_vllm_cluster_verbs.py (the runtime's controller builds one by import path:
 ``tests.engines.verb_policy:SplitPrefetchReplicate``)."""
 
 from __future__ import annotations
@@ -25,3 +25,16 @@ class SplitPrefetchReplicate(LocalFirstRing):
     def replicate(self, request: RequestView, cluster: ClusterView) -> list[str]:
         elsewhere = any(node != request.requester for node in request.hit_nodes)
         return [request.requester] if elsewhere and len(request.hit_nodes) < LONG_HIT else []
+
+
+class ReplicateElsewhere(LocalFirstRing):
+    """Loads every cached page and keeps a copy of a cached prefix on every node that
+    neither serves the request nor holds a page of it: a copy to another node than the
+    engine's own, which only the worker's ``replicate`` puts there."""
+
+    name = "replicate-elsewhere"
+
+    def replicate(self, request: RequestView, cluster: ClusterView) -> list[str]:
+        if not request.hit_nodes:
+            return []
+        return [n for n in cluster.names if n != request.requester and n not in request.hit_nodes]

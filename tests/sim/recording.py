@@ -2,28 +2,48 @@
 
 They run inside the runtime's actors (the controller builds the cluster policy, every
 store its placement policy, by import path: ``tests.sim.recording:RecordingRing``), so
-each process appends what its policy saw to a file of its own under :data:`RECORDS`,
+each process appends what its policy saw to a file of its own under :func:`records_dir`,
 which the test reads back. In the test's own process (the simulator's side) ``sink`` is
 None and the records stay in ``seen``.
+
+The directory is the Ray cluster's own (named by its session), not one per checkout: two
+test sessions in one checkout at once (two pytest runs, or pytest-xdist workers, each
+starting its cluster) each cleared and read one shared directory, so one run deleted the
+other's records mid-run and its views came out short (``test_two_nodes_...`` failed
+whenever a second run of tests/sim/test_features_agree.py overlapped it).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from dataclasses import replace
 from pathlib import Path
+
+import ray
 
 from kvray.core.placement import LRUPolicy, PageContext, RequestInfo
 from kvray.policy.cluster import ClusterView, LocalFirstRing, RequestView
 
-RECORDS = Path(__file__).resolve().parents[2] / ".pytest_cache" / "kvray-recorded-views"
+RECORDS_ROOT = Path(__file__).resolve().parents[2] / ".pytest_cache" / "kvray-recorded-views"
+
+
+def records_dir() -> Path:
+    """Where the connected Ray cluster's recording policies write: one directory per
+    cluster session, the same in the test's process and in the cluster's actors."""
+    return RECORDS_ROOT / ray.get_runtime_context().get_session_name()
+
+
+def clear_records() -> None:
+    """Forget this cluster's records (before a run whose records the test reads)."""
+    shutil.rmtree(records_dir(), ignore_errors=True)
 
 
 def read_records(kind: str) -> list[list]:
     """What each process recorded of ``kind`` (one list per process, in call order)."""
     out = []
-    for path in sorted(RECORDS.glob(f"{kind}-*.pkl")):
+    for path in sorted(records_dir().glob(f"{kind}-*.pkl")):
         records = []
         with path.open("rb") as f:
             while True:
@@ -37,13 +57,14 @@ def read_records(kind: str) -> list[list]:
 
 class _Recorder:
     kind = ""
-    sink: Path | None = RECORDS
+    sink: bool | None = True  # None: records stay in ``seen`` (the test's own process)
 
     def record(self, item) -> None:
         self.__dict__.setdefault("seen", []).append(item)
         if self.sink is not None:
-            self.sink.mkdir(parents=True, exist_ok=True)
-            with (self.sink / f"{self.kind}-{os.getpid()}.pkl").open("ab") as f:
+            records = records_dir()
+            records.mkdir(parents=True, exist_ok=True)
+            with (records / f"{self.kind}-{os.getpid()}.pkl").open("ab") as f:
                 pickle.dump(item, f)
 
 

@@ -27,7 +27,6 @@ measurement over longer windows is tested in tests/cluster/test_observe.py).
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,7 +45,14 @@ from kvray.sim.simulator import Simulator
 from kvray.traces import read_trace
 from tests.conftest import extra_nodes
 from tests.sim.cluster_reference import ClusterReference
-from tests.sim.recording import RECORDS, RecordingLRU, RecordingRing, RecordingVerbs, RecordingVerbsElsewhere, read_records
+from tests.sim.recording import (
+    RecordingLRU,
+    RecordingRing,
+    RecordingVerbs,
+    RecordingVerbsElsewhere,
+    clear_records,
+    read_records,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -71,7 +77,7 @@ def extra_store_nodes(ray_cluster):
 def recorded_run(name: str, resources: dict, local_pages_limit: int | None = None):
     """Replay the trace prefix on the runtime with recording policies; (settings, result,
     place records, on_request records per store)."""
-    shutil.rmtree(RECORDS, ignore_errors=True)
+    clear_records()
     runtime = {
         "name": name,
         "policy": "tests.sim.recording:RecordingLRU",
@@ -170,7 +176,7 @@ def verbs_replay(name: str, resources: dict, nodes: int, cluster_policy: type, t
     ``check(runtime, settings)`` runs on the runtime once the replay is done. Returns the
     runtime's result, route and ``placed`` records, the simulator, its policy and result,
     the simulator's node names by runtime node, and the trace."""
-    shutil.rmtree(RECORDS, ignore_errors=True)
+    clear_records()
     runtime = {
         "name": name,
         "tcp": tcp,
