@@ -140,25 +140,28 @@ def train_reuse_policy(
     progress: Callable[[str], None] | None = None,
     loads: Sequence[float | None] = (None,),
     recipe: TeacherRecipe = TeacherRecipe(),
+    ensemble: int = 1,
 ) -> dict:
     """``kvray train-reuse``: the per-page reuse model imitating the oracle over the training
-    sources (:mod:`kvray.rl.imitation`), the teacher as ``recipe`` says, written with its card into ``out``."""
+    sources (:mod:`kvray.rl.imitation`), the teacher as ``recipe`` says, written with its card into ``out``;
+    with ``ensemble`` K > 1, K such models of consecutive seeds scoring their mean (:mod:`kvray.rl.reuse_ensemble`)."""
     from kvray.rl.imitation import train_reuse, training_sources
+    from kvray.rl.reuse_ensemble import train_reuse_ensemble
 
     sources = training_sources(families, [str(t) for t in traces], train_fraction)
-    return train_reuse(
-        out,
-        sources,
-        seed,
-        rounds,
-        jobs,
-        record,
-        capacity_fractions,
+    settings = dict(
+        rounds=rounds,
+        jobs=jobs,
+        record=record,
+        capacities=capacity_fractions,
         say=progress,
         pool=pool,
         loads=loads,
         recipe=recipe,
     )
+    if ensemble > 1:
+        return train_reuse_ensemble(out, sources, ensemble, seed, **settings)
+    return train_reuse(out, sources, seed, **settings)
 
 
 def train_cluster_reuse_policy(

@@ -12,6 +12,7 @@ from pathlib import Path
 import typer
 
 from kvray.cli.reporting import console, reported_errors
+from kvray.core.errors import ConfigError
 from kvray.flags import CAPACITY_FRACTION, COUNT, LOAD, LOAD_HELP, NON_NEGATIVE, POSITIVE, TIME_FRACTION, in_range, one_of
 from kvray.rl.teacher_recipe import PROMOTION_LABELS, PROMOTION_ROWS, TEACHER_PROMOTE, TeacherRecipe
 
@@ -191,6 +192,13 @@ def train_reuse(
         help="the teacher's decayed read counts: numpy's vector exp (as replays now), or libm's per page, "
         "as policies/reuse was trained (docs/sim-eval/README.md)",
     ),
+    ensemble: int = typer.Option(
+        1,
+        "--ensemble",
+        callback=COUNT,
+        help="train K models of consecutive seeds (K x seed ...) and serve their mean score (docs/sim-eval/README.md, "
+        "'An ensemble of seeds'); 1: one model",
+    ),
     cluster: bool = typer.Option(
         False,
         "--cluster",
@@ -219,6 +227,8 @@ def train_reuse(
     with reported_errors():
         pool = (lru_candidates, frequency_candidates, never_read_candidates)
         if cluster:
+            if ensemble > 1:
+                raise ConfigError("--ensemble trains one-node models; --cluster trains one model")
             card = train_cluster_reuse_policy(
                 out=out,
                 scenarios=scenario,
@@ -259,5 +269,9 @@ def train_reuse(
             console.print,
             loads,
             recipe,
+            ensemble,
         )
-    console.print(f"wrote {out}: {card['training']['decisions']} decisions in {card['training']['wall_s']} s")
+    training = card["training"]
+    members = training.get("members", [training])
+    decisions, wall_s = sum(m["decisions"] for m in members), round(sum(m["wall_s"] for m in members), 1)
+    console.print(f"wrote {out}: {len(members)} model(s), {decisions} decisions in {wall_s} s")
