@@ -46,6 +46,7 @@ NEVER_REQUESTS = 1e5  # the label of a page never used again (log1p: ~11.5)
 WEIGHTS_FILE = "reuse.safetensors"
 LRU_POOL = (64, 0, 0)  # a model saved without a pool was fitted on LRU's 64 oldest pages
 LABEL_TEMPERATURE = 1.0  # the oracle's target over candidates: softmax(log next use / this)
+MAX_HIDDEN = 256  # hidden units the C scoring takes (MAX_WIDTH in _pool_forward.h): an ensemble's members' summed
 
 
 def log_next_use(distance: np.ndarray) -> np.ndarray:
@@ -165,7 +166,7 @@ class ReuseModel:
         the first member's, which the result keeps, so the scoring code (numpy's or C's) runs
         an ensemble unchanged, at the members' hidden units summed. Seeds of one recipe rank the
         held-out cells' candidates differently enough to move median G by 0.08; three seeds'
-        mean by 0.02 (docs/sim-eval/README.md, "An ensemble of seeds")."""
+        mean by 0.02 (docs/sim-eval/README.md, "Nine seeds, two recipe changes, and an ensemble of seeds")."""
         if not members:
             raise PolicyError("an ensemble needs at least one reuse model")
         first = members[0]
@@ -176,6 +177,11 @@ class ReuseModel:
                 raise PolicyError(
                     "an ensemble of reuse models with promotion heads is not built (their heads would need one too)"
                 )
+        hidden = sum(m.w1.shape[1] for m in members)
+        if hidden > MAX_HIDDEN:
+            raise PolicyError(
+                f"an ensemble of {len(members)} reuse models has {hidden} hidden units; the scoring takes at most {MAX_HIDDEN}"
+            )
         mean0, scale0 = first.mean.astype(np.float64), first.scale.astype(np.float64)
         w1s, b1s = [], []
         for m in members:  # ((x - m0)/s0 * s0 + m0 - mj)/sj @ W1j = (x - m0)/s0 @ (W1j * s0/sj) + (m0 - mj)/sj @ W1j

@@ -139,6 +139,8 @@ def test_kvray_bench_skips_what_needs_ray_and_runs_the_rest(monkeypatch, capsys)
         (["up", "--disk-pages", "-2"], "'--disk-pages': must be >= 0, got -2"),
         (["demo", "--requests", "0"], "'--requests': must be >= 1, got 0"),
         (["demo", "--nodes", "1"], "'--nodes': must be in [2, 16], got 1"),
+        (["train-reuse", "--ensemble", "0"], "'--ensemble': must be in [1, 16], got 0"),
+        (["train-reuse", "--ensemble", "17"], "'--ensemble': must be in [1, 16], got 17"),
     ],
     ids=lambda v: " ".join([v[0], *v[-2:]]) if isinstance(v, list) else None,
 )
@@ -162,8 +164,9 @@ def test_a_count_out_of_range_names_the_flag_not_a_settings_model(command, refus
             ["run", "--trace", str(TRACE), "--nodes", "1", "--cluster-policy", "cost-router"],
             "--cluster-policy cost-router: this replay starts one node",
         ),
+        (["train-reuse", "--cluster", "--ensemble", "2"], "--ensemble trains one-node models; --cluster trains one model"),
     ],
-    ids=["run disk-pages", "up disk-pages", "run policy", "run cluster-policy on one node"],
+    ids=["run disk-pages", "up disk-pages", "run policy", "run cluster-policy on one node", "train-reuse cluster ensemble"],
 )
 def test_settings_that_fail_together_name_the_flags_not_a_settings_model(command, refusal):
     """Errors found when the flags are validated together (no Ray started) name the flags typed,

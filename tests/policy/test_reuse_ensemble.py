@@ -1,12 +1,12 @@
-"""An ensemble of reuse models (`kvray train-reuse --ensemble K`): one model whose score is the
-members' mean, trained member by member and served by the same scoring code."""
+"""An ensemble of reuse models as one model whose score is the members' mean, served by the
+same scoring code (`ReuseModel.mean_of`; the training is tests/rl/test_reuse_ensemble.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvray.core.errors import ConfigError, PolicyError
+from kvray.core.errors import PolicyError
 from kvray.policy.page_features import FEATURES, SOURCES
 from kvray.policy.reuse_model import ReuseModel
 from kvray.policy.reuse_promotion import PromotionHead
@@ -51,6 +51,18 @@ def test_the_merged_model_saves_and_loads_as_any_reuse_model(tmp_path):
     assert np.array_equal(back.predict(rows), merged.predict(rows))
 
 
+def test_members_of_other_widths_average_and_more_than_the_scoring_takes_are_refused():
+    narrow = member(4, hidden=8)
+    merged = ReuseModel.mean_of([member(1), narrow])
+    rows = np.random.default_rng(5).normal(0, 2, (100, narrow.w1.shape[0])).astype(np.float32)
+    expected = (member(1).predict(rows) + narrow.predict(rows)) / 2
+    assert merged.w1.shape[1] == 24 and np.abs(merged.score(rows) - expected).max() < 1e-5 * max(
+        1.0, float(np.abs(expected).max())
+    )
+    with pytest.raises(PolicyError, match="272 hidden units; the scoring takes at most 256"):
+        ReuseModel.mean_of([member(seed) for seed in range(17)])
+
+
 def test_members_that_rank_other_pools_or_carry_promotion_heads_are_refused():
     with pytest.raises(PolicyError, match="at least one"):
         ReuseModel.mean_of([])
@@ -61,44 +73,3 @@ def test_members_that_rank_other_pools_or_carry_promotion_heads_are_refused():
     headed.promotion = PromotionHead(np.zeros(width), np.ones(width), np.zeros((width, 4)), np.zeros(4), np.zeros(4), np.zeros(1))
     with pytest.raises(PolicyError, match="promotion heads"):
         ReuseModel.mean_of([member(1), headed])
-
-
-def test_an_ensemble_trains_each_member_as_its_own_seed_and_serves_their_mean(tmp_path):
-    from kvray.rl.imitation import train_reuse
-    from kvray.rl.reuse_ensemble import member_seeds, train_reuse_ensemble
-    from kvray.scenario import DEFAULT_SCENARIO, load_scenario
-    from kvray.sim.simulator import simulate
-    from kvray.sim.workloads import WorkloadSpec, generate
-
-    sources = {"tiny": generate(WorkloadSpec(sessions=10), seed=1)}
-    settings = dict(rounds=0, record=1.0, capacities=(0.05,), epochs=1)
-    card = train_reuse_ensemble(tmp_path / "ens", sources, members=2, seed=1, **settings)
-    assert member_seeds(2, 1) == card["ensemble"]["seeds"] == [2, 3]
-    assert [m["seed"] for m in card["training"]["members"]] == [2, 3]
-    alone = train_reuse(tmp_path / "alone", sources, seed=3, **settings)  # a member rebuilds alone, bit for bit
-    assert (tmp_path / "alone" / "reuse.safetensors").read_bytes() == (
-        tmp_path / "ens" / "members" / "seed-3" / "reuse.safetensors"
-    ).read_bytes()
-    assert alone["training"]["decisions"] == card["training"]["members"][1]["decisions"]
-    members = [ReuseModel.load(tmp_path / "ens" / m) for m in card["ensemble"]["members"]]
-    merged = ReuseModel.load(tmp_path / "ens")
-    rows = np.random.default_rng(0).normal(size=(64, merged.w1.shape[0])).astype(np.float32)
-    expected = np.mean([m.predict(rows) for m in members], axis=0)
-    assert np.allclose(merged.predict(rows), expected, atol=1e-5 * max(1.0, float(np.abs(expected).max())))
-    trace = generate(WorkloadSpec(sessions=8), seed=4)
-    result = simulate(trace, f"reuse:{tmp_path / 'ens'}", load_scenario(DEFAULT_SCENARIO), capacity_fraction=0.05)
-    assert result.requests == len(trace)
-    with pytest.raises(ConfigError, match="at least 2 members"):
-        train_reuse_ensemble(tmp_path / "one", sources, members=1, **settings)
-
-
-def test_the_command_refuses_an_ensemble_of_cluster_models_or_of_none(tmp_path):
-    from typer.testing import CliRunner
-
-    from kvray.cli import app
-
-    cluster = CliRunner().invoke(app, ["train-reuse", "--cluster", "--ensemble", "2", "--out", str(tmp_path / "c")])
-    assert cluster.exit_code == 2 and "--ensemble trains one-node models" in " ".join(cluster.output.split())
-    none = CliRunner().invoke(app, ["train-reuse", "--ensemble", "0", "--out", str(tmp_path / "n")])
-    assert none.exit_code == 2 and "--ensemble" in none.output
-    assert not (tmp_path / "c").exists() and not (tmp_path / "n").exists()
