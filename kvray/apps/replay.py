@@ -272,8 +272,7 @@ class Replay:
             return front, {}
         shards = self.runtime.shards
         decision = _bounded(shards.handles[shards.of(keys)].decide.remote(pack_keys(keys), front), CALL_TIMEOUT_S, "decide")
-        if decision.budget_set is not None:  # the request's writes go under the budget decided with it
-            ray.wait([decision.budget_set], timeout=CALL_TIMEOUT_S)
+        decision.wait_for_budget(CALL_TIMEOUT_S)  # the request's writes go under the budget decided with it
         if decision.node not in self.engines:
             return front, {}  # its engine was lost since the controller last heard
         verbs = {"load_pages": decision.load_pages, "prefetch": decision.prefetch, "replicate": decision.replicate}

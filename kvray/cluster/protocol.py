@@ -157,6 +157,15 @@ class Decision(NamedTuple):
     replicate: tuple[str, ...] = ()
     budget_set: ray.ObjectRef | None = None
 
+    def wait_for_budget(self, timeout_s: float) -> None:
+        """Return once the budget decided with this request is applied (at once if it did not
+        change). A call that fails or outlasts ``timeout_s`` does not hold the request up: its
+        writes may then go under the budget before, which costs NVMe bytes, never a wrong page."""
+        if self.budget_set is not None:
+            import ray
+
+            ray.wait([self.budget_set], timeout=timeout_s)
+
 
 class Stored(NamedTuple):
     """A store's answer to the write of one run, on every path (shared memory, TCP, the

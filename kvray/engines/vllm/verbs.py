@@ -131,8 +131,7 @@ class ClusterVerbs:
         client = self.runtime.client
         controller = client.shards.handles[client.shards.owner(route_key)]
         decision = ray.get(controller.decide.remote(pack_keys(keys), client.node_id, 0.0, False), timeout=self.timeout_s)
-        if decision.budget_set is not None:  # the request's writes go under the budget decided with it
-            ray.wait([decision.budget_set], timeout=self.timeout_s)
+        decision.wait_for_budget(self.timeout_s)  # the request's writes go under the budget decided with it
         load = None if decision.load_pages >= decision.hit_pages else decision.load_pages
         if decision.prefetch and decision.load_pages:
             self.counters["prefetched_pages"] += self._prefetch(keys[: decision.load_pages], route_key)
