@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -37,12 +38,18 @@ from kvray.resources import shipped_or_given
 
 
 class TierSpec(FrozenModel):
-    """One tier: its size in pages and how fast pages get in and out of it."""
+    """One tier: its size in pages and how fast pages get in and out of it.
+
+    ``shared_channel`` (the disk tier): reads and writes take turns on the drive, as on an
+    NVMe drive under mixed load, where writes (demotions, new pages) delay the loads that
+    read it; False keeps the two directions apart (the scenarios' first model). Only under a
+    shared channel can the cluster policy's NVMe write budget buy load time."""
 
     capacity_pages: int = Field(gt=0)
     read_gbps: float = Field(gt=0)
     write_gbps: float = Field(gt=0)
     latency_us: float = Field(default=0.0, ge=0)
+    shared_channel: bool = False
 
 
 class ComputeSpec(FrozenModel):
@@ -185,33 +192,40 @@ class Scenario(FrozenModel):
         """
         if not scale > 0:
             raise ValueError(f"bandwidth scale must be positive, got {scale}")
+        scaled = self._with_tiers(
+            f"{self.name}@bandwidth-x{scale:g}",
+            lambda name, t: t.model_copy(update={"read_gbps": t.read_gbps * scale, "write_gbps": t.write_gbps * scale}),
+            lambda n: {"network_gbps": None if n.network_gbps is None else n.network_gbps * scale},
+        )
+        switch = None if self.switch is None else self.switch.model_copy(update={"gbps": self.switch.gbps * scale})
+        return scaled.model_copy(update={"network_gbps": self.network_gbps * scale, "switch": switch})
+
+    def with_shared_disk(self) -> Scenario:
+        """This scenario with every drive's reads and writes on one channel
+        (:attr:`TierSpec.shared_channel`), named for it: a held-out drive model for the cluster
+        policy's write budget (docs/sim-eval).
+
+        Example::
+
+            load_scenario("h100-4node-skewed").with_shared_disk().tiers["disk"].shared_channel   # True
+        """
+        return self._with_tiers(
+            f"{self.name}@shared-disk",
+            lambda name, t: t.model_copy(update={"shared_channel": True}) if name == "disk" else t,
+            lambda n: {},
+        )
+
+    def _with_tiers(self, name: str, tier: Callable[[str, TierSpec], TierSpec], node: Callable[[NodeSpec], dict]) -> Scenario:
+        """A copy named ``name`` with ``tier`` applied to every tier spec, the scenario's and
+        each kind of node's overrides, and ``node``'s other updates to each kind of node."""
 
         def tiers(specs: dict[str, TierSpec]) -> dict[str, TierSpec]:
-            return {
-                name: t.model_copy(update={"read_gbps": t.read_gbps * scale, "write_gbps": t.write_gbps * scale})
-                for name, t in specs.items()
-            }
+            return {label: tier(label, t) for label, t in specs.items()}
 
         nodes = None
         if self.nodes is not None:
-            nodes = [
-                n.model_copy(
-                    update={
-                        "tiers": None if n.tiers is None else tiers(n.tiers),
-                        "network_gbps": None if n.network_gbps is None else n.network_gbps * scale,
-                    }
-                )
-                for n in self.nodes
-            ]
-        return self.model_copy(
-            update={
-                "name": f"{self.name}@bandwidth-x{scale:g}",
-                "tiers": tiers(self.tiers),
-                "network_gbps": self.network_gbps * scale,
-                "switch": None if self.switch is None else self.switch.model_copy(update={"gbps": self.switch.gbps * scale}),
-                "nodes": nodes,
-            }
-        )
+            nodes = [n.model_copy(update={"tiers": None if n.tiers is None else tiers(n.tiers), **node(n)}) for n in self.nodes]
+        return self.model_copy(update={"name": name, "tiers": tiers(self.tiers), "nodes": nodes})
 
     def scaled(self, fast_pages: int) -> dict[Tier, int]:
         """Tier sizes with device + host = ``fast_pages``, every tier keeping its ratio to them."""

@@ -250,6 +250,7 @@ def run_cluster_eval(
     notify: Callable[[str], None] | None = None,
     bandwidth_scales: Sequence[float] = (1.0,),
     compare: bool = False,
+    shared_disk: bool = False,
 ) -> tuple[int, list[Path]]:
     """What ``kvray cluster-eval`` does: every cluster scenario x trace (the files, and a
     generated chat workload of about ``generated`` requests), the ``pairs``
@@ -257,7 +258,8 @@ def run_cluster_eval(
     and the files written into ``out``. Every name is checked before any replay. With ``load``
     each scenario and trace is replayed at that busy share (``notify`` hears the factor found).
     Each scenario is replayed at every ``bandwidth_scales`` (its links that many times as
-    fast: :meth:`~kvray.scenario.Scenario.with_bandwidth`). With ``compare`` only the pairs and
+    fast: :meth:`~kvray.scenario.Scenario.with_bandwidth`), with its drives' reads and writes
+    on one channel if ``shared_disk`` (:meth:`~kvray.scenario.Scenario.with_shared_disk`). With ``compare`` only the pairs and
     :data:`~kvray.apps.cluster_compare.REFERENCE` are replayed, no other heuristic and no oracle,
     and the table compares the pairs (:mod:`kvray.apps.cluster_compare`)."""
     from kvray.policy import make_policy
@@ -274,6 +276,8 @@ def run_cluster_eval(
             )
         for scale in bandwidth_scales:
             scaled = scenario if scale == 1.0 else scenario.with_bandwidth(scale)
+            if shared_disk:
+                scaled = scaled.with_shared_disk()
             scenarios[scaled.name] = scaled
     traces = {t.stem: read_trace(t, limit=limit) for t in trace_paths}
     if generated:

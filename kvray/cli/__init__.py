@@ -298,6 +298,9 @@ def cluster_eval(
     bandwidth_scale: list[float] = typer.Option(
         [1.0], "--bandwidth-scale", callback=POSITIVE, help="each scenario with every link this many times as fast (repeat)"
     ),
+    shared_disk: bool = typer.Option(
+        False, "--shared-disk", help="every drive's reads and writes on one channel (writes delay the loads that read it)"
+    ),
     compare: bool = typer.Option(
         False,
         "--compare",
@@ -331,6 +334,7 @@ def cluster_eval(
             notify,
             bandwidth_scale,
             compare,
+            shared_disk,
         )
     console.print(f"{tables} tables; wrote {', '.join(str(p) for p in paths)}")
 

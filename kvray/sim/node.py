@@ -177,8 +177,13 @@ class SimNode:
             disk = tiers[Tier.DISK]
             self.nvme_read, self.nvme_write = link("nvme_read", disk.read_gbps), link("nvme_write", disk.write_gbps)
             self.links += [self.nvme_read, self.nvme_write]
-            to_host[Tier.DISK], from_host[Tier.DISK] = (self.nvme_read,), (self.nvme_write,)
-            self.load_path[Tier.DISK] = (self.nvme_read, self.h2d)
+            read, write = (self.nvme_read,), (self.nvme_write,)
+            if disk.shared_channel:  # one queue both directions book, never the bottleneck of either
+                drive = link("nvme", max(disk.read_gbps, disk.write_gbps))
+                self.links.append(drive)
+                read, write = (self.nvme_read, drive), (self.nvme_write, drive)
+            to_host[Tier.DISK], from_host[Tier.DISK] = read, write
+            self.load_path[Tier.DISK] = (*read, self.h2d)
         if Tier.REMOTE in tiers:  # single-node scenarios: peers' memory as a tier, over the network
             remote = tiers[Tier.REMOTE]
             read = link("remote_read", min(remote.read_gbps, scenario.network_gbps), scenario.network_latency_us)
@@ -248,6 +253,7 @@ class SimNode:
             pcie_util=max(self.h2d.utilisation(now_ms), self.d2h.utilisation(now_ms)),
             disk_read_util=self.nvme_read.utilisation(now_ms) if Tier.DISK in self.to_host else 0.0,
             disk_write_util=self.nvme_write.utilisation(now_ms) if Tier.DISK in self.to_host else 0.0,
+            disk_write_gbps=self.nvme_write.bytes_per_ms / 1e6 if Tier.DISK in self.to_host else 0.0,
         )
 
 

@@ -58,3 +58,26 @@ def test_each_node_writes_to_disk_only_what_its_budget_paid_for():
 def test_a_budget_that_is_not_a_rate_is_refused_by_name():
     with pytest.raises(ConfigError, match="disk write budget"):
         replay(-1.0)
+
+
+def test_on_a_shared_channel_writes_delay_the_loads_and_a_budget_buys_them_back():
+    """A drive whose reads and writes take turns (``shared_channel``): the same replay hits
+    the same pages (the policies decide alike) but waits longer for them, the drive's channel
+    booked with every byte read and written; a write budget shortens the wait again."""
+    scenario = load_scenario("simulations/h100-4node-skewed.yaml")
+    shared = scenario.with_shared_disk()
+    assert shared.name.endswith("@shared-disk") and shared.tiers["disk"].shared_channel
+    trace = generate(WorkloadSpec(sessions=40, session_rate_per_s=20.0), seed=2)
+    caps = node_capacities(scenario, trace, 0.05)
+    apart, together, budgeted = (
+        ClusterSimulator(s, "lru", Budgeted(rate), caps).replay(trace)
+        for s, rate in ((scenario, None), (shared, None), (shared, RATE))
+    )
+    assert together.hit_tokens == apart.hit_tokens and together.mean_ttft_ms > apart.mean_ttft_ms
+    assert budgeted.mean_ttft_ms < together.mean_ttft_ms
+    sim = ClusterSimulator(shared, "lru", Budgeted(None), caps)
+    sim.replay(trace)
+    drives = [[link for link in node.links if link.name.endswith("/nvme")] for node in sim.nodes]
+    assert all(len(d) == 1 for d in drives)
+    booked = [d[0].bytes for d in drives]
+    assert booked == [node.nvme_read.bytes + node.nvme_write.bytes for node in sim.nodes] and min(booked[:2]) > 0
