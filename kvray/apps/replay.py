@@ -49,7 +49,8 @@ from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, cacheable_pages, f
 
 # What ``cluster_verbs`` counts: requests decided, served on another node than their front
 # end's, split (part of the hit recomputed), prefetched and replicated; pages of the last three
-# (and ``replicated_pages_by_node``: the pages copied to each node the policy named).
+# (and ``replicated_pages_by_node``: the pages copied to each node the policy named);
+# decisions that changed the serving node's NVMe write budget.
 VERBS = (
     "decisions",
     "routed_elsewhere",
@@ -59,6 +60,7 @@ VERBS = (
     "prefetched_pages",
     "replications",
     "replicated_pages",
+    "budget_changes",
 )
 ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 # Bounds on waiting for an actor: a request (its engine's client waits at most its own
@@ -273,6 +275,7 @@ class Replay:
         shards = self.runtime.shards
         decision = _bounded(shards.handles[shards.of(keys)].decide.remote(pack_keys(keys), front), CALL_TIMEOUT_S, "decide")
         decision.wait_for_budget(CALL_TIMEOUT_S)  # the request's writes go under the budget decided with it
+        self.verbs["budget_changes"] += decision.budget_set is not None
         if decision.node not in self.engines:
             return front, {}  # its engine was lost since the controller last heard
         verbs = {"load_pages": decision.load_pages, "prefetch": decision.prefetch, "replicate": decision.replicate}

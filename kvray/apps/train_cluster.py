@@ -51,9 +51,11 @@ def train_router_policy(
     timesteps: int,
     seed: int,
     node_policy: str = "lru",
+    shared_disk: bool = False,
 ) -> dict:
-    """Train the router the flags ask for into ``out``, over ``node_policy`` on every node;
-    returns its card."""
+    """Train the router the flags ask for into ``out``, over ``node_policy`` on every node
+    (and, with ``shared_disk``, each scenario also with its drives on one channel:
+    :meth:`~kvray.scenario.Scenario.with_shared_disk`); returns its card."""
     from kvray.policy import make_policy
 
     portable_numerics()
@@ -65,8 +67,11 @@ def train_router_policy(
         raise ConfigError("--cluster trains at one cache size: give one --capacity-fraction")
     make_policy(node_policy)  # an unknown name fails before the traces are built
     bases = [load_scenario(path) for path in scenarios or [bundled(DEFAULT_CLUSTER_SCENARIO)]]
+    scenarios = scenarios_at_bandwidths(bases, bandwidth_scales)
+    if shared_disk:
+        scenarios += [s.with_shared_disk() for s in scenarios]
     return train_router(
-        scenarios_at_bandwidths(bases, bandwidth_scales),
+        scenarios,
         timesteps,
         Path(out),
         seed,

@@ -38,6 +38,11 @@ def train(
     node_policy: str = typer.Option(
         "lru", "--node-policy", help="with --cluster: every node's placement policy while the router trains"
     ),
+    shared_disk: bool = typer.Option(
+        False,
+        "--shared-disk",
+        help="with --cluster: each scenario also with its drives' reads and writes on one channel (docs/sim-eval)",
+    ),
     timesteps: int = typer.Option(
         50_000, "--timesteps", callback=NON_NEGATIVE, help="PPO steps after the counterfactual fit (0: none)"
     ),
@@ -97,11 +102,14 @@ def train(
                 timesteps=timesteps,
                 seed=seed,
                 node_policy=node_policy,
+                shared_disk=shared_disk,
             )
         console.print(f"wrote {out}: {card['training']['timesteps']} PPO steps in {card['training']['wall_s']} s")
         if json_out:
             print(json.dumps(card))
         return
+    if shared_disk:
+        raise typer.BadParameter("--shared-disk trains the cluster router: give --cluster too", param_hint="--shared-disk")
     from kvray.apps.train import TrainRequest, summary_line, train_policy
 
     request = TrainRequest(

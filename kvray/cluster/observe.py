@@ -122,16 +122,18 @@ class ClusterObservations:
         for node in nodes:
             report = self._reports.get(node)
             util = dict(zip(LINKS, self.utilisation(node, now)))
+            free = report.free_share() if report else dict(self.empty)
             views.append(
                 NodeView(
                     node,
                     backlog_ms=self._backlog.get(node, 0.0),
-                    free_share=report.free_share() if report else dict(self.empty),
+                    free_share=free,
                     nic_in_util=util["nic_in"],
                     nic_out_util=util["nic_out"],
                     pcie_util=util["pcie"],
                     disk_read_util=util["disk_read"],
                     disk_write_util=util["disk_write"],
+                    disk_write_gbps=self.capacity[LINKS.index("disk_write")] / 1e9 if "disk" in free else 0.0,
                 )
             )
         return ClusterView(tuple(views))

@@ -18,7 +18,8 @@ where a request meets the cluster:
 
 Heuristics (:data:`CLUSTER_POLICIES`): ``local-first`` (today's controller rule),
 ``cost-router`` (prefix overlap against node load, as Dynamo's KV router), ``always-prefetch``,
-``cost-prefetch`` (both) and ``replicate-hot`` (threshold replication of hot prefixes); the simulator's oracle
+``cost-prefetch`` (both), ``cost-prefetch-budget`` (and a fixed NVMe write budget) and
+``replicate-hot`` (threshold replication of hot prefixes); the simulator's oracle
 searches :class:`PrefetchReplicate`'s settings.
 
 Every verb sees the same observation in both worlds: a :class:`RequestView` (the request's
@@ -52,7 +53,8 @@ class NodeView:
     recent window (0 idle, 1 saturated): bytes that finished crossing it in the window over
     what it could carry then (kvray.sim.links.Link.utilisation); ``pcie_util`` is the busier
     PCIe direction. ``free_share`` maps a tier label to its free share; ``backlog_ms`` is the
-    work queued ahead of a request arriving now on the node's earliest free engine."""
+    work queued ahead of a request arriving now on the node's earliest free engine;
+    ``disk_write_gbps`` its drive's write rate (0: no disk tier), what a write budget is a share of."""
 
     name: str
     backlog_ms: float = 0.0
@@ -62,6 +64,7 @@ class NodeView:
     pcie_util: float = 0.0
     disk_read_util: float = 0.0
     disk_write_util: float = 0.0
+    disk_write_gbps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,27 @@ class CostPrefetch(CostRouter):
         return True
 
 
+class CostPrefetchBudget(CostPrefetch):
+    """:class:`CostPrefetch`, and every serving node's NVMe writes capped at ``share`` of its
+    drive's write rate: the fixed rule the learned write budget (``rl-router``'s fifth head)
+    is measured against. It pays where writes crowd the loads off a drive and costs where the
+    drive has room to keep what will be read (docs/sim-eval, "The NVMe write budget head").
+
+    Example::
+
+        CostPrefetchBudget(share=0.1).disk_write_budget(NodeView("a", disk_write_gbps=2.0), ClusterView(()))  # 2e8
+    """
+
+    name = "cost-prefetch-budget"
+
+    def __init__(self, share: float = 0.05, remote_weight: float = 0.5, local_limit: int = 1024) -> None:
+        super().__init__(remote_weight, local_limit)
+        self.share = share
+
+    def disk_write_budget(self, node: NodeView, cluster: ClusterView) -> float | None:
+        return self.share * node.disk_write_gbps * 1e9 if node.disk_write_gbps > 0 else None
+
+
 class ReplicateHot(LocalFirstRing):
     """:class:`LocalFirstRing`, and a hit chain whose root page has been asked for
     ``threshold`` times or more is copied to the serving node when that node lacks part of
@@ -307,6 +331,7 @@ CLUSTER_POLICIES: dict[str, type[ClusterPolicy]] = {
     "cost-router": CostRouter,
     "always-prefetch": AlwaysPrefetch,
     "cost-prefetch": CostPrefetch,
+    "cost-prefetch-budget": CostPrefetchBudget,
     "replicate-hot": ReplicateHot,
 }
 

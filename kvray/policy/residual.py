@@ -1,6 +1,6 @@
 """The learned cluster policy: a residual on the cost router, trained by PPO in the cluster simulator.
 
-:class:`ResidualRouter` is :class:`~kvray.policy.cluster.CostRouter` with four discrete
+:class:`ResidualRouter` is :class:`~kvray.policy.cluster.CostRouter` with five discrete
 deviations a ``decide`` function picks per request (:data:`ACTION_HEADS`), from an
 observation of what the runtime can also observe (:data:`REQUEST_FEATURES`, then
 :data:`CANDIDATE_FEATURES` for each of the cost router's :data:`CANDIDATES` cheapest nodes,
@@ -10,10 +10,18 @@ the cheapest first):
 - ``load``: the share of the cached prefix to load (:data:`LOAD_SHARES`; 0: all of it, the
   rest of the prefix is recomputed);
 - ``prefetch``: load the prefix while the request waits in the queue (1) or not (0);
-- ``replicate``: copy the hit chain's pages the serving node lacks to it (1) or not (0).
+- ``replicate``: copy the hit chain's pages the serving node lacks to it (1) or not (0);
+- ``write_budget``: the serving node's NVMe write budget from this request on, a share of its
+  drive's write rate, or no cap (:data:`WRITE_BUDGET_CHOICES`; 0: keep the node's budget, none
+  until one is set). Demotions and new pages that the drive takes delay the loads that read
+  it (on a shared channel) and the PCIe link they cross; a budget trades those writes for
+  later misses, which pays on slow or busy drives and costs on fast idle ones: a choice for
+  the state, not a constant. A budget holds until a later decision for that node changes it:
+  one lifted at the next request would never refuse a page (a new budget starts with a
+  second's burst), so neither its effect nor PPO's signal for it would exist.
 
 Choice 0 in every head reproduces the cost router exactly (same choice, same tie-breaks;
-every hit page loaded; no prefetch; no replica), so training starts where the best
+every hit page loaded; no prefetch; no replica; no write budget ever set), so training starts where the best
 heuristic is and learns only deviations that pay. Discrete heads, rather than thresholds
 on Gaussian outputs, let PPO see what one yes/no is worth. ``decide`` is the trained network
 here (:class:`RLRouter`, numpy, weights in ``policies/cluster-default``) and the learner in
@@ -37,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from kvray.core.errors import ConfigError, PolicyError
-from kvray.policy.cluster import ClusterView, CostRouter, RequestView
+from kvray.policy.cluster import ClusterView, CostRouter, NodeView, RequestView
 from kvray.resources import shipped_or_given
 
 REQUEST_FEATURES = (
@@ -66,10 +74,19 @@ CANDIDATE_FEATURES = (
     "pcie_util",
     "disk_read_util",
     "disk_write_util",
+    "write_budget",  # the budget the router's decisions left this node, a share of its drive's write rate (1: none)
 )
 CANDIDATES = 2  # the cost router's best nodes the router chooses between (the cheapest first)
 LOAD_SHARES = (1.0, 0.75, 0.5, 0.0)  # of the cached prefix, loaded (the rest recomputed)
-ACTION_HEADS = (("node", CANDIDATES), ("load", len(LOAD_SHARES)), ("prefetch", 2), ("replicate", 2))
+# the serving node's write budget: keep it, lift it, or a share of the drive's write rate
+WRITE_BUDGET_CHOICES = ("keep", "none", 0.5, 0.2, 0.05)
+ACTION_HEADS = (
+    ("node", CANDIDATES),
+    ("load", len(LOAD_SHARES)),
+    ("prefetch", 2),
+    ("replicate", 2),
+    ("write_budget", len(WRITE_BUDGET_CHOICES)),
+)
 CLIP = 10.0
 LOG_PAGES, LOG_HEAT = math.log1p(4096), math.log1p(1000)
 DEFAULT_ROUTER = "cluster-default"  # policies/cluster-default (kvray.resources)
@@ -91,13 +108,15 @@ def observation_spec() -> dict:
         "candidate_features": list(CANDIDATE_FEATURES),
         "candidates": CANDIDATES,
         "load_shares": list(LOAD_SHARES),
+        "write_budget_choices": list(WRITE_BUDGET_CHOICES),
         "heads": [list(h) for h in ACTION_HEADS],
     }
 
 
 def zero_decision(obs: np.ndarray) -> Decision:
-    """No deviation: the cost router's route, every hit page loaded, no prefetch, no replica."""
-    return (0, 0, 0, 0)
+    """No deviation: the cost router's route, every hit page loaded, no prefetch, no replica,
+    no write budget."""
+    return (0,) * len(ACTION_HEADS)
 
 
 class ResidualRouter(CostRouter):
@@ -109,7 +128,8 @@ class ResidualRouter(CostRouter):
         super().__init__(remote_weight, local_limit)
         self.decide = decide
         self._heat: dict[int, int] = {}
-        self._verbs: tuple[tuple[int, ...], float, bool, bool] = ((), 1.0, False, False)
+        self._verbs: tuple[tuple[int, ...], float, bool, bool] = ((), 1.0, False, False)  # keys, load share, prefetch, replicate
+        self.write_budgets: dict[str, float] = {}  # node -> its budget's share of the drive's write rate (absent: none)
         self._state_of: ClusterView | None = None
         self._state: tuple[list[str], list[float], dict[str, int], float] = ([], [], {}, 0.0)
 
@@ -158,6 +178,7 @@ class ResidualRouter(CostRouter):
         by_tier = Counter(zip(hits, request.hit_tiers)) if hits else {}
         best_cost = costs[order[0]]
         picked = order[:CANDIDATES]
+        budgets = self.write_budgets
         for i in picked:
             name, node = names[i], cluster.nodes[i]
             here = local.get(name, 0)
@@ -180,6 +201,7 @@ class ResidualRouter(CostRouter):
                 node.pcie_util,
                 node.disk_read_util,
                 node.disk_write_util,
+                budgets.get(name, 1.0),
             )
         flat += [0.0] * (len(CANDIDATE_FEATURES) * (CANDIDATES - len(picked)))
         return np.array(flat, np.float32), [names[i] for i in picked]
@@ -196,9 +218,15 @@ class ResidualRouter(CostRouter):
 
     def route(self, request: RequestView, cluster: ClusterView) -> str:
         obs, names = self.observe(request, cluster)
-        node, load, prefetch, replicate = self.decide(obs)
+        node, load, prefetch, replicate, budget = self.decide(obs)
+        served = names[node] if node < len(names) else names[0]
         self._verbs = (request.keys, LOAD_SHARES[load], prefetch == 1, replicate == 1)
-        return names[node] if node < len(names) else names[0]
+        share = WRITE_BUDGET_CHOICES[budget]
+        if share == "none":
+            self.write_budgets.pop(served, None)
+        elif share != "keep":
+            self.write_budgets[served] = share
+        return served
 
     def load_pages(self, request: RequestView, cluster: ClusterView) -> int:
         keys, share, _, _ = self._verbs
@@ -219,6 +247,15 @@ class ResidualRouter(CostRouter):
             return []
         return [request.requester] if any(h != request.requester for h in request.hit_nodes) else []
 
+    def disk_write_budget(self, node: NodeView, cluster: ClusterView) -> float | None:
+        """``node``'s budget as the decisions for it left it, in bytes per second of its
+        drive's write rate (asked by the simulator and the controller alike for the node a
+        request was routed to, after ``route``); none for a node without a drive."""
+        share = self.write_budgets.get(node.name)
+        if share is None or node.disk_write_gbps <= 0:
+            return None
+        return share * node.disk_write_gbps * 1e9
+
 
 class RouterNetwork:
     """The trained decision, numpy only: a ReLU MLP from the observation to every head's
@@ -234,7 +271,7 @@ class RouterNetwork:
     Example::
 
         net, card = RouterNetwork.load("cluster-default")
-        node, load, prefetch, replicate = net(obs)
+        node, load, prefetch, replicate, write_budget = net(obs)
     """
 
     def __init__(self, weights: list[np.ndarray], biases: list[np.ndarray]) -> None:

@@ -7,8 +7,8 @@ observation (:data:`~kvray.policy.residual.REQUEST_FEATURES`, then
 the action is its deviation from the cost router, one discrete choice per head of
 :data:`~kvray.policy.residual.ACTION_HEADS` (a ``MultiDiscrete`` space): which candidate
 serves, the share of the cached prefix to load (the rest is recomputed), prefetch yes/no,
-replicate the hit chain to the serving node yes/no. The zero action is the cost router to
-the bit. The replay runs in
+replicate the hit chain to the serving node yes/no, the serving node's NVMe write budget (a
+share of its drive's write rate, or none). The zero action is the cost router to the bit. The replay runs in
 a :class:`~kvray.rl.env.PausedReplay`, so the simulator's own ``serve`` makes every
 decision; the environment only answers the router's question.
 

@@ -3,8 +3,9 @@
 The actor is the network :class:`~kvray.policy.residual.RouterNetwork` runs in numpy: a
 ReLU MLP from the observation to the logits of every discrete head (which of the cost
 router's cheapest nodes serves, the share of the hit to load, prefetch yes/no, replicate
-yes/no). Its last layer starts with zero weights and a bias that favours choice 0 in each
-head (:data:`HEAD_PRIOR`), so the deployed policy (each head's most likely choice) starts
+yes/no, the serving node's NVMe write budget). Its last layer starts with zero weights and a
+bias that favours choice 0 in each head (:data:`HEAD_PRIOR`, :data:`HEAD_PRIORS`), so the
+deployed policy (each head's most likely choice) starts
 as the cost router exactly while PPO's samples try the other choices a share of the time.
 The critic is a plain MLP over the observation and is dropped.
 
@@ -43,6 +44,10 @@ from kvray.sim.workloads import FAMILIES
 from kvray.traces import TraceRequest
 
 HEAD_PRIOR = 1.5  # the initial logit of choice 0 over the others in every head: the cost router, explored around
+# Heads explored less often: a write budget holds until a later decision changes it, so one
+# explored at 47% of requests (the prior above, five choices) changed about every other
+# request of its node and no budget lasted long enough to show what it does; at 3.0, 17%.
+HEAD_PRIORS = {"write_budget": 3.0}
 
 
 class RouterActor(nn.Module):
@@ -59,8 +64,8 @@ class RouterActor(nn.Module):
         with torch.no_grad():
             last.bias.zero_()
             at = 0
-            for _, size in ACTION_HEADS:
-                last.bias[at] = HEAD_PRIOR
+            for name, size in ACTION_HEADS:
+                last.bias[at] = HEAD_PRIORS.get(name, HEAD_PRIOR)
                 at += size
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
@@ -222,7 +227,8 @@ def train_router(
         "name": out.name,
         "algorithm": "PPO (stable-baselines3) residual on the cost router: an MLP over the request and the cost "
         "router's cheapest nodes picks, per discrete head, the serving candidate, the share of the hit to load, "
-        "prefetch yes/no and replicate yes/no; choice 0 everywhere is the cost router exactly. Reward: minus each "
+        "prefetch yes/no, replicate yes/no and the serving node's NVMe write budget; choice 0 everywhere is the cost "
+        "router exactly. Reward: minus each "
         "request's realised modeled TTFT (queueing included) plus engine_weight x the time it held its prefill engine "
         "(the delay it imposes on the requests queued behind it), over the trace's mean full-prefill time, discounted",
         "observation": observation_spec(),
@@ -239,6 +245,7 @@ def train_router(
             "learning_rate": learning_rate,
             "gamma": gamma,
             "engine_weight": engine_weight,
+            "head_priors": {name: HEAD_PRIORS.get(name, HEAD_PRIOR) for name, _ in ACTION_HEADS},
             # which kernels computed it (kvray.apps.train_cluster.PORTABLE_NUMERICS): the weights rebuild byte for byte with the same
             "numerics": {"mkl_cbwr": os.environ.get("MKL_CBWR"), "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()},
             "timesteps": int(model.num_timesteps),

@@ -266,7 +266,7 @@ def test_an_unknown_cluster_policy_lists_every_one_the_simulator_takes():
     result = invoke("sim", "--trace", str(TRACE), "--scenario", CLUSTER, "--cluster-policy", "nope")
     assert result.exit_code == 2
     assert (
-        "unknown cluster policy 'nope'; known: always-prefetch, cost-prefetch, cost-router, local-first, oracle, replicate-hot"
+        "unknown cluster policy 'nope'; known: always-prefetch, cost-prefetch, cost-prefetch-budget, cost-router, local-first, oracle, replicate-hot"
         in (" ".join(result.stderr.split()))
     )
 

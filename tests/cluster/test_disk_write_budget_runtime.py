@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import ray
 
-from kvray.apps.replay import Replay
+from kvray.apps.replay import VERBS, Replay
 from kvray.cluster import KvrayClient, Runtime, RuntimeConfig
 from kvray.cluster.protocol import Decision
 from kvray.core.config import PageLayout, TierSizes
@@ -89,9 +89,11 @@ def test_the_replay_sends_a_request_only_once_the_budget_decided_with_it_applies
     replay.runtime = SimpleNamespace(shards=SimpleNamespace(handles=[LateBudget.remote()], of=lambda keys: 0))
     replay.settings = SimpleNamespace(cache=True)
     replay.fingerprint, replay.page_tokens, replay.engines = config.fingerprint(), 512, {"node-a": None}
+    replay.verbs = dict.fromkeys(VERBS, 0)
     request = TraceRequest(timestamp_ms=0.0, input_length=1024, output_length=1, hash_ids=(1, 2))
     ray.get(replay.runtime.shards.handles[0].__ray_ready__.remote(), timeout=60)  # started: its start is not timed
     t0 = time.monotonic()
     node, verbs = replay._decide(request, "node-a")
     # the request goes to its engine only once the store applied the budget (its call took APPLY_S)
     assert time.monotonic() - t0 >= APPLY_S and node == "node-a" and verbs["replicate"] == ()
+    assert replay.verbs["budget_changes"] == 1  # counted in `kvray run --json`'s cluster_verbs

@@ -21,7 +21,7 @@ from kvray.core.errors import PolicyError
 from kvray.core.hashring import HashRing
 from kvray.core.tiers import Tier
 from kvray.policy.cluster import ClusterPolicy, RequestView
-from kvray.policy.residual import ResidualRouter
+from kvray.policy.residual import WRITE_BUDGET_CHOICES, ResidualRouter
 from tests.properties import examples
 
 NIC = LinkSpeeds().nic_gbps * 1e9  # bytes/s
@@ -184,13 +184,18 @@ def test_decide_asks_every_verb_what_the_simulator_asks_it():
         ctrl.decide([1], "a")
 
 
-def test_a_learned_policy_decides_the_verbs_of_an_engine_already_routed_to():
+def test_a_learned_policy_decides_the_verbs_of_an_engine_already_routed_to(tmp_path):
     """rl-router decides every verb of a request in ``route``: an engine that asks with
-    route=False (the Ray Serve router routed it) must get them, not the defaults."""
-    ctrl = controller(["a", "b"])
-    ctrl.policy = ResidualRouter(decide=lambda obs: (1, 2, 1, 1))  # the other node, load half, prefetch, replicate
+    route=False (the Ray Serve router routed it) must get them, not the defaults; its write
+    budget, a share of the node's drive rate (the runtime's link speeds), reaches the store."""
+    ctrl = controller(["a", "b"], tiers={"host": 256, "disk": 64}, disk_root=tmp_path)
+    store = BudgetRecorder()
+    ctrl.register_store("b", store=store)
+    # the other node, load half, prefetch, replicate, a write budget of a fifth of the drive's rate
+    ctrl.policy = ResidualRouter(decide=lambda obs: (1, 2, 1, 1, 3))
     ctrl.commit(None, [1, 2, 3, 4], ["a"] * 4, 0, {})
     assert ctrl.decide([1, 2, 3, 4, 5], "b", route=False) == Decision("b", 4, 2, True, ("b",))
+    assert store.sent == [WRITE_BUDGET_CHOICES[3] * LinkSpeeds().disk_write_gbps * 1e9]
 
 
 def test_a_replica_is_read_where_it_is_and_outlives_its_original():

@@ -11,10 +11,17 @@ from kvray.policy.cluster import CostRouter, LocalFirstRing, make_cluster_policy
 from tests.engines.verb_policy import SplitPrefetchReplicate
 
 
+class WriteBudgetOnly(LocalFirstRing):
+    """Decides the NVMe write budget alone, which reaches the store with the decision."""
+
+    def disk_write_budget(self, node, cluster):
+        return 1e8
+
+
 def test_only_a_policy_that_decides_a_verb_is_asked():
     assert not decides_verbs(LocalFirstRing()) and not decides_verbs(CostRouter())
     assert decides_verbs(SplitPrefetchReplicate()) and decides_verbs(make_cluster_policy("always-prefetch"))
-    assert decides_verbs(make_cluster_policy("rl-router"))
+    assert decides_verbs(make_cluster_policy("rl-router")) and decides_verbs(WriteBudgetOnly())
 
 
 class Scripted(ClusterVerbs):

@@ -24,7 +24,7 @@ from pathlib import Path
 import ray
 
 from kvray.core.placement import LRUPolicy, PageContext, RequestInfo
-from kvray.policy.cluster import ClusterView, LocalFirstRing, RequestView
+from kvray.policy.cluster import ClusterView, LocalFirstRing, NodeView, RequestView
 
 RECORDS_ROOT = Path(__file__).resolve().parents[2] / ".pytest_cache" / "kvray-recorded-views"
 
@@ -84,10 +84,12 @@ class RecordingVerbs(_Recorder, LocalFirstRing):
     count, its cached prefix's nodes, the nodes' order), writing down each (request,
     cluster) ``route`` is shown: requests of n pages are served by node n // 2 mod N, an even
     one loads half its cached prefix and recomputes the rest, every third prefetches,
-    and an odd one whose prefix lies partly elsewhere is copied to the node serving it."""
+    an odd one whose prefix lies partly elsewhere is copied to the node serving it, and the
+    serving node's NVMe write budget is lifted at every fourth request, 1 GB/s otherwise."""
 
     name = "recording-verbs"
     kind = "route"
+    budget_asks = 0
 
     def route(self, request: RequestView, cluster: ClusterView) -> str:
         self.record((request, cluster))
@@ -103,6 +105,10 @@ class RecordingVerbs(_Recorder, LocalFirstRing):
     def replicate(self, request: RequestView, cluster: ClusterView) -> list[str]:
         elsewhere = any(node != request.requester for node in request.hit_nodes)
         return [request.requester] if elsewhere and len(request.keys) % 2 == 1 else []
+
+    def disk_write_budget(self, node: NodeView, cluster: ClusterView) -> float | None:
+        self.budget_asks += 1
+        return None if self.budget_asks % 4 == 0 else 1e9
 
 
 class RecordingVerbsElsewhere(RecordingVerbs):

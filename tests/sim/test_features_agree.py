@@ -221,6 +221,7 @@ def test_the_runtime_executes_every_cluster_verb_as_the_simulator_does(extra_sto
     )
     verbs = result["cluster_verbs"]
     assert min(verbs["routed_elsewhere"], verbs["load_splits"], verbs["prefetches"], verbs["replications"]) > 0, verbs
+    assert verbs["budget_changes"] > 0, verbs
     # each world reports what the node policies counted (PlacementPolicy.stats), summed over the nodes:
     # the pages they admitted and the requests they were told of, a node whose pages another node
     # reads included (the runtime's page server hears of the request with the read)

@@ -1,5 +1,5 @@
 """The cluster policy's verbs in a vLLM engine on a kvray runtime: how much of a hit to load,
-prefetch while the request waits, replicate after it is served.
+prefetch while the request waits, replicate after it is served, the NVMe write budget.
 
 The engine was routed to already (by the Ray Serve router's ``route``,
 :mod:`kvray.engines.vllm.router`, or by whoever sent the request), so when vLLM adds a
@@ -17,7 +17,9 @@ the simulator's ``ClusterSimulator.serve`` uses) and executes them:
   lookup then reads them from this node.
 - **replicate** (to every node the decision names, this one or others): the worker, having
   read the pages into the request's blocks, copies them from its landing buffer to those
-  nodes' stores (:meth:`~kvray.cluster.storing.ChainStores.replicate`).
+  nodes' stores (:meth:`~kvray.cluster.storing.ChainStores.replicate`);
+- **write budget**: the serving store's NVMe write budget, which the controller sends with
+  the decision; the request waits until it is applied, so its own writes are under it.
 
 A request waits at most ``timeout_s`` for its decision and prefetch; a decision that fails
 or comes late is the default one (load every hit page, nothing else): the cache never fails
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERBS = ("load_pages", "prefetch", "replicate")
+VERBS = ("load_pages", "prefetch", "replicate", "disk_write_budget")
 WAIT_S = 10.0  # the longest a request waits for its decision and prefetch
 
 
