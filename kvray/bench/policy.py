@@ -264,10 +264,11 @@ def rl_router_decision(quick: bool) -> list[BenchResult]:
 
     def decide(router) -> None:
         for request, cluster in views:
-            router.route(request, cluster)
+            served = router.route(request, cluster)
             router.load_pages(request, cluster)
             router.prefetch(request, cluster)
             router.replicate(request, cluster)
+            router.disk_write_budget(cluster.node(served), cluster)
 
     ours, base = paired_medians(
         lambda: decide(routers["rl-router"]), lambda: decide(routers["cost-router"]), repeats=3 if quick else 9
