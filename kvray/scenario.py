@@ -40,10 +40,10 @@ from kvray.resources import shipped_or_given
 class TierSpec(FrozenModel):
     """One tier: its size in pages and how fast pages get in and out of it.
 
-    ``shared_channel`` (the disk tier): reads and writes take turns on the drive, as on an
-    NVMe drive under mixed load, where writes (demotions, new pages) delay the loads that
-    read it; False keeps the two directions apart (the scenarios' first model). Only under a
-    shared channel can the cluster policy's NVMe write budget buy load time."""
+    ``shared_channel`` (the disk tier only): reads and writes take turns on the drive, as on
+    an NVMe drive under mixed load, where writes (demotions, new pages) delay the loads that
+    read it; False keeps the two directions apart (the scenarios' first model). Under a
+    shared channel the cluster policy's NVMe write budget buys load time directly."""
 
     capacity_pages: int = Field(gt=0)
     read_gbps: float = Field(gt=0)
@@ -66,6 +66,9 @@ def _check_tiers(tiers: dict[str, TierSpec]) -> None:
         raise ValueError(f"unknown tier(s) {', '.join(unknown)}; expected {', '.join(TIER_BY_LABEL)}")
     if not tiers:
         raise ValueError("a scenario needs at least one tier")
+    shared = sorted(label for label, t in tiers.items() if t.shared_channel and label != "disk")
+    if shared:
+        raise ValueError(f"shared_channel is a drive's: tier(s) {', '.join(shared)} cannot take it, only disk")
 
 
 class NodeSpec(FrozenModel):
@@ -202,8 +205,8 @@ class Scenario(FrozenModel):
 
     def with_shared_disk(self) -> Scenario:
         """This scenario with every drive's reads and writes on one channel
-        (:attr:`TierSpec.shared_channel`), named for it: a held-out drive model for the cluster
-        policy's write budget (docs/sim-eval).
+        (:attr:`TierSpec.shared_channel`), named for it: the drive model under which the
+        cluster policy's write budget pays most (docs/sim-eval, "The NVMe write budget head").
 
         Example::
 

@@ -81,3 +81,12 @@ def test_on_a_shared_channel_writes_delay_the_loads_and_a_budget_buys_them_back(
     assert all(len(d) == 1 for d in drives)
     booked = [d[0].bytes for d in drives]
     assert booked == [node.nvme_read.bytes + node.nvme_write.bytes for node in sim.nodes] and min(booked[:2]) > 0
+
+
+def test_only_a_disk_tier_takes_a_shared_channel():
+    from kvray.scenario import Scenario
+
+    spec = load_scenario("simulations/h100-4node-skewed.yaml").model_dump()
+    spec["tiers"]["host"]["shared_channel"] = True
+    with pytest.raises(ValueError, match="tier\\(s\\) host cannot take it, only disk"):
+        Scenario.model_validate(spec)
