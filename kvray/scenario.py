@@ -33,6 +33,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kvray.core.config import FrozenModel, PageLayout, load_yaml
+from kvray.core.errors import ConfigError
 from kvray.core.tiers import TIER_BY_LABEL, Tier
 from kvray.resources import shipped_or_given
 
@@ -212,6 +213,8 @@ class Scenario(FrozenModel):
 
             load_scenario("h100-4node-skewed").with_shared_disk().tiers["disk"].shared_channel   # True
         """
+        if not any("disk" in n.tiers for n in self.node_scenarios()):
+            raise ConfigError(f"scenario {self.name!r} has no disk tier: no drive to share a channel (--shared-disk)")
         return self._with_tiers(
             f"{self.name}@shared-disk",
             lambda name, t: t.model_copy(update={"shared_channel": True}) if name == "disk" else t,

@@ -112,7 +112,9 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
     and enough ``servers`` that no request queues. A ``remote`` tier has no meaning on one node.
     The nodes' placement policies are told the scenario's tier costs, page prefill time and
     engines (as the simulator tells its policy), calibrated for this machine by ``kvray calibrate``,
-    and the scenario's ``links.window_ms`` is the window the controller measures link use over;
+    and the scenario's ``links.window_ms`` is the window the controller measures link use over
+    (its drive's read and write rates, what the controller's utilisations and a write budget
+    are shares of);
     its cluster policy keeps a request on one node up to the simulator's limit
     (``ClusterPolicy.local_limit``), not the runtime's (a node's host tier).
     A cluster scenario of identical nodes is that many nodes (its front end must be
@@ -140,6 +142,12 @@ def settings_of_sim_scenario(scenario: Scenario) -> dict:
     }
     if cluster.links is not None:  # the window policies see link utilisation over, in both worlds
         base["runtime"]["observe_window_s"] = cluster.window_ms / 1e3
+    disk = scenario.tiers.get("disk")
+    if disk is not None:  # the drive's rates, what its utilisations and a write budget are shares of
+        base["runtime"]["links"] = base["runtime"]["links"] | {
+            "disk_read_gbps": disk.read_gbps,
+            "disk_write_gbps": disk.write_gbps,
+        }
     if cluster.nodes is not None:  # the simulator's cluster policies keep requests of up to this many pages on one node
         base["runtime"]["local_pages_limit"] = ClusterPolicy.local_limit
     return base | {"name": name, "nodes": len(nodes), "prefill_us_per_token": scenario.compute.prefill_us_per_token}

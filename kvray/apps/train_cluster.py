@@ -67,11 +67,11 @@ def train_router_policy(
         raise ConfigError("--cluster trains at one cache size: give one --capacity-fraction")
     make_policy(node_policy)  # an unknown name fails before the traces are built
     bases = [load_scenario(path) for path in scenarios or [bundled(DEFAULT_CLUSTER_SCENARIO)]]
-    scenarios = scenarios_at_bandwidths(bases, bandwidth_scales)
+    trained_on = scenarios_at_bandwidths(bases, bandwidth_scales)
     if shared_disk:
-        scenarios += [s.with_shared_disk() for s in scenarios]
+        trained_on += [s.with_shared_disk() for s in trained_on]
     return train_router(
-        scenarios,
+        trained_on,
         timesteps,
         Path(out),
         seed,

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvray.core.errors import PolicyError
+from kvray.core.errors import ConfigError, PolicyError
 from kvray.core.hashring import HashRing
 
 
@@ -65,6 +65,11 @@ class NodeView:
     disk_read_util: float = 0.0
     disk_write_util: float = 0.0
     disk_write_gbps: float = 0.0
+
+
+def budget_rate(share: float, node: NodeView) -> float:
+    """A write budget of ``share`` of ``node``'s drive write rate, in bytes per second."""
+    return share * node.disk_write_gbps * 1e9
 
 
 @dataclass(frozen=True)
@@ -259,11 +264,13 @@ class CostPrefetchBudget(CostPrefetch):
     name = "cost-prefetch-budget"
 
     def __init__(self, share: float = 0.05, remote_weight: float = 0.5, local_limit: int = 1024) -> None:
+        if not 0 < share <= 1:
+            raise ConfigError(f"cost-prefetch-budget: share must be in (0, 1] of the drive's write rate, got {share}")
         super().__init__(remote_weight, local_limit)
         self.share = share
 
     def disk_write_budget(self, node: NodeView, cluster: ClusterView) -> float | None:
-        return self.share * node.disk_write_gbps * 1e9 if node.disk_write_gbps > 0 else None
+        return budget_rate(self.share, node) if node.disk_write_gbps > 0 else None
 
 
 class ReplicateHot(LocalFirstRing):

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from kvray.core.errors import ConfigError, PolicyError
-from kvray.policy.cluster import ClusterView, CostRouter, NodeView, RequestView
+from kvray.policy.cluster import ClusterView, CostRouter, NodeView, RequestView, budget_rate
 from kvray.resources import shipped_or_given
 
 REQUEST_FEATURES = (
@@ -130,6 +130,7 @@ class ResidualRouter(CostRouter):
         self._heat: dict[int, int] = {}
         self._verbs: tuple[tuple[int, ...], float, bool, bool] = ((), 1.0, False, False)  # keys, load share, prefetch, replicate
         self.write_budgets: dict[str, float] = {}  # node -> its budget's share of the drive's write rate (absent: none)
+        self._budget_choice: float | str = "keep"  # the last decision's, until the serving node is asked its budget
         self._state_of: ClusterView | None = None
         self._state: tuple[list[str], list[float], dict[str, int], float] = ([], [], {}, 0.0)
 
@@ -221,11 +222,7 @@ class ResidualRouter(CostRouter):
         node, load, prefetch, replicate, budget = self.decide(obs)
         served = names[node] if node < len(names) else names[0]
         self._verbs = (request.keys, LOAD_SHARES[load], prefetch == 1, replicate == 1)
-        share = WRITE_BUDGET_CHOICES[budget]
-        if share == "none":
-            self.write_budgets.pop(served, None)
-        elif share != "keep":
-            self.write_budgets[served] = share
+        self._budget_choice = WRITE_BUDGET_CHOICES[budget]
         return served
 
     def load_pages(self, request: RequestView, cluster: ClusterView) -> int:
@@ -248,13 +245,20 @@ class ResidualRouter(CostRouter):
         return [request.requester] if any(h != request.requester for h in request.hit_nodes) else []
 
     def disk_write_budget(self, node: NodeView, cluster: ClusterView) -> float | None:
-        """``node``'s budget as the decisions for it left it, in bytes per second of its
-        drive's write rate (asked by the simulator and the controller alike for the node a
-        request was routed to, after ``route``); none for a node without a drive."""
-        share = self.write_budgets.get(node.name)
-        if share is None or node.disk_write_gbps <= 0:
+        """``node``'s budget as the decisions for it left it, in bytes per second. The last
+        decision's choice lands on the node asked first after ``route``: the one serving the
+        request, whether the router picked it (the simulator, ``Controller.decide``) or an
+        engine was routed to already (``route=False``: the engine's own node, not the pick).
+        A node without a drive keeps no budget."""
+        choice, self._budget_choice = self._budget_choice, "keep"
+        if node.disk_write_gbps <= 0:
             return None
-        return share * node.disk_write_gbps * 1e9
+        if choice == "none":
+            self.write_budgets.pop(node.name, None)
+        elif choice != "keep":
+            self.write_budgets[node.name] = choice
+        share = self.write_budgets.get(node.name)
+        return None if share is None else budget_rate(share, node)
 
 
 class RouterNetwork:

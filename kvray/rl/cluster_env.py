@@ -8,7 +8,8 @@ the action is its deviation from the cost router, one discrete choice per head o
 :data:`~kvray.policy.residual.ACTION_HEADS` (a ``MultiDiscrete`` space): which candidate
 serves, the share of the cached prefix to load (the rest is recomputed), prefetch yes/no,
 replicate the hit chain to the serving node yes/no, the serving node's NVMe write budget (a
-share of its drive's write rate, or none). The zero action is the cost router to the bit. The replay runs in
+share of its drive's write rate, or none). The zero action is the cost router to the bit
+(its write-budget choice keeps the node's budget, and an episode's router starts with none). The replay runs in
 a :class:`~kvray.rl.env.PausedReplay`, so the simulator's own ``serve`` makes every
 decision; the environment only answers the router's question.
 

@@ -192,10 +192,15 @@ def test_a_learned_policy_decides_the_verbs_of_an_engine_already_routed_to(tmp_p
     store = BudgetRecorder()
     ctrl.register_store("b", store=store)
     # the other node, load half, prefetch, replicate, a write budget of a fifth of the drive's rate
-    ctrl.policy = ResidualRouter(decide=lambda obs: (1, 2, 1, 1, 3))
+    choice = [1, 2, 1, 1, 3]
+    ctrl.policy = ResidualRouter(decide=lambda obs: choice)
     ctrl.commit(None, [1, 2, 3, 4], ["a"] * 4, 0, {})
     assert ctrl.decide([1, 2, 3, 4, 5], "b", route=False) == Decision("b", 4, 2, True, ("b",))
     assert store.sent == [WRITE_BUDGET_CHOICES[3] * LinkSpeeds().disk_write_gbps * 1e9]
+    choice[0], choice[4] = 0, 4  # the router would pick a (it holds the prefix), but b's engine serves: b's budget
+    assert ctrl.decide([1, 2, 3, 4, 5], "b", route=False).node == "b"
+    assert store.sent[-1] == WRITE_BUDGET_CHOICES[4] * LinkSpeeds().disk_write_gbps * 1e9
+    assert ctrl.policy.write_budgets == {"b": WRITE_BUDGET_CHOICES[4]}  # none went to the router's pick
 
 
 def test_a_replica_is_read_where_it_is_and_outlives_its_original():
@@ -251,3 +256,18 @@ def test_the_policys_disk_write_budget_reaches_the_serving_store_when_it_changes
     ctrl.policy.rate = float("nan")
     with pytest.raises(PolicyError, match="'budgeted'.*disk write budget"):
         ctrl.decide([1], "a")
+
+
+def test_kvray_run_sees_a_scenarios_drive_at_the_rate_the_simulator_does():
+    """settings_of_sim_scenario gives the runtime the scenario's drive rates, so a write
+    budget (a share of NodeView.disk_write_gbps) caps the same bytes in both worlds."""
+    from kvray.apps.replay import settings_of_sim_scenario
+    from kvray.policy.cluster import CostRouter
+    from kvray.scenario import load_scenario
+    from kvray.sim.cluster import ClusterSimulator
+
+    scenario = load_scenario("h100-llama8b")
+    links = LinkSpeeds(**settings_of_sim_scenario(scenario)["runtime"]["links"])
+    seen = ClusterObservations(links, window_s=1.0, empty={"host": 1.0, "disk": 1.0}).view(["a"], now=0.0).node("a")
+    simulated = ClusterSimulator(scenario, "lru", CostRouter(), [{Tier.HOST: 8, Tier.DISK: 8}]).cluster_view(0.0).nodes[0]
+    assert seen.disk_write_gbps == simulated.disk_write_gbps == scenario.tiers["disk"].write_gbps != LinkSpeeds().disk_write_gbps

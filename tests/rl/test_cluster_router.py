@@ -127,33 +127,39 @@ def test_every_heads_choices_reach_the_simulator():
     assert sum(n.manager.disk_budget.refused_pages for n in env.sim.nodes if n.manager.disk_budget) > 0
 
 
-def test_the_write_budget_is_a_share_of_the_serving_nodes_drive_held_until_changed():
-    """A budget choice sets the serving node's budget to that share of its drive's write rate;
-    choice 0 keeps it (none until one is set), "none" lifts it; other nodes keep theirs; a
-    node without a drive gets none."""
+def test_the_write_budget_lands_on_the_node_that_serves_and_holds_until_changed():
+    """A decision's budget choice is a share of the drive's write rate for the node asked
+    first after ``route`` (the serving one; an engine's own node when it was routed to
+    already), kept by choice 0, lifted by "none"; a node without a drive keeps none; the
+    observation shows each candidate the budget it holds."""
     from kvray.policy.cluster import ClusterView, NodeView, RequestView
-    from kvray.policy.residual import WRITE_BUDGET_CHOICES
 
     view = ClusterView((NodeView("a", disk_write_gbps=4.0), NodeView("b", backlog_ms=50.0, disk_write_gbps=4.0), NodeView("c")))
     choice = [0, 0, 0, 0, 0]
     router = ResidualRouter(lambda obs: choice)
 
-    def budgets() -> list:
-        return [router.disk_write_budget(n, view) for n in view.nodes]
+    def serve(keys: tuple, node: str | None = None) -> float | None:  # as the simulator and the controller ask
+        served = router.route(RequestView(keys=keys), view)
+        return router.disk_write_budget(view.node(node or served), view)
 
-    assert router.route(RequestView(keys=(1, 2)), view) == "a" and budgets() == [None, None, None]
+    def held() -> list:
+        return [router.write_budgets.get(n) for n in "abc"]
+
+    assert serve((1, 2)) is None and held() == [None, None, None]
     choice[4] = 3
-    router.route(RequestView(keys=(1, 2)), view)
-    assert budgets() == [WRITE_BUDGET_CHOICES[3] * 4e9, None, None]
+    assert serve((1, 2)) == 0.2 * 4e9 and held() == [0.2, None, None]
     choice[4] = 0
-    router.route(RequestView(keys=(1, 2)), view)
-    assert budgets() == [WRITE_BUDGET_CHOICES[3] * 4e9, None, None]  # kept
-    choice[0], choice[4] = 1, 2  # the runner-up serves and gets its own
-    assert router.route(RequestView(keys=(5,)), view) == "c"  # no backlog: c is the runner-up
-    assert budgets() == [WRITE_BUDGET_CHOICES[3] * 4e9, None, None]  # c has no drive
+    assert serve((1, 2)) == 0.2 * 4e9  # kept
+    choice[4] = 4
+    assert serve((1, 2), node="b") == 0.05 * 4e9 and held() == [0.2, 0.05, None]  # b's engine was routed to already
+    choice[0], choice[4] = 1, 2  # the runner-up, c, has no drive
+    assert serve((5,)) is None and held() == [0.2, 0.05, None]
+    obs, names = router.observe(RequestView(keys=(9,)), view)
+    column = len(REQUEST_FEATURES) + CANDIDATE_FEATURES.index("write_budget")
+    assert names == ["a", "c"] and obs[column] == np.float32(0.2) and obs[column + len(CANDIDATE_FEATURES)] == 1.0
     choice[0], choice[4] = 0, 1
-    router.route(RequestView(keys=(1, 2)), view)
-    assert budgets() == [None, None, None]  # lifted
+    assert serve((1, 2)) is None and held() == [None, 0.05, None]  # lifted
+    assert router.disk_write_budget(view.node("b"), view) == 0.05 * 4e9  # asked again, no decision between: b keeps its own
 
 
 def test_observation_shows_the_cost_routers_cheapest_nodes_first():
@@ -328,6 +334,11 @@ def test_the_command_line_names_what_cluster_training_and_evaluation_take(tmp_pa
     assert shared.exit_code == 0, shared.output
     rows = json.loads((out / "compare.json").read_text())["rows"]
     assert {r["scenario"] for r in rows} == {"h100-4node-skewed@shared-disk"}
+    driveless = str(root / "simulations" / "this-machine-runtime-3node.yaml")
+    refused = CliRunner().invoke(
+        app, ["cluster-eval", "--scenario", driveless, "--generated", "20", "--shared-disk", "--out", str(out)]
+    )
+    assert refused.exit_code == 2 and "has no disk tier" in " ".join(refused.stderr.split())
 
 
 @pytest.mark.slow
