@@ -78,6 +78,7 @@ class ClusterObservations:
     def __init__(self, speeds: LinkSpeeds, window_s: float, empty: dict[str, float] | None = None) -> None:
         """``empty``: the free share of a node not heard from yet (its tiers, all free)."""
         self.capacity = speeds.bytes_per_s()
+        self.disk_write_gbps = speeds.disk_write_gbps  # a node with a disk tier's drive rate (NodeView's)
         self.window_s = window_s
         self.empty = dict(empty or {})
         self._reports: dict[str, NodeReport] = {}
@@ -133,7 +134,7 @@ class ClusterObservations:
                     pcie_util=util["pcie"],
                     disk_read_util=util["disk_read"],
                     disk_write_util=util["disk_write"],
-                    disk_write_gbps=self.capacity[LINKS.index("disk_write")] / 1e9 if "disk" in free else 0.0,
+                    disk_write_gbps=self.disk_write_gbps if "disk" in free else 0.0,
                 )
             )
         return ClusterView(tuple(views))

@@ -153,6 +153,7 @@ class SimNode:
         self.clock = 0.0  # modeled time of the moves the manager asks for now
         self.background_ms = 0.0  # modeled time of the moves between tiers (their links' busy time)
         tiers = {TIER_BY_NAME[name]: spec for name, spec in scenario.tiers.items()}
+        self.disk_write_gbps = tiers[Tier.DISK].write_gbps if Tier.DISK in tiers else 0.0  # NodeView's
         self.access_ms = [tiers[t].latency_us / 1e3 if t in tiers else 0.0 for t in TIERS]
         engines = scenario.compute.servers
 
@@ -253,7 +254,7 @@ class SimNode:
             pcie_util=max(self.h2d.utilisation(now_ms), self.d2h.utilisation(now_ms)),
             disk_read_util=self.nvme_read.utilisation(now_ms) if Tier.DISK in self.to_host else 0.0,
             disk_write_util=self.nvme_write.utilisation(now_ms) if Tier.DISK in self.to_host else 0.0,
-            disk_write_gbps=self.nvme_write.bytes_per_ms / 1e6 if Tier.DISK in self.to_host else 0.0,
+            disk_write_gbps=self.disk_write_gbps,
         )
 
 
