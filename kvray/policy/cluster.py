@@ -67,6 +67,12 @@ class NodeView:
     disk_write_gbps: float = 0.0
 
 
+# cost-prefetch-budget's write budget, a share of each drive's write rate: of the shares measured
+# (0.05 to 0.5, and none) the best mean over the held-out cells with either drive model
+# (docs/sim-eval, "A base for the residual, measured").
+FIXED_WRITE_SHARE = 0.2
+
+
 def budget_rate(share: float, node: NodeView) -> float:
     """A write budget of ``share`` of ``node``'s drive write rate, in bytes per second."""
     return share * node.disk_write_gbps * 1e9
@@ -254,7 +260,8 @@ class CostPrefetchBudget(CostPrefetch):
     """:class:`CostPrefetch`, and every serving node's NVMe writes capped at ``share`` of its
     drive's write rate: the fixed rule the learned write budget (``rl-router``'s fifth head)
     is measured against. It pays where writes crowd the loads off a drive and costs where the
-    drive has room to keep what will be read (docs/sim-eval, "The NVMe write budget head").
+    drive has room to keep what will be read: on fast idle drives, and at low load
+    (docs/sim-eval, "The NVMe write budget head" and "A base for the residual, measured").
 
     Example::
 
@@ -263,7 +270,7 @@ class CostPrefetchBudget(CostPrefetch):
 
     name = "cost-prefetch-budget"
 
-    def __init__(self, share: float = 0.05, remote_weight: float = 0.5, local_limit: int = 1024) -> None:
+    def __init__(self, share: float = FIXED_WRITE_SHARE, remote_weight: float = 0.5, local_limit: int = 1024) -> None:
         if not 0 < share <= 1:
             raise ConfigError(f"cost-prefetch-budget: share must be in (0, 1] of the drive's write rate, got {share}")
         super().__init__(remote_weight, local_limit)
@@ -349,7 +356,8 @@ LEARNED_ROUTER = "kvray.policy.residual:RLRouter"  # rl-router[:FOLDER]; by impo
 def make_cluster_policy(name: str, local_limit: int | None = None) -> ClusterPolicy:
     """A cluster policy by registered name (:data:`CLUSTER_POLICIES`), ``rl-router`` (the
     shipped PPO residual on the cost router, :mod:`kvray.policy.residual`) or ``rl-router:PATH``
-    (one trained by ``kvray train --cluster``), or import path
+    (one trained by ``kvray train --cluster``), ``cost-prefetch-budget:SHARE`` (another share
+    of each drive's write rate than :data:`FIXED_WRITE_SHARE`), or import path
     (``package.module:Class``, :mod:`kvray.policy.plugin`); ``local_limit``, when given, is
     the largest request a node keeps (the runtime's ``RuntimeConfig.local_limit``)."""
     from kvray.policy.plugin import is_import_path, policy_class
@@ -358,6 +366,13 @@ def make_cluster_policy(name: str, local_limit: int | None = None) -> ClusterPol
         router = policy_class(LEARNED_ROUTER, ClusterPolicy)  # imported when named: it loads weights
         folder = name.partition(":")[2]
         policy = router(folder) if folder else router()
+    elif name.startswith(f"{CostPrefetchBudget.name}:"):
+        share = name.partition(":")[2]
+        try:
+            value = float(share)
+        except ValueError:
+            raise ConfigError(f"cluster policy {name!r}: the share after ':' must be a number, got {share!r}") from None
+        policy = CostPrefetchBudget(share=value)
     elif is_import_path(name):
         policy = policy_class(name, ClusterPolicy)()
     elif name not in CLUSTER_POLICIES:

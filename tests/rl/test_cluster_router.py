@@ -16,8 +16,8 @@ from gymnasium.utils.env_checker import check_env
 
 import kvray.rl.cluster_env  # noqa: F401  (registers the id)
 from kvray.apps.train_cluster import PORTABLE_NUMERICS
-from kvray.core.errors import PolicyError
-from kvray.policy.cluster import CostRouter, make_cluster_policy
+from kvray.core.errors import ConfigError, PolicyError
+from kvray.policy.cluster import FIXED_WRITE_SHARE, CostRouter, make_cluster_policy
 from kvray.policy.residual import (
     ACTION_HEADS,
     CANDIDATE_FEATURES,
@@ -25,6 +25,7 @@ from kvray.policy.residual import (
     CARD_FILE,
     REQUEST_FEATURES,
     WEIGHTS_FILE,
+    WRITE_BUDGET_CHOICES,
     ResidualRouter,
     RLRouter,
     observation_size,
@@ -87,17 +88,30 @@ def test_cost_prefetch_is_the_residual_router_prefetching_every_request():
     assert prefetched[0] > 0 == prefetched[1]
 
 
-def test_the_fixed_write_budget_is_the_residual_router_choosing_a_twentieth_every_request():
+def test_the_fixed_write_budget_is_the_residual_router_choosing_its_share_every_request():
     """cost-prefetch-budget, the fixed rule the learned budget is measured against: the
-    residual router prefetching and setting 0.05 of the drive's rate at every request, to the
-    byte; it writes less to the drives than cost-prefetch."""
-    fixed = ClusterSimulator(SCENARIO, "lru", make_cluster_policy("cost-prefetch-budget"), CAPACITY)
-    residual = ClusterSimulator(SCENARIO, "lru", ResidualRouter(lambda obs: (0, 0, 1, 0, 4)), CAPACITY)
+    residual router prefetching and setting the rule's share of the drive's rate at every
+    request, to the byte (the default share, 0.2, and ``cost-prefetch-budget:0.05``); a
+    tighter budget writes less to the drives, and any writes less than cost-prefetch."""
     free = ClusterSimulator(SCENARIO, "lru", make_cluster_policy("cost-prefetch"), CAPACITY)
-    results = [sim.replay(TRACE) for sim in (fixed, residual, free)]
-    assert results[0].mean_ttft_ms == results[1].mean_ttft_ms and results[0].extra["link_bytes"] == results[1].extra["link_bytes"]
-    written = [sum(n.nvme_write.bytes for n in sim.nodes) for sim in (fixed, free)]
-    assert 0 < written[0] < written[1]
+    free.replay(TRACE)
+    written = [sum(n.nvme_write.bytes for n in free.nodes)]
+    assert WRITE_BUDGET_CHOICES[3] == FIXED_WRITE_SHARE
+    for name, choice in (("cost-prefetch-budget", 3), ("cost-prefetch-budget:0.05", 4)):
+        fixed = ClusterSimulator(SCENARIO, "lru", make_cluster_policy(name), CAPACITY)
+        residual = ClusterSimulator(SCENARIO, "lru", ResidualRouter(lambda obs, c=choice: (0, 0, 1, 0, c)), CAPACITY)
+        results = [sim.replay(TRACE) for sim in (fixed, residual)]
+        assert results[0].mean_ttft_ms == results[1].mean_ttft_ms
+        assert results[0].extra["link_bytes"] == results[1].extra["link_bytes"]
+        written.append(sum(n.nvme_write.bytes for n in fixed.nodes))
+    assert written[0] > written[1] > written[2] > 0
+
+
+def test_a_fixed_budgets_share_is_checked_by_name():
+    """A share that is no number, or outside (0, 1] of the drive's write rate, is refused."""
+    for bad, says in (("cost-prefetch-budget:a fifth", "must be a number"), ("cost-prefetch-budget:1.5", "must be in")):
+        with pytest.raises(ConfigError, match=says):
+            make_cluster_policy(bad)
 
 
 def link_bytes(env: ClusterEnv, kind: str) -> int:
