@@ -369,10 +369,11 @@ def make_cluster_policy(name: str, local_limit: int | None = None) -> ClusterPol
     elif name.startswith(f"{CostPrefetchBudget.name}:"):
         share = name.partition(":")[2]
         try:
-            value = float(share)
+            policy = CostPrefetchBudget(share=float(share))
+        except ConfigError as exc:
+            raise PolicyError(f"cluster policy {name!r}: {exc}") from None
         except ValueError:
-            raise ConfigError(f"cluster policy {name!r}: the share after ':' must be a number, got {share!r}") from None
-        policy = CostPrefetchBudget(share=value)
+            raise PolicyError(f"cluster policy {name!r}: the share after ':' must be a number, got {share!r}") from None
     elif is_import_path(name):
         policy = policy_class(name, ClusterPolicy)()
     elif name not in CLUSTER_POLICIES:

@@ -16,7 +16,7 @@ from gymnasium.utils.env_checker import check_env
 
 import kvray.rl.cluster_env  # noqa: F401  (registers the id)
 from kvray.apps.train_cluster import PORTABLE_NUMERICS
-from kvray.core.errors import ConfigError, PolicyError
+from kvray.core.errors import PolicyError
 from kvray.policy.cluster import FIXED_WRITE_SHARE, CostRouter, make_cluster_policy
 from kvray.policy.residual import (
     ACTION_HEADS,
@@ -108,10 +108,16 @@ def test_the_fixed_write_budget_is_the_residual_router_choosing_its_share_every_
 
 
 def test_a_fixed_budgets_share_is_checked_by_name():
-    """A share that is no number, or outside (0, 1] of the drive's write rate, is refused."""
-    for bad, says in (("cost-prefetch-budget:a fifth", "must be a number"), ("cost-prefetch-budget:1.5", "must be in")):
-        with pytest.raises(ConfigError, match=says):
-            make_cluster_policy(bad)
+    """A share that is no number, or outside (0, 1] of the drive's write rate, is refused, naming the policy."""
+    for share, says in (
+        ("a fifth", "must be a number"),
+        ("", "must be a number"),
+        ("1.5", "must be in"),
+        ("-0.2", "must be in"),
+        ("nan", "must be in"),
+    ):
+        with pytest.raises(PolicyError, match=f"cost-prefetch-budget:{share}'.*{says}"):
+            make_cluster_policy(f"cost-prefetch-budget:{share}")
 
 
 def link_bytes(env: ClusterEnv, kind: str) -> int:
