@@ -67,6 +67,10 @@ ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableEr
 # timeout per Ray call, a few calls per request), and a metadata call.
 REQUEST_TIMEOUT_S = 600.0
 CALL_TIMEOUT_S = 120.0
+# An engine's first answer waits for its worker process: a raylet starts them one at a time
+# per CPU it has (one on the test clusters' nodes), and each imports torch, so on a loaded
+# machine starting takes minutes where a call takes seconds.
+ENGINE_START_TIMEOUT_S = 300.0
 
 
 class ReplaySettings(FrozenModel):
@@ -204,11 +208,31 @@ class Replay:
             )
             for node in runtime.stores
         }
-        _bounded([e.node_id.remote() for e in self.engines.values()], CALL_TIMEOUT_S, "engines starting")
+        self._await_engines()
         self.fingerprint = runtime.config.fingerprint()
         self.page_tokens = runtime.config.layout.page_tokens
         self.verbs = dict.fromkeys(VERBS, 0)
         self.replicated_by_node: dict[str, int] = {}  # node -> pages the replicate verb copied there
+
+    def _await_engines(self) -> None:
+        """Wait until every engine answers; one that does not is named, and all are stopped."""
+        answers = {e.node_id.remote(): node for node, e in self.engines.items()}
+        ready, late = ray.wait(list(answers), num_returns=len(answers), timeout=ENGINE_START_TIMEOUT_S)
+        try:
+            ray.get(ready)
+            problem = None
+        except ENGINE_ERRORS as e:
+            problem = f"an engine died while starting: {str(e).strip().splitlines()[-1]}"  # the cause, not Ray's traceback
+        if late:
+            problem = (
+                f"the engine on node(s) {', '.join(answers[r] for r in late)} did not answer within {ENGINE_START_TIMEOUT_S:g} s"
+            )
+        if problem is not None:
+            # The error's traceback keeps these handles (a test report keeps it to the end): killed, no engine
+            # goes on starting, or holding a worker, behind it (its store unlinks its buffer).
+            for engine in self.engines.values():
+                ray.kill(engine)
+            raise ClusterError(f"engines starting: {problem}")
 
     def run(
         self, trace: list[TraceRequest], progress: bool = True, on_request: Callable[[int], None] | None = None

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import ray
 
-from kvray.apps.replay import ReplaySettings, replay_on_runtime
+from kvray.apps import replay as replay_module
+from kvray.apps.replay import Replay, ReplaySettings, replay_on_runtime
 from kvray.cluster import Runtime, RuntimeConfig
 from kvray.cluster.runtime import name_taken
 from kvray.core.config import PageLayout, TierSizes
+from kvray.core.errors import ClusterError
 from kvray.traces import read_trace
 from tests.conftest import REPLAY_KEYS, RESULT_KEYS, RUNTIME_KEYS, kvray_command
 
@@ -116,3 +118,46 @@ def test_kvray_run_takes_a_free_name_beside_a_runtime_kept_up(ray_cluster, tmp_p
         assert name_taken("kvray")
     finally:
         kept.close()
+
+
+def _engines_not_dead() -> int:
+    """Replay engines starting or alive on the cluster (Ray's GCS table: the state API needs a dashboard)."""
+    return sum(a["ActorClassName"] == "ReplayEngine" and a["State"] != "DEAD" for a in ray._private.state.actors().values())
+
+
+def _await_no_engines_beyond(before: int) -> None:
+    """Wait until the engines not dead are back to ``before``; one still starting or alive after 30 s fails."""
+    deadline = time.monotonic() + 30
+    while _engines_not_dead() > before:
+        assert time.monotonic() < deadline, "an engine outlived the replay that failed to start it"
+        time.sleep(0.2)
+
+
+def test_engines_that_do_not_start_are_named_and_none_is_left_behind(ray_cluster, monkeypatch):
+    """Engines that miss their start bound, or die starting (their runtime's controller is
+    gone), end the replay with a ClusterError saying so, and every engine it started is
+    stopped: none starts behind the error, on a runtime that is still up."""
+    before = _engines_not_dead()
+    runtime = Runtime.start(settings(tiers=TierSizes(host=4)).runtime)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(replay_module, "ENGINE_START_TIMEOUT_S", 1e-3)
+            with pytest.raises(
+                ClusterError, match=r"engines starting: the engine on node\(s\) .+ did not answer within 0.001 s"
+            ) as late:
+                Replay(runtime, ReplaySettings(name="late", nodes=3, runtime=runtime.config))
+        _await_no_engines_beyond(
+            before
+        )  # while the error (its traceback holds the engines' handles) is kept, as a caller's report keeps it
+        del late
+        for shard in runtime.shards.handles:
+            ray.kill(shard, no_restart=True)
+        deadline = time.monotonic() + 30
+        while name_taken(runtime.config.name):  # a killed controller's name goes with it
+            assert time.monotonic() < deadline, "a killed controller's name stayed taken"
+            time.sleep(0.2)
+        with pytest.raises(ClusterError, match="engines starting: an engine died while starting: .*no kvray runtime named"):
+            Replay(runtime, ReplaySettings(name="orphan", nodes=3, runtime=runtime.config))
+    finally:
+        runtime.close()
+    _await_no_engines_beyond(before)

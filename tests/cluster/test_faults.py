@@ -35,14 +35,16 @@ SHARDS_AND_ROUTES = pytest.mark.parametrize(
 def replay_with_fault(runtime: Runtime, trace, fault, inspect=None) -> tuple:
     """Replay ``trace`` on ``runtime`` with ``fault(i)`` run before request ``i``; returns the
     result and what ``inspect()`` (default: the controller shards' merged snapshot) saw before teardown."""
-    replay = Replay(
-        runtime, ReplaySettings(name="fault", nodes=len(runtime.stores), runtime=runtime.config, prefill_us_per_token=1.0)
-    )
     try:
-        result = replay.run(trace, progress=False, on_request=fault)
-        return result, (inspect or runtime.shards.snapshot)()
-    finally:
-        replay.close()
+        replay = Replay(
+            runtime, ReplaySettings(name="fault", nodes=len(runtime.stores), runtime=runtime.config, prefill_us_per_token=1.0)
+        )
+        try:
+            result = replay.run(trace, progress=False, on_request=fault)
+            return result, (inspect or runtime.shards.snapshot)()
+        finally:
+            replay.close()
+    finally:  # also when the engines did not start: no runtime outlives its test
         runtime.close()
 
 
