@@ -275,6 +275,8 @@ class CostPrefetchBudget(CostPrefetch):
             raise ConfigError(f"cost-prefetch-budget: share must be in (0, 1] of the drive's write rate, got {share}")
         super().__init__(remote_weight, local_limit)
         self.share = share
+        if share != FIXED_WRITE_SHARE:  # reports say which share, by the name that builds it again
+            self.name = f"{type(self).name}:{share!r}"
 
     def disk_write_budget(self, node: NodeView, cluster: ClusterView) -> float | None:
         return budget_rate(self.share, node) if node.disk_write_gbps > 0 else None

@@ -120,6 +120,15 @@ def test_a_fixed_budgets_share_is_checked_by_name():
             make_cluster_policy(f"cost-prefetch-budget:{share}")
 
 
+def test_a_fixed_budget_is_reported_by_the_name_that_builds_it():
+    """Replays of two shares are told apart in their results, and each name builds its policy again."""
+    for name, share in (("cost-prefetch-budget", FIXED_WRITE_SHARE), ("cost-prefetch-budget:0.05", 0.05)):
+        policy = make_cluster_policy(name)
+        result = ClusterSimulator(SCENARIO, "lru", policy, CAPACITY).replay(TRACE[:20])
+        assert result.extra["cluster_policy"] == name == policy.name
+        assert make_cluster_policy(policy.name).share == share
+
+
 def link_bytes(env: ClusterEnv, kind: str) -> int:
     return sum(sum(link.bytes_by_kind.get(kind, 0) for link in n.links) for n in env.sim.nodes)
 
