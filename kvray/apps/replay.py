@@ -215,24 +215,28 @@ class Replay:
         self.replicated_by_node: dict[str, int] = {}  # node -> pages the replicate verb copied there
 
     def _await_engines(self) -> None:
-        """Wait until every engine answers; one that does not is named, and all are stopped."""
+        """Wait until every engine answers; otherwise a ClusterError names each node whose
+        engine died starting (and why) or did not answer, and every engine is stopped."""
         answers = {e.node_id.remote(): node for node, e in self.engines.items()}
         ready, late = ray.wait(list(answers), num_returns=len(answers), timeout=ENGINE_START_TIMEOUT_S)
-        try:
-            ray.get(ready)
-            problem = None
-        except ENGINE_ERRORS as e:
-            problem = f"an engine died while starting: {str(e).strip().splitlines()[-1]}"  # the cause, not Ray's traceback
+        problems, started = [], []
+        for ref in ready:
+            try:
+                ray.get(ref)
+                started.append(self.engines[answers[ref]])
+            except ray.exceptions.RayError as e:  # the cause's line, not Ray's traceback
+                problems.append(f"the engine on node {answers[ref]} died starting: {str(e).strip().splitlines()[-1]}")
         if late:
-            problem = (
-                f"the engine on node(s) {', '.join(answers[r] for r in late)} did not answer within {ENGINE_START_TIMEOUT_S:g} s"
-            )
-        if problem is not None:
-            # The error's traceback keeps these handles (a test report keeps it to the end): killed, no engine
-            # goes on starting, or holding a worker, behind it (its store unlinks its buffer).
+            nodes = ", ".join(answers[r] for r in late)
+            problems.append(f"the engine on node(s) {nodes} did not answer within {ENGINE_START_TIMEOUT_S:g} s")
+        if problems:
+            # The error's traceback keeps these handles (a test report keeps it to the end): an
+            # engine that started closes its landing buffer, then every one is killed, so none
+            # goes on starting, or holding a worker, behind the error.
+            self._close(started)
             for engine in self.engines.values():
                 ray.kill(engine)
-            raise ClusterError(f"engines starting: {problem}")
+            raise ClusterError(f"engines starting: {'; '.join(problems)}")
 
     def run(
         self, trace: list[TraceRequest], progress: bool = True, on_request: Callable[[int], None] | None = None
@@ -336,7 +340,11 @@ class Replay:
         _bounded([e.refresh.remote() for e in self.engines.values()], CALL_TIMEOUT_S, "engines re-reading the members")
 
     def close(self) -> None:
-        for engine in self.engines.values():
+        self._close(self.engines.values())
+
+    @staticmethod
+    def _close(engines) -> None:
+        for engine in engines:
             try:
                 ray.get(engine.close.remote(), timeout=30)
             except (*ENGINE_ERRORS, TimeoutError):

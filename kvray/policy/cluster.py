@@ -276,7 +276,7 @@ class CostPrefetchBudget(CostPrefetch):
         super().__init__(remote_weight, local_limit)
         self.share = share
         if share != FIXED_WRITE_SHARE:  # reports say which share, by the name that builds it again
-            self.name = f"{type(self).name}:{share!r}"
+            self.name = f"{CostPrefetchBudget.name}:{share!r}"
 
     def disk_write_budget(self, node: NodeView, cluster: ClusterView) -> float | None:
         return budget_rate(self.share, node) if node.disk_write_gbps > 0 else None
