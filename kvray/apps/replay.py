@@ -25,7 +25,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import ray
@@ -343,7 +343,7 @@ class Replay:
         self._close(self.engines.values())
 
     @staticmethod
-    def _close(engines) -> None:
+    def _close(engines: Iterable[ray.actor.ActorHandle]) -> None:
         for engine in engines:
             try:
                 ray.get(engine.close.remote(), timeout=30)
