@@ -219,11 +219,11 @@ class Replay:
         engine died starting (and why) or did not answer, and every engine is stopped."""
         answers = {e.node_id.remote(): node for node, e in self.engines.items()}
         ready, late = ray.wait(list(answers), num_returns=len(answers), timeout=ENGINE_START_TIMEOUT_S)
-        problems, started = [], []
+        problems, started = [], set()
         for ref in ready:
             try:
                 ray.get(ref)
-                started.append(self.engines[answers[ref]])
+                started.add(answers[ref])
             except ray.exceptions.RayError as e:  # the cause's line, not Ray's traceback
                 problems.append(f"the engine on node {answers[ref]} died starting: {str(e).strip().splitlines()[-1]}")
         if late:
@@ -231,11 +231,11 @@ class Replay:
             problems.append(f"the engine on node(s) {nodes} did not answer within {ENGINE_START_TIMEOUT_S:g} s")
         if problems:
             # The error's traceback keeps these handles (a test report keeps it to the end): an
-            # engine that started closes its landing buffer, then every one is killed, so none
-            # goes on starting, or holding a worker, behind the error.
-            self._close(started)
-            for engine in self.engines.values():
-                ray.kill(engine)
+            # engine that started closes its landing buffer and is killed, the others are killed,
+            # so none goes on starting, or holding a worker, behind the error.
+            self._close(self.engines[node] for node in started)
+            for node in self.engines.keys() - started:
+                ray.kill(self.engines[node])
             raise ClusterError(f"engines starting: {'; '.join(problems)}")
 
     def run(

@@ -17,6 +17,7 @@ from kvray.cluster.runtime import name_taken
 from kvray.core.config import PageLayout, TierSizes
 from kvray.core.errors import ClusterError
 from kvray.traces import read_trace
+from tests.cluster.test_transfer import eventually
 from tests.conftest import REPLAY_KEYS, RESULT_KEYS, RUNTIME_KEYS, kvray_command
 
 pytestmark = pytest.mark.ray
@@ -128,10 +129,9 @@ def _engines_not_dead() -> set[str]:
 
 def _await_no_engines_beyond(before: set[str]) -> None:
     """Wait until every engine not in ``before`` is dead; one still starting or alive after 30 s fails."""
-    deadline = time.monotonic() + 30
-    while _engines_not_dead() - before:
-        assert time.monotonic() < deadline, "an engine outlived the replay that failed to start it"
-        time.sleep(0.2)
+    assert eventually(lambda: not _engines_not_dead() - before, timeout_s=30), (
+        "an engine outlived the replay that failed to start it"
+    )
 
 
 def test_engines_that_do_not_start_are_named_and_none_is_left_behind(ray_cluster, monkeypatch):
@@ -152,10 +152,8 @@ def test_engines_that_do_not_start_are_named_and_none_is_left_behind(ray_cluster
         del late
         for shard in runtime.shards.handles:
             ray.kill(shard, no_restart=True)
-        deadline = time.monotonic() + 30
-        while name_taken(runtime.config.name):  # a killed controller's name goes with it
-            assert time.monotonic() < deadline, "a killed controller's name stayed taken"
-            time.sleep(0.2)
+        # a killed controller's name goes with it
+        assert eventually(lambda: not name_taken(runtime.config.name), timeout_s=30), "a killed controller's name stayed taken"
         with pytest.raises(ClusterError, match="engines starting: the engine on node .+ died starting: .*no kvray runtime named"):
             Replay(runtime, ReplaySettings(name="orphan", nodes=3, runtime=runtime.config))
     finally:
