@@ -359,3 +359,5 @@ class RLRouter(ResidualRouter):
     def __init__(self, path: str | Path = DEFAULT_ROUTER, local_limit: int = 1024) -> None:
         network, self.card = RouterNetwork.load(path)
         super().__init__(network, local_limit=local_limit)
+        if str(path) != DEFAULT_ROUTER:  # reports say which weights, by the name that builds it again
+            self.name = f"{RLRouter.name}:{path}"

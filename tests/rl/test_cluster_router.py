@@ -6,6 +6,7 @@ training is deterministic for a seed, exports the actor PPO trained, and the shi
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import gymnasium as gym
@@ -127,6 +128,23 @@ def test_a_fixed_budget_is_reported_by_the_name_that_builds_it():
         result = ClusterSimulator(SCENARIO, "lru", policy, CAPACITY).replay(TRACE[:20])
         assert result.extra["cluster_policy"] == name == policy.name
         assert make_cluster_policy(policy.name).share == share
+
+
+def test_a_learned_router_is_reported_by_the_folder_that_builds_it(tmp_path):
+    """A router trained into a folder reports ``rl-router:FOLDER``, so its replays are told apart
+    from the shipped one's (which keeps the plain name), and that name loads the same weights."""
+    from kvray.resources import shipped_or_given
+
+    folder = tmp_path / "mine"
+    shutil.copytree(shipped_or_given("cluster-default", "policies"), folder)
+    ttfts = []
+    for name in ("rl-router", f"rl-router:{folder}"):
+        policy = make_cluster_policy(name)
+        result = ClusterSimulator(SCENARIO, "lru", policy, CAPACITY).replay(TRACE[:40])
+        assert result.extra["cluster_policy"] == name == policy.name
+        again = ClusterSimulator(SCENARIO, "lru", make_cluster_policy(policy.name), CAPACITY).replay(TRACE[:40])
+        ttfts += [result.mean_ttft_ms, again.mean_ttft_ms]
+    assert len(set(ttfts)) == 1  # the same weights, whichever name loaded them
 
 
 def link_bytes(env: ClusterEnv, kind: str) -> int:
