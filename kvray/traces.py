@@ -154,6 +154,29 @@ def next_uses(trace: Sequence[TraceRequest]) -> list[np.ndarray]:
     return out
 
 
+def session_end_hints(
+    trace: Sequence[TraceRequest], block_tokens: int, futures: Sequence[np.ndarray] | None = None
+) -> dict[int, int]:
+    """The end-of-session hint of each session's last request, as its client would send it:
+    request index -> the depth from which its cacheable pages are its own. A Mooncake trace
+    has no session ids, so a session is read from its chain: a request whose last page no
+    later request reads ends its session, and its own pages are the tail of its chain that
+    no later request reads (the prefix before them is shared with sessions still going).
+    ``futures``: :func:`next_uses` of ``trace``, when the caller has it. It is what a client
+    that knows this turn is its last, and which part of its prompt is its own, would say
+    (RequestInfo.ends_session_from); a cache cannot infer it."""
+    futures = next_uses(trace) if futures is None else futures
+    hints: dict[int, int] = {}
+    for i, (request, future) in enumerate(zip(trace, futures)):
+        if not len(future) or future[-1] != np.inf:
+            continue
+        read_later = np.flatnonzero(future != np.inf)
+        own_from = int(read_later[-1]) + 1 if len(read_later) else 0
+        if own_from < len(full_blocks(request.hash_ids, request.input_length, block_tokens)):
+            hints[i] = own_from
+    return hints
+
+
 def cacheable_pages(requests: Sequence[TraceRequest], block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> int:
     """Distinct full blocks of ``requests`` (:func:`full_blocks`): the most pages a replay of
     them can keep, which a cache must hold for a second replay to find every one of them."""

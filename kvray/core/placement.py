@@ -67,6 +67,9 @@ class RequestInfo:
     disk_write_util: float = 0.0  # the NVMe write link's recent busy share, told to a policy that gates disk writes
     index: int = -1  # the request's position in the trace, with ``future`` (-1: not told)
     load_util: Mapping[Tier, float] | None = None
+    # A client's hint: this request is its session's last, and its pages from this depth on are
+    # its own (no other session shares them), so no later request reads them (-1: no hint)
+    ends_session_from: int = -1
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class PlacementPolicy(ABC):
     needs_future: ClassVar[bool] = False  # an offline oracle: only the simulator can run it
     needs_disk_util: bool = False  # told the NVMe write link's utilisation with each request (RequestInfo)
     needs_link_util: bool = False  # told each tier's load path utilisation with each request (RequestInfo.load_util)
+    needs_session_ends: ClassVar[bool] = False  # told the clients' end-of-session hints (RequestInfo.ends_session_from)
     # The simulator's compiled chain writer (kvray/sim/_chain.c) may run the manager's part of a
     # store and call this policy's hooks: true where demote_target depends neither on pins nor
     # on the order it is asked about a chain's kept pages in (the writer asks in another order)

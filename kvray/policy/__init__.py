@@ -4,7 +4,8 @@
 (``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``lecar``, ``s3fifo``, ``sieve``, ``selective-write``,
 ``experts`` (follows whichever of
 lru, arc and threshold does best on shadow caches of the same workload), ``belady`` (evaluation only: the
-simulator feeds it the future), ``rl`` (the shipped trained selector); ``rl:PATH`` loads a
+simulator feeds it the future), ``rl`` (the shipped trained selector), ``lru-session-end`` (LRU that drops the pages of sessions
+their clients said are over first, :mod:`kvray.policy.session_end`); ``rl:PATH`` loads a
 trained policy file; ``reuse`` (the per-page learned policy: LRU's, a decayed-frequency heap's and a never-read
 FIFO's oldest pages re-ranked by a reuse model imitating Belady, :mod:`kvray.policy.reuse`), ``reuse:PATH`` a trained reuse model, ``reuse-cluster:PATH`` one trained on cluster replays (``kvray train-reuse --cluster``, promotion as its card says); ``package.module:Class`` an importable policy class).
 Unknown names raise :class:`kvray.core.errors.PolicyError` listing the known ones.
@@ -24,6 +25,7 @@ from kvray.policy.lfu import LFUPolicy
 from kvray.policy.promote import promoting
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.policy.selective import SelectiveWritePolicy
+from kvray.policy.session_end import SessionEndLRU
 from kvray.policy.sieve import SievePolicy
 from kvray.policy.threshold import ThresholdPolicy
 from kvray.policy.wfq import WFQPolicy
@@ -72,6 +74,8 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "reuse-promote-every": lambda: _reuse(promote="every"),
     # and a heuristic the tripwire starts to follow handed the cache in recency order (ReusePolicy._hand_over)
     "reuse-handover": lambda: _reuse(hand_over=True),
+    # LRU told the clients' end-of-session hints (kvray.policy.session_end)
+    "lru-session-end": SessionEndLRU,
 }
 
 
@@ -109,6 +113,7 @@ __all__ = [
     "PageContext",
     "PlacementPolicy",
     "S3FIFOPolicy",
+    "SessionEndLRU",
     "SelectiveWritePolicy",
     "SievePolicy",
     "ThresholdPolicy",

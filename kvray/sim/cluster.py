@@ -56,7 +56,7 @@ from kvray.report import ReplayResult, ReplayTally, hit_tokens, policy_stats_sin
 from kvray.scenario import Scenario
 from kvray.sim.links import Link, transfer
 from kvray.sim.node import TIERS, Router, SimNode, session_of
-from kvray.traces import TraceRequest, full_blocks, next_uses
+from kvray.traces import TraceRequest, full_blocks, next_uses, session_end_hints
 
 PolicySource = str | Callable[[], PlacementPolicy] | Sequence[PlacementPolicy]
 ADVANCE_EVERY = 64  # requests between two prunings of the links' past bookings (Link.advance)
@@ -120,6 +120,7 @@ class ClusterSimulator:
         self._view: ClusterView | None = None
         self._view_at = -np.inf
         self._paths: dict[tuple[int, int, Tier, Tier | None], tuple[Link, ...]] = {}
+        self._session_ends: dict[int, int] = {}  # request index -> its end-of-session hint (replay sets them)
         self._disk_budgets: dict[str, float | None] = {}  # node -> the policy's NVMe write budget, as last set
         # node -> pages the replicate verb stored there (the runtime's cluster_verbs.replicated_pages_by_node)
         self.replicated_pages: dict[str, int] = {}
@@ -323,6 +324,7 @@ class ClusterSimulator:
             else 0.0,
             index=index if future is not None else -1,
             load_util=load_util,
+            ends_session_from=self._session_ends.get(index, -1),
         )
 
     def _tell(self, h: int, told: set[int], info: RequestInfo, now: float) -> SimNode:
@@ -415,7 +417,9 @@ class ClusterSimulator:
     ) -> ReplayResult:
         """Serve every request in order; the first ``warmup_requests`` fill the cache unmeasured."""
         needs_future = any(n.policy.needs_future for n in self.nodes)
-        futures = next_uses(trace) if needs_future else None
+        needs_ends = any(n.policy.needs_session_ends for n in self.nodes)
+        futures = next_uses(trace) if needs_future or needs_ends else None
+        self._session_ends = session_end_hints(trace, self.block_tokens, futures) if needs_ends else {}
         tally = ReplayTally(self.block_tokens)
         links = self.links
         base = self._counters(links)
@@ -427,7 +431,7 @@ class ClusterSimulator:
             if i % ADVANCE_EVERY == 0:
                 for link in links:
                     link.advance(request.timestamp_ms)
-            hit_tiers, ttft = self.serve(request, None if futures is None else futures[i], i)
+            hit_tiers, ttft = self.serve(request, futures[i] if needs_future else None, i)
             if i >= warmup_requests:
                 tally.record(request, hit_tiers, ttft)
                 last_end = max(last_end, request.timestamp_ms + ttft)

@@ -1,0 +1,104 @@
+"""End-of-session hints: which requests carry one, and what lru-session-end does with it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvray.core.manager import CacheManager
+from kvray.core.placement import RequestInfo
+from kvray.core.tiers import Tier
+from kvray.policy.cluster import make_cluster_policy
+from kvray.policy.session_end import SessionEndLRU
+from kvray.scenario import load_scenario
+from kvray.sim.cluster import ClusterSimulator
+from kvray.sim.node import node_capacities
+from kvray.sim.workloads import WorkloadSpec, generate
+from kvray.traces import full_blocks, session_end_hints
+
+NO_MOVE = lambda *move: None  # noqa: E731  (a control-plane test: no bytes to move)
+BLOCK = 512
+TRACE = generate(WorkloadSpec(sessions=60, system_prompt_pages=1, document_probability=0.5), seed=4)
+
+
+def test_each_sessions_last_request_names_exactly_its_own_pages():
+    """A request is hinted when no later request reads its last page, and the hint starts
+    at the first page of its tail that no later request reads: every page it names is never
+    read again, and the page before them is (the prefix its session shares)."""
+    hints = session_end_hints(TRACE, BLOCK)
+    assert 0 < len(hints) < len(TRACE)
+    for i, request in enumerate(TRACE):
+        later = {h for r in TRACE[i + 1 :] for h in r.hash_ids}
+        keys = full_blocks(request.hash_ids, request.input_length, BLOCK)
+        if request.hash_ids[-1] in later or all(k in later for k in keys):
+            assert i not in hints
+            continue
+        own_from = hints[i]
+        assert not any(k in later for k in keys[own_from:])
+        assert own_from == 0 or keys[own_from - 1] in later
+
+
+def test_without_hints_it_replays_as_lru_to_the_bit():
+    """The policy adds nothing but what the hints say: told none, every figure is LRU's."""
+
+    class Untold(SessionEndLRU):
+        needs_session_ends = False
+
+    scenario = load_scenario("h100-4node-skewed")
+    capacities = node_capacities(scenario, TRACE, 0.05)
+    lru, untold = (ClusterSimulator(scenario, p, make_cluster_policy("cost-router"), capacities).replay(TRACE) for p in ("lru", Untold))
+    assert (untold.mean_ttft_ms, untold.hit_tokens, untold.bytes_moved) == (lru.mean_ttft_ms, lru.hit_tokens, lru.bytes_moved)
+    assert untold.extra["link_bytes"] == lru.extra["link_bytes"]
+
+
+def test_a_sessions_last_request_stores_none_of_its_own_pages_and_they_leave_first_unwritten():
+    policy = SessionEndLRU()
+    manager = CacheManager({Tier.HOST: 4, Tier.DISK: 8}, policy)
+    written: list[int] = []
+
+    def mover(handle: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:
+        written.append(manager.index.key_of(handle))
+
+    assert manager.store_chain([1, 2, 3], mover) == 3  # a session's first turn, under a shared page 1
+    policy.on_request(RequestInfo(keys=(1, 2, 3, 4), ends_session_from=1))  # its last turn: 2, 3, 4 its own
+    manager.touch(manager.lookup([1, 2, 3]).handles)
+    assert manager.store_chain([1, 2, 3, 4], mover) == 0 and 4 not in manager.index
+    policy.on_request(RequestInfo(keys=(5, 6, 7)))
+    assert manager.store_chain([5, 6, 7], mover) == 3  # the host tier is full: the ended pages made room
+    assert {1, 5, 6, 7} == set(manager.index.keys()) and not written  # dropped, not written to disk
+    assert policy.stats() == {"ended_hits": 2, "ended_not_stored": 1, "ended_victims": 2}
+
+
+def test_a_wrong_hint_costs_misses_never_a_wrong_page():
+    """A page hinted as ended and read again is an ordinary page from then on; one evicted on
+    a wrong hint is a miss, and a lookup still matches only the prefix cached."""
+    policy = SessionEndLRU()
+    manager = CacheManager({Tier.HOST: 4}, policy)
+    manager.store_chain([5], NO_MOVE)  # the least recently used page from here on
+    manager.store_chain([1, 2, 3], NO_MOVE)
+    policy.on_request(RequestInfo(keys=(1, 2, 3), ends_session_from=2))  # wrong: 3 is read again
+    manager.touch(manager.lookup([1, 2, 3]).handles)
+    policy.on_request(RequestInfo(keys=(1, 2, 3)))  # read again: it is live now
+    manager.touch(manager.lookup([1, 2, 3]).handles)
+    manager.store_chain([7], NO_MOVE)  # LRU's victim, not the once-hinted page 3
+    assert set(manager.index.keys()) == {1, 2, 3, 7}
+    policy.on_request(RequestInfo(keys=(1, 2, 3), ends_session_from=1))  # wrong again, and 3, 2 leave
+    manager.touch(manager.lookup([1, 2, 3]).handles)
+    policy.on_request(RequestInfo(keys=(8, 9)))
+    manager.store_chain([8, 9], NO_MOVE)
+    assert set(manager.index.keys()) == {1, 7, 8, 9}
+    match = manager.lookup([1, 2, 3])
+    assert len(match) == 1 and manager.index.key_of(int(match.handles[0])) == 1
+
+
+def test_hints_in_a_cluster_replay_save_drive_writes_and_keep_hits():
+    """On the 4-node cluster, the sessions' own pages after their last request are neither
+    stored nor written to NVMe: fewer bytes written than LRU's, and no fewer hits."""
+    scenario = load_scenario("h100-4node-skewed")
+    capacities = node_capacities(scenario, TRACE, 0.05)
+    results = {p: ClusterSimulator(scenario, p, make_cluster_policy("cost-router"), capacities).replay(TRACE) for p in ("lru", "lru-session-end")}
+    stats = results["lru-session-end"].extra["policy_stats"]
+    assert stats["ended_not_stored"] > 0 and stats["ended_hits"] > 0
+    written = {p: sum(v for k, v in r.extra["link_bytes"].items() if k.endswith("nvme_write")) for p, r in results.items()}
+    assert written["lru-session-end"] < written["lru"]
+    assert results["lru-session-end"].hit_tokens >= results["lru"].hit_tokens
+    assert np.isfinite(results["lru-session-end"].mean_ttft_ms)
