@@ -95,9 +95,10 @@ class ClusterEnv(gym.Env):
         self.close()
         self.router = ResidualRouter()  # the cost router while the caches warm up
         self.sim = ClusterSimulator(self.scenario, self.policy, self.router, self.capacities)
+        self.sim.hint_session_ends(self.trace)
         start = int(self.np_random.integers(0, len(self.trace) - self.episode_requests + 1))
-        for request in self.trace[max(0, start - self.warmup_requests) : start]:
-            self.sim.serve(request)
+        for i in range(max(0, start - self.warmup_requests), start):
+            self.sim.serve(self.trace[i], index=i)
         self._served.clear()
         self.router.decide = self._ask
         self._episode = PausedReplay(lambda: self._replay(start, start + self.episode_requests))
@@ -124,9 +125,9 @@ class ClusterEnv(gym.Env):
 
     def _replay(self, start: int, stop: int) -> None:
         nodes = self.sim.nodes
-        for request in self.trace[start:stop]:
+        for i in range(start, stop):
             busy = sum(n.queue.busy_ms for n in nodes)
-            ttft = self.sim.serve(request)[1]
+            ttft = self.sim.serve(self.trace[i], index=i)[1]
             self._served.append((ttft, sum(n.queue.busy_ms for n in nodes) - busy))
 
     def _ask(self, obs: np.ndarray) -> Decision:

@@ -216,7 +216,7 @@ class ClusterSimulator:
                 view.keys, self.names[at], tuple(self.names[h] for h in hits), view.session, self.hit_tiers(view.keys, hits)
             )
         keys, node = view.keys, self.nodes[at]
-        info = self._request_info(node, keys, now, future, index)
+        info = self._request_info(node, keys, now, future, index, self._session_ends.get(index, -1))
         node.policy.on_request(info)
         told = {at}
         prefix = self._prefix(view, at)  # per node holding prefix pages: its handles, root first
@@ -305,9 +305,10 @@ class ClusterSimulator:
         return path
 
     def _request_info(
-        self, node: SimNode, keys: tuple[int, ...], now: float, future: np.ndarray | None, index: int
+        self, node: SimNode, keys: tuple[int, ...], now: float, future: np.ndarray | None, index: int, ends_from: int
     ) -> RequestInfo:
-        """What ``node``'s policy is told of a request arriving at ``now``."""
+        """What ``node``'s policy is told of a request arriving at ``now`` (``ends_from``: its
+        end-of-session hint, -1 for none)."""
         load_util = None
         if node.policy.needs_link_util:
             load_util = {t: max(link.utilisation(now) for link in path) for t, path in node.load_path.items()}
@@ -324,14 +325,14 @@ class ClusterSimulator:
             else 0.0,
             index=index if future is not None else -1,
             load_util=load_util,
-            ends_session_from=self._session_ends.get(index, -1),
+            ends_session_from=ends_from,
         )
 
     def _tell(self, h: int, told: set[int], info: RequestInfo, now: float) -> SimNode:
         """Node ``h``'s policy hears of the request (once) before the request touches its pages."""
         node = self.nodes[h]
         if h not in told:
-            node.policy.on_request(self._request_info(node, info.keys, now, info.future, info.index))
+            node.policy.on_request(self._request_info(node, info.keys, now, info.future, info.index, info.ends_session_from))
             told.add(h)
         return node
 
@@ -408,6 +409,13 @@ class ClusterSimulator:
             if stored := node.store_chain(view.keys, copy, tenant=tenant, stop=hits):
                 self.replicated_pages[name] = self.replicated_pages.get(name, 0) + stored
 
+    def hint_session_ends(self, trace: Sequence[TraceRequest], futures: Sequence[np.ndarray] | None = None) -> None:
+        """Have the clients of ``trace`` send their end-of-session hints
+        (:func:`kvray.traces.session_end_hints`) with the requests served by their index in
+        it, where a node's policy takes them (``needs_session_ends``); :meth:`replay` does."""
+        if any(n.policy.needs_session_ends for n in self.nodes):
+            self._session_ends = session_end_hints(trace, self.block_tokens, futures)
+
     # -- replay --------------------------------------------------------------------------
     def replay(
         self,
@@ -417,9 +425,8 @@ class ClusterSimulator:
     ) -> ReplayResult:
         """Serve every request in order; the first ``warmup_requests`` fill the cache unmeasured."""
         needs_future = any(n.policy.needs_future for n in self.nodes)
-        needs_ends = any(n.policy.needs_session_ends for n in self.nodes)
-        futures = next_uses(trace) if needs_future or needs_ends else None
-        self._session_ends = session_end_hints(trace, self.block_tokens, futures) if needs_ends else {}
+        futures = next_uses(trace) if needs_future else None
+        self.hint_session_ends(trace, futures)
         tally = ReplayTally(self.block_tokens)
         links = self.links
         base = self._counters(links)

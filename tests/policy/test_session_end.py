@@ -45,7 +45,9 @@ def test_without_hints_it_replays_as_lru_to_the_bit():
 
     scenario = load_scenario("h100-4node-skewed")
     capacities = node_capacities(scenario, TRACE, 0.05)
-    lru, untold = (ClusterSimulator(scenario, p, make_cluster_policy("cost-router"), capacities).replay(TRACE) for p in ("lru", Untold))
+    lru, untold = (
+        ClusterSimulator(scenario, p, make_cluster_policy("cost-router"), capacities).replay(TRACE) for p in ("lru", Untold)
+    )
     assert (untold.mean_ttft_ms, untold.hit_tokens, untold.bytes_moved) == (lru.mean_ttft_ms, lru.hit_tokens, lru.bytes_moved)
     assert untold.extra["link_bytes"] == lru.extra["link_bytes"]
 
@@ -95,10 +97,28 @@ def test_hints_in_a_cluster_replay_save_drive_writes_and_keep_hits():
     stored nor written to NVMe: fewer bytes written than LRU's, and no fewer hits."""
     scenario = load_scenario("h100-4node-skewed")
     capacities = node_capacities(scenario, TRACE, 0.05)
-    results = {p: ClusterSimulator(scenario, p, make_cluster_policy("cost-router"), capacities).replay(TRACE) for p in ("lru", "lru-session-end")}
+    results = {
+        p: ClusterSimulator(scenario, p, make_cluster_policy("cost-router"), capacities).replay(TRACE)
+        for p in ("lru", "lru-session-end")
+    }
     stats = results["lru-session-end"].extra["policy_stats"]
     assert stats["ended_not_stored"] > 0 and stats["ended_hits"] > 0
     written = {p: sum(v for k, v in r.extra["link_bytes"].items() if k.endswith("nvme_write")) for p, r in results.items()}
     assert written["lru-session-end"] < written["lru"]
     assert results["lru-session-end"].hit_tokens >= results["lru"].hit_tokens
     assert np.isfinite(results["lru-session-end"].mean_ttft_ms)
+
+
+def test_the_cluster_environment_sends_the_hints_too():
+    """A router trained over lru-session-end nodes (``kvray train --cluster --node-policy
+    lru-session-end``) learns on nodes told the hints, as the replays it is evaluated in."""
+    from kvray.rl.cluster_env import ClusterEnv
+
+    scenario = load_scenario("h100-2node-train")
+    env = ClusterEnv(TRACE, scenario, policy="lru-session-end", episode_requests=len(TRACE) // 2, warmup_requests=0)
+    env.reset(seed=0)
+    done = False
+    while not done:
+        done = env.step(np.zeros(env.action_space.shape, dtype=np.int64))[2]
+    told = [n.policy.stats() for n in env.sim.nodes]
+    assert sum(s["ended_hits"] + s["ended_not_stored"] for s in told) > 0
