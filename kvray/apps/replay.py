@@ -39,13 +39,14 @@ from kvray.core.config import FrozenModel, read_yaml, validate
 from kvray.core.errors import ClusterError, ConfigError
 from kvray.core.keys import pack_keys, trace_page_keys
 from kvray.core.tiers import TIER_BY_LABEL
+from kvray.policy import make_policy
 from kvray.policy.cluster import ClusterPolicy
 from kvray.progress import progress_bar
 from kvray.report import ReplayResult, ReplayTally, policy_stats_since
 from kvray.scenario import Scenario, TierSpec
 from kvray.sim.cost import CostModel
 from kvray.sim.simulator import fast_capacity
-from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, cacheable_pages, full_blocks, read_trace
+from kvray.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, cacheable_pages, full_blocks, read_trace, session_end_hints
 
 # What ``cluster_verbs`` counts: requests decided, served on another node than their front
 # end's, split (part of the hit recomputed), prefetched and replicated; pages of the last three
@@ -244,6 +245,10 @@ class Replay:
         """Replay ``trace``; ``on_request(i)`` runs before request ``i`` (fault injection).
         Bytes moved count this replay's only: a runtime kept up may have moved some before."""
         policy = self.runtime.config.policy if self.settings.cache else "none"
+        # each session's last request carries its client's hint where the stores' policy takes one, as in the simulator
+        hints = (
+            session_end_hints(trace, self.page_tokens) if self.settings.cache and make_policy(policy).needs_session_ends else {}
+        )
         moved_before, policy_before = self._counters()
         tally = ReplayTally(self.settings.runtime.layout.page_tokens)
         wrong_pages, lost_nodes = 0, []
@@ -252,7 +257,7 @@ class Replay:
             for i, request in enumerate(trace):
                 if on_request is not None:
                     on_request(i)
-                outcome = self._serve(i, request, lost_nodes)
+                outcome = self._serve(i, request, lost_nodes, hints.get(i, -1))
                 tally.add(outcome["tokens"], outcome["hit_tokens_by_tier"], outcome["ttft_s"] * 1e3)
                 wrong_pages += outcome["wrong_pages"]
                 compute_s += outcome["compute_s"]
@@ -280,7 +285,7 @@ class Replay:
         moved = sum(s["bytes_moved"] for s in stats.values()) + sum(snap["bytes_between_nodes"] for snap in between)
         return moved, {node: s["policy"] for node, s in stats.items()}
 
-    def _serve(self, i: int, request: TraceRequest, lost_nodes: list[str]) -> dict:
+    def _serve(self, i: int, request: TraceRequest, lost_nodes: list[str], ends_session_from: int) -> dict:
         while self.engines:
             nodes = list(self.engines)
             front = nodes[i % len(nodes)]
@@ -288,7 +293,11 @@ class Replay:
             try:
                 outcome = _bounded(
                     self.engines[node].serve.remote(
-                        list(request.hash_ids), request.input_length, arrival_ms=request.timestamp_ms, **verbs
+                        list(request.hash_ids),
+                        request.input_length,
+                        arrival_ms=request.timestamp_ms,
+                        ends_session_from=ends_session_from,
+                        **verbs,
                     ),
                     REQUEST_TIMEOUT_S,
                     f"request {i} on node {node[:12]}",

@@ -83,11 +83,13 @@ class ReplayEngine:
         prefetch: bool = False,
         replicate: Sequence[str] = (),
         arrival_ms: float | None = None,
+        ends_session_from: int = -1,
     ) -> dict:
         """Serve one request as the cluster policy decided (see the module docstring);
         returns its measured TTFT, what the cache gave it and what each verb did.
         ``arrival_ms``: the trace's arrival time, the clock the stores' policies are told
-        (as the simulator tells them; None: the stores' own clocks)."""
+        (as the simulator tells them; None: the stores' own clocks); ``ends_session_from``:
+        its client's end-of-session hint (``KvrayClient.request``)."""
         t0 = time.perf_counter()
         keys = self.client.keys_for_trace(full_blocks(hash_ids, input_length, self.page_tokens))
         if not (keys and self.cache):  # nothing to look up: every page computed, none stored
@@ -97,7 +99,11 @@ class ReplayEngine:
         with contextlib.ExitStack() as steps:
             if not prefetch:
                 steps.enter_context(self._engine)
-            r = steps.enter_context(self.client.request(keys, backlog_ms=0.0, load_pages=load_pages, arrival_ms=arrival_ms))
+            r = steps.enter_context(
+                self.client.request(
+                    keys, backlog_ms=0.0, load_pages=load_pages, arrival_ms=arrival_ms, ends_session_from=ends_session_from
+                )
+            )
             if prefetch:
                 steps.enter_context(self._engine)
             ttft, compute, wrong = self._compute(keys, r.hit, r.rows, input_length, t0)

@@ -277,7 +277,12 @@ class KvrayClient(ChainLoads, ChainStores):
     # -- a whole request ------------------------------------------------------------------------
     @contextlib.contextmanager
     def request(
-        self, keys: Sequence[int], backlog_ms: float = 0.0, load_pages: int | None = None, arrival_ms: float | None = None
+        self,
+        keys: Sequence[int],
+        backlog_ms: float = 0.0,
+        load_pages: int | None = None,
+        arrival_ms: float | None = None,
+        ends_session_from: int = -1,
     ) -> Iterator[Request]:
         """``with client.request(keys) as r:``: look up and load the cached prefix of ``keys``
         on entry; the block reads ``r.rows[:r.hit]``, computes the rest into ``r.rows[r.hit:]``
@@ -300,11 +305,15 @@ class KvrayClient(ChainLoads, ChainStores):
 
         ``arrival_ms``: when the request arrived, as the stores' policies are told (None: now,
         on each store's clock; a trace replay gives the trace's time, as the simulator does).
+        ``ends_session_from``: the client's hint that this request is its session's last and
+        that its pages from that index on are its own, shared with no other session
+        (:class:`~kvray.core.placement.RequestInfo`; -1, the default: no hint), for the
+        stores' policies (``lru-session-end`` stores none of them and lets them go first).
         """
         self._check(keys)  # before anything is pinned: the rows must fit the landing buffer
         claim = self._claim_computing(keys)
         try:
-            plan = self.lookup(keys, backlog_ms, arrival_ms=arrival_ms)
+            plan = self.lookup(keys, backlog_ms, arrival_ms=arrival_ms, ends_session_from=ends_session_from)
             if claim is not None:
                 claim = claim.narrow(keys[plan.hit_pages :])
             cut = plan.hit_pages if load_pages is None else min(max(load_pages, 0), plan.hit_pages)
@@ -369,7 +378,12 @@ class KvrayClient(ChainLoads, ChainStores):
 
     # -- lookup + pin ---------------------------------------------------------------------------
     def lookup(
-        self, keys: Sequence[int], backlog_ms: float = 0.0, route_key: int | None = None, arrival_ms: float | None = None
+        self,
+        keys: Sequence[int],
+        backlog_ms: float = 0.0,
+        route_key: int | None = None,
+        arrival_ms: float | None = None,
+        ends_session_from: int = -1,
     ) -> Plan:
         """Where the cached prefix of ``keys`` is (pinned) and where the rest goes; a request
         larger than the landing buffer (up to ``max_request_pages``) is loaded with
@@ -379,11 +393,11 @@ class KvrayClient(ChainLoads, ChainStores):
         <kvray.cluster.shards.ControllerShards.route_key>`) when that chain is longer than
         ``keys`` (an engine looks up all but the page holding the prompt's last token, and
         stores that page too): the lookup asks the shard the store commits to. None: ``keys``.
-        ``arrival_ms``: as :meth:`request` takes it."""
+        ``arrival_ms``, ``ends_session_from``: as :meth:`request` takes them."""
         self._check(keys, max(self.buffer.capacity, self.config.max_request_pages))
         self._poll_members()
         packed = pack_keys(keys)  # for the controller too: a list of 128-bit ints is serialized int by int
-        self.context.arrive(packed, backlog_ms, arrival_ms)
+        self.context.arrive(packed, backlog_ms, arrival_ms, ends_session_from)
         shard = self.shards.of(keys) if route_key is None else self.shards.owner(route_key)
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):

@@ -209,7 +209,7 @@ class NodeStore:
     def _tell(self, request: Arrival | None) -> None:
         """:meth:`_arrived` without running the queued work (which runs this one)."""
         if request is not None:
-            keys, backlog_ms, arrival_ms = request
+            keys, backlog_ms, arrival_ms, ends_from = request
             self.store.on_request(
                 RequestInfo(
                     tuple(unpack_keys(keys)),
@@ -218,6 +218,7 @@ class NodeStore:
                     arrival_ms=time.monotonic() * 1000.0 if arrival_ms is None else arrival_ms,
                     page_prefill_ms=self.config.page_prefill_ms or 0.0,
                     engines=self.config.prefill_engines,
+                    ends_session_from=ends_from,
                 )
             )
 
@@ -574,7 +575,7 @@ class NodeStore:
 def _peer(told: Told | None) -> Arrival | None:
     """A TELL's request as :meth:`NodeStore._arrived` takes it: another node's engine, whose
     backlog is not this node's (0, as a quiet node's)."""
-    return None if told is None else (told[0], 0.0, told[1])
+    return None if told is None else (told[0], 0.0, told[1], told[2])
 
 
 NodeStoreActor = ray.remote(max_restarts=STORE_RESTARTS, max_task_retries=0, max_concurrency=8, enable_tensor_transport=True)(

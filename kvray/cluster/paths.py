@@ -41,6 +41,7 @@ from kvray.cluster.protocol import Arrival, Run, Stored
 from kvray.cluster.shm import LandingBuffer
 from kvray.cluster.transfer import PeerLinks, PendingLoad, PendingStore, Told
 from kvray.core.errors import RequestError
+from kvray.core.keys import KEY_BYTES
 from kvray.core.tiers import Tier
 
 REMOTE = Tier.REMOTE.label
@@ -82,13 +83,20 @@ class PathContext:
         # write to this node's store that follows to report (the client sets it instead of a ``touch``).
         self.hits: tuple[bytes, float] | None = None
 
-    def arrive(self, keys: bytes, backlog_ms: float, arrival_ms: float | None) -> None:
+    def arrive(self, keys: bytes, backlog_ms: float, arrival_ms: float | None, ends_session_from: int = -1) -> None:
         """A request begins (its packed keys, the engine's backlog, its arrival or None for
-        now): the first call to each store carries it (:meth:`take_arrival`, :meth:`tell_peer`)."""
+        now, its client's end-of-session hint or -1): the first call to each store carries it
+        (:meth:`take_arrival`, :meth:`tell_peer`)."""
         if arrival_ms is not None and not math.isfinite(arrival_ms):
             raise RequestError(f"arrival_ms={arrival_ms} must be finite (or None: now)")
-        self.arrival = (keys, float(backlog_ms), arrival_ms)
-        self._peer_arrival = (keys, 0.0, arrival_ms)  # a peer's queue is not this engine's
+        pages = len(keys) // KEY_BYTES
+        if isinstance(ends_session_from, bool) or not isinstance(ends_session_from, int) or not -1 <= ends_session_from < pages:
+            raise RequestError(
+                f"ends_session_from={ends_session_from!r}: the first page of the session's own that this last request "
+                f"ends, 0 to {pages - 1} for its {pages} pages, or -1 (no hint)"
+            )
+        self.arrival = (keys, float(backlog_ms), arrival_ms, ends_session_from)
+        self._peer_arrival = (keys, 0.0, arrival_ms, ends_session_from)  # a peer's queue is not this engine's
         self._told.clear()
 
     def tell_peer(self, node: str) -> Arrival | None:
@@ -283,8 +291,8 @@ class TcpPath(StoreCallPath):
 
 
 def _told(arrival: Arrival | None) -> Told | None:
-    """An arrival as a TELL carries it: keys and time (a peer is told no backlog)."""
-    return None if arrival is None else (arrival[0], arrival[2])
+    """An arrival as a TELL carries it: keys, time and session-end hint (a peer is told no backlog)."""
+    return None if arrival is None else (arrival[0], arrival[2], arrival[3])
 
 
 PATHS: tuple[type[StoreCallPath], ...] = (LocalPath, TcpPath, NixlPath, CollectivePath, ObjectStorePath)

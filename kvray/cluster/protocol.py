@@ -50,7 +50,9 @@ if TYPE_CHECKING:
 
 NO_LEASE = 0  # the lease of a plan made without the controller (it was down): nothing pinned
 LOCAL_LEASE = -1  # a plan the client answered from its node's host tier alone: nothing pinned at a controller
-Arrival = tuple[bytes, float, "float | None"]  # a request as a store's policy is told of it: packed keys, backlog ms, arrival ms
+# A request as a store's policy is told of it: packed keys, backlog ms, arrival ms, the depth its
+# client says its session's own pages start at, this being its last request (RequestInfo.ends_session_from; -1: no hint)
+Arrival = tuple[bytes, float, "float | None", int]
 
 
 def new_lease() -> int:

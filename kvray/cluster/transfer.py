@@ -112,7 +112,9 @@ ACCEPT_PAUSE_S = (0.01, 1.0)  # first and longest pause after a failed accept
 WARN_EVERY_S = 10.0
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
-Told = tuple[bytes, "float | None"]  # a request as a peer's policy is told of it (TELL): packed keys, arrival ms
+Told = tuple[
+    bytes, "float | None", int
+]  # a request as a peer's policy is told of it (TELL): packed keys, arrival ms, session-end hint
 PageReader = Callable[[Sequence[int], np.ndarray, "Told | None"], int]  # (keys, out rows, told) -> pages written
 PageWriter = Callable[[Sequence[int], np.ndarray, "int | None", "RunPlace | None", "Told | None"], Stored]
 
@@ -324,18 +326,19 @@ class PageServer:
 
     # -- requests ----------------------------------------------------------------------
     def _told(self, conn: socket.socket, n: int, pending: Told | None) -> Told | None:
-        """A TELL's request (packed keys, arrival ms or None), for the LOAD or STORE after it;
-        None (the caller hangs up) when the peer closed or sent what no client sends."""
+        """A TELL's request (packed keys, arrival ms or None, session-end hint), for the LOAD or
+        STORE after it; None (the caller hangs up) when the peer closed or sent what no client sends."""
         raw = recv_bytes(conn, ARRIVAL.size + n * KEY_BYTES)
         if raw is None:
             return None
-        (arrival_ms,) = ARRIVAL.unpack_from(raw)
+        arrival_ms, ends_from = ARRIVAL.unpack_from(raw)
         wrong = "a TELL of no keys" if not n else "a second TELL in a row" if pending else ""
         wrong = wrong or (f"a TELL at {arrival_ms} ms" if math.isinf(arrival_ms) else "")
+        wrong = wrong or (f"a TELL ending its session at page {ends_from} of {n}" if not -1 <= ends_from < n else "")
         if wrong:
             log.warning("kvray page server %s: %s is not what a kvray client sends; hanging up", self.address, wrong)
             return None
-        return raw[ARRIVAL.size :], None if math.isnan(arrival_ms) else arrival_ms
+        return raw[ARRIVAL.size :], None if math.isnan(arrival_ms) else arrival_ms, ends_from
 
     def _load(self, conn: socket.socket, rows: np.ndarray, told: Told | None) -> bool:
         raw = recv_bytes(conn, len(rows) * KEY_BYTES)
@@ -426,10 +429,13 @@ def _tell(told: Told | None) -> bytes:
     no server would take (no keys, an infinite arrival), before anything is sent."""
     if told is None:
         return b""
-    keys, arrival_ms = told
+    keys, arrival_ms, ends_from = told
+    n = len(keys) // KEY_BYTES
     if not keys or len(keys) % KEY_BYTES or (arrival_ms is not None and not math.isfinite(arrival_ms)):
         raise ClusterError(f"cannot tell a peer of a request of {len(keys)} key bytes arriving at {arrival_ms} ms")
-    return REQUEST.pack(TELL, len(keys) // KEY_BYTES) + ARRIVAL.pack(math.nan if arrival_ms is None else arrival_ms) + keys
+    if not -1 <= ends_from < n:
+        raise ClusterError(f"cannot tell a peer of a request of {n} pages ending its session at page {ends_from}")
+    return REQUEST.pack(TELL, n) + ARRIVAL.pack(math.nan if arrival_ms is None else arrival_ms, ends_from) + keys
 
 
 def _count(sock: socket.socket) -> int:

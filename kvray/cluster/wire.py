@@ -45,7 +45,7 @@ REPORT = struct.Struct("<11Q")  # NodeReport.flat()
 PARENT = struct.Struct("<B16sII")  # has parent, parent key, the run's place in its request (RunPlace; 0 pages: none)
 CHECKSUM = np.dtype("<u8")
 LOAD, STORE, TELL = 1, 2, 3
-ARRIVAL = struct.Struct("<d")  # a TELL's arrival ms, NaN for none
+ARRIVAL = struct.Struct("<di")  # a TELL's arrival ms (NaN for none), its end-of-session hint (-1 for none)
 BATCH_BYTES = 1 << 20  # pages cross in batches of about this much, each hashed while the next one moves
 MAX_DROPPED = 1 << 16  # dropped keys one STORE answer carries (1 MiB); the rest go with the next
 

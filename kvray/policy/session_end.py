@@ -20,6 +20,7 @@ Example::
     from kvray.core.manager import CacheManager
     from kvray.core.placement import RequestInfo
     from kvray.core.tiers import Tier
+    from kvray.policy.session_end import SessionEndLRU
 
     policy = SessionEndLRU()
     manager = CacheManager({Tier.HOST: 64, Tier.DISK: 1024}, policy)

@@ -114,6 +114,23 @@ def test_a_request_larger_than_the_buffer_is_refused_before_anything_is_pinned(r
         pytest.fail("the block must not run")
 
 
+def test_a_session_end_hint_outside_the_request_is_refused_by_name_and_loses_nothing(runtime_and_client):
+    """``ends_session_from`` names a page of the request (or -1): anything else is refused
+    before anything is pinned, and what was stored still loads."""
+    runtime, client = runtime_and_client
+    keys = fresh_keys(client, 3)
+    with client.request(keys) as r:
+        r.store()
+    before = runtime.shards.snapshot()["lookups"]
+    for bad in (3, -2, 1.5, True):
+        with pytest.raises(RequestError, match="ends_session_from"), client.request(keys, ends_session_from=bad):
+            pytest.fail("the block must not run")
+    after = runtime.shards.snapshot()
+    assert after["lookups"] == before and after["open_leases"] == 0
+    with client.request(keys, ends_session_from=1) as r:  # a good hint: the stored pages load as before
+        assert r.hit == 3
+
+
 def test_rows_hold_exactly_the_request_and_the_block_sees_the_loaded_bytes(runtime_and_client):
     """A stored page's bytes come back in its own row, whatever the buffer held before."""
     _, client = runtime_and_client

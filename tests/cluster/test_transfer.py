@@ -183,24 +183,26 @@ def test_a_tell_reaches_the_store_with_the_request_after_it_and_only_that_one(se
     server, links, store, _ = served
     request = pack_keys([5, 6, 7, 100])
     out = np.zeros((2, PAGE), dtype=np.uint8)
-    assert links.load(server.address, [5, 6], told=(request, 1234.5)).receive(out) == 2
+    assert links.load(server.address, [5, 6], told=(request, 1234.5, -1)).receive(out) == 2
     assert np.array_equal(out[1], page_of(6))
     assert links.load(server.address, [7]).receive(out) == 1  # the same request's next run: told once
     rows = np.stack([page_of(100)])
-    assert links.store(server.address, [100], rows, parent=7, told=(request, None)).receive()[:2] == (1, 1)
+    assert links.store(server.address, [100], rows, parent=7, told=(request, None, 2)).receive()[:2] == (1, 1)
     assert store.told == [
-        ("read", [5, 6], (request, 1234.5)),
+        ("read", [5, 6], (request, 1234.5, -1)),
         ("read", [7], None),
-        ("write", [100], (request, None)),  # no arrival time: the server's clock
+        ("write", [100], (request, None, 2)),  # no arrival time: the server's clock; the session ends from page 2
     ]
 
 
 @pytest.mark.parametrize(
     ("tell", "message"),
     [
-        (struct.pack("<BId", wire.TELL, 0, 1.0), "a TELL of no keys"),
-        (struct.pack("<BId", wire.TELL, 1, float("inf")) + pack_keys([5]), "a TELL at inf ms"),
-        (2 * (struct.pack("<BId", wire.TELL, 1, 1.0) + pack_keys([5])), "a second TELL in a row"),
+        (struct.pack("<BIdi", wire.TELL, 0, 1.0, -1), "a TELL of no keys"),
+        (struct.pack("<BIdi", wire.TELL, 1, float("inf"), -1) + pack_keys([5]), "a TELL at inf ms"),
+        (2 * (struct.pack("<BIdi", wire.TELL, 1, 1.0, -1) + pack_keys([5])), "a second TELL in a row"),
+        (struct.pack("<BIdi", wire.TELL, 1, 1.0, 1) + pack_keys([5]), "a TELL ending its session at page 1 of 1"),
+        (struct.pack("<BIdi", wire.TELL, 1, 1.0, -2) + pack_keys([5]), "a TELL ending its session at page -2 of 1"),
     ],
 )
 def test_a_tell_no_client_sends_is_hung_up_on_and_nothing_stored_is_touched(served, caplog, tell, message):
@@ -220,9 +222,11 @@ def test_a_tell_no_client_sends_is_hung_up_on_and_nothing_stored_is_touched(serv
 def test_a_client_refuses_to_tell_what_no_server_takes(served):
     server, links, _, _ = served
     with pytest.raises(ClusterError, match="cannot tell a peer"):
-        links.load(server.address, [5], told=(b"", 1.0))
+        links.load(server.address, [5], told=(b"", 1.0, -1))
     with pytest.raises(ClusterError, match="cannot tell a peer"):
-        links.load(server.address, [5], told=(pack_keys([5]), float("nan")))
+        links.load(server.address, [5], told=(pack_keys([5]), float("nan"), -1))
+    with pytest.raises(ClusterError, match="cannot tell a peer"):
+        links.load(server.address, [5], told=(pack_keys([5]), 1.0, 1))
 
 
 def test_the_answer_leaves_before_the_work_after_it_and_settle_waits_for_that_work():

@@ -90,13 +90,14 @@ class ClusterReference:
         nodes = tuple(NodeView(name, free_share=dict(self.free_share[name])) for name in self.names)
         return ClusterView(nodes, page_prefill_ms=self.config.page_prefill_ms or 0.0)  # as the controller tells its policy
 
-    def serve(self, i: int, request: TraceRequest) -> None:
+    def serve(self, i: int, request: TraceRequest, ends_session_from: int = -1) -> None:
+        """Request ``i`` (``ends_session_from``: its client's end-of-session hint, as the replay sends it)."""
         keys = self.keys(request)
         if not keys:
             return
         here = self.names[i % len(self.names)]
         node = self.nodes[here]
-        self._keys, self._told = tuple(keys), set()
+        self._keys, self._told, self._ends_from = tuple(keys), set(), ends_session_from
         self._tell(here)
         if Tier.HOST in node.slots and self._in_host(here, keys) == len(keys):
             self._hit(here, keys)  # a local plan: the client read it all from its mapped host tier
@@ -121,6 +122,7 @@ class ClusterReference:
                     self.tier_cost[name],
                     page_prefill_ms=self.config.page_prefill_ms or 0.0,
                     engines=self.config.prefill_engines,
+                    ends_session_from=self._ends_from,
                 )
             )
 

@@ -31,7 +31,7 @@ from kvray.core.errors import ConfigError
 from kvray.policy.cluster import LocalFirstRing
 from kvray.scenario import load_scenario
 from kvray.sim.simulator import simulate
-from kvray.traces import read_trace
+from kvray.traces import read_trace, session_end_hints
 from tests.conftest import extra_nodes
 from tests.sim.cluster_reference import ClusterReference
 
@@ -79,8 +79,8 @@ def both(policy: str, resources: dict, prefill_us: float | None = None) -> tuple
 def test_the_policies_keep_different_pages_on_this_slice():
     """Otherwise exact agreement below would say little."""
     trace = read_trace(TRACE, limit=REQUESTS)
-    hits = {p: simulate(trace, p, load_scenario(SCENARIO)).hit_tokens for p in ("lru", "lfu", "arc")}
-    assert len(set(hits.values())) == 3 and min(hits.values()) > 0
+    hits = {p: simulate(trace, p, load_scenario(SCENARIO)).hit_tokens for p in ("lru", "lfu", "arc", "lru-session-end")}
+    assert len(set(hits.values())) == 4 and min(hits.values()) > 0
 
 
 def test_lru_hits_agree_exactly_and_mean_ttft_is_predicted(one_node):
@@ -99,32 +99,42 @@ def test_lru_hits_agree_exactly_and_mean_ttft_is_predicted(one_node):
     assert 0.8 <= ratio / slowdown <= 2.0
 
 
-@pytest.mark.parametrize("policy", ["lfu", "arc"])
+@pytest.mark.parametrize("policy", ["lfu", "arc", "lru-session-end"])
 def test_hits_agree_exactly(policy, one_node):
+    """lru-session-end too: the replay's client sends each session's end-of-session hint with
+    its last request (through ``KvrayClient.request`` to the store's policy) as the simulator
+    tells it, and the hints move the hits (2.9x LRU's on this slice)."""
     simulated, measured = both(policy, one_node, prefill_us=0.0)  # hits only: skip the prefill compute
     assert measured["hit_tokens"] == simulated["hit_tokens"] > 0
     assert measured["hit_tokens_by_tier"] == simulated["hit_tokens_by_tier"]
+    assert measured["policy_stats"] == simulated["policy_stats"]
 
 
 @pytest.mark.parametrize(
     ("nodes", "policy", "local_pages_limit"),
-    [(2, "lru", None), (2, "arc", 8), (3, "lfu", 8)],  # 8: requests over 8 pages spread by the ring
+    [(2, "lru", None), (2, "arc", 8), (3, "lfu", 8), (2, "lru-session-end", None)],  # 8: requests over 8 pages spread by the ring
 )
 def test_hits_agree_exactly_on_several_nodes(nodes, policy, local_pages_limit, three_nodes):
+    """lru-session-end: the hints reach the other node's store too, with the TCP page server's TELL."""
     resources = PAIR if nodes == 2 else TRIO
     trace = read_trace(TRACE, limit=REQUESTS)
+    hints = session_end_hints(trace, 512) if policy == "lru-session-end" else {}
     runtime = {"policy": policy, "name": f"simrun{nodes}-{policy}", "store_resources": resources}
     settings = settings_from(SCENARIO, runtime | {"local_pages_limit": local_pages_limit}, {}, {"prefill_us_per_token": 0.0})
     members = alive_nodes(resources)  # the runtime's membership order, which requests go round
     assert len(members) == nodes
     reference = ClusterReference(members, settings.runtime, LocalFirstRing())
     for i, request in enumerate(trace):
-        reference.serve(i, request)
+        reference.serve(i, request, hints.get(i, -1))
     measured = replay_on_runtime(trace, settings, progress=False).as_dict()
     assert measured["wrong_pages"] == 0
     expected = {tier: pages * 512 for tier, pages in reference.hit_pages_by_tier.items() if pages}
     assert {tier: n for tier, n in measured["hit_tokens_by_tier"].items() if n} == expected
     assert expected.get("remote", 0) > 0  # pages crossed nodes
+    if hints:  # every store's policy marked the hits it was told of as the reference's did, and evicted them alike
+        told = [node.policy.stats() for node in reference.nodes.values()]
+        for count in ("ended_hits", "ended_victims"):  # (refused stores count attempts, which the runtime splits by run)
+            assert measured["policy_stats"][count] == sum(s[count] for s in told)
 
 
 def test_the_cluster_reference_is_the_simulator_on_one_node():
