@@ -112,9 +112,8 @@ ACCEPT_PAUSE_S = (0.01, 1.0)  # first and longest pause after a failed accept
 WARN_EVERY_S = 10.0
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
-Told = tuple[
-    bytes, "float | None", int
-]  # a request as a peer's policy is told of it (TELL): packed keys, arrival ms, session-end hint
+# A request as a peer's policy is told of it (TELL): packed keys, arrival ms, session-end hint
+Told = tuple[bytes, "float | None", int]
 PageReader = Callable[[Sequence[int], np.ndarray, "Told | None"], int]  # (keys, out rows, told) -> pages written
 PageWriter = Callable[[Sequence[int], np.ndarray, "int | None", "RunPlace | None", "Told | None"], Stored]
 
