@@ -100,7 +100,7 @@ from kvray.cluster.answers import SharedAnswers
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.inflight import IN_FLIGHT, Claim
 from kvray.cluster.loading import ChainLoads
-from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathContext, PathSpeeds, StoreCallPath
+from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathContext, PathSpeeds, StoreCallPath, checked_hint
 from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Release, Request, new_lease, runs_of
 from kvray.cluster.shards import ControllerShards
 from kvray.cluster.shm import LandingBuffer
@@ -311,6 +311,7 @@ class KvrayClient(ChainLoads, ChainStores):
         stores' policies (``lru-session-end`` stores none of them and lets them go first).
         """
         self._check(keys)  # before anything is pinned: the rows must fit the landing buffer
+        checked_hint(ends_session_from, len(keys))  # and before waiting on another request's claim
         claim = self._claim_computing(keys)
         try:
             plan = self.lookup(keys, backlog_ms, arrival_ms=arrival_ms, ends_session_from=ends_session_from)

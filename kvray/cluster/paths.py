@@ -30,6 +30,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import math
+import operator
 import os
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -89,12 +90,7 @@ class PathContext:
         (:meth:`take_arrival`, :meth:`tell_peer`)."""
         if arrival_ms is not None and not math.isfinite(arrival_ms):
             raise RequestError(f"arrival_ms={arrival_ms} must be finite (or None: now)")
-        pages = len(keys) // KEY_BYTES
-        if isinstance(ends_session_from, bool) or not isinstance(ends_session_from, int) or not -1 <= ends_session_from < pages:
-            raise RequestError(
-                f"ends_session_from={ends_session_from!r}: the first page of the session's own that this last request "
-                f"ends, 0 to {pages - 1} for its {pages} pages, or -1 (no hint)"
-            )
+        ends_session_from = checked_hint(ends_session_from, len(keys) // KEY_BYTES)
         self.arrival = (keys, float(backlog_ms), arrival_ms, ends_session_from)
         self._peer_arrival = (keys, 0.0, arrival_ms, ends_session_from)  # a peer's queue is not this engine's
         self._told.clear()
@@ -288,6 +284,24 @@ class TcpPath(StoreCallPath):
 
     def finish_store(self, pending: PendingStore) -> Stored | None:
         return pending.receive()
+
+
+def checked_hint(ends_session_from: object, pages: int) -> int:
+    """A request's end-of-session hint as an int: the index of the first of the session's own
+    pages this last request ends (0 to ``pages - 1``), or -1 for none; else a RequestError
+    naming it, before the request pins or waits on anything."""
+    try:
+        if isinstance(ends_session_from, bool):
+            raise TypeError
+        hint = operator.index(ends_session_from)  # an int, a numpy integer
+    except TypeError:
+        hint = None
+    if hint is None or not -1 <= hint < pages:
+        raise RequestError(
+            f"ends_session_from={ends_session_from!r} must be an int: the first of the session's own pages this "
+            f"last request ends, 0 to {pages - 1} for its {pages} pages, or -1 (no hint)"
+        )
+    return hint
 
 
 def _told(arrival: Arrival | None) -> Told | None:

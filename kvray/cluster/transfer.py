@@ -41,14 +41,14 @@ stops sending mid-request, or stops reading its answer, is hung up on.
 
 The wire format (the handshake, each request and its answer) is in :mod:`kvray.cluster.wire`.
 
-A request's first LOAD or STORE to a peer goes after a TELL of the whole request (its keys
-and arrival), in the same send: the simulator tells a node's placement policy of each
+A request's first LOAD or STORE to a peer goes after a TELL of the whole request (its keys,
+arrival and its client's end-of-session hint), in the same send: the simulator tells a node's placement policy of each
 request whose pages it serves or stores (``_tell`` in :mod:`kvray.sim.cluster`), and so
 does the runtime through this. The server hands it to ``read`` or ``write`` with the
 request that follows; a read's store answers first and hears of it after
 (:mod:`kvray.cluster.after_answer`), so a load never waits on the policy. A TELL that is
-not what a client sends (no keys, an infinite time, a second TELL in a row) is logged and
-hung up on, as any framing error: nothing stored is touched.
+not what a client sends (no keys, an infinite time, a hint outside its pages, a second TELL
+in a row) is logged and hung up on, as any framing error: nothing stored is touched.
 
 Example::
 
@@ -65,7 +65,6 @@ import contextlib
 import errno
 import hmac
 import logging
-import math
 import secrets
 import socket
 import time
@@ -95,11 +94,14 @@ from kvray.cluster.wire import (
     STORE,
     TELL,
     TOKEN_BYTES,
+    Told,
     WireError,
+    pack_tell,
     proof,
     recv_bytes,
     recv_pages,
     send_pages,
+    unpack_tell,
     verified,
 )
 from kvray.core.errors import ClusterError
@@ -112,8 +114,6 @@ ACCEPT_PAUSE_S = (0.01, 1.0)  # first and longest pause after a failed accept
 WARN_EVERY_S = 10.0
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
-# A request as a peer's policy is told of it (TELL): packed keys, arrival ms, session-end hint
-Told = tuple[bytes, "float | None", int]
 PageReader = Callable[[Sequence[int], np.ndarray, "Told | None"], int]  # (keys, out rows, told) -> pages written
 PageWriter = Callable[[Sequence[int], np.ndarray, "int | None", "RunPlace | None", "Told | None"], Stored]
 
@@ -330,14 +330,11 @@ class PageServer:
         raw = recv_bytes(conn, ARRIVAL.size + n * KEY_BYTES)
         if raw is None:
             return None
-        arrival_ms, ends_from = ARRIVAL.unpack_from(raw)
-        wrong = "a TELL of no keys" if not n else "a second TELL in a row" if pending else ""
-        wrong = wrong or (f"a TELL at {arrival_ms} ms" if math.isinf(arrival_ms) else "")
-        wrong = wrong or (f"a TELL ending its session at page {ends_from} of {n}" if not -1 <= ends_from < n else "")
-        if wrong:
-            log.warning("kvray page server %s: %s is not what a kvray client sends; hanging up", self.address, wrong)
+        told = "a second TELL in a row" if pending else unpack_tell(raw, n)
+        if isinstance(told, str):
+            log.warning("kvray page server %s: %s is not what a kvray client sends; hanging up", self.address, told)
             return None
-        return raw[ARRIVAL.size :], None if math.isnan(arrival_ms) else arrival_ms, ends_from
+        return told
 
     def _load(self, conn: socket.socket, rows: np.ndarray, told: Told | None) -> bool:
         raw = recv_bytes(conn, len(rows) * KEY_BYTES)
@@ -424,17 +421,8 @@ class _Pending:
 
 
 def _tell(told: Told | None) -> bytes:
-    """The TELL that goes before a request (nothing for None); a ClusterError for a request
-    no server would take (no keys, an infinite arrival), before anything is sent."""
-    if told is None:
-        return b""
-    keys, arrival_ms, ends_from = told
-    n = len(keys) // KEY_BYTES
-    if not keys or len(keys) % KEY_BYTES or (arrival_ms is not None and not math.isfinite(arrival_ms)):
-        raise ClusterError(f"cannot tell a peer of a request of {len(keys)} key bytes arriving at {arrival_ms} ms")
-    if not -1 <= ends_from < n:
-        raise ClusterError(f"cannot tell a peer of a request of {n} pages ending its session at page {ends_from}")
-    return REQUEST.pack(TELL, n) + ARRIVAL.pack(math.nan if arrival_ms is None else arrival_ms, ends_from) + keys
+    """The TELL that goes before a request (nothing for None: :func:`~kvray.cluster.wire.pack_tell`)."""
+    return b"" if told is None else pack_tell(told)
 
 
 def _count(sock: socket.socket) -> int:

@@ -8,10 +8,11 @@ from what each end does with a request.
 Wire format, little-endian, requests pipelined on a connection, answers in order::
 
     handshake  client -> server   c (32-byte nonce)
-               server -> client   s (32-byte nonce), HMAC(token, "kvray page server" c s)
-               client -> server   HMAC(token, "kvray page client" c s)
+               server -> client   s (32-byte nonce), HMAC(token, "kvray page server v2" c s)
+               client -> server   HMAC(token, "kvray page client v2" c s)
     requests   client -> server   u8 op, u32 n (<= max_pages), and
-                                    TELL:  f64 arrival ms (NaN: the server's clock), n (>= 1) x 16-byte
+                                    TELL:  f64 arrival ms (NaN: the server's clock), i32 end-of-session
+                                           hint (-1: none, else 0 <= h < n), n (>= 1) x 16-byte
                                            keys of the request; no answer, and the next request on
                                            the link must be its LOAD or STORE
                                     LOAD:  n x 16-byte keys
@@ -27,6 +28,7 @@ Wire format, little-endian, requests pipelined on a connection, answers in order
 from __future__ import annotations
 
 import hmac
+import math
 import socket
 import struct
 import time
@@ -35,10 +37,15 @@ from collections.abc import Iterator
 import numpy as np
 import xxhash
 
+from kvray.core.errors import ClusterError
+from kvray.core.keys import KEY_BYTES
+
 TOKEN_BYTES = 32
 NONCE_BYTES = 32
 PROOF_BYTES = 32  # HMAC-SHA256
-SERVER_PROOF, CLIENT_PROOF = b"kvray page server", b"kvray page client"
+# The proofs name the format's version: a peer framing another version fails the handshake
+# instead of misreading a request (v2: a TELL carries the end-of-session hint).
+SERVER_PROOF, CLIENT_PROOF = b"kvray page server v2", b"kvray page client v2"
 REQUEST = struct.Struct("<BI")  # op, pages
 COUNT = struct.Struct("<I")
 REPORT = struct.Struct("<11Q")  # NodeReport.flat()
@@ -48,6 +55,36 @@ LOAD, STORE, TELL = 1, 2, 3
 ARRIVAL = struct.Struct("<di")  # a TELL's arrival ms (NaN for none), its end-of-session hint (-1 for none)
 BATCH_BYTES = 1 << 20  # pages cross in batches of about this much, each hashed while the next one moves
 MAX_DROPPED = 1 << 16  # dropped keys one STORE answer carries (1 MiB); the rest go with the next
+
+
+# A request as a peer's policy is told of it (TELL): packed keys, arrival ms (None: the server's
+# clock), its client's end-of-session hint (RequestInfo.ends_session_from; -1: none)
+Told = tuple[bytes, "float | None", int]
+
+
+def pack_tell(told: Told) -> bytes:
+    """The TELL that goes before a request; a ClusterError for a request no server would take
+    (no keys, an infinite arrival, a hint outside its pages), before anything is sent."""
+    keys, arrival_ms, ends_from = told
+    n = len(keys) // KEY_BYTES
+    if not keys or len(keys) % KEY_BYTES or (arrival_ms is not None and not math.isfinite(arrival_ms)):
+        raise ClusterError(f"cannot tell a peer of a request of {len(keys)} key bytes arriving at {arrival_ms} ms")
+    if not -1 <= ends_from < n:
+        raise ClusterError(f"cannot tell a peer of a request of {n} pages ending its session at page {ends_from}")
+    return REQUEST.pack(TELL, n) + ARRIVAL.pack(math.nan if arrival_ms is None else arrival_ms, ends_from) + keys
+
+
+def unpack_tell(raw: bytes, n: int) -> Told | str:
+    """A TELL's body (``ARRIVAL`` and ``n`` keys) as the request it tells of, or what is wrong
+    with it (what no kvray client sends)."""
+    arrival_ms, ends_from = ARRIVAL.unpack_from(raw)
+    if not n:
+        return "a TELL of no keys"
+    if math.isinf(arrival_ms):
+        return f"a TELL at {arrival_ms} ms"
+    if not -1 <= ends_from < n:
+        return f"a TELL ending its session at page {ends_from} of {n}"
+    return raw[ARRIVAL.size :], None if math.isnan(arrival_ms) else arrival_ms, ends_from
 
 
 class WireError(OSError):

@@ -338,7 +338,11 @@ class CacheManager:
             handle = index.handle_of(key)
             if handle is None:
                 ctx = PageContext(
-                    depth=first_depth + depth, request_pages=request_pages or len(keys), priority=priority, tenant=tenant
+                    depth=first_depth + depth,
+                    request_pages=request_pages or len(keys),
+                    priority=priority,
+                    tenant=tenant,
+                    key=key,
                 )
                 tier = self.admit(ctx)
                 if tier is None or not self._budget_allows(tier):

@@ -74,12 +74,14 @@ class RequestInfo:
 
 @dataclass(frozen=True)
 class PageContext:
-    """What is known online about a page being stored."""
+    """What is known online about a page being stored (``key``: its key, where the caller has
+    it, so a policy told of pages by key, as by an end-of-session hint, knows the page)."""
 
     depth: int
     request_pages: int
     priority: int = 0
     tenant: str = ""
+    key: int | None = None
 
 
 class RunPlace(NamedTuple):

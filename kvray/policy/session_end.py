@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import ClassVar
 
 import numpy as np
 
@@ -44,39 +45,54 @@ class SessionEndLRU(LRUPolicy):
 
     name = "lru-session-end"
     needs_session_ends = True
+    # Own pages told and not yet seen here, by key: a request's hint holds until its pages are
+    # hit or stored, whatever other requests a store serves meanwhile (a runtime store serves
+    # several at once); bounded, as pages a hint names may be served by other nodes only.
+    told_keys_kept: ClassVar[int] = 1 << 16
 
     def bind(self, index: PrefixIndex, capacities: Mapping[Tier, int]) -> None:
         super().bind(index, capacities)
         self._ended: dict[Tier, OrderedDict[int, None]] = {t: OrderedDict() for t in Tier}
-        self._own_from = -1  # the request being served: the depth its own, ended pages start at
+        self._told: OrderedDict[int, None] = OrderedDict()
+        self._moving: tuple[int, int] | None = None  # an ended page between its two tiers: (handle, key)
         self._ended_hits = self._refused = self._taken = 0
 
     def on_request(self, info: RequestInfo) -> None:
-        self._own_from = info.ends_session_from
+        if info.ends_session_from < 0:
+            return
+        told = self._told
+        for key in info.keys[info.ends_session_from :]:
+            told[key] = None
+        while len(told) > self.told_keys_kept:
+            told.popitem(last=False)
 
     def admit(self, ctx: PageContext) -> Tier | None:
-        if 0 <= self._own_from <= ctx.depth:
+        self._moving = None  # a store, not the second half of a move
+        if ctx.key is not None and self._told.pop(ctx.key, 0) is None:  # a session's own page, after its last request
             self._refused += 1
             return None
         return super().admit(ctx)
 
     def on_access(self, handles: np.ndarray) -> None:
         super().on_access(handles)
-        ended, tier_of = self._ended, self._tier_of
-        if self._own_from < 0:
-            for h in handles.tolist():
-                ended[tier_of[h]].pop(h, None)  # read again: whatever a hint said, it is live
-            return
-        for h, depth in zip(reversed(handles.tolist()), reversed(self.index.depth[handles].tolist())):  # tail first
-            if depth >= self._own_from:
+        ended, tier_of, told, key_of = self._ended, self._tier_of, self._told, self.index.key_of
+        for h in reversed(handles.tolist()):  # the tail first, as it should leave
+            if told and told.pop(key_of(h), 0) is None:
                 ended[tier_of[h]][h] = None  # its session's last read
                 self._ended_hits += 1
             else:
-                ended[tier_of[h]].pop(h, None)
+                ended[tier_of[h]].pop(h, None)  # read again: whatever a hint said, it is live
+
+    def on_insert(self, handle: int, tier: Tier) -> None:
+        super().on_insert(handle, tier)
+        if self._moving is not None and self._moving == (handle, self.index.key_of(handle)):
+            self._ended[tier][handle] = None  # moved, not read: still ended
+        self._moving = None
 
     def on_remove(self, handle: int, tier: Tier) -> None:
         super().on_remove(handle, tier)
-        self._ended[tier].pop(handle, None)
+        ended = self._ended[tier].pop(handle, 0) is None
+        self._moving = (handle, self.index.key_of(handle)) if ended else None
 
     def victim(self, tier: Tier) -> int | None:
         ended = self._first_unpinned(self._ended[tier])
@@ -89,5 +105,6 @@ class SessionEndLRU(LRUPolicy):
         return None if handle in self._ended[tier] else super().demote_target(handle, tier)
 
     def stats(self) -> dict[str, int]:
-        """Hits on pages their session ended with, its new pages not stored, ended pages evicted."""
-        return {"ended_hits": self._ended_hits, "ended_not_stored": self._refused, "ended_victims": self._taken}
+        """Hits on a session's own pages by its last request, stores of its new ones refused
+        (a chain's store stops at its first refused page), ended pages evicted."""
+        return {"ended_hits": self._ended_hits, "ended_stores_refused": self._refused, "ended_victims": self._taken}

@@ -50,7 +50,7 @@ from kvray.rl.env import PausedReplay
 from kvray.scenario import Scenario
 from kvray.sim.cluster import ClusterSimulator
 from kvray.sim.node import node_capacities
-from kvray.traces import TraceRequest
+from kvray.traces import TraceRequest, session_end_hints
 
 
 class ClusterEnv(gym.Env):
@@ -85,6 +85,8 @@ class ClusterEnv(gym.Env):
         self.engine_weight = engine_weight
         probe = ClusterSimulator(scenario, policy, None, self.capacities)
         self.reward_unit_ms = float(np.mean([probe.nodes[0].cost.prefill_ms(r.input_length) for r in self.trace]))
+        # the clients' end-of-session hints, where the nodes' policy takes them (as in a replay)
+        self.session_ends = session_end_hints(self.trace, probe.block_tokens) if probe.takes_session_ends else {}
         self.observation_space = gym.spaces.Box(-CLIP, CLIP, (observation_size(),), np.float32)
         self.action_space = gym.spaces.MultiDiscrete([size for _, size in ACTION_HEADS])
         self._episode: PausedReplay | None = None
@@ -95,7 +97,7 @@ class ClusterEnv(gym.Env):
         self.close()
         self.router = ResidualRouter()  # the cost router while the caches warm up
         self.sim = ClusterSimulator(self.scenario, self.policy, self.router, self.capacities)
-        self.sim.hint_session_ends(self.trace)
+        self.sim.session_ends = self.session_ends
         start = int(self.np_random.integers(0, len(self.trace) - self.episode_requests + 1))
         for i in range(max(0, start - self.warmup_requests), start):
             self.sim.serve(self.trace[i], index=i)

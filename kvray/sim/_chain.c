@@ -166,8 +166,8 @@ static long store_pages(State *s, PyObject *keys, PyObject *write, long parent, 
         if (PyErr_Occurred()) return ERR;
         PyObject *ctx = NULL;
         int context = s->generic && (s->reuse == NULL || PyList_GET_SIZE(s->reuse->admitted)); /* reuse's: for advisors only */
-        if (context) { /* CacheManager.admit(PageContext(depth, request_pages, 0, tenant)) */
-            PyObject *args = Py_BuildValue("(nniO)", depth, PySequence_Fast_GET_SIZE(keys), 0, s->tenant);
+        if (context) { /* CacheManager.admit(PageContext(depth, request_pages, 0, tenant, key)) */
+            PyObject *args = Py_BuildValue("(nniOO)", depth, PySequence_Fast_GET_SIZE(keys), 0, s->tenant, key);
             ctx = args == NULL ? NULL : PyObject_Call(PageContextType, args, NULL);
             Py_XDECREF(args);
             if (ctx == NULL) return ERR;

@@ -120,7 +120,9 @@ class ClusterSimulator:
         self._view: ClusterView | None = None
         self._view_at = -np.inf
         self._paths: dict[tuple[int, int, Tier, Tier | None], tuple[Link, ...]] = {}
-        self._session_ends: dict[int, int] = {}  # request index -> its end-of-session hint (replay sets them)
+        # request index -> its client's end-of-session hint (RequestInfo.ends_session_from), for
+        # the requests served by their index: replay sets it, a caller serving one by one may
+        self.session_ends: dict[int, int] = {}
         self._disk_budgets: dict[str, float | None] = {}  # node -> the policy's NVMe write budget, as last set
         # node -> pages the replicate verb stored there (the runtime's cluster_verbs.replicated_pages_by_node)
         self.replicated_pages: dict[str, int] = {}
@@ -216,7 +218,7 @@ class ClusterSimulator:
                 view.keys, self.names[at], tuple(self.names[h] for h in hits), view.session, self.hit_tiers(view.keys, hits)
             )
         keys, node = view.keys, self.nodes[at]
-        info = self._request_info(node, keys, now, future, index, self._session_ends.get(index, -1))
+        info = self._request_info(node, keys, now, future, index, self.session_ends.get(index, -1))
         node.policy.on_request(info)
         told = {at}
         prefix = self._prefix(view, at)  # per node holding prefix pages: its handles, root first
@@ -409,12 +411,10 @@ class ClusterSimulator:
             if stored := node.store_chain(view.keys, copy, tenant=tenant, stop=hits):
                 self.replicated_pages[name] = self.replicated_pages.get(name, 0) + stored
 
-    def hint_session_ends(self, trace: Sequence[TraceRequest], futures: Sequence[np.ndarray] | None = None) -> None:
-        """Have the clients of ``trace`` send their end-of-session hints
-        (:func:`kvray.traces.session_end_hints`) with the requests served by their index in
-        it, where a node's policy takes them (``needs_session_ends``); :meth:`replay` does."""
-        if any(n.policy.needs_session_ends for n in self.nodes):
-            self._session_ends = session_end_hints(trace, self.block_tokens, futures)
+    @property
+    def takes_session_ends(self) -> bool:
+        """Whether a node's policy takes the clients' end-of-session hints (``needs_session_ends``)."""
+        return any(n.policy.needs_session_ends for n in self.nodes)
 
     # -- replay --------------------------------------------------------------------------
     def replay(
@@ -426,7 +426,8 @@ class ClusterSimulator:
         """Serve every request in order; the first ``warmup_requests`` fill the cache unmeasured."""
         needs_future = any(n.policy.needs_future for n in self.nodes)
         futures = next_uses(trace) if needs_future else None
-        self.hint_session_ends(trace, futures)
+        if self.takes_session_ends:  # each session's last request carries its client's hint
+            self.session_ends = session_end_hints(trace, self.block_tokens, futures)
         tally = ReplayTally(self.block_tokens)
         links = self.links
         base = self._counters(links)

@@ -122,12 +122,12 @@ def test_a_session_end_hint_outside_the_request_is_refused_by_name_and_loses_not
     with client.request(keys) as r:
         r.store()
     before = runtime.shards.snapshot()["lookups"]
-    for bad in (3, -2, 1.5, True):
+    for bad in (3, -2, 1.5, True, "1"):
         with pytest.raises(RequestError, match="ends_session_from"), client.request(keys, ends_session_from=bad):
             pytest.fail("the block must not run")
     after = runtime.shards.snapshot()
     assert after["lookups"] == before and after["open_leases"] == 0
-    with client.request(keys, ends_session_from=1) as r:  # a good hint: the stored pages load as before
+    with client.request(keys, ends_session_from=np.int64(1)) as r:  # a good hint (any integer): the pages load as before
         assert r.hit == 3
 
 

@@ -133,6 +133,7 @@ def test_hits_agree_exactly_on_several_nodes(nodes, policy, local_pages_limit, t
     assert expected.get("remote", 0) > 0  # pages crossed nodes
     if hints:  # every store's policy marked the hits it was told of as the reference's did, and evicted them alike
         told = [node.policy.stats() for node in reference.nodes.values()]
+        assert all(s["ended_hits"] > 0 for s in told)  # on each node, so the peer's came with a TELL
         for count in ("ended_hits", "ended_victims"):  # (refused stores count attempts, which the runtime splits by run)
             assert measured["policy_stats"][count] == sum(s[count] for s in told)
 
