@@ -42,9 +42,9 @@ stops sending mid-request, or stops reading its answer, is hung up on.
 The wire format (the handshake, each request and its answer) is in :mod:`kvray.cluster.wire`.
 
 A request's first LOAD or STORE to a peer goes after a TELL of the whole request (its keys,
-arrival and its client's end-of-session hint), in the same send: the simulator tells a node's placement policy of each
-request whose pages it serves or stores (``_tell`` in :mod:`kvray.sim.cluster`), and so
-does the runtime through this. The server hands it to ``read`` or ``write`` with the
+arrival and its client's end-of-session hint), in the same send: the simulator tells a
+node's placement policy of each request whose pages it serves or stores (``_tell`` in
+:mod:`kvray.sim.cluster`), and so does the runtime through this. The server hands it to ``read`` or ``write`` with the
 request that follows; a read's store answers first and hears of it after
 (:mod:`kvray.cluster.after_answer`), so a load never waits on the policy. A TELL that is
 not what a client sends (no keys, an infinite time, a hint outside its pages, a second TELL
@@ -420,11 +420,6 @@ class _Pending:
             return None
 
 
-def _tell(told: Told | None) -> bytes:
-    """The TELL that goes before a request (nothing for None: :func:`~kvray.cluster.wire.pack_tell`)."""
-    return b"" if told is None else pack_tell(told)
-
-
 def _count(sock: socket.socket) -> int:
     head = recv_bytes(sock, COUNT.size)
     if head is None:
@@ -544,7 +539,7 @@ class PeerLinks:
     def load(self, address: tuple[str, int], keys: Sequence[int], told: Told | None = None) -> PendingLoad:
         """Ask for the cached prefix of ``keys`` (after a TELL of ``told``: the request's
         first call to this peer); :meth:`PendingLoad.receive` reads the answer."""
-        request = _tell(told) + REQUEST.pack(LOAD, len(keys)) + pack_keys(keys)
+        request = pack_tell(told) + REQUEST.pack(LOAD, len(keys)) + pack_keys(keys)
         link = self._send(address, lambda sock: sock.sendall(request))
         if link is not None:
             link.unsettled = True
@@ -573,7 +568,7 @@ class PeerLinks:
         pages = np.ascontiguousarray(pages)
         first_depth, request_pages = place or (0, 0)
         parent_key = (parent or 0).to_bytes(KEY_BYTES, "little")
-        head = _tell(told) + REQUEST.pack(STORE, len(keys))
+        head = pack_tell(told) + REQUEST.pack(STORE, len(keys))
         head += PARENT.pack(parent is not None, parent_key, first_depth, request_pages)
 
         def write(sock: socket.socket) -> None:

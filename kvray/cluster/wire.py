@@ -62,9 +62,11 @@ MAX_DROPPED = 1 << 16  # dropped keys one STORE answer carries (1 MiB); the rest
 Told = tuple[bytes, "float | None", int]
 
 
-def pack_tell(told: Told) -> bytes:
-    """The TELL that goes before a request; a ClusterError for a request no server would take
-    (no keys, an infinite arrival, a hint outside its pages), before anything is sent."""
+def pack_tell(told: Told | None) -> bytes:
+    """The TELL that goes before a request (nothing for None); a ClusterError for a request no
+    server would take (no keys, an infinite arrival, a hint outside its pages), before anything is sent."""
+    if told is None:
+        return b""
     keys, arrival_ms, ends_from = told
     n = len(keys) // KEY_BYTES
     if not keys or len(keys) % KEY_BYTES or (arrival_ms is not None and not math.isfinite(arrival_ms)):

@@ -4,9 +4,9 @@
 (``lru``, ``lfu``, ``arc``, ``wfq``, ``threshold``, ``lecar``, ``s3fifo``, ``sieve``, ``selective-write``,
 ``experts`` (follows whichever of
 lru, arc and threshold does best on shadow caches of the same workload), ``belady`` (evaluation only: the
-simulator feeds it the future), ``rl`` (the shipped trained selector), ``lru-session-end`` (LRU told its clients' end-of-session
-hints: a session's own pages are not stored by its last request, and go first, unwritten,
-:mod:`kvray.policy.session_end`); ``rl:PATH`` loads a
+simulator feeds it the future), ``rl`` (the shipped trained selector), ``lru-session-end``
+(LRU told its clients' end-of-session hints: a session's own pages are not stored by its
+last request, and go first, unwritten, :mod:`kvray.policy.session_end`); ``rl:PATH`` loads a
 trained policy file; ``reuse`` (the per-page learned policy: LRU's, a decayed-frequency heap's and a never-read
 FIFO's oldest pages re-ranked by a reuse model imitating Belady, :mod:`kvray.policy.reuse`), ``reuse:PATH`` a trained reuse model, ``reuse-cluster:PATH`` one trained on cluster replays (``kvray train-reuse --cluster``, promotion as its card says); ``package.module:Class`` an importable policy class).
 Unknown names raise :class:`kvray.core.errors.PolicyError` listing the known ones.

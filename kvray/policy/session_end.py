@@ -68,20 +68,27 @@ class SessionEndLRU(LRUPolicy):
 
     def admit(self, ctx: PageContext) -> Tier | None:
         self._moving = None  # a store, not the second half of a move
-        if ctx.key is not None and self._told.pop(ctx.key, 0) is None:  # a session's own page, after its last request
+        if ctx.key is not None and self._take_told(ctx.key):  # a session's own page, after its last request
             self._refused += 1
             return None
         return super().admit(ctx)
 
     def on_access(self, handles: np.ndarray) -> None:
         super().on_access(handles)
-        ended, tier_of, told, key_of = self._ended, self._tier_of, self._told, self.index.key_of
+        ended, tier_of, key_of = self._ended, self._tier_of, self.index.key_of
         for h in reversed(handles.tolist()):  # the tail first, as it should leave
-            if told and told.pop(key_of(h), 0) is None:
+            if self._told and self._take_told(key_of(h)):
                 ended[tier_of[h]][h] = None  # its session's last read
                 self._ended_hits += 1
             else:
                 ended[tier_of[h]].pop(h, None)  # read again: whatever a hint said, it is live
+
+    def _take_told(self, key: int) -> bool:
+        """Whether a hint named ``key`` (and forget it: a hint is used once, by a hit or a store)."""
+        if key not in self._told:
+            return False
+        del self._told[key]
+        return True
 
     def on_insert(self, handle: int, tier: Tier) -> None:
         super().on_insert(handle, tier)
@@ -91,8 +98,9 @@ class SessionEndLRU(LRUPolicy):
 
     def on_remove(self, handle: int, tier: Tier) -> None:
         super().on_remove(handle, tier)
-        ended = self._ended[tier].pop(handle, 0) is None
-        self._moving = (handle, self.index.key_of(handle)) if ended else None
+        ended = self._ended[tier]
+        self._moving = (handle, self.index.key_of(handle)) if handle in ended else None
+        ended.pop(handle, None)
 
     def victim(self, tier: Tier) -> int | None:
         ended = self._first_unpinned(self._ended[tier])

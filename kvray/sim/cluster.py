@@ -439,7 +439,7 @@ class ClusterSimulator:
             if i % ADVANCE_EVERY == 0:
                 for link in links:
                     link.advance(request.timestamp_ms)
-            hit_tiers, ttft = self.serve(request, futures[i] if needs_future else None, i)
+            hit_tiers, ttft = self.serve(request, None if futures is None else futures[i], i)
             if i >= warmup_requests:
                 tally.record(request, hit_tiers, ttft)
                 last_end = max(last_end, request.timestamp_ms + ttft)
