@@ -6,7 +6,8 @@
 lru, arc and threshold does best on shadow caches of the same workload), ``belady`` (evaluation only: the
 simulator feeds it the future), ``rl`` (the shipped trained selector), ``lru-session-end``
 (LRU told its clients' end-of-session hints: a session's own pages are not stored by its
-last request, and go first, unwritten, :mod:`kvray.policy.session_end`); ``rl:PATH`` loads a
+last request, and go first, unwritten, :mod:`kvray.policy.session_end`; ``reuse-session-end``
+the per-page learned policy told them); ``rl:PATH`` loads a
 trained policy file; ``reuse`` (the per-page learned policy: LRU's, a decayed-frequency heap's and a never-read
 FIFO's oldest pages re-ranked by a reuse model imitating Belady, :mod:`kvray.policy.reuse`), ``reuse:PATH`` a trained reuse model, ``reuse-cluster:PATH`` one trained on cluster replays (``kvray train-reuse --cluster``, promotion as its card says); ``package.module:Class`` an importable policy class).
 Unknown names raise :class:`kvray.core.errors.PolicyError` listing the known ones.
@@ -26,18 +27,24 @@ from kvray.policy.lfu import LFUPolicy
 from kvray.policy.promote import promoting
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.policy.selective import SelectiveWritePolicy
-from kvray.policy.session_end import SessionEndLRU
+from kvray.policy.session_end import SessionEndLRU, ending_sessions
 from kvray.policy.sieve import SievePolicy
 from kvray.policy.threshold import ThresholdPolicy
 from kvray.policy.wfq import WFQPolicy
 
 
 def _reuse(
-    path: str | None = None, refit: bool = False, disk_gate: bool = False, promote: str = "model", hand_over: bool = False
+    path: str | None = None,
+    refit: bool = False,
+    disk_gate: bool = False,
+    promote: str = "model",
+    hand_over: bool = False,
+    session_ends: bool = False,
 ) -> PlacementPolicy:
     from kvray.policy.reuse import ReusePolicy  # loads weights; kept out of plain imports
 
-    return ReusePolicy.load(path or None, refit=refit, disk_gate=disk_gate, promote=promote, hand_over=hand_over)
+    policy = ending_sessions(ReusePolicy) if session_ends else ReusePolicy
+    return policy.load(path or None, refit=refit, disk_gate=disk_gate, promote=promote, hand_over=hand_over)
 
 
 def _reuse_cluster(path: str) -> PlacementPolicy:
@@ -77,6 +84,8 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "reuse-handover": lambda: _reuse(hand_over=True),
     # LRU told the clients' end-of-session hints (kvray.policy.session_end)
     "lru-session-end": SessionEndLRU,
+    # ... and the per-page learned policy told them (its ranking for every page no hint names)
+    "reuse-session-end": lambda: _reuse(session_ends=True),
 }
 
 
@@ -86,7 +95,8 @@ def register(name: str, factory: Callable[[], PlacementPolicy]) -> None:
 
 def make_policy(name: str) -> PlacementPolicy:
     """A policy by registered name; ``rl:PATH`` loads a trained policy from ``PATH``
-    (``reuse:PATH`` a reuse model, ``reuse-cluster:PATH`` one trained on cluster replays);
+    (``reuse:PATH`` a reuse model, ``reuse-session-end:PATH`` one told the end-of-session hints,
+    ``reuse-cluster:PATH`` one trained on cluster replays);
     ``package.module:Class`` builds an importable one (:mod:`kvray.policy.plugin`)."""
     from kvray.policy.plugin import is_import_path, policy_class
 
@@ -94,6 +104,8 @@ def make_policy(name: str) -> PlacementPolicy:
         return _rl(name[3:])
     if name.startswith("reuse:"):
         return _reuse(name[6:])
+    if name.startswith("reuse-session-end:"):
+        return _reuse(name[18:], session_ends=True)
     if name.startswith("reuse-cluster:"):
         return _reuse_cluster(name[14:])
     if is_import_path(name):

@@ -1,15 +1,18 @@
-"""End-of-session hints: which requests carry one, and what lru-session-end does with it."""
+"""End-of-session hints: which requests carry one, and what lru-session-end and reuse-session-end do with them."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvray.core.manager import CacheManager
 from kvray.core.placement import RequestInfo
 from kvray.core.tiers import Tier
+from kvray.policy import make_policy
 from kvray.policy.cluster import make_cluster_policy
 from kvray.policy.promote import promoting
-from kvray.policy.session_end import SessionEndLRU
+from kvray.policy.reuse import ReusePolicy
+from kvray.policy.session_end import SessionEndLRU, ending_sessions
 from kvray.scenario import load_scenario
 from kvray.sim.cluster import ClusterSimulator
 from kvray.sim.node import node_capacities
@@ -38,23 +41,37 @@ def test_each_sessions_last_request_names_exactly_its_own_pages():
         assert own_from == 0 or keys[own_from - 1] in later
 
 
-def test_without_hints_it_replays_as_lru_to_the_bit():
-    """The policy adds nothing but what the hints say: told none, every figure is LRU's."""
+@pytest.mark.parametrize("rule", ["lru", "reuse"])
+def test_without_hints_it_replays_as_its_rule_to_the_bit(rule):
+    """The hints' part adds nothing but what the hints say: told none, every figure is the
+    rule's (LRU's; the learned policy's, its own counters included)."""
+    told = type(make_policy(f"{rule}-session-end"))
 
-    class Untold(SessionEndLRU):
+    class Untold(told):  # type: ignore[valid-type, misc]
         needs_session_ends = False
+
+    def untold():
+        return Untold.load() if issubclass(Untold, ReusePolicy) else Untold()
 
     scenario = load_scenario("h100-4node-skewed")
     capacities = node_capacities(scenario, TRACE, 0.05)
-    lru, untold = (
-        ClusterSimulator(scenario, p, make_cluster_policy("cost-router"), capacities).replay(TRACE) for p in ("lru", Untold)
+    plain, hintless = (
+        ClusterSimulator(scenario, p, make_cluster_policy("cost-router"), capacities).replay(TRACE) for p in (rule, untold)
     )
-    assert (untold.mean_ttft_ms, untold.hit_tokens, untold.bytes_moved) == (lru.mean_ttft_ms, lru.hit_tokens, lru.bytes_moved)
-    assert untold.extra["link_bytes"] == lru.extra["link_bytes"]
+    assert (hintless.mean_ttft_ms, hintless.hit_tokens, hintless.bytes_moved) == (
+        plain.mean_ttft_ms,
+        plain.hit_tokens,
+        plain.bytes_moved,
+    )
+    assert hintless.extra["link_bytes"] == plain.extra["link_bytes"]
+    stats = hintless.extra["policy_stats"]
+    assert {k: v for k, v in stats.items() if not k.startswith("ended")} == plain.extra["policy_stats"]
+    assert stats.get("ended_hits", 0) == stats.get("ended_stores_refused", 0) == 0
 
 
-def test_a_sessions_last_request_stores_none_of_its_own_pages_and_they_leave_first_unwritten():
-    policy = SessionEndLRU()
+@pytest.mark.parametrize("policy", [SessionEndLRU, lambda: ending_sessions(ReusePolicy).load()], ids=["lru", "reuse"])
+def test_a_sessions_last_request_stores_none_of_its_own_pages_and_they_leave_first_unwritten(policy):
+    policy = policy()
     manager = CacheManager({Tier.HOST: 4, Tier.DISK: 8}, policy)
     written: list[int] = []
 
@@ -68,7 +85,8 @@ def test_a_sessions_last_request_stores_none_of_its_own_pages_and_they_leave_fir
     policy.on_request(RequestInfo(keys=(5, 6, 7)))
     assert manager.store_chain([5, 6, 7], mover) == 3  # the host tier is full: the ended pages made room
     assert {1, 5, 6, 7} == set(manager.index.keys()) and not written  # dropped, not written to disk
-    assert policy.stats() == {"ended_hits": 2, "ended_stores_refused": 1, "ended_victims": 2}
+    told = {k: v for k, v in policy.stats().items() if k.startswith("ended")}
+    assert told == {"ended_hits": 2, "ended_stores_refused": 1, "ended_victims": 2}
 
 
 def test_a_hint_holds_for_its_own_pages_whatever_requests_come_between():
@@ -151,3 +169,31 @@ def test_the_cluster_environment_sends_the_hints_too():
         done = env.step(np.zeros(env.action_space.shape, dtype=np.int64))[2]
     told = [n.policy.stats() for n in env.sim.nodes]
     assert sum(s["ended_hits"] + s["ended_stores_refused"] for s in told) > 0
+
+
+def test_the_learned_policy_told_the_hints_writes_less_and_hits_more_than_untold():
+    """``reuse-session-end`` keeps the learned ranking for the pages no hint names and adds the
+    hints' part: on one node it refuses the sessions' own pages, evicts ended pages first and
+    writes fewer bytes to NVMe than ``reuse``, with no fewer hits; its model still ranks
+    (its tripwire's counters are reported beside the hints')."""
+    from kvray.sim.simulator import simulate
+
+    scenario = load_scenario("h100-llama8b")
+    results = {p: simulate(TRACE, p, scenario, capacity_fraction=0.05) for p in ("reuse", "reuse-session-end")}
+    told, plain = results["reuse-session-end"], results["reuse"]
+    stats = told.extra["policy_stats"]
+    assert stats["ended_stores_refused"] > 0 and stats["ended_hits"] > 0 and stats["ended_victims"] > 0
+    assert "tripwire_trips" in stats and "refits" in stats
+    written = {p: sum(v for k, v in r.extra["link_bytes"].items() if k.endswith("nvme_write")) for p, r in results.items()}
+    assert written["reuse-session-end"] < written["reuse"]
+    assert told.hit_tokens >= plain.hit_tokens
+
+
+def test_a_reuse_model_by_path_is_told_the_hints_too():
+    """``reuse-session-end:PATH``: a trained reuse model of one's own, with the hints' part."""
+    from kvray.policy.session_end import SessionEnds
+    from kvray.resources import shipped_or_given
+
+    policy = make_policy(f"reuse-session-end:{shipped_or_given('reuse', 'policies')}")
+    assert isinstance(policy, SessionEnds) and isinstance(policy, ReusePolicy) and policy.needs_session_ends
+    assert np.array_equal(policy.model.w1, make_policy("reuse").model.w1)
