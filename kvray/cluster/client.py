@@ -100,7 +100,7 @@ from kvray.cluster.answers import SharedAnswers
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.inflight import IN_FLIGHT, Claim
 from kvray.cluster.loading import ChainLoads
-from kvray.cluster.paths import ACTOR_ERRORS, PATHS, PathContext, PathSpeeds, StoreCallPath, checked_hint
+from kvray.cluster.paths import ACTOR_ERRORS, PATHS, STORE_ERRORS, PathContext, PathSpeeds, StoreCallPath, checked_hint
 from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Release, Request, new_lease, runs_of
 from kvray.cluster.shards import ControllerShards
 from kvray.cluster.shm import LandingBuffer
@@ -415,6 +415,21 @@ class KvrayClient(ChainLoads, ChainStores):
             controller.release.remote(lease, {}, {})
             return Plan(NO_LEASE, [], [], shard)  # the controller is restarting or slow: a miss, nothing placed
         return dataclasses.replace(plan, shard=shard)
+
+    def announce(self) -> None:
+        """Tell this node's store of the request looked up last (its keys, backlog, arrival and
+        end-of-session hint) now, and wait until it has heard (at most ``timeout_s``; a store that
+        does not answer is counted in ``faults``), instead of with this client's first call to it:
+        for an engine whose lookups and loads are made by different clients (the vLLM connector's
+        scheduler looks up, its worker loads and stores with a client of its own, whose calls
+        carry no arrival). Nothing to tell (told already, or no store on this node): no call."""
+        arrival = self.context.take_arrival()
+        if arrival is None or self.local_store is None:
+            return
+        try:
+            ray.get(self.local_store.touch.remote(b"", None, arrival, 0, None), timeout=self.timeout_s)
+        except STORE_ERRORS as exc:
+            self.context.count_fault(exc)
 
     def settle(self) -> None:
         """Wait (at most ``timeout_s``) until what was sent without waiting has run (reports to the

@@ -93,16 +93,21 @@ def wake_on_kv(llm, callback) -> None:
 
 
 def generate(llm, prompt: list[int] | dict, max_tokens: int) -> tuple[list[int], float]:
-    """Greedy output tokens of one prompt (token ids, or ``{"tokens": [...], "cache_salt": ...}``)
-    and the wall time of the call."""
+    """Greedy output tokens of one prompt (token ids, or ``{"tokens": [...]}`` with a
+    ``"cache_salt"`` and/or the client's ``"kv_transfer_params"``) and the wall time of the call."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    transfer = None
     if isinstance(prompt, dict):
-        request = TokensPrompt(prompt_token_ids=prompt["tokens"], cache_salt=prompt["cache_salt"])
+        request = TokensPrompt(prompt_token_ids=prompt["tokens"])
+        if "cache_salt" in prompt:
+            request["cache_salt"] = prompt["cache_salt"]
+        transfer = prompt.get("kv_transfer_params")
     else:
         request = TokensPrompt(prompt_token_ids=prompt)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+    extra = {"kv_transfer_params": transfer} if transfer is not None else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True, extra_args=extra)
     t0 = time.perf_counter()
     out = llm.generate([request], params, use_tqdm=False)
     return list(out[0].outputs[0].token_ids), time.perf_counter() - t0

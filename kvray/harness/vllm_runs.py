@@ -90,10 +90,11 @@ def run_on_ray_nodes(spec: dict) -> dict:
     store (its page server stops answering; the controller is not told, so its index still
     promises those pages). An engine's ``kvray`` settings name the runtime with
     ``kvray_runtime``; the actor is connected to Ray already. The runtime has
-    ``spec["controller_shards"]`` controller shards (default 1) and ``spec["cluster_policy"]``
-    (default ``local-first``). Reports each step's node
-    and engine results, and each shard's lookups and leases still open at the end; with
-    ``spec["compare_copies"]``, also what :func:`copies_on_both` finds.
+    ``spec["controller_shards"]`` controller shards (default 1), ``spec["cluster_policy"]``
+    (default ``local-first``) and node policy ``spec["policy"]`` (default ``lru``). Reports
+    each step's node and engine results (a step with ``policy_stats`` true: each store's
+    policy counters after it too), and each shard's lookups and leases still open at the
+    end; with ``spec["compare_copies"]``, also what :func:`copies_on_both` finds.
     """
     import ray
     from ray.cluster_utils import Cluster
@@ -117,6 +118,7 @@ def run_on_ray_nodes(spec: dict) -> dict:
             tiers=TierSizes(host=spec["host_pages"]),
             controller_shards=spec.get("controller_shards", 1),
             cluster_policy=spec.get("cluster_policy", "local-first"),
+            policy=spec.get("policy", "lru"),
         )
         runtime = Runtime.start(config)
         nodes = sorted(runtime.stores, key=lambda n: n != ray.get_runtime_context().get_node_id())  # head first
@@ -130,6 +132,8 @@ def run_on_ray_nodes(spec: dict) -> dict:
                 hosts[step["node"]] = engine_host.options(scheduling_strategy=on_node(nodes[step["node"]])).remote()
             serving = hosts[step["node"]].serve.remote(spec, step["engines"])
             steps.append(ray.get(serving, timeout=spec.get("timeout_s", 600)))
+            if step.get("policy_stats"):
+                steps[-1]["policy_stats"] = {node: s["policy"] for node, s in runtime.store_stats().items()}
         for host in hosts.values():
             ray.kill(host)
         snapshots = ray.get([shard.snapshot.remote() for shard in runtime.shards.handles], timeout=60)

@@ -142,3 +142,43 @@ def test_rows_hold_exactly_the_request_and_the_block_sees_the_loaded_bytes(runti
     client.buffer.pages[:] = 0xFF
     with client.request(keys[:2]) as r:
         assert r.rows.shape[0] == 2 and np.array_equal(r.rows, data[:2])
+
+
+def test_a_lookup_announced_tells_the_store_before_another_client_stores(ray_cluster):
+    """The vLLM connector's split: one client looks up (with the client's end-of-session hint)
+    and announces the request; another, the worker's, stores the computed pages. The node's
+    store heard the hint first, so a session's own pages are not stored; unannounced, the
+    same lookup leaves the store untold (its arrival would wait for that client's next call
+    there) and the pages are stored."""
+    from kvray.cluster.protocol import Loaded, Plan
+
+    runtime = Runtime.start(
+        RuntimeConfig(name="announce", layout=LAYOUT, tiers=TierSizes(host=64), collective=False, policy="lru-session-end")
+    )
+    scheduler = KvrayClient.connect("announce", buffer_pages=BUFFER, mapped_reads=False)
+    worker = KvrayClient.connect("announce", buffer_pages=BUFFER, mapped_reads=False)
+    pattern = PagePattern(worker.page_nbytes)
+
+    def last_turn(keys: list[int], announced: bool) -> int:
+        """A session's last turn over a shared first page: looked up by one client, its two
+        new pages stored by the other; returns the pages a later lookup finds."""
+        pattern.fill_rows(keys[:1], worker.buffer.pages[:1])
+        assert worker.store(keys[:1], 0, Plan.placing([worker.node_id])) == 1  # the shared page, stored earlier
+        plan = scheduler.lookup(keys, ends_session_from=1)  # pages 1 and 2: this session's own, now done
+        if announced:
+            scheduler.announce()
+        scheduler.release(plan, Loaded(0))
+        pattern.fill_rows(keys[1:], worker.buffer.pages[: len(keys) - 1])
+        worker.store(keys[1:], 0, Plan.placing([worker.node_id] * (len(keys) - 1)), parent_key=keys[0], route_key=keys[0])
+        found = scheduler.lookup(keys)
+        scheduler.release(found, Loaded(0))
+        return found.hit_pages
+
+    try:
+        assert last_turn(fresh_keys(scheduler, 3), announced=True) == 1
+        assert last_turn(fresh_keys(scheduler, 3), announced=False) == 3
+        assert runtime.store_stats()[worker.node_id]["policy"]["ended_stores_refused"] == 1
+    finally:
+        scheduler.close()
+        worker.close()
+        runtime.close()

@@ -17,22 +17,27 @@ def new_counters() -> dict[str, int]:
 
 
 class FakeRuntime:
-    """Looks up by waiting for ``gate`` and answering a plan per call (lease = call number);
-    records every call in order, with the thread it ran on."""
+    """Looks up by waiting for ``gate`` and answering a plan per call (lease = lookup number);
+    records every call in order, with the thread it ran on, and each lookup's hint."""
 
     def __init__(self, fail: bool = False) -> None:
         self.gate = threading.Event()
         self.calls: list[tuple[str, object, str]] = []
         self.fail = fail
         self.client = self
+        self.hints: list[int] = []
 
-    def lookup(self, keys, route_key):
+    def lookup(self, keys, route_key, ends_session_from=-1):
         self.gate.wait(5)
         if self.fail:
             raise ConnectionError("controller gone")
-        plan = Plan(len(self.calls) + 1, ["a"] * len(keys), [])
+        plan = Plan(len(self.hints) + 1, ["a"] * len(keys), [])
         self.calls.append(("lookup", plan.lease, threading.current_thread().name))
+        self.hints.append(ends_session_from)
         return plan
+
+    def announce(self):
+        self.calls.append(("announce", None, threading.current_thread().name))
 
     def release(self, plan):
         self.calls.append(("release", plan.lease, threading.current_thread().name))
@@ -57,7 +62,13 @@ def test_a_request_is_answered_none_until_its_plan_is_in_and_one_lookup_runs_at_
     assert lookups.plan("r2", [4, 5], route_key=4).hit_pages == 2
     lookups.release(plan)
     lookups.close()
-    assert [c[:2] for c in runtime.calls] == [("lookup", 1), ("lookup", 2), ("release", 1)]
+    assert [c[:2] for c in runtime.calls] == [
+        ("lookup", 1),
+        ("announce", None),
+        ("lookup", 2),
+        ("announce", None),
+        ("release", 1),
+    ]
     assert all(c[2].startswith("kvray-lookup") for c in runtime.calls)  # never on the caller's (vLLM's) thread
     assert counters["lookups"] == 2 and counters["lookup_us"] > 0 and counters["failures"] == 0
 
@@ -71,7 +82,7 @@ def test_a_request_gone_before_its_plan_was_taken_releases_it_once_after_the_loo
     lookups.touch_unloaded([1, 2], Plan(7, ["a"], []), 1)
     runtime.gate.set()
     lookups.close()
-    assert [c[:2] for c in runtime.calls] == [("lookup", 1), ("release", 1), ("touch", (7, 1))]
+    assert [c[:2] for c in runtime.calls] == [("lookup", 1), ("announce", None), ("release", 1), ("touch", (7, 1))]
 
 
 def test_a_failed_lookup_is_a_miss_never_a_failed_request():
@@ -102,3 +113,35 @@ def test_on_done_runs_as_each_lookup_ends_so_the_next_ask_takes_its_plan():
         time.sleep(0.01)
     assert woken == [True] and lookups.plan("r1", [1, 2], route_key=1).lease == 1
     lookups.close()
+
+
+def test_the_hint_goes_with_the_lookup_and_the_store_is_told_before_the_plan_is_handed_over():
+    """The client's end-of-session hint travels with the lookup, and the request is announced
+    to this node's store on the lookup thread before vLLM can take the plan (the worker's
+    stores of the request's pages come after)."""
+    runtime = FakeRuntime()
+    lookups = RuntimeLookups(runtime, new_counters())
+    assert lookups.plan("r1", [1, 2, 3], route_key=1, ends_session_from=1) is None
+    runtime.gate.set()
+    lookups._asked["r1"].result(timeout=5)
+    assert [c[0] for c in runtime.calls] == ["lookup", "announce"] and runtime.hints == [1]
+    assert lookups.plan("r1", [1, 2, 3], route_key=1).lease == 1
+    lookups.close()
+
+
+def test_a_hint_names_the_page_of_its_token_and_a_bad_one_is_ignored(caplog):
+    """``kv_transfer_params["kvray_ends_session_from_token"]``: the page holding that token is the
+    first of the session's own (its key binds every token before); no hint without the key,
+    past the pages looked up, or for a value that is not a token index (logged by name)."""
+    from kvray.engines.vllm.hints import SESSION_END_PARAM, session_end_page
+
+    assert session_end_page({SESSION_END_PARAM: 128}, 64, 4) == 2
+    assert session_end_page({SESSION_END_PARAM: 130}, 64, 4) == 2
+    assert session_end_page({SESSION_END_PARAM: 0}, 64, 4) == 0
+    assert session_end_page({SESSION_END_PARAM: 256}, 64, 4) == -1  # past the looked-up pages
+    assert session_end_page(None, 64, 4) == session_end_page({"other": 1}, 64, 4) == -1
+    for bad in (-1, "128", 1.5, True, None):
+        with caplog.at_level("WARNING"):
+            caplog.clear()
+            assert session_end_page({SESSION_END_PARAM: bad}, 64, 4, "req-7") == -1
+        assert SESSION_END_PARAM in caplog.text and "req-7" in caplog.text

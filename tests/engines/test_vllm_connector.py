@@ -18,12 +18,14 @@ import random
 
 import pytest
 
+from kvray.engines.vllm.hints import SESSION_END_PARAM
 from kvray.harness.tiny import seeded_checkpoint
 from kvray.harness.vllm_env import run_in_vllm_env
 
 BLOCK = 64
 PREFIX = 1024
 SHARED_PAGES = PREFIX // BLOCK
+OWN = 200  # tokens of a session's own after a shared prefix: 3 full pages (and 8 tokens)
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +88,8 @@ def disk_writer(first_process) -> dict:
 def second_process(model, prompts, disk_dir, first_process) -> tuple[dict, dict]:
     """A new process on the same directory: prompt b three times, the backing file wiped
     before the second time and failing with I/O errors before the third; then an engine
-    whose connector settings are misspelt, and one whose kvray runtime cannot be reached."""
+    whose connector settings are misspelt, one whose kvray runtime cannot be reached, and
+    one whose store's policy takes end-of-session hints, told one by a session's last turn."""
     reader = {
         "kvray": {"host_pages": 0, "disk_pages": 256, "disk_dir": str(disk_dir)},
         "prompts": [prompts["b"]] * 3,
@@ -95,7 +98,14 @@ def second_process(model, prompts, disk_dir, first_process) -> tuple[dict, dict]
     misspelt = {"kvray": {"host_pagez": 8}, "prompts": [prompts["a"]]}
     # a runtime named at an address nobody answers at: the engine keeps its pages in process
     unreachable = {"kvray": {"kvray_runtime": "nowhere", "kvray_ray_address": "127.0.0.1:9"}, "prompts": [prompts["a"]] * 2}
-    return tuple(serve(model, reader, misspelt, unreachable))
+    rng = random.Random(2)
+    shared, last_turn, control = tokens(PREFIX, rng), tokens(OWN, rng), tokens(OWN, rng)
+    told = {"tokens": shared + last_turn, "kv_transfer_params": {SESSION_END_PARAM: PREFIX}}
+    hinted = {
+        "kvray": {"host_pages": 64, "policy": "lru-session-end"},
+        "prompts": [told, shared + last_turn, shared + control, shared + control],
+    }
+    return tuple(serve(model, reader, misspelt, unreachable, hinted))
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +166,15 @@ def test_unreachable_runtime_leaves_the_engine_on_its_in_process_store(second_pr
     assert first["counters"]["saved_pages"] == len(prompts["a"]) // BLOCK
     assert again["counters"]["loaded_pages"] == len(prompts["a"]) // BLOCK and again["counters"]["tcp_pages"] == 0
     assert again["tokens"] == baseline["a"]
+
+
+def test_an_end_of_session_hint_keeps_the_sessions_own_pages_out_of_the_in_process_store(second_process):
+    """The in-process store's policy is told of each request with its client's hint: the hinted
+    last turn stores the shared prefix but none of its own pages, so the same prompt again finds
+    only the prefix, while an unhinted turn finds its own pages the second time (same tokens)."""
+    told, again, control, control_again = second_process[3]["results"]
+    prompt_pages = (PREFIX + OWN) // BLOCK
+    assert told["counters"]["hit_pages"] == 0 and told["counters"]["saved_pages"] == SHARED_PAGES
+    assert again["counters"]["hit_pages"] == SHARED_PAGES and again["tokens"] == told["tokens"]
+    assert control["counters"]["saved_pages"] == prompt_pages - SHARED_PAGES
+    assert control_again["counters"]["hit_pages"] == prompt_pages and control_again["tokens"] == control["tokens"]

@@ -58,15 +58,16 @@ class RuntimeLookups:
         self._asked: dict[str, Future] = {}  # request -> its lookup (-> Plan), until taken or forgotten
         self.on_done: Callable[[], None] | None = None  # runs as each lookup ends (see the module docstring)
 
-    def plan(self, req_id: str, keys: Sequence[int], route_key: int) -> Plan | None:
+    def plan(self, req_id: str, keys: Sequence[int], route_key: int, ends_session_from: int = -1) -> Plan | None:
         """The pinned plan of ``keys`` for ``req_id``, taken (the caller releases it), once
         its lookup is in; None while it runs, or while another request's does (this one is
-        asked when vLLM asks again). A lookup that raised is a miss."""
+        asked when vLLM asks again). A lookup that raised is a miss. ``ends_session_from``:
+        the client's end-of-session hint (:mod:`kvray.engines.vllm.hints`), -1 for none."""
         future = self._asked.get(req_id)
         if future is None:
             if any(not f.done() for f in self._asked.values()):
                 return None
-            future = self._asked[req_id] = self._pool.submit(self._look_up, list(keys), route_key)
+            future = self._asked[req_id] = self._pool.submit(self._look_up, list(keys), route_key, ends_session_from)
             if self.on_done is not None:  # once the plan is in: vLLM's next ask finds it
                 future.add_done_callback(lambda _: self.on_done())
             return None
@@ -75,13 +76,18 @@ class RuntimeLookups:
         del self._asked[req_id]
         return future.result()
 
-    def _look_up(self, keys: list[int], route_key: int) -> Plan:
+    def _look_up(self, keys: list[int], route_key: int, ends_session_from: int) -> Plan:
+        """The lookup; then this node's store is told of the request (its arrival and hint) before
+        the plan is handed over: the worker that loads and stores its pages has a client of its own,
+        whose calls carry no arrival (:meth:`~kvray.engines.runtime.RuntimePages.announce`)."""
         from kvray.cluster.protocol import NO_LEASE, Plan
 
         started = time.perf_counter()
         self.counters["lookups"] += 1
         try:
-            return self.runtime.lookup(keys, route_key)
+            plan = self.runtime.lookup(keys, route_key, ends_session_from)
+            self.runtime.announce()
+            return plan
         except Exception as exc:  # a cache must never fail a request: a miss
             self.counters["failures"] += 1
             log.warning("kvray lookup failed, the request recomputes: %r", exc)

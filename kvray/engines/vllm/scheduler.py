@@ -35,8 +35,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvray.core.config import PageLayout
+from kvray.core.placement import RequestInfo
 from kvray.core.store import PageStore
 from kvray.engines.runtime import RuntimePages
+from kvray.engines.vllm.hints import session_end_page
 from kvray.engines.vllm.lookups import RuntimeLookups
 from kvray.engines.vllm.metadata import (
     KVRayMetadata,
@@ -65,6 +67,7 @@ class TrackedRequest:
     """A running request whose prompt kvray can cache; grows with its blocks as it runs."""
 
     keys: list[int]  # keys of the prompt's full pages
+    kv_transfer_params: dict[str, Any] | None = None  # the client's (its end-of-session hint: kvray.engines.vllm.hints)
     block_ids: list[int] = field(default_factory=list)
     saved_pages: int = 0  # leading prompt pages already in kvray or handed to the worker
     cached_pages: int = 0  # leading prompt pages the runtime held at lookup
@@ -179,9 +182,13 @@ class ConnectorScheduler:
             self.verbs.ask(request.request_id, tracked.keys[:loadable], self.runtime.route_key(tracked.keys))
 
     def _look_up(self, req_id: str, tracked: TrackedRequest, first: int, loadable: int, computed: int) -> tuple[int, bool]:
-        """Pages ``first``..``loadable`` of the request's prompt, read and verified from the store now."""
+        """Pages ``first``..``loadable`` of the request's prompt, read and verified from the store
+        now, its policy told of the request first (with the client's end-of-session hint)."""
         page = self.layout.page_tokens
+        keys = tuple(tracked.keys[:loadable])
+        hint = session_end_page(tracked.kv_transfer_params, page, len(keys), req_id)
         try:
+            self.store.on_request(RequestInfo(keys, arrival_ms=time.monotonic() * 1000.0, ends_session_from=hint))
             found, pages = self.store.get_pages(tracked.keys[first:loadable])
         except Exception as exc:  # a cache must never fail a request: any store failure is a miss
             self.counters["failures"] += 1
@@ -202,7 +209,9 @@ class ConnectorScheduler:
             self.lookups.release(stale.plan)
         # Routed as the prompt's saves are (all its full pages): a prompt of at most
         # controller_route_depth + 1 pages would otherwise ask another shard than it saves to.
-        plan = self.lookups.plan(req_id, tracked.keys[:loadable], self.runtime.route_key(tracked.keys))
+        keys = tracked.keys[: min(loadable, self.runtime.capacity)]
+        hint = session_end_page(tracked.kv_transfer_params, self.layout.page_tokens, len(keys), req_id)
+        plan = self.lookups.plan(req_id, keys, self.runtime.route_key(tracked.keys), hint)
         if plan is None:
             return None, False
         tracked.cached_pages = max(tracked.cached_pages, plan.hit_pages)  # the pages a split recomputes are not saved again
@@ -320,7 +329,7 @@ class ConnectorScheduler:
             salt = self.salt if request.cache_salt is None else f"{self.salt}|{request.cache_salt}"
             pages = self.runtime if self.runtime is not None else self.store
             keys = pages.keys(np.asarray(request.prompt_token_ids, dtype=np.int32), salt=salt)
-            tracked = self._requests[request.request_id] = TrackedRequest(keys)
+            tracked = self._requests[request.request_id] = TrackedRequest(keys, request.kv_transfer_params)
         return tracked
 
     def _forget(self, req_id: str) -> None:
