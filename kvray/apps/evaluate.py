@@ -42,7 +42,7 @@ from kvray.sim.simulator import simulate
 from kvray.traces import TraceRequest, read_trace
 
 HEURISTICS = ("lru", "lfu", "arc", "wfq", "threshold", "lecar", "s3fifo", "sieve")
-LEARNED = ("rl", "reuse")  # the learned policies a summary scores (the first named: rl, rl:PATH, reuse or reuse:PATH)
+LEARNED = ("rl", "reuse", "reuse-session-end")  # the learned policies a summary scores (the first named, or NAME:PATH)
 WITHIN = 1.02  # the learned policy's goal: mean TTFT at most this times the cell's best heuristic's
 
 
@@ -376,7 +376,9 @@ def run_eval(
 
     learned = next((p for p in policies if p.partition(":")[0] in LEARNED), None)
     if noise and learned is None:
-        raise ConfigError("--noise compares a learned policy with the best heuristic: add --policy rl or reuse (or rl:PATH)")
+        raise ConfigError(
+            "--noise compares a learned policy with the best heuristic: add --policy rl, reuse or reuse-session-end (or NAME:PATH)"
+        )
     spec = load_scenario(scenario or DEFAULT_SCENARIO)
     if bandwidth_scale != 1.0:
         spec = spec.with_bandwidth(bandwidth_scale)

@@ -32,15 +32,18 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import numpy as np
 
 from kvray.core.index import PrefixIndex
 from kvray.core.placement import LRUPolicy, PageContext, PlacementPolicy, RequestInfo
 from kvray.core.tiers import Tier
+
+Rule = TypeVar("Rule", bound=PlacementPolicy)
 
 
 class SessionEnds:
@@ -108,8 +111,7 @@ class SessionEnds:
         ended.pop(handle, None)
 
     def victim(self, tier: Tier) -> int | None:
-        pin_count = self.index.pins.item
-        ended = next((h for h in self._ended[tier] if pin_count(h) == 0), None)
+        ended = self._first_unpinned(self._ended[tier])  # type: ignore[attr-defined]
         if ended is None:
             return super().victim(tier)  # type: ignore[misc]
         self._taken += 1
@@ -118,6 +120,11 @@ class SessionEnds:
     def demote_target(self, handle: int, tier: Tier) -> Tier | None:
         return None if handle in self._ended[tier] else super().demote_target(handle, tier)  # type: ignore[misc]
 
+    def promote_target(self, handle: int, tier: Tier) -> Tier | None:
+        """An ended page read from disk stays there: moving it up would cost a disk read, a host
+        write and a live host page pushed down, for a page no one reads again."""
+        return None if handle in self._ended[tier] else super().promote_target(handle, tier)  # type: ignore[misc]
+
     def stats(self) -> dict[str, int]:
         """The rule's own counts, and: hits on a session's own pages by its last request, stores of
         its new ones refused (a chain's store stops at its first refused page), ended pages evicted."""
@@ -125,8 +132,9 @@ class SessionEnds:
         return {**own, "ended_hits": self._ended_hits, "ended_stores_refused": self._refused, "ended_victims": self._taken}
 
 
-def ending_sessions(policy: type[PlacementPolicy]) -> type[PlacementPolicy]:
-    """``policy`` told the end-of-session hints (its name suffixed ``-session-end``)."""
+@functools.cache
+def ending_sessions(policy: type[Rule]) -> type[Rule]:
+    """``policy`` told the end-of-session hints (its name suffixed ``-session-end``); one class per rule."""
     return type(f"SessionEnd{policy.__name__}", (SessionEnds, policy), {"name": f"{policy.name}-session-end"})
 
 

@@ -117,6 +117,21 @@ def test_an_ended_page_stays_ended_when_it_moves_between_tiers():
     assert int(manager.index.tier[two]) == Tier.HOST and policy.victim(Tier.HOST) == two
 
 
+def test_an_ended_page_read_from_disk_is_not_promoted():
+    """A rule that promotes disk reads (``reuse`` without a model promotes every one) leaves an
+    ended page on disk: moving it up would push a live host page down for a page no one reads."""
+    policy = ending_sessions(ReusePolicy)()
+    manager = CacheManager({Tier.HOST: 2, Tier.DISK: 4}, policy)
+    manager.store_chain([1, 2], NO_MOVE)
+    manager.store_chain([3, 4], NO_MOVE)  # 1, 2 demoted to disk
+    policy.on_request(RequestInfo(keys=(1, 2), ends_session_from=1))
+    handles = manager.lookup([1, 2]).handles
+    manager.touch(handles)
+    manager.promote(handles, NO_MOVE)
+    tier = {k: int(manager.index.tier[manager.index.handle_of(k)]) for k in (1, 2)}
+    assert tier == {1: Tier.HOST, 2: Tier.DISK}  # the live page moved up, the ended one stayed
+
+
 def test_a_wrong_hint_costs_misses_never_a_wrong_page():
     """A page hinted as ended and read again is an ordinary page from then on; one evicted on
     a wrong hint is a miss, and a lookup still matches only the prefix cached."""
@@ -174,8 +189,9 @@ def test_the_cluster_environment_sends_the_hints_too():
 def test_the_learned_policy_told_the_hints_writes_less_and_hits_more_than_untold():
     """``reuse-session-end`` keeps the learned ranking for the pages no hint names and adds the
     hints' part: on one node it refuses the sessions' own pages, evicts ended pages first and
-    writes fewer bytes to NVMe than ``reuse``, with no fewer hits; its model still ranks
-    (its tripwire's counters are reported beside the hints')."""
+    writes fewer bytes to NVMe than ``reuse``, with no fewer hits; the pages no hint names
+    are still the model's to order (its hits are not LRU's with the hints), and its counters
+    are reported beside the hints'."""
     from kvray.sim.simulator import simulate
 
     scenario = load_scenario("h100-llama8b")
@@ -187,6 +203,8 @@ def test_the_learned_policy_told_the_hints_writes_less_and_hits_more_than_untold
     written = {p: sum(v for k, v in r.extra["link_bytes"].items() if k.endswith("nvme_write")) for p, r in results.items()}
     assert written["reuse-session-end"] < written["reuse"]
     assert told.hit_tokens >= plain.hit_tokens
+    lru_told = simulate(TRACE, "lru-session-end", scenario, capacity_fraction=0.05)
+    assert told.hit_tokens_by_tier != lru_told.hit_tokens_by_tier  # the pages no hint names: the model's order, not LRU's
 
 
 def test_a_reuse_model_by_path_is_told_the_hints_too():
@@ -197,3 +215,5 @@ def test_a_reuse_model_by_path_is_told_the_hints_too():
     policy = make_policy(f"reuse-session-end:{shipped_or_given('reuse', 'policies')}")
     assert isinstance(policy, SessionEnds) and isinstance(policy, ReusePolicy) and policy.needs_session_ends
     assert np.array_equal(policy.model.w1, make_policy("reuse").model.w1)
+    with pytest.raises(Exception, match="no-such-model"):  # the path is the one read
+        make_policy("reuse-session-end:no-such-model")
