@@ -47,7 +47,9 @@ its placement policy's ``on_request``, before that policy sees any of the reques
 or pages. A request's writes to this node wait until its ``touch`` is done, so the policy
 sees the hits before the new pages, as the simulator shows them to it; a request that
 writes here anyway sends no ``touch``: its first write carries the hits, counted before
-its pages. Likewise a request that stores sends its controller release with the commit. ``settle`` waits
+its pages. An engine whose lookups and loads are made by different clients (vLLM's
+scheduler and worker) tells the store itself after the lookup, with ``announce``. Likewise
+a request that stores sends its controller release with the commit. ``settle`` waits
 until everything a request sent without waiting has landed: a replay calls it between
 requests (off the measured time), so the next request, on whichever node, finds the
 cache exactly as the last one left it.
@@ -308,7 +310,8 @@ class KvrayClient(ChainLoads, ChainStores):
         ``ends_session_from``: the client's hint that this request is its session's last and
         that its pages from that index on are its own, shared with no other session
         (:class:`~kvray.core.placement.RequestInfo`; -1, the default: no hint), for the
-        stores' policies (``lru-session-end`` stores none of them and lets them go first).
+        stores' policies (``lru-session-end`` and ``reuse-session-end`` store none of them and
+        let them go first).
         """
         self._check(keys)  # before anything is pinned: the rows must fit the landing buffer
         checked_hint(ends_session_from, len(keys))  # and before waiting on another request's claim
@@ -385,6 +388,7 @@ class KvrayClient(ChainLoads, ChainStores):
         route_key: int | None = None,
         arrival_ms: float | None = None,
         ends_session_from: int = -1,
+        tell: bool = True,
     ) -> Plan:
         """Where the cached prefix of ``keys`` is (pinned) and where the rest goes; a request
         larger than the landing buffer (up to ``max_request_pages``) is loaded with
@@ -394,11 +398,16 @@ class KvrayClient(ChainLoads, ChainStores):
         <kvray.cluster.shards.ControllerShards.route_key>`) when that chain is longer than
         ``keys`` (an engine looks up all but the page holding the prompt's last token, and
         stores that page too): the lookup asks the shard the store commits to. None: ``keys``.
-        ``arrival_ms``, ``ends_session_from``: as :meth:`request` takes them."""
+        ``arrival_ms``, ``ends_session_from``: as :meth:`request` takes them. ``tell`` False:
+        this client's calls tell no store of the request (a retried lookup of a request its
+        stores heard of already)."""
         self._check(keys, max(self.buffer.capacity, self.config.max_request_pages))
         self._poll_members()
         packed = pack_keys(keys)  # for the controller too: a list of 128-bit ints is serialized int by int
-        self.context.arrive(packed, backlog_ms, arrival_ms, ends_session_from)
+        if tell:
+            self.context.arrive(packed, backlog_ms, arrival_ms, ends_session_from)
+        else:
+            self.context.quiet()
         shard = self.shards.of(keys) if route_key is None else self.shards.owner(route_key)
         host = self._mapped_host() if self.mapped_reads else None
         if host is not None and host.held(keys) == len(keys):
@@ -416,15 +425,19 @@ class KvrayClient(ChainLoads, ChainStores):
             return Plan(NO_LEASE, [], [], shard)  # the controller is restarting or slow: a miss, nothing placed
         return dataclasses.replace(plan, shard=shard)
 
-    def announce(self) -> None:
-        """Tell this node's store of the request looked up last (its keys, backlog, arrival and
-        end-of-session hint) now, and wait until it has heard (at most ``timeout_s``; a store that
-        does not answer is counted in ``faults``), instead of with this client's first call to it:
-        for an engine whose lookups and loads are made by different clients (the vLLM connector's
-        scheduler looks up, its worker loads and stores with a client of its own, whose calls
-        carry no arrival). Nothing to tell (told already, or no store on this node): no call."""
-        arrival = self.context.take_arrival()
-        if arrival is None or self.local_store is None:
+    def announce(self, keys: Sequence[int], ends_session_from: int = -1) -> None:
+        """Tell this node's store now of the request this client looked up last, as a request of
+        ``keys`` (root first: every page it may store, which can be more than it looked up) with
+        its client's end-of-session hint over them, the lookup's backlog and arrival kept; and
+        wait until the store has heard (at most ``timeout_s``; a store that does not answer is
+        counted in ``faults``). In place of the lookup's own telling, so the store hears of the
+        request once. For an engine whose lookups and loads are made by different clients (the
+        vLLM connector's scheduler looks up; its worker loads and stores with clients of its
+        own, whose calls carry no arrival). A bad hint is refused by name; no store here: no call."""
+        looked_up = self.context.take_arrival()
+        backlog_ms, arrival_ms = (looked_up[1], looked_up[2]) if looked_up is not None else (0.0, None)
+        arrival = (pack_keys(keys), backlog_ms, arrival_ms, checked_hint(ends_session_from, len(keys)))
+        if self.local_store is None:
             return
         try:
             ray.get(self.local_store.touch.remote(b"", None, arrival, 0, None), timeout=self.timeout_s)

@@ -95,6 +95,11 @@ class PathContext:
         self._peer_arrival = (keys, 0.0, arrival_ms, ends_session_from)  # a peer's queue is not this engine's
         self._told.clear()
 
+    def quiet(self) -> None:
+        """A request no store is to be told of by this client's calls (a retried lookup of a
+        request told already): nothing to carry, not even the last request's arrival."""
+        self.arrival = self._peer_arrival = None
+
     def tell_peer(self, node: str) -> Arrival | None:
         """The request's arrival for the first call to peer ``node``'s store to carry (once per
         request): the simulator tells every node whose pages a request reads or stores."""

@@ -139,19 +139,24 @@ class RuntimePages:
         return page_keys(tokens, self.fingerprint, salt)
 
     # -- the split verbs (vLLM: scheduler looks up, worker reads) ------------------------------
-    def lookup(self, keys: Sequence[int], route_key: int | None = None, ends_session_from: int = -1):
+    def lookup(self, keys: Sequence[int], route_key: int | None = None, ends_session_from: int = -1, tell: bool = True):
         """Pin the runtime's cached prefix of ``keys`` (at most :attr:`capacity` of them) and
         return the :class:`~kvray.cluster.protocol.Plan`; a controller that does not
         answer is a miss. ``route_key``: the prompt's (:meth:`route_key`) when ``keys`` are
         fewer than the pages its saves will cover (all but the page holding the last token):
-        the lookup asks the shard the saves commit to. ``ends_session_from``: the client's
-        end-of-session hint (``KvrayClient.request`` takes the same), -1 for none."""
-        return self.client.lookup(list(keys[: self.capacity]), route_key=route_key, ends_session_from=ends_session_from)
+        the lookup asks the shard the saves commit to. ``ends_session_from``, ``tell``: as
+        ``KvrayClient.lookup`` takes them (the client's end-of-session hint over ``keys``, which
+        names none of the pages looked up when it is past them; False: no store is told of the
+        request by this lookup)."""
+        keys = list(keys[: self.capacity])
+        hint = ends_session_from if ends_session_from < len(keys) else -1
+        return self.client.lookup(keys, route_key=route_key, ends_session_from=hint, tell=tell)
 
-    def announce(self) -> None:
-        """Tell this node's store of the request looked up last now (``KvrayClient.announce``):
-        for the vLLM connector, whose worker reads and stores with a client of its own."""
-        self.client.announce()
+    def announce(self, keys: Sequence[int], ends_session_from: int = -1) -> None:
+        """Tell this node's store now of the request looked up last, as a request of ``keys``
+        with its hint over them (``KvrayClient.announce``): for the vLLM connector, whose worker
+        reads and stores with clients of its own."""
+        self.client.announce(keys, ends_session_from)
 
     def release(self, plan) -> None:
         """End a plan's pins without loading anything (the request went away)."""

@@ -145,11 +145,12 @@ def test_rows_hold_exactly_the_request_and_the_block_sees_the_loaded_bytes(runti
 
 
 def test_a_lookup_announced_tells_the_store_before_another_client_stores(ray_cluster):
-    """The vLLM connector's split: one client looks up (with the client's end-of-session hint)
-    and announces the request; another, the worker's, stores the computed pages. The node's
-    store heard the hint first, so a session's own pages are not stored; unannounced, the
-    same lookup leaves the store untold (its arrival would wait for that client's next call
-    there) and the pages are stored."""
+    """The vLLM connector's split: one client looks up and announces the request with its
+    pages and its client's end-of-session hint; another, the worker's, stores the computed
+    pages. The node's store heard the hint first, so the session's own pages are not stored,
+    a page the lookup did not cover included (an engine does not look up the page holding the
+    prompt's last token, and stores it). Unannounced, the lookup leaves the store untold (its
+    arrival waits for that client's next call there) and the pages are stored."""
     from kvray.cluster.protocol import Loaded, Plan
 
     runtime = Runtime.start(
@@ -159,25 +160,28 @@ def test_a_lookup_announced_tells_the_store_before_another_client_stores(ray_clu
     worker = KvrayClient.connect("announce", buffer_pages=BUFFER, mapped_reads=False)
     pattern = PagePattern(worker.page_nbytes)
 
-    def last_turn(keys: list[int], announced: bool) -> int:
-        """A session's last turn over a shared first page: looked up by one client, its two
+    def last_turn(own_from: int | None, looked_up: int = 3) -> int:
+        """A session's last turn over a shared first page: ``looked_up`` of its three pages looked
+        up by one client (and announced with its own pages from ``own_from``, unless None), its
         new pages stored by the other; returns the pages a later lookup finds."""
+        keys = fresh_keys(scheduler, 3)
         pattern.fill_rows(keys[:1], worker.buffer.pages[:1])
         assert worker.store(keys[:1], 0, Plan.placing([worker.node_id])) == 1  # the shared page, stored earlier
-        plan = scheduler.lookup(keys, ends_session_from=1)  # pages 1 and 2: this session's own, now done
-        if announced:
-            scheduler.announce()
+        plan = scheduler.lookup(keys[:looked_up])
+        if own_from is not None:
+            scheduler.announce(keys, ends_session_from=own_from)
         scheduler.release(plan, Loaded(0))
-        pattern.fill_rows(keys[1:], worker.buffer.pages[: len(keys) - 1])
-        worker.store(keys[1:], 0, Plan.placing([worker.node_id] * (len(keys) - 1)), parent_key=keys[0], route_key=keys[0])
+        pattern.fill_rows(keys[1:], worker.buffer.pages[:2])
+        worker.store(keys[1:], 0, Plan.placing([worker.node_id] * 2), parent_key=keys[0], route_key=keys[0])
         found = scheduler.lookup(keys)
         scheduler.release(found, Loaded(0))
         return found.hit_pages
 
     try:
-        assert last_turn(fresh_keys(scheduler, 3), announced=True) == 1
-        assert last_turn(fresh_keys(scheduler, 3), announced=False) == 3
-        assert runtime.store_stats()[worker.node_id]["policy"]["ended_stores_refused"] == 1
+        assert last_turn(own_from=1) == 1  # pages 1 and 2: this session's own, now done
+        assert last_turn(own_from=2, looked_up=2) == 2  # the last page, not looked up, is its own
+        assert last_turn(own_from=None) == 3
+        assert runtime.store_stats()[worker.node_id]["policy"]["ended_stores_refused"] == 2
     finally:
         scheduler.close()
         worker.close()

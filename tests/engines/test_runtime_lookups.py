@@ -25,19 +25,22 @@ class FakeRuntime:
         self.calls: list[tuple[str, object, str]] = []
         self.fail = fail
         self.client = self
-        self.hints: list[int] = []
+        self.hints: list[tuple[int, bool]] = []
+        self.announce_fails = False
 
-    def lookup(self, keys, route_key, ends_session_from=-1):
+    def lookup(self, keys, route_key, ends_session_from=-1, tell=True):
         self.gate.wait(5)
         if self.fail:
             raise ConnectionError("controller gone")
         plan = Plan(len(self.hints) + 1, ["a"] * len(keys), [])
         self.calls.append(("lookup", plan.lease, threading.current_thread().name))
-        self.hints.append(ends_session_from)
+        self.hints.append((ends_session_from, tell))
         return plan
 
-    def announce(self):
-        self.calls.append(("announce", None, threading.current_thread().name))
+    def announce(self, keys, ends_session_from):
+        if self.announce_fails:
+            raise RuntimeError("store gone")
+        self.calls.append(("announce", (tuple(keys), ends_session_from), threading.current_thread().name))
 
     def release(self, plan):
         self.calls.append(("release", plan.lease, threading.current_thread().name))
@@ -62,13 +65,7 @@ def test_a_request_is_answered_none_until_its_plan_is_in_and_one_lookup_runs_at_
     assert lookups.plan("r2", [4, 5], route_key=4).hit_pages == 2
     lookups.release(plan)
     lookups.close()
-    assert [c[:2] for c in runtime.calls] == [
-        ("lookup", 1),
-        ("announce", None),
-        ("lookup", 2),
-        ("announce", None),
-        ("release", 1),
-    ]
+    assert [c[:2] for c in runtime.calls] == [("lookup", 1), ("lookup", 2), ("release", 1)]  # told none: announced none
     assert all(c[2].startswith("kvray-lookup") for c in runtime.calls)  # never on the caller's (vLLM's) thread
     assert counters["lookups"] == 2 and counters["lookup_us"] > 0 and counters["failures"] == 0
 
@@ -82,7 +79,7 @@ def test_a_request_gone_before_its_plan_was_taken_releases_it_once_after_the_loo
     lookups.touch_unloaded([1, 2], Plan(7, ["a"], []), 1)
     runtime.gate.set()
     lookups.close()
-    assert [c[:2] for c in runtime.calls] == [("lookup", 1), ("announce", None), ("release", 1), ("touch", (7, 1))]
+    assert [c[:2] for c in runtime.calls] == [("lookup", 1), ("release", 1), ("touch", (7, 1))]
 
 
 def test_a_failed_lookup_is_a_miss_never_a_failed_request():
@@ -115,17 +112,45 @@ def test_on_done_runs_as_each_lookup_ends_so_the_next_ask_takes_its_plan():
     lookups.close()
 
 
-def test_the_hint_goes_with_the_lookup_and_the_store_is_told_before_the_plan_is_handed_over():
-    """The client's end-of-session hint travels with the lookup, and the request is announced
-    to this node's store on the lookup thread before vLLM can take the plan (the worker's
-    stores of the request's pages come after)."""
+def test_the_store_is_told_once_before_the_plan_is_handed_over_with_every_page_and_the_hint():
+    """A request's first lookup tells this node's store of it on the lookup thread, before vLLM
+    can take the plan (the worker's stores of its pages come after): every full page of the
+    prompt, which can be more than the lookup's, with the client's hint over them; the lookup
+    carries the hint too (``RuntimePages.lookup`` drops it where it names no page looked up). A
+    retry (vLLM asks again for a request it could not schedule) tells no store again."""
     runtime = FakeRuntime()
-    lookups = RuntimeLookups(runtime, new_counters())
-    assert lookups.plan("r1", [1, 2, 3], route_key=1, ends_session_from=1) is None
     runtime.gate.set()
+    lookups = RuntimeLookups(runtime, new_counters())
+    assert lookups.plan("r1", [1, 2, 3], route_key=1, told=([1, 2, 3, 4], 1)) is None
     lookups._asked["r1"].result(timeout=5)
-    assert [c[0] for c in runtime.calls] == ["lookup", "announce"] and runtime.hints == [1]
     assert lookups.plan("r1", [1, 2, 3], route_key=1).lease == 1
+    assert lookups.plan("r1", [1, 2, 3], route_key=1) is None  # again, told already: told=None
+    lookups._asked["r1"].result(timeout=5)
+    lookups.plan("r1", [1, 2, 3], route_key=1)
+    assert lookups.plan("r2", [5, 6], route_key=5, told=([5, 6, 7], 2)) is None
+    lookups.close()
+    assert [c[:2] for c in runtime.calls] == [
+        ("lookup", 1),
+        ("announce", ((1, 2, 3, 4), 1)),
+        ("lookup", 2),
+        ("lookup", 3),
+        ("announce", ((5, 6, 7), 2)),
+        ("release", 3),  # r2's plan, never taken: released as the side closes
+    ]
+    assert runtime.hints == [(1, True), (-1, False), (2, True)]
+
+
+def test_a_store_that_cannot_be_told_leaves_the_plan_standing():
+    """The lookup pinned the prefix: a failed announce is counted, and the plan still goes to
+    vLLM (a lost plan would keep its pages pinned until its lease expires)."""
+    runtime = FakeRuntime()
+    runtime.gate.set()
+    runtime.announce_fails = True
+    counters = new_counters()
+    lookups = RuntimeLookups(runtime, counters)
+    lookups.plan("r1", [1, 2], route_key=1, told=([1, 2], -1))
+    lookups._asked["r1"].result(timeout=5)
+    assert lookups.plan("r1", [1, 2], route_key=1).lease == 1 and counters["failures"] == 1
     lookups.close()
 
 

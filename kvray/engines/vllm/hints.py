@@ -8,11 +8,11 @@ there)::
     # OpenAI-compatible server: "kv_transfer_params": {"kvray_ends_session_from_token": 1024}
     SamplingParams(extra_args={"kv_transfer_params": {SESSION_END_PARAM: 1024}})
 
-The connector passes it to the runtime with the request's lookup (as the page index of that
-token: a page holding any of the session's own tokens is the session's own, since a page's key
-binds every token before it), and a node policy that takes hints (``lru-session-end``,
-``reuse-session-end``: :mod:`kvray.policy.session_end`) stores none of those pages and lets the
-ones already cached go first. A value that is not a token index is logged and ignored: a hint
+The connector tells the node's store of the request once, with every full page of its prompt
+and the hint as the page index of that token (a page holding any of the session's own tokens is
+the session's own, since a page's key binds every token before it), and a node policy that
+takes hints (``lru-session-end``, ``reuse-session-end``: :mod:`kvray.policy.session_end`)
+stores none of those pages and lets the ones already cached go first. A value that is not a token index is logged and ignored: a hint
 saves cache space or costs misses, never a request.
 """
 

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+Told = tuple[list[int], int]  # a request's pages (root first) and its client's end-of-session hint over them (-1: none)
+
 
 class RuntimeLookups:
     """Lookups and releases of one scheduler side on one thread (see the module docstring);
@@ -58,16 +60,17 @@ class RuntimeLookups:
         self._asked: dict[str, Future] = {}  # request -> its lookup (-> Plan), until taken or forgotten
         self.on_done: Callable[[], None] | None = None  # runs as each lookup ends (see the module docstring)
 
-    def plan(self, req_id: str, keys: Sequence[int], route_key: int, ends_session_from: int = -1) -> Plan | None:
+    def plan(self, req_id: str, keys: Sequence[int], route_key: int, told: Told | None = None) -> Plan | None:
         """The pinned plan of ``keys`` for ``req_id``, taken (the caller releases it), once
         its lookup is in; None while it runs, or while another request's does (this one is
-        asked when vLLM asks again). A lookup that raised is a miss. ``ends_session_from``:
-        the client's end-of-session hint (:mod:`kvray.engines.vllm.hints`), -1 for none."""
+        asked when vLLM asks again). A lookup that raised is a miss. ``told``: what this
+        node's store is to be told of the request after the lookup (its pages and its client's
+        end-of-session hint over them; :meth:`_look_up`); None: a request told already."""
         future = self._asked.get(req_id)
         if future is None:
             if any(not f.done() for f in self._asked.values()):
                 return None
-            future = self._asked[req_id] = self._pool.submit(self._look_up, list(keys), route_key, ends_session_from)
+            future = self._asked[req_id] = self._pool.submit(self._look_up, list(keys), route_key, told)
             if self.on_done is not None:  # once the plan is in: vLLM's next ask finds it
                 future.add_done_callback(lambda _: self.on_done())
             return None
@@ -76,24 +79,26 @@ class RuntimeLookups:
         del self._asked[req_id]
         return future.result()
 
-    def _look_up(self, keys: list[int], route_key: int, ends_session_from: int) -> Plan:
-        """The lookup; then this node's store is told of the request (its arrival and hint) before
-        the plan is handed over: the worker that loads and stores its pages has a client of its own,
-        whose calls carry no arrival (:meth:`~kvray.engines.runtime.RuntimePages.announce`)."""
+    def _look_up(self, keys: list[int], route_key: int, told: Told | None) -> Plan:
+        """The lookup; then, with ``told``, this node's store hears of the request before the
+        plan is handed over (the worker that loads and stores its pages has clients of its own,
+        whose calls carry no arrival: :meth:`~kvray.engines.runtime.RuntimePages.announce`).
+        The hint goes with the lookup too where it names a page looked up (a holder of the
+        request's pages elsewhere hears of it with a load split's touch)."""
         from kvray.cluster.protocol import NO_LEASE, Plan
 
         started = time.perf_counter()
         self.counters["lookups"] += 1
         try:
-            plan = self.runtime.lookup(keys, route_key, ends_session_from)
-            self.runtime.announce()
-            return plan
+            plan = self.runtime.lookup(keys, route_key, told[1] if told is not None else -1, tell=told is not None)
         except Exception as exc:  # a cache must never fail a request: a miss
             self.counters["failures"] += 1
             log.warning("kvray lookup failed, the request recomputes: %r", exc)
-            return Plan(NO_LEASE, [], [])
-        finally:
-            self.counters["lookup_us"] += int((time.perf_counter() - started) * 1e6)
+            plan = Plan(NO_LEASE, [], [])
+        if told is not None:  # the request arrived whatever the lookup found
+            self._quietly(self.runtime.announce, *told)  # a store not told: the plan stands
+        self.counters["lookup_us"] += int((time.perf_counter() - started) * 1e6)
+        return plan
 
     def release(self, plan: Plan) -> None:
         """End ``plan``'s pins, after every call made before (not waited for)."""

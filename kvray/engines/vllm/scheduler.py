@@ -67,7 +67,8 @@ class TrackedRequest:
     """A running request whose prompt kvray can cache; grows with its blocks as it runs."""
 
     keys: list[int]  # keys of the prompt's full pages
-    kv_transfer_params: dict[str, Any] | None = None  # the client's (its end-of-session hint: kvray.engines.vllm.hints)
+    ends_session_from: int = -1  # its client's end-of-session hint over them (kvray.engines.vllm.hints)
+    told: bool = False  # the store's policy has heard of the request (once: vLLM asks again for one it could not schedule)
     block_ids: list[int] = field(default_factory=list)
     saved_pages: int = 0  # leading prompt pages already in kvray or handed to the worker
     cached_pages: int = 0  # leading prompt pages the runtime held at lookup
@@ -185,10 +186,13 @@ class ConnectorScheduler:
         """Pages ``first``..``loadable`` of the request's prompt, read and verified from the store
         now, its policy told of the request first (with the client's end-of-session hint)."""
         page = self.layout.page_tokens
-        keys = tuple(tracked.keys[:loadable])
-        hint = session_end_page(tracked.kv_transfer_params, page, len(keys), req_id)
         try:
-            self.store.on_request(RequestInfo(keys, arrival_ms=time.monotonic() * 1000.0, ends_session_from=hint))
+            if not tracked.told:
+                tracked.told = True
+                now = time.monotonic() * 1000.0
+                self.store.on_request(
+                    RequestInfo(tuple(tracked.keys), arrival_ms=now, ends_session_from=tracked.ends_session_from)
+                )
             found, pages = self.store.get_pages(tracked.keys[first:loadable])
         except Exception as exc:  # a cache must never fail a request: any store failure is a miss
             self.counters["failures"] += 1
@@ -209,11 +213,11 @@ class ConnectorScheduler:
             self.lookups.release(stale.plan)
         # Routed as the prompt's saves are (all its full pages): a prompt of at most
         # controller_route_depth + 1 pages would otherwise ask another shard than it saves to.
-        keys = tracked.keys[: min(loadable, self.runtime.capacity)]
-        hint = session_end_page(tracked.kv_transfer_params, self.layout.page_tokens, len(keys), req_id)
-        plan = self.lookups.plan(req_id, keys, self.runtime.route_key(tracked.keys), hint)
+        told = None if tracked.told else (tracked.keys, tracked.ends_session_from)  # all its pages: it may store them all
+        plan = self.lookups.plan(req_id, tracked.keys[:loadable], self.runtime.route_key(tracked.keys), told)
         if plan is None:
             return None, False
+        tracked.told = True
         tracked.cached_pages = max(tracked.cached_pages, plan.hit_pages)  # the pages a split recomputes are not saved again
         verbs = self.verbs.answer(req_id) if self.verbs is not None else DEFAULT
         if verbs.load_pages is not None and verbs.load_pages < plan.hit_pages:  # a load split: vLLM computes the rest
@@ -329,7 +333,8 @@ class ConnectorScheduler:
             salt = self.salt if request.cache_salt is None else f"{self.salt}|{request.cache_salt}"
             pages = self.runtime if self.runtime is not None else self.store
             keys = pages.keys(np.asarray(request.prompt_token_ids, dtype=np.int32), salt=salt)
-            tracked = self._requests[request.request_id] = TrackedRequest(keys, request.kv_transfer_params)
+            hint = session_end_page(request.kv_transfer_params, self.layout.page_tokens, len(keys), request.request_id)
+            tracked = self._requests[request.request_id] = TrackedRequest(keys, hint)
         return tracked
 
     def _forget(self, req_id: str) -> None:
