@@ -11,8 +11,8 @@ it is its session's last, and its pages from that depth on are its own.
 
 :class:`SessionEnds` adds the hint to any eviction rule: the request's own pages are not
 stored, its own pages it hits are ended, a tier's victim is an ended page while it has one
-(the chain's tail first), and an ended page is dropped, not demoted: writing a page no one
-will read to NVMe costs the drive's time for nothing. A later hit on an ended page (the hint
+(the chain's tail first), and an ended page is dropped, not demoted, nor promoted from disk:
+writing a page no one will read to NVMe, or moving it up, costs a link's time for nothing. A later hit on an ended page (the hint
 was wrong) makes it an ordinary page again, so a wrong hint costs misses, never wrong KV.
 :class:`SessionEndLRU` (``lru-session-end``) is LRU with it, what the hint alone is worth;
 :func:`ending_sessions` gives it to another rule (``reuse-session-end``: the per-page

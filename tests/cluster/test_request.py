@@ -152,6 +152,7 @@ def test_a_lookup_announced_tells_the_store_before_another_client_stores(ray_clu
     prompt's last token, and stores it). Unannounced, the lookup leaves the store untold (its
     arrival waits for that client's next call there) and the pages are stored."""
     from kvray.cluster.protocol import Loaded, Plan
+    from kvray.engines.runtime import RuntimePages
 
     runtime = Runtime.start(
         RuntimeConfig(name="announce", layout=LAYOUT, tiers=TierSizes(host=64), collective=False, policy="lru-session-end")
@@ -178,6 +179,11 @@ def test_a_lookup_announced_tells_the_store_before_another_client_stores(ray_clu
         return found.hit_pages
 
     try:
+        # an engine's lookup covers at most the landing buffer: a hint past it names none of those pages
+        long_prompt = fresh_keys(scheduler, BUFFER + 2)
+        plan = RuntimePages(scheduler).lookup(long_prompt, ends_session_from=BUFFER + 1)
+        assert plan.hit_pages == 0
+        scheduler.release(plan, Loaded(0))
         assert last_turn(own_from=1) == 1  # pages 1 and 2: this session's own, now done
         assert last_turn(own_from=2, looked_up=2) == 2  # the last page, not looked up, is its own
         assert last_turn(own_from=None) == 3

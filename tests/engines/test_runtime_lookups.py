@@ -140,6 +140,23 @@ def test_the_store_is_told_once_before_the_plan_is_handed_over_with_every_page_a
     assert runtime.hints == [(1, True), (-1, False), (2, True)]
 
 
+def test_a_request_arrives_whatever_its_lookup_finds_and_one_not_looked_up_is_told_too():
+    """A lookup that fails is a miss, and the store still hears of the request; a request with
+    nothing to look up (vLLM holds every page it could load) is told on the same thread, after
+    the calls made before."""
+    runtime = FakeRuntime(fail=True)
+    runtime.gate.set()
+    counters = new_counters()
+    lookups = RuntimeLookups(runtime, counters)
+    lookups.plan("r1", [1, 2], route_key=1, told=([1, 2, 3], 2))
+    lookups._asked["r1"].result(timeout=5)
+    assert lookups.plan("r1", [1, 2], route_key=1).lease == NO_LEASE and counters["failures"] == 1
+    lookups.announce(([4, 5], -1))
+    lookups.close()
+    assert [c[:2] for c in runtime.calls] == [("announce", ((1, 2, 3), 2)), ("announce", ((4, 5), -1))]
+    assert all(c[2].startswith("kvray-lookup") for c in runtime.calls)
+
+
 def test_a_store_that_cannot_be_told_leaves_the_plan_standing():
     """The lookup pinned the prefix: a failed announce is counted, and the plan still goes to
     vLLM (a lost plan would keep its pages pinned until its lease expires)."""
@@ -163,7 +180,7 @@ def test_a_hint_names_the_page_of_its_token_and_a_bad_one_is_ignored(caplog):
     assert session_end_page({SESSION_END_PARAM: 128}, 64, 4) == 2
     assert session_end_page({SESSION_END_PARAM: 130}, 64, 4) == 2
     assert session_end_page({SESSION_END_PARAM: 0}, 64, 4) == 0
-    assert session_end_page({SESSION_END_PARAM: 256}, 64, 4) == -1  # past the looked-up pages
+    assert session_end_page({SESSION_END_PARAM: 256}, 64, 4) == -1  # past the prompt's full pages
     assert session_end_page(None, 64, 4) == session_end_page({"other": 1}, 64, 4) == -1
     for bad in (-1, "128", 1.5, True, None):
         with caplog.at_level("WARNING"):

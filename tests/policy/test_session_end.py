@@ -189,9 +189,9 @@ def test_the_cluster_environment_sends_the_hints_too():
 def test_the_learned_policy_told_the_hints_writes_less_and_hits_more_than_untold():
     """``reuse-session-end`` keeps the learned ranking for the pages no hint names and adds the
     hints' part: on one node it refuses the sessions' own pages, evicts ended pages first and
-    writes fewer bytes to NVMe than ``reuse``, with no fewer hits; the pages no hint names
-    are still the model's to order (its hits are not LRU's with the hints), and its counters
-    are reported beside the hints'."""
+    writes fewer bytes to NVMe than ``reuse``, with no fewer hits; it is not LRU with the
+    hints (its hits differ from ``lru-session-end``'s), and its counters are reported beside
+    the hints'."""
     from kvray.sim.simulator import simulate
 
     scenario = load_scenario("h100-llama8b")
@@ -204,7 +204,7 @@ def test_the_learned_policy_told_the_hints_writes_less_and_hits_more_than_untold
     assert written["reuse-session-end"] < written["reuse"]
     assert told.hit_tokens >= plain.hit_tokens
     lru_told = simulate(TRACE, "lru-session-end", scenario, capacity_fraction=0.05)
-    assert told.hit_tokens_by_tier != lru_told.hit_tokens_by_tier  # the pages no hint names: the model's order, not LRU's
+    assert told.hit_tokens_by_tier != lru_told.hit_tokens_by_tier
 
 
 def test_a_reuse_model_by_path_is_told_the_hints_too():

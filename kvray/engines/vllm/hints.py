@@ -28,7 +28,7 @@ SESSION_END_PARAM = "kvray_ends_session_from_token"
 
 
 def session_end_page(params: Mapping[str, Any] | None, page_tokens: int, pages: int, request_id: str = "") -> int:
-    """The first of a request's ``pages`` looked-up pages its hint names as the session's own,
+    """The first of a request's ``pages`` full prompt pages its hint names as the session's own,
     from its ``kv_transfer_params``; -1 without a hint, with a bad one (logged), or with one
     naming no page among them."""
     if not params or SESSION_END_PARAM not in params:

@@ -100,6 +100,11 @@ class RuntimeLookups:
         self.counters["lookup_us"] += int((time.perf_counter() - started) * 1e6)
         return plan
 
+    def announce(self, told: Told) -> None:
+        """Tell this node's store of a request that is not looked up (vLLM computed every page
+        it could load), after every call made before (not waited for)."""
+        self._pool.submit(self._quietly, self.runtime.announce, *told)
+
     def release(self, plan: Plan) -> None:
         """End ``plan``'s pins, after every call made before (not waited for)."""
         self._pool.submit(self._quietly, self.runtime.release, plan)

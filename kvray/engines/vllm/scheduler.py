@@ -159,7 +159,8 @@ class ConnectorScheduler:
             return 0, False
         loadable = (len(request.prompt_token_ids) - 1) // page  # the last token is always computed
         first = num_computed_tokens // page
-        if first >= loadable:
+        if first >= loadable:  # nothing to look up (vLLM holds it all), but pages to store, maybe
+            self._tell(request.request_id, tracked)
             return 0, False
         if self.verbs is not None and self.verbs.answer(request.request_id) is PENDING:
             return None, False  # its decision or prefetch runs: vLLM asks again in a later step
@@ -187,12 +188,7 @@ class ConnectorScheduler:
         now, its policy told of the request first (with the client's end-of-session hint)."""
         page = self.layout.page_tokens
         try:
-            if not tracked.told:
-                tracked.told = True
-                now = time.monotonic() * 1000.0
-                self.store.on_request(
-                    RequestInfo(tuple(tracked.keys), arrival_ms=now, ends_session_from=tracked.ends_session_from)
-                )
+            self._tell(req_id, tracked)
             found, pages = self.store.get_pages(tracked.keys[first:loadable])
         except Exception as exc:  # a cache must never fail a request: any store failure is a miss
             self.counters["failures"] += 1
@@ -203,6 +199,20 @@ class ConnectorScheduler:
         self.counters["hit_pages"] += len(found)
         self._staged[req_id] = StagedHit(first, computed, pages)
         return len(found) * page, False
+
+    def _tell(self, req_id: str, tracked: TrackedRequest) -> None:
+        """Tell the store of a request once, before anything of it is stored, when no lookup will
+        (a lookup on a runtime announces it itself): every full page of its prompt, with its
+        client's end-of-session hint. A runtime's store hears of it on the lookups' thread, not
+        waited for (the worker stores the request's pages after the step that computes them)."""
+        if tracked.told or not tracked.keys:
+            return
+        if self.store is not None:
+            now = time.monotonic() * 1000.0
+            self.store.on_request(RequestInfo(tuple(tracked.keys), arrival_ms=now, ends_session_from=tracked.ends_session_from))
+        else:
+            self.lookups.announce((tracked.keys, tracked.ends_session_from))
+        tracked.told = True
 
     def _pin_on_runtime(
         self, req_id: str, tracked: TrackedRequest, first: int, loadable: int, computed: int

@@ -148,6 +148,7 @@ class ClusterVerbs:
             self._prefetcher = KvrayClient.connect(self.runtime.client.config.name)
         client = self._prefetcher
         plan = client.lookup(keys, route_key=route_key)
+        client.context.take_arrival()  # the peers it reads hear of the request; this node's, from the scheduler side
         if all(node == client.node_id for node in plan.hit_nodes):  # nothing cached elsewhere
             client.release(plan, Loaded(0))
             return 0
