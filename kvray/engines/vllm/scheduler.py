@@ -207,11 +207,17 @@ class ConnectorScheduler:
         waited for (the worker stores the request's pages after the step that computes them)."""
         if tracked.told or not tracked.keys:
             return
-        if self.store is not None:
-            now = time.monotonic() * 1000.0
-            self.store.on_request(RequestInfo(tuple(tracked.keys), arrival_ms=now, ends_session_from=tracked.ends_session_from))
-        else:
-            self.lookups.announce((tracked.keys, tracked.ends_session_from))
+        try:
+            if self.store is not None:
+                now = time.monotonic() * 1000.0
+                info = RequestInfo(tuple(tracked.keys), arrival_ms=now, ends_session_from=tracked.ends_session_from)
+                self.store.on_request(info)
+            else:
+                self.lookups.announce((tracked.keys, tracked.ends_session_from))
+        except Exception as exc:  # a cache must never fail a request: the store hears of it at the next ask
+            self.counters["failures"] += 1
+            log.warning("kvray could not tell the store of request %s: %r", req_id, exc)
+            return
         tracked.told = True
 
     def _pin_on_runtime(
