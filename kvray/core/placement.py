@@ -54,7 +54,8 @@ class RequestInfo:
     index of the next request that uses it (``inf`` if none), and ``index`` the request's own
     (a cluster node hears of only some requests, so its own count is not the trace's clock).
     ``load_util`` (simulator, to a policy that asks: ``needs_link_util``) is each tier's
-    load path's recent busy share, its busiest link's, on the node told.
+    load path's recent busy share, its busiest link's, on the node told (0 on links that
+    never queue: a single-node scenario's, unless it says ``links: {queued: true}``).
     """
 
     keys: tuple[int, ...]

@@ -48,7 +48,7 @@ from kvray.core.placement import LRUPolicy, PageContext, PlacementPolicy, Reques
 from kvray.core.tiers import Tier
 from kvray.policy.page_features import FEATURES, SOURCES, PageFeatures
 from kvray.policy.promote import promote_target, promoting
-from kvray.policy.reuse_admission import DiskGate
+from kvray.policy.reuse_admission import DiskGate, disk_pays
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
 from kvray.policy.reuse_online import SAMPLE, DelayedLabels, RecencyLRU, ShadowTripwire
 from kvray.policy.reuse_pool import gather, gather_python
@@ -111,6 +111,7 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         queue_weighted: bool = True,
         libm_counts: bool = False,
         hand_over: bool = False,
+        load_cost_admission: bool = True,
     ):
         self.pool = pool or (model.pool if model is not None else POOL)
         if model is not None and model.pool != self.pool:
@@ -133,7 +134,10 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         self.promote = promote  # which disk reads move up to host (PROMOTION)
         self.promote_gate = promote_gate  # ... only while the tier's load path is busy less than this share
         self.link_charged = link_charged and teacher  # a decision weighs its miss over the link it would be reloaded by
-        self.needs_link_util = self.link_charged or promote_gate is not None
+        # write to disk only while a page loads from it faster than the engine recomputes it
+        # (reuse_admission.disk_pays); a teacher's replays demote as they were recorded
+        self.load_cost_admission = load_cost_admission and not teacher
+        self.needs_link_util = self.link_charged or promote_gate is not None or self.load_cost_admission
         self.next_use = next_use  # teacher: the trace's next use of keys after a request index (a cluster node's own is stale)
         self.needs_future = teacher  # the simulator tells a teacher the future, as it tells Belady
         self.queue_weighted = queue_weighted and teacher  # a decision weighs the requests queued behind its miss
@@ -203,6 +207,7 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         self._request_pages = 1
         self._tier_cost: Mapping[Tier, float] = {}
         self._load_util: Mapping[Tier, float] = {}
+        self._disk_closed = False  # this request's demotions into disk are dropped (load_cost_admission)
         self._label_now = 0.0  # teacher only: the trace's request index, the clock of the oracle's next uses
         self._queue_weight = 1.0  # teacher only: what a miss costs beyond its own request (queue_weight)
         self._next = np.full(1024, np.inf)  # teacher only: each page's next use (request index)
@@ -253,6 +258,8 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         self._request_pages = max(len(info.keys) * self.depth_scale, 1)
         self._tier_cost = info.tier_cost or {}
         self._load_util = info.load_util or {}
+        if self.load_cost_admission:
+            self._disk_closed = not disk_pays(self._tier_cost.get(Tier.DISK, 0.0), self._load_util.get(Tier.DISK, 0.0))
         if self.queue_weighted:
             self._queue_weight = queue_weight(info.backlog_ms, info.page_prefill_ms * self._request_pages)
         self._pending.clear()
@@ -504,8 +511,11 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         return up if self._promotion_pays(handle, tier, up) else None
 
     def demote_target(self, handle: int, tier: Tier) -> Tier | None:
-        """One tier down; into disk, only when the gate says the write pays (with a gate)."""
+        """One tier down; into disk, only while a disk hit would beat recomputing
+        (``load_cost_admission``) and when the gate says the write pays (with a gate)."""
         below = self._below[tier]
+        if below == Tier.DISK and self._disk_closed:
+            return None
         if self._gate is None or below != Tier.DISK:
             return below
         row = self._gate_rows.pop(handle, None)

@@ -27,10 +27,21 @@ the bytes (without it 0.60x / 0.79x LRU's NVMe bytes; twice it cost 3-6% of mean
 docs/sim-eval, "Disk admission"). Until :data:`WARMUP` labels have
 arrived, every page is written (what every heuristic does).
 
+Before any prediction, :func:`disk_pays` (on in every ``reuse`` policy, gate or not): a page
+is written to disk only while a page read from there would reach the engine before the
+engine could recompute it, the disk's load cost stretched by the queue on its load path.
+A slower hit is worth less than a miss, and its write and read take link time from pages
+that pay. On the 4- and 8-node scenarios it keeps what the gate gains where disks are slow
+or busy, without the gate's losses where they are fast and idle (docs/sim-eval, "A disk hit
+slower than recomputing").
+
 Example::
 
     import numpy as np
-    from kvray.policy.reuse_admission import DiskGate
+    from kvray.policy.reuse_admission import DiskGate, disk_pays
+
+    disk_pays(0.54, utilisation=0.3)   # True: 0.54 / 0.7 of a prefill
+    disk_pays(0.54, utilisation=0.5)   # False: a hit would wait 1.08 prefills
 
     gate = DiskGate(mean=np.zeros(3), scale=np.ones(3), disk_pages=100)
     gate.request(now=1, disk_cost=0.2, util=0.1)
@@ -45,8 +56,17 @@ from collections.abc import Sequence
 import numpy as np
 
 WARMUP = 256  # labelled demotions before the gate decides
+MAX_UTILISATION = 0.95  # a link seen busier is counted this busy: the queue formula's pole
 LEARNING_RATE = 0.05
 MIN_HORIZON = 16.0  # requests
+
+
+def disk_pays(load_cost: float, utilisation: float) -> bool:
+    """Whether a page written to disk now would load faster than the engine recomputes it:
+    ``load_cost`` (a page's load from the disk, in page prefills: ``RequestInfo.tier_cost``)
+    stretched by the wait on the disk's load path at its recent busy share ``utilisation``
+    (an M/M/1 sojourn, ``load_cost / (1 - u)``) stays under one prefill. Unknown costs (0) pay."""
+    return load_cost / (1.0 - min(max(utilisation, 0.0), MAX_UTILISATION)) < 1.0
 
 
 class DiskGate:

@@ -43,6 +43,7 @@ struct Reuse {
     long leaving; /* ReusePolicy._leaving: (leaving, leaving_key), or leaving == NONE */
     PyObject *leaving_key;
     int following; /* the tripwire follows a heuristic: victims are its (in Python) */
+    long long disk_closed; /* ReusePolicy._disk_closed: this request's demotions into disk are dropped */
 };
 
 static void reuse_release_columns(Reuse *r) {
@@ -177,6 +178,7 @@ static int reuse_load(State *s, Reuse *r) {
     if (PyErr_Occurred() || get_long(s->policy, "depth_scale", &scale) < 0 || get_long(s->policy, "_request_pages", &pages) < 0 ||
         get_long(r->features, "ghost_capacity", &capacity) < 0 || get_double(s->policy, "_pool_decay", &r->pool_decay) < 0 ||
         get_double(r->features, "now", &r->now) < 0 || get_double(r->features, "now_ms", &r->now_ms) < 0 ||
+        get_long(s->policy, "_disk_closed", &r->disk_closed) < 0 ||
         reuse_read_scalars(s, r) < 0)
         return -1;
     r->depth_scale = (long)scale, r->request_pages_now = (long)pages, r->ghost_capacity = (Py_ssize_t)capacity;
@@ -225,6 +227,12 @@ static PyObject *ghost_pop(PyObject *ghosts, PyObject *key) {
 }
 
 /* ReusePolicy.on_insert (without teacher, gate or labels) and PageFeatures.insert of one page. */
+/* ReusePolicy.demote_target without a gate: one tier down, none into a disk closed to this request. */
+static int reuse_demote_target(State *s, int t) {
+    int below = s->below[t];
+    return below == DISK && s->reuse->disk_closed ? NONE : below;
+}
+
 static int reuse_insert(State *s, long h, int t) {
     Reuse *r = s->reuse;
     if (h >= r->pages) { /* beyond the columns: the policy's Python grows them */

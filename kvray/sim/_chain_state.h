@@ -15,6 +15,7 @@
 #include <string.h>
 
 #define NTIERS 4
+#define DISK 2 /* Tier.DISK */
 #define ROOT (-1)
 #define NONE (-1)
 #define NO_SLOT (-1)
@@ -92,6 +93,7 @@ static int flush_links(State *s); /* before any Python code runs: see "links" be
 static int reuse_insert(State *s, long h, int t); /* _chain_reuse.h */
 static int reuse_remove(State *s, long h, int t);
 static long reuse_pending(State *s, int t);
+static int reuse_demote_target(State *s, int t);
 static int s3fifo_insert(State *s, PyObject *policy, long h, int t); /* _chain_s3fifo.h */
 static int s3fifo_remove(State *s, PyObject *policy, long h, int t);
 
@@ -235,7 +237,8 @@ static int present_tier(State *s, PyObject *tier, int *out) {
 
 /* CacheManager._demote_target: where the policy demotes h from t, if present; -2 on error. */
 static int demote_target(State *s, long h, int t) {
-    if (!s->generic || s->reuse) return s->below[t]; /* reuse's: one tier down (no disk gate when native) */
+    if (s->reuse) return reuse_demote_target(s, t); /* no disk gate when native */
+    if (!s->generic) return s->below[t];
     PyObject *r = hook(s, M_demote_target, h, t);
     int d;
     if (r == NULL) return -2;

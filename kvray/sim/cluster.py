@@ -313,7 +313,7 @@ class ClusterSimulator:
         end-of-session hint, -1 for none)."""
         load_util = None
         if node.policy.needs_link_util:
-            load_util = {t: max(link.utilisation(now) for link in path) for t, path in node.load_path.items()}
+            load_util = {t: max(link.contention(now) for link in path) for t, path in node.load_path.items()}
         return RequestInfo(
             keys,
             node.queue.backlog_ms(now),
@@ -322,9 +322,7 @@ class ClusterSimulator:
             arrival_ms=now,
             page_prefill_ms=node.cost.page_prefill_ms(),
             engines=node.engines,
-            disk_write_util=node.nvme_write.utilisation(now)
-            if node.policy.needs_disk_util and Tier.DISK in node.to_host
-            else 0.0,
+            disk_write_util=node.nvme_write.contention(now) if node.policy.needs_disk_util and Tier.DISK in node.to_host else 0.0,
             index=index if future is not None else -1,
             load_util=load_util,
             ends_session_from=ends_from,

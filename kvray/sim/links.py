@@ -166,6 +166,11 @@ class Link:
             self._window_bytes -= window.popleft()[1]
         return self._window_bytes / (self.bytes_per_ms * self.window_ms * self.lanes)
 
+    def contention(self, now_ms: float) -> float:
+        """The busy share a transfer booked now would queue behind: :meth:`utilisation` on a
+        queued link, 0 on an unqueued one (it delays nothing, however busy)."""
+        return self.utilisation(now_ms) if self.queued else 0.0
+
     def utilisation_over(self, span_ms: float) -> float:
         """Busy share of the lanes over a whole replay of ``span_ms`` (the table's figure)."""
         return self.busy_ms / (span_ms * self.lanes) if span_ms > 0 else 0.0

@@ -1,4 +1,6 @@
-"""The disk gate: a pointwise head fitted online on delayed labels, deciding NVMe writes."""
+"""Disk admission: no page written to a disk that would load it slower than the engine recomputes
+it (every reuse policy), and the disk gate: a pointwise head fitted online on delayed labels,
+deciding NVMe writes."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from kvray.core.manager import CacheManager
 from kvray.core.placement import RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy.reuse import ReusePolicy
-from kvray.policy.reuse_admission import WARMUP, DiskGate
+from kvray.policy.reuse_admission import WARMUP, DiskGate, disk_pays
 
 NO_MOVE = lambda *move: None  # noqa: E731
 
@@ -73,3 +75,53 @@ def test_a_disk_no_faster_than_recomputing_is_never_written_not_even_while_warmi
     gate = DiskGate(mean=np.zeros(1), scale=np.ones(1), disk_pages=100)
     gate.request(1, disk_cost=1.2, util=0.0)
     assert not gate.admit(1, np.array([5.0]), 1) and gate.dropped == 1
+
+
+def test_a_disk_hit_pays_while_its_load_beats_recomputing_at_the_links_queue():
+    assert disk_pays(0.54, 0.0) and disk_pays(0.54, 0.45)  # 0.98 of a prefill
+    assert not disk_pays(0.54, 0.47) and not disk_pays(1.08, 0.0)  # 1.02 of a prefill; a slow disk
+    assert not disk_pays(0.06, 1.5) and disk_pays(0.04, 1.5)  # a link seen over-busy counts 0.95 busy
+    assert disk_pays(0.0, 0.99)  # a cost not told: every page written, as before
+
+
+def test_reuse_writes_to_disk_only_while_a_disk_hit_would_beat_recomputing():
+    """No gate: a page leaving host goes to disk while the disk's load cost over its load path's
+    queue is under one prefill, and is dropped (gone from every tier) while it is not."""
+    from kvray.policy.page_features import FEATURES
+    from kvray.policy.reuse_model import ReuseModel
+
+    model = ReuseModel(
+        np.zeros(len(FEATURES)), np.ones(len(FEATURES)), np.zeros((len(FEATURES), 1)), np.zeros(1), np.ones(1), np.zeros(1)
+    )
+    policy = ReusePolicy(model, pool=(64, 0, 0))
+    manager = CacheManager({Tier.HOST: 2, Tier.DISK: 8}, policy)
+    assert policy.needs_link_util and policy._gate is None
+    costs = {Tier.HOST: 0.05, Tier.DISK: 0.6}
+    for i in range(8):
+        busy = 0.5 if i < 4 else 0.2  # 0.6 / 0.5 = 1.2 prefills, then 0.75
+        policy.on_request(RequestInfo(keys=(i,), tier_cost=costs, load_util={Tier.HOST: 0.9, Tier.DISK: busy}))
+        manager.store_chain([i], NO_MOVE)
+    tier_of = {k: int(manager.index.tier[manager.index.handle_of(k)]) for k in manager.index.keys()}
+    assert tier_of == {2: Tier.DISK, 3: Tier.DISK, 4: Tier.DISK, 5: Tier.DISK, 6: Tier.HOST, 7: Tier.HOST}
+    teacher = ReusePolicy(model, pool=(64, 0, 0), teacher=True, load_cost_admission=True)
+    assert not teacher.load_cost_admission  # a teacher's replays demote as they were recorded
+
+
+def test_the_simulator_tells_reuse_its_disks_queue_and_a_slow_disk_is_never_written():
+    """On the 4-node scenario at half bandwidth a disk loads a page in 1.08 prefills: reuse
+    writes it nothing where LRU writes every demotion; at full bandwidth (0.54) it writes."""
+    from kvray.policy.cluster import LocalFirstRing
+    from kvray.scenario import load_scenario
+    from kvray.sim.cluster import ClusterSimulator
+    from kvray.sim.node import node_capacities
+    from kvray.sim.workloads import WorkloadSpec, generate
+
+    trace = generate(WorkloadSpec(sessions=60, session_rate_per_s=20.0, document_probability=0.6), seed=4)
+
+    def nvme_writes(policy: str, scale: float) -> int:
+        scenario = load_scenario("h100-4node-skewed").with_bandwidth(scale)
+        result = ClusterSimulator(scenario, policy, LocalFirstRing(), node_capacities(scenario, trace, 0.05)).replay(trace)
+        return sum(v for k, v in result.extra["link_bytes"].items() if k.endswith("nvme_write"))
+
+    assert nvme_writes("reuse", 0.5) == 0 < nvme_writes("lru", 0.5)
+    assert nvme_writes("reuse", 1.0) > 0

@@ -76,7 +76,8 @@ def test_the_native_hooks_leave_the_python_hooks_state(seed, scale, following):
     costs = {Tier.DEVICE: 0.0, Tier.HOST: 0.1, Tier.DISK: 0.4}
     for i, chain in enumerate(chains(rng, 40 if scale == 1 else 8, longest=24 * scale)):
         for node in (native, python):
-            node.policy.on_request(RequestInfo(tuple(chain), tier_cost=costs, arrival_ms=10.0 * i))
+            busy = {Tier.DISK: 0.7 if i % 3 == 0 else 0.0}  # every third request the disk is closed to demotions
+            node.policy.on_request(RequestInfo(tuple(chain), tier_cost=costs, arrival_ms=10.0 * i, load_util=busy))
             node.policy._tripwire.following = following  # the model, LRU's advisor or S3-FIFO's
             node.clock = float(i)
             hits = node.manager.lookup(chain).handles

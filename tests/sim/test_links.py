@@ -45,6 +45,15 @@ def test_an_unqueued_link_never_delays_but_counts():
     assert link.utilisation(100.0) == pytest.approx(2.0)  # twice what it can carry: uncharged work shows
 
 
+def test_contention_is_the_utilisation_of_a_queued_link_and_nothing_on_an_unqueued_one():
+    """What a policy is told of a link's queue: an unqueued link delays nothing, however busy."""
+    queued, unqueued = Link("nvme_read", gbps=1.0, window_ms=100.0), Link("nvme_read", gbps=1.0, queued=False, window_ms=100.0)
+    for link in (queued, unqueued):
+        transfer((link,), 0.0, 50 * MB, "load")
+    assert queued.contention(60.0) == queued.utilisation(60.0) == pytest.approx(0.5)
+    assert unqueued.contention(60.0) == 0.0 and unqueued.utilisation(60.0) == pytest.approx(0.5)
+
+
 def test_utilisation_counts_bytes_arrived_in_the_window():
     link = Link("nic_in", gbps=1.0, window_ms=100.0)
     transfer((link,), 0.0, 50 * MB, "load")  # arrives at 50 ms
