@@ -251,6 +251,7 @@ def run_cluster_eval(
     bandwidth_scales: Sequence[float] = (1.0,),
     compare: bool = False,
     shared_disk: bool = False,
+    noise: int = 0,
 ) -> tuple[int, list[Path]]:
     """What ``kvray cluster-eval`` does: every cluster scenario x trace (the files, and a
     generated chat workload of about ``generated`` requests), the ``pairs``
@@ -261,7 +262,9 @@ def run_cluster_eval(
     fast: :meth:`~kvray.scenario.Scenario.with_bandwidth`), with its drives' reads and writes
     on one channel if ``shared_disk`` (:meth:`~kvray.scenario.Scenario.with_shared_disk`). With ``compare`` only the pairs and
     :data:`~kvray.apps.cluster_compare.REFERENCE` are replayed, no other heuristic and no oracle,
-    and the table compares the pairs (:mod:`kvray.apps.cluster_compare`)."""
+    and the table compares the pairs (:mod:`kvray.apps.cluster_compare`). With ``noise`` N each
+    cell's best heuristic under each pair's cluster policy and the pairs are also replayed on N
+    copies of its trace less one request (:mod:`kvray.apps.cluster_noise`: noise.md, noise.json)."""
     from kvray.policy import make_policy
     from kvray.scenario import load_scenario
     from kvray.sim.workloads import WorkloadSpec, generate
@@ -294,6 +297,8 @@ def run_cluster_eval(
         candidates.append((node_policy, cluster_policy))
     if compare and not candidates:
         raise ConfigError("--compare compares the --policy pairs: give at least one")
+    if noise and not candidates:
+        raise ConfigError("--noise N places the --policy pairs within each cell's noise band: give at least one")
     heuristics = (REFERENCE,) if compare else HEURISTICS
     rows = evaluate(scenarios, traces, fraction, heuristics, progress, candidates, load, oracle=not compare)
     if notify is not None:
@@ -302,4 +307,8 @@ def run_cluster_eval(
         for row in {(r["scenario"], r["trace"]): r for r in rows if "load" in r}.values():
             notify(f"{row['scenario']} / {row['trace']}: {describe(row['load'])}")
     written = write_comparison(rows, out, command) if compare else write_results(rows, out, command)
+    if noise:
+        from kvray.apps.cluster_noise import noise_bands, write_noise
+
+        written += write_noise(noise_bands(scenarios, traces, fraction, rows, noise, progress), out, command)
     return len(scenarios) * len(traces), written

@@ -307,6 +307,13 @@ def cluster_eval(
         help="only the --policy pairs beside lru+cost-router (no other heuristic, no oracle): compare.md with each "
         "pair's ratio to it per cell and the pairs' spread (e.g. the seeds of one training)",
     ),
+    noise: int = typer.Option(
+        0,
+        "--noise",
+        callback=NON_NEGATIVE,
+        help="also replay each cell's best heuristic under each --policy pair's cluster policy, and the pairs, on N "
+        "copies of its trace less one request: noise.md with the band and each pair within it",
+    ),
 ) -> None:
     """Every heuristic and the oracle on cluster scenarios: one table per scenario and trace."""
     import shlex
@@ -335,6 +342,7 @@ def cluster_eval(
             bandwidth_scale,
             compare,
             shared_disk,
+            noise,
         )
     console.print(f"{tables} tables; wrote {', '.join(str(p) for p in paths)}")
 

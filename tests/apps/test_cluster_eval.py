@@ -57,3 +57,53 @@ def test_compare_replays_the_pairs_beside_the_cost_router_only_and_reports_their
     assert "lru+always-prefetch: mean ratio" in text and f"{summary['cells_within_2pct']} of 2." in text
     refused = CliRunner().invoke(app, args)
     assert refused.exit_code != 0 and "give at least one" in " ".join(refused.output.split())
+
+
+def test_noise_places_each_pair_within_the_band_of_the_best_heuristic_under_its_cluster_policy(tmp_path):
+    """--noise N: per cell and cluster policy of a pair, the best heuristic under it (LRU where
+    none runs under it) and the pairs replayed on N copies less one request; the band is the
+    reference's spread over its copies, a pair equal to its reference sits at exactly 1, and the
+    oracle's per-node policy is not beyond the band."""
+    from kvray.apps.cluster_noise import MIN_BAND, noise_bands, write_noise
+    from kvray.apps.evaluate import without_one_request
+    from kvray.policy.cluster import make_cluster_policy
+    from kvray.sim.cluster import ClusterSimulator
+    from kvray.sim.node import node_capacities
+
+    scenario = load_scenario("simulations/h100-4node-skewed.yaml")
+    trace = generate(WorkloadSpec(sessions=40, session_rate_per_s=20.0, system_prompt_pages=1), seed=1)
+    heuristics = (("lru", "local-first"), ("arc", "local-first"))
+    candidates = [("belady", "local-first"), ("lru", "cost-prefetch")]
+    rows = evaluate({"four": scenario}, {"chat": trace}, 0.05, heuristics, candidates=candidates, oracle=False)
+    bands = noise_bands({"four": scenario}, {"chat": trace}, 0.05, rows, copies=3)
+    assert [b["cluster_policy"] for b in bands] == ["local-first", "cost-prefetch"]
+    local, prefetch = bands
+    best = min(rows[:2], key=lambda r: r["mean_ttft_ms"])
+    assert (local["reference"], local["reference_mean_ttft_ms"]) == (best["policy"], best["mean_ttft_ms"])
+    assert prefetch["reference"] == "lru" and set(prefetch["candidates"]) == {"lru"}
+    caps = node_capacities(scenario, trace, 0.05)
+    copies = [
+        ClusterSimulator(scenario, local["reference"], make_cluster_policy("local-first"), caps).replay(without_one_request(trace, k))
+        for k in range(3)
+    ]
+    means = [c.mean_ttft_ms for c in copies]
+    assert local["band"] == max(means) / min(means) - 1.0
+    for band in bands:
+        for pair in band["candidates"].values():
+            assert pair["beyond_band"] == (pair["ratio"] > 1.0 + max(band["band"], MIN_BAND))
+    assert local["candidates"]["belady"]["ratio"] < 1.0 and not local["candidates"]["belady"]["beyond_band"]
+    same = prefetch["candidates"]["lru"]  # its own reference
+    assert same["ratio"] == same["copies_median"] == same["copies_least"] == same["copies_largest"] == 1.0
+    assert not same["beyond_band"] and same["nvme_write_vs_reference"] in (1.0, None)
+    text = write_noise(bands, tmp_path, "kvray cluster-eval ... --noise 3")[1].read_text()
+    assert "| four | chat | cost-prefetch | lru, " in text and "- belady + local-first: beyond the band in" in text
+
+
+def test_noise_needs_a_pair_to_place():
+    from typer.testing import CliRunner
+
+    from kvray.cli import app
+
+    args = ["cluster-eval", "--scenario", "simulations/h100-4node-skewed.yaml", "--generated", "40", "--noise", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code != 0 and "--noise N places the --policy pairs" in result.output
