@@ -83,7 +83,9 @@ def test_noise_places_each_pair_within_the_band_of_the_best_heuristic_under_its_
     assert prefetch["reference"] == "lru" and set(prefetch["candidates"]) == {"lru"}
     caps = node_capacities(scenario, trace, 0.05)
     copies = [
-        ClusterSimulator(scenario, local["reference"], make_cluster_policy("local-first"), caps).replay(without_one_request(trace, k))
+        ClusterSimulator(scenario, local["reference"], make_cluster_policy("local-first"), caps).replay(
+            without_one_request(trace, k)
+        )
         for k in range(3)
     ]
     means = [c.mean_ttft_ms for c in copies]
