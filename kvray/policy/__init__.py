@@ -7,7 +7,9 @@ lru, arc and threshold does best on shadow caches of the same workload), ``belad
 simulator feeds it the future), ``rl`` (the shipped trained selector), ``lru-session-end``
 (LRU told its clients' end-of-session hints: a session's own pages are not stored by its
 last request, and go first, unwritten, :mod:`kvray.policy.session_end`; ``reuse-session-end``
-the per-page learned policy told them); ``rl:PATH`` loads a
+the per-page learned policy told them), ``lru-load-cost`` (LRU writing no page to a disk that
+would load it slower than recomputing it, as ``reuse`` does: a reference,
+:mod:`kvray.policy.reuse_admission`); ``rl:PATH`` loads a
 trained policy file; ``reuse`` (the per-page learned policy: LRU's, a decayed-frequency heap's and a never-read
 FIFO's oldest pages re-ranked by a reuse model imitating Belady, :mod:`kvray.policy.reuse`), ``reuse:PATH`` a trained reuse model, ``reuse-cluster:PATH`` one trained on cluster replays (``kvray train-reuse --cluster``, promotion as its card says); ``package.module:Class`` an importable policy class).
 Unknown names raise :class:`kvray.core.errors.PolicyError` listing the known ones.
@@ -25,6 +27,7 @@ from kvray.policy.experts import ExpertsPolicy
 from kvray.policy.lecar import LeCaRPolicy
 from kvray.policy.lfu import LFUPolicy
 from kvray.policy.promote import promoting
+from kvray.policy.reuse_admission import LoadCostLRU
 from kvray.policy.s3fifo import S3FIFOPolicy
 from kvray.policy.selective import SelectiveWritePolicy
 from kvray.policy.session_end import SessionEndLRU, ending_sessions
@@ -86,6 +89,8 @@ POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
     "lru-session-end": SessionEndLRU,
     # ... and the per-page learned policy told them (its ranking for every page no hint names)
     "reuse-session-end": lambda: _reuse(session_ends=True),
+    # a reference: LRU that, as reuse does, writes no page to a disk slower than recomputing it
+    "lru-load-cost": LoadCostLRU,
 }
 
 

@@ -258,7 +258,7 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         self._request_pages = max(len(info.keys) * self.depth_scale, 1)
         self._tier_cost = info.tier_cost or {}
         self._load_util = info.load_util or {}
-        if self.load_cost_admission:
+        if self.load_cost_admission:  # as LoadCostAdmission, which the compiled hooks read (_disk_closed)
             self._disk_closed = not disk_pays(self._tier_cost.get(Tier.DISK, 0.0), self._load_util.get(Tier.DISK, 0.0))
         if self.queue_weighted:
             self._queue_weight = queue_weight(info.backlog_ms, info.page_prefill_ms * self._request_pages)

@@ -55,6 +55,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvray.core.placement import LRUPolicy, RequestInfo
+from kvray.core.tiers import Tier
+
 WARMUP = 256  # labelled demotions before the gate decides
 MAX_UTILISATION = 0.95  # a link seen busier is counted this busy: the queue formula's pole
 LEARNING_RATE = 0.05
@@ -67,6 +70,30 @@ def disk_pays(load_cost: float, utilisation: float) -> bool:
     stretched by the wait on the disk's load path at its recent busy share ``utilisation``
     (an M/M/1 sojourn, ``load_cost / (1 - u)``) stays under one prefill. Unknown costs (0) pay."""
     return load_cost / (1.0 - min(max(utilisation, 0.0), MAX_UTILISATION)) < 1.0
+
+
+class LoadCostAdmission:
+    """:func:`disk_pays` for any eviction rule, put before its class in the bases: a page leaving
+    for disk while a disk hit would not beat recomputing it is dropped. ``reuse`` has it built
+    in (its compiled hooks too); with a heuristic it measures what the rule alone is worth."""
+
+    needs_link_util = True  # told each tier's load path's queue (RequestInfo.load_util)
+    _disk_closed = False
+
+    def on_request(self, info: RequestInfo) -> None:
+        super().on_request(info)  # type: ignore[misc]
+        cost, busy = info.tier_cost or {}, info.load_util or {}
+        self._disk_closed = not disk_pays(cost.get(Tier.DISK, 0.0), busy.get(Tier.DISK, 0.0))
+
+    def demote_target(self, handle: int, tier: Tier) -> Tier | None:
+        below = super().demote_target(handle, tier)  # type: ignore[misc]
+        return None if below == Tier.DISK and self._disk_closed else below
+
+
+class LoadCostLRU(LoadCostAdmission, LRUPolicy):
+    """LRU that writes no page to a disk slower than recomputing it (``lru-load-cost``)."""
+
+    name = "lru-load-cost"
 
 
 class DiskGate:

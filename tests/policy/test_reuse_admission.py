@@ -5,6 +5,7 @@ deciding NVMe writes."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvray.core.manager import CacheManager
 from kvray.core.placement import RequestInfo
@@ -84,18 +85,20 @@ def test_a_disk_hit_pays_while_its_load_beats_recomputing_at_the_links_queue():
     assert disk_pays(0.0, 0.99)  # a cost not told: every page written, as before
 
 
-def test_reuse_writes_to_disk_only_while_a_disk_hit_would_beat_recomputing():
+@pytest.mark.parametrize("name", ["reuse", "lru-load-cost"])
+def test_a_page_goes_to_disk_only_while_a_disk_hit_would_beat_recomputing(name):
     """No gate: a page leaving host goes to disk while the disk's load cost over its load path's
     queue is under one prefill, and is dropped (gone from every tier) while it is not."""
+    from kvray.policy import make_policy
     from kvray.policy.page_features import FEATURES
     from kvray.policy.reuse_model import ReuseModel
 
     model = ReuseModel(
         np.zeros(len(FEATURES)), np.ones(len(FEATURES)), np.zeros((len(FEATURES), 1)), np.zeros(1), np.ones(1), np.zeros(1)
     )
-    policy = ReusePolicy(model, pool=(64, 0, 0))
+    policy = ReusePolicy(model, pool=(64, 0, 0)) if name == "reuse" else make_policy(name)
     manager = CacheManager({Tier.HOST: 2, Tier.DISK: 8}, policy)
-    assert policy.needs_link_util and policy._gate is None
+    assert policy.needs_link_util
     costs = {Tier.HOST: 0.05, Tier.DISK: 0.6}
     for i in range(8):
         busy = 0.5 if i < 4 else 0.2  # 0.6 / 0.5 = 1.2 prefills, then 0.75
