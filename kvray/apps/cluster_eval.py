@@ -90,7 +90,8 @@ def evaluate(
                     progress(f"{scenario_name} / {trace_name} / load {load:g}")
                 found = find_load(trace, scenario, load, capacities)
                 trace, loaded = found.trace, {"load": found.as_dict()}
-            for policy, cluster in [*heuristics, *candidates, *([("oracle", "oracle")] if oracle else [])]:
+            pairs = [*heuristics, *candidates, *([("oracle", "oracle")] if oracle else [])]
+            for i, (policy, cluster) in enumerate(pairs):
                 if progress is not None:
                     progress(f"{scenario_name} / {trace_name} / {policy} + {cluster}")
                 if policy == "oracle":
@@ -112,7 +113,8 @@ def evaluate(
                         "link_gib": gib,
                         "link_utilisation_max": busiest,
                         "oracle_setting": result.extra.get("oracle_setting"),
-                        "candidate": (policy, cluster) in candidates,
+                        # by position: a pair given as a candidate and also a heuristic is replayed as each
+                        "candidate": len(heuristics) <= i < len(heuristics) + len(candidates),
                         **loaded,
                     }
                 )
@@ -299,6 +301,8 @@ def run_cluster_eval(
         raise ConfigError("--compare compares the --policy pairs: give at least one")
     if noise and not candidates:
         raise ConfigError("--noise N places the --policy pairs within each cell's noise band: give at least one")
+    if noise == 1:
+        raise ConfigError("--noise 1: the band needs at least 2 copies of a trace")
     heuristics = (REFERENCE,) if compare else HEURISTICS
     rows = evaluate(scenarios, traces, fraction, heuristics, progress, candidates, load, oracle=not compare)
     if notify is not None:

@@ -10,7 +10,8 @@ policy ``C`` that a candidate runs under, the reference is the best heuristic un
 ``cost-prefetch``). It and every candidate under ``C`` are replayed on N copies of the cell's
 trace (scaled to its load), each less one request
 (:func:`~kvray.apps.evaluate.without_one_request`, seeds 0..N-1). The band is the reference's
-largest mean TTFT over its least, minus 1; a candidate is beyond it where its ratio to the
+largest mean TTFT over its least, minus 1, over the whole trace and its copies (N >= 2); a
+candidate is beyond it where its ratio to the
 reference on the whole trace exceeds ``1 + max(band, 1%)`` (the per-page issue's rule). Each
 candidate's ratio copy by copy (median, least, largest) and its NVMe bytes written over the
 reference's are reported beside it.
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from kvray.apps.cluster_eval import link_totals
 from kvray.apps.evaluate import without_one_request
+from kvray.core.errors import ConfigError
 from kvray.policy.cluster import make_cluster_policy
 from kvray.report import ReplayResult
 from kvray.scenario import Scenario
@@ -53,9 +55,13 @@ def noise_bands(
     """One entry per (scenario, trace, cluster policy of a candidate) of ``rows`` (what
     :func:`~kvray.apps.cluster_eval.evaluate` returned for the same scenarios and traces)."""
     out = []
+    if copies < 2:
+        raise ConfigError(f"--noise {copies}: the band needs at least 2 copies of a trace")
     for scenario_name, scenario in scenarios.items():
         for trace_name, whole in traces.items():
             cell = [r for r in rows if (r["scenario"], r["trace"]) == (scenario_name, trace_name)]
+            if not any(r["candidate"] for r in cell):
+                continue
             capacities = node_capacities(scenario, whole, fraction)
             load = cell[0].get("load") if cell else None
             trace = scaled(whole, load["arrival_scale"]) if load else list(whole)
@@ -77,7 +83,8 @@ def noise_bands(
                     gib, busiest = link_totals(result)
                     ref = {"policy": "lru", "mean_ttft_ms": result.mean_ttft_ms, "link_gib": gib, "link_utilisation_max": busiest}
                 ref_copies = [replay(ref["policy"], cluster, c).mean_ttft_ms for c in trace_copies]
-                band = max(ref_copies) / min(ref_copies) - 1.0
+                moves = [ref["mean_ttft_ms"], *ref_copies]
+                band = max(moves) / min(moves) - 1.0
                 shares = ref["link_utilisation_max"]
                 entry = {
                     "scenario": scenario_name,

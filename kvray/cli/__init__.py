@@ -312,7 +312,7 @@ def cluster_eval(
         "--noise",
         callback=NON_NEGATIVE,
         help="also replay each cell's best heuristic under each --policy pair's cluster policy, and the pairs, on N "
-        "copies of its trace less one request: noise.md with the band and each pair within it",
+        "(>= 2) copies of its trace less one request: noise.md with the band and each pair within it",
     ),
 ) -> None:
     """Every heuristic and the oracle on cluster scenarios: one table per scenario and trace."""

@@ -65,7 +65,7 @@ class RequestInfo:
     arrival_ms: float = 0.0
     page_prefill_ms: float = 0.0
     engines: int = 1
-    disk_write_util: float = 0.0  # the NVMe write link's recent busy share, told to a policy that gates disk writes
+    disk_write_util: float = 0.0  # the NVMe write link's recent busy share (0 if it never queues), to a disk gate
     index: int = -1  # the request's position in the trace, with ``future`` (-1: not told)
     load_util: Mapping[Tier, float] | None = None
     # A client's hint: this request is its session's last, and its pages from this depth on are
@@ -104,8 +104,8 @@ class PlacementPolicy(ABC):
 
     name: ClassVar[str] = "base"
     needs_future: ClassVar[bool] = False  # an offline oracle: only the simulator can run it
-    needs_disk_util: bool = False  # told the NVMe write link's utilisation with each request (RequestInfo)
-    needs_link_util: bool = False  # told each tier's load path utilisation with each request (RequestInfo.load_util)
+    needs_disk_util: bool = False  # told the NVMe write link's queue with each request (RequestInfo.disk_write_util)
+    needs_link_util: bool = False  # told each tier's load path's queue with each request (RequestInfo.load_util)
     needs_session_ends: ClassVar[bool] = False  # told the clients' end-of-session hints (RequestInfo.ends_session_from)
     # The simulator's compiled chain writer (kvray/sim/_chain.c) may run the manager's part of a
     # store and call this policy's hooks: true where demote_target depends neither on pins nor

@@ -84,7 +84,8 @@ PROMOTION = ("model", "every", "none")
 
 class ReusePolicy(PromotionPricing, PlacementPolicy):
     """Evict, among each tier's least recently used unpinned pages, the one the model
-    predicts is used furthest ahead; demote one tier down."""
+    predicts is used furthest ahead; demote one tier down, except into a disk that would load
+    the page slower than the engine recomputes it (``load_cost_admission``: dropped)."""
 
     name = "reuse"
     take = TAKE
@@ -208,6 +209,7 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         self._tier_cost: Mapping[Tier, float] = {}
         self._load_util: Mapping[Tier, float] = {}
         self._disk_closed = False  # this request's demotions into disk are dropped (load_cost_admission)
+        self._closed_requests = 0
         self._label_now = 0.0  # teacher only: the trace's request index, the clock of the oracle's next uses
         self._queue_weight = 1.0  # teacher only: what a miss costs beyond its own request (queue_weight)
         self._next = np.full(1024, np.inf)  # teacher only: each page's next use (request index)
@@ -224,7 +226,11 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
             self._gate = DiskGate(self.model.mean, self.model.scale, capacities[Tier.DISK])
         if self.tripwire_margin is not None:
             # the model alone, in a shadow: it evicts and promotes by the model, as the real cache does
-            learned = ReusePolicy(self.model, pool=self.pool, depth_scale=self.shadow_sample, promote=self.promote)
+            # the disk rule is the real cache's whichever rule it follows, and the heuristics'
+            # shadows write every page: the shadows compare rankings, all writing alike
+            learned = ReusePolicy(
+                self.model, pool=self.pool, depth_scale=self.shadow_sample, promote=self.promote, load_cost_admission=False
+            )
             self._tripwire = ShadowTripwire(
                 learned, TRIPWIRE_HEURISTICS, capacities, self.tripwire_margin, sample=self.shadow_sample
             )
@@ -260,6 +266,7 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         self._load_util = info.load_util or {}
         if self.load_cost_admission:  # as LoadCostAdmission, which the compiled hooks read (_disk_closed)
             self._disk_closed = not disk_pays(self._tier_cost.get(Tier.DISK, 0.0), self._load_util.get(Tier.DISK, 0.0))
+            self._closed_requests += self._disk_closed
         if self.queue_weighted:
             self._queue_weight = queue_weight(info.backlog_ms, info.page_prefill_ms * self._request_pages)
         self._pending.clear()
@@ -537,7 +544,11 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
             self._ready_rows, self._ready_labels = [], []
 
     def stats(self) -> dict[str, int]:
-        return {"refits": self.refits, "tripwire_trips": self._tripwire.trips if self._tripwire is not None else 0}
+        return {
+            "refits": self.refits,
+            "tripwire_trips": self._tripwire.trips if self._tripwire is not None else 0,
+            "disk_closed_requests": self._closed_requests,  # requests whose demotions into disk were dropped
+        }
 
     def _next_uses(self, handles: np.ndarray) -> np.ndarray:
         """Teacher: the request index at which each page is next used. A node hears only of the

@@ -73,21 +73,30 @@ def disk_pays(load_cost: float, utilisation: float) -> bool:
 
 
 class LoadCostAdmission:
-    """:func:`disk_pays` for any eviction rule, put before its class in the bases: a page leaving
-    for disk while a disk hit would not beat recomputing it is dropped. ``reuse`` has it built
-    in (its compiled hooks too); with a heuristic it measures what the rule alone is worth."""
+    """:func:`disk_pays` for an eviction rule that keeps no link flags of its own per instance,
+    put before its class in the bases: a page leaving for disk while a disk hit would not beat
+    recomputing it is dropped. ``reuse`` has it built in (its compiled hooks too); with a
+    heuristic it measures what the rule alone is worth."""
 
     needs_link_util = True  # told each tier's load path's queue (RequestInfo.load_util)
     _disk_closed = False
+    _closed_requests = 0
 
     def on_request(self, info: RequestInfo) -> None:
+        """Decided once per request: the queue is read as the request arrives, as in ``reuse``."""
         super().on_request(info)  # type: ignore[misc]
         cost, busy = info.tier_cost or {}, info.load_util or {}
         self._disk_closed = not disk_pays(cost.get(Tier.DISK, 0.0), busy.get(Tier.DISK, 0.0))
+        self._closed_requests += self._disk_closed
 
     def demote_target(self, handle: int, tier: Tier) -> Tier | None:
+        """The rule's demotion, but nowhere (dropped: a miss later, never wrong KV) into a closed disk."""
         below = super().demote_target(handle, tier)  # type: ignore[misc]
         return None if below == Tier.DISK and self._disk_closed else below
+
+    def stats(self) -> dict[str, int]:
+        """The rule's counts, and the requests whose demotions into disk were dropped."""
+        return {**super().stats(), "disk_closed_requests": self._closed_requests}  # type: ignore[misc]
 
 
 class LoadCostLRU(LoadCostAdmission, LRUPolicy):
@@ -119,8 +128,9 @@ class DiskGate:
         return max(self.disk_pages / rate, MIN_HORIZON) if rate > 0 else float(self.disk_pages)
 
     def request(self, now: float, disk_cost: float, util: float) -> None:
-        """A request arrives: the disk's relative load cost and its write link's utilisation
-        now; demotions a horizon old and not read since are labelled not reused."""
+        """A request arrives: the disk's relative load cost and its write link's busy share now
+        (``RequestInfo.disk_write_util``: 0 on a link that never queues); demotions a horizon
+        old and not read since are labelled not reused."""
         self._requests += 1
         self._disk_cost = min(max(disk_cost, 0.0), 1.0)
         self._util = min(max(util, 0.0), 0.95)

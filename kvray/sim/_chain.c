@@ -369,6 +369,13 @@ PyMODINIT_FUNC PyInit__chain(void) {
         LABEL[t] = PyTuple_GET_ITEM(labels, t);
         Py_INCREF(LABEL[t]);
     }
+    if (ok) { /* DISK (_chain_state.h) is Tier.DISK's value */
+        PyObject *disk = PyObject_GetAttrString(tiers, "DISK");
+        long value = disk == NULL ? -1 : PyLong_AsLong(disk);
+        Py_XDECREF(disk);
+        if (value != DISK && !PyErr_Occurred()) PyErr_SetString(PyExc_ImportError, "kvray.sim._chain: Tier.DISK is not DISK");
+        ok = value == DISK;
+    }
     for (int t = 0; ok && t < NTIERS; t++)
         for (int d = 0; ok && d < NTIERS; d++) ok = (MOVE_NAME[t][d] = PyUnicode_FromFormat("%U->%U", LABEL[t], LABEL[d])) != NULL;
     Py_XDECREF(tiers);

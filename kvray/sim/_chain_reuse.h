@@ -226,13 +226,13 @@ static PyObject *ghost_pop(PyObject *ghosts, PyObject *key) {
     return left;
 }
 
-/* ReusePolicy.on_insert (without teacher, gate or labels) and PageFeatures.insert of one page. */
 /* ReusePolicy.demote_target without a gate: one tier down, none into a disk closed to this request. */
 static int reuse_demote_target(State *s, int t) {
     int below = s->below[t];
     return below == DISK && s->reuse->disk_closed ? NONE : below;
 }
 
+/* ReusePolicy.on_insert (without teacher, gate or labels) and PageFeatures.insert of one page. */
 static int reuse_insert(State *s, long h, int t) {
     Reuse *r = s->reuse;
     if (h >= r->pages) { /* beyond the columns: the policy's Python grows them */

@@ -68,13 +68,14 @@ def test_noise_places_each_pair_within_the_band_of_the_best_heuristic_under_its_
     from kvray.apps.evaluate import without_one_request
     from kvray.policy.cluster import make_cluster_policy
     from kvray.sim.cluster import ClusterSimulator
+    from kvray.sim.load import scaled
     from kvray.sim.node import node_capacities
 
     scenario = load_scenario("simulations/h100-4node-skewed.yaml")
     trace = generate(WorkloadSpec(sessions=40, session_rate_per_s=20.0, system_prompt_pages=1), seed=1)
     heuristics = (("lru", "local-first"), ("arc", "local-first"))
     candidates = [("belady", "local-first"), ("lru", "cost-prefetch")]
-    rows = evaluate({"four": scenario}, {"chat": trace}, 0.05, heuristics, candidates=candidates, oracle=False)
+    rows = evaluate({"four": scenario}, {"chat": trace}, 0.05, heuristics, candidates=candidates, load=0.8, oracle=False)
     bands = noise_bands({"four": scenario}, {"chat": trace}, 0.05, rows, copies=3)
     assert [b["cluster_policy"] for b in bands] == ["local-first", "cost-prefetch"]
     local, prefetch = bands
@@ -82,14 +83,15 @@ def test_noise_places_each_pair_within_the_band_of_the_best_heuristic_under_its_
     assert (local["reference"], local["reference_mean_ttft_ms"]) == (best["policy"], best["mean_ttft_ms"])
     assert prefetch["reference"] == "lru" and set(prefetch["candidates"]) == {"lru"}
     caps = node_capacities(scenario, trace, 0.05)
+    loaded = scaled(trace, rows[0]["load"]["arrival_scale"])  # the copies are of the trace at its load
     copies = [
         ClusterSimulator(scenario, local["reference"], make_cluster_policy("local-first"), caps).replay(
-            without_one_request(trace, k)
+            without_one_request(loaded, k)
         )
         for k in range(3)
     ]
-    means = [c.mean_ttft_ms for c in copies]
-    assert local["band"] == max(means) / min(means) - 1.0
+    means = [best["mean_ttft_ms"], *(c.mean_ttft_ms for c in copies)]
+    assert local["band"] == max(means) / min(means) - 1.0 > 0
     for band in bands:
         for pair in band["candidates"].values():
             assert pair["beyond_band"] == (pair["ratio"] > 1.0 + max(band["band"], MIN_BAND))
@@ -101,7 +103,7 @@ def test_noise_places_each_pair_within_the_band_of_the_best_heuristic_under_its_
     assert "| four | chat | cost-prefetch | lru, " in text and "- belady + local-first: beyond the band in" in text
 
 
-def test_noise_needs_a_pair_to_place():
+def test_noise_needs_a_pair_to_place_and_two_copies_and_a_pair_that_is_also_a_heuristic_stays_one():
     from typer.testing import CliRunner
 
     from kvray.cli import app
@@ -109,3 +111,9 @@ def test_noise_needs_a_pair_to_place():
     args = ["cluster-eval", "--scenario", "simulations/h100-4node-skewed.yaml", "--generated", "40", "--noise", "2"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code != 0 and "--noise N places the --policy pairs" in result.output
+    result = CliRunner().invoke(app, [*args[:-1], "1", "--policy", "lru+cost-prefetch"])
+    assert result.exit_code != 0 and "at least 2 copies" in result.output
+    scenario = load_scenario("simulations/h100-4node-skewed.yaml")
+    trace = generate(WorkloadSpec(sessions=10, session_rate_per_s=20.0), seed=1)
+    rows = evaluate({"four": scenario}, {"chat": trace}, 0.05, (("lru", "local-first"),), candidates=[("lru", "local-first")])
+    assert [r["candidate"] for r in rows] == [False, True, False]  # the heuristic's row stays the reference

@@ -27,6 +27,7 @@ from tests.sim.test_chain import chains
 from tests.sim.test_chain import state as node_state
 
 TRACE = "data/traces/conversation_trace_first30min.jsonl"
+COSTS = {Tier.DEVICE: 0.0, Tier.HOST: 0.1, Tier.DISK: 0.4}
 
 
 def policy_state(policy: ReusePolicy) -> dict:
@@ -73,11 +74,10 @@ def test_the_native_hooks_leave_the_python_hooks_state(seed, scale, following):
     scenario = load_scenario(DEFAULT_SCENARIO)
     native, python = (SimNode(0, scenario, ReusePolicy(model(seed), tripwire=0.05), capacities) for _ in range(2))
     assert native.policy.native_hooks
-    costs = {Tier.DEVICE: 0.0, Tier.HOST: 0.1, Tier.DISK: 0.4}
     for i, chain in enumerate(chains(rng, 40 if scale == 1 else 8, longest=24 * scale)):
         for node in (native, python):
             busy = {Tier.DISK: 0.7 if i % 3 == 0 else 0.0}  # every third request the disk is closed to demotions
-            node.policy.on_request(RequestInfo(tuple(chain), tier_cost=costs, arrival_ms=10.0 * i, load_util=busy))
+            node.policy.on_request(RequestInfo(tuple(chain), tier_cost=COSTS, arrival_ms=10.0 * i, load_util=busy))
             node.policy._tripwire.following = following  # the model, LRU's advisor or S3-FIFO's
             node.clock = float(i)
             hits = node.manager.lookup(chain).handles
@@ -89,6 +89,27 @@ def test_the_native_hooks_leave_the_python_hooks_state(seed, scale, following):
     assert native.manager.metrics.evicted_pages and native.policy._clock > len(native.manager.index)
     if scale > 1:
         assert len(native.policy._where) > 1024  # the columns grew mid-store
+
+
+def test_the_native_hooks_drop_what_leaves_for_a_closed_disk_and_only_that():
+    """A disk with room: a request whose disk is closed (its load path 70% busy: 0.4 / 0.3 of a
+    prefill) drops pages leaving host; an open one drops none."""
+    rng = np.random.default_rng(0)
+    capacities = {Tier.DEVICE: 2, Tier.HOST: 3, Tier.DISK: 10_000}
+    node = SimNode(0, load_scenario(DEFAULT_SCENARIO), ReusePolicy(model(0), tripwire=0.05), capacities)
+    assert node.policy.native_hooks
+    dropped = {True: 0, False: 0}
+    for i, chain in enumerate(chains(rng, 40, longest=24)):
+        closed = i % 3 == 0
+        busy = {Tier.DISK: 0.7 if closed else 0.0}
+        node.policy.on_request(RequestInfo(tuple(chain), tier_cost=COSTS, arrival_ms=10.0 * i, load_util=busy))
+        node.clock = float(i)
+        node.manager.touch(node.manager.lookup(chain).handles)
+        evicted = node.manager.metrics.evicted_pages
+        _chain.store_chain(node.manager, node, chain, None, ROOT, 0, len(chain), "", True, True)
+        dropped[closed] += node.manager.metrics.evicted_pages - evicted
+    assert dropped[True] > 0 and dropped[False] == 0
+    assert node.policy.stats()["disk_closed_requests"] == 14  # requests 0, 3, ..., 39
 
 
 def test_a_reuse_replay_makes_the_same_decisions_with_the_native_hooks_or_the_python_ones(monkeypatch):

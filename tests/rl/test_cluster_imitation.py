@@ -121,7 +121,7 @@ def test_training_on_a_tiny_cluster_source_writes_a_model_the_policy_loads(tmp_p
 def test_a_gated_policy_promotes_a_disk_read_only_while_the_disk_s_load_path_is_not_busy():
     from kvray.core.manager import CacheManager
 
-    policy = ReusePolicy(None, promote_gate=0.5, tripwire=None)
+    policy = ReusePolicy(None, promote_gate=0.5, tripwire=None, load_cost_admission=False)
     CacheManager({Tier.HOST: 4, Tier.DISK: 8}, policy)
     assert policy.needs_link_util
     policy.on_request(RequestInfo(keys=(), load_util={Tier.DISK: 0.7, Tier.HOST: 0.0}))

@@ -12,7 +12,7 @@ import yaml
 
 from kvray.core.errors import ConfigError
 from kvray.core.manager import CacheManager
-from kvray.core.placement import RequestInfo
+from kvray.core.placement import LRUPolicy, RequestInfo
 from kvray.core.tiers import TIER_LABELS, Tier
 from kvray.policy import make_policy
 from kvray.policy.cluster import (
@@ -28,7 +28,7 @@ from kvray.policy.cluster import (
 )
 from kvray.report import ReplayTally, hit_tokens
 from kvray.resources import shipped_or_given
-from kvray.scenario import PrefillQueue, RouterSpec, Scenario, load_scenario
+from kvray.scenario import DEFAULT_SCENARIO, PrefillQueue, RouterSpec, Scenario, load_scenario
 from kvray.sim.cluster import ClusterSimulator
 from kvray.sim.cost import CostModel
 from kvray.sim.node import Router, node_capacities, session_of
@@ -230,6 +230,28 @@ def test_oracle_is_never_worse_than_belady():
     assert oracle.mean_ttft_ms <= belady.mean_ttft_ms
     assert oracle.extra["oracle_search"]["route=front,prefetch=off,replicate=never"] == pytest.approx(belady.mean_ttft_ms)
     assert len(oracle.extra["oracle_search"]) == 12 and oracle.policy == "oracle"
+
+
+def test_a_policy_is_told_the_queue_of_its_queued_links_and_none_of_unqueued_ones():
+    """``RequestInfo.load_util`` is what a transfer would queue behind: the busy share of a
+    cluster scenario's queued links, 0 on a single-node scenario's unqueued ones however busy."""
+    seen: list[float] = []
+
+    class Recording(LRUPolicy):
+        needs_link_util = True
+
+        def on_request(self, info: RequestInfo) -> None:
+            super().on_request(info)
+            seen.append(info.load_util[Tier.DISK])
+
+    trace = generate(WorkloadSpec(sessions=60, session_rate_per_s=20.0, document_probability=0.6), seed=4)
+    scenario = load_scenario(FOUR).with_bandwidth(0.5)
+    ClusterSimulator(scenario, Recording, LocalFirstRing(), node_capacities(scenario, trace, 0.05)).replay(trace)
+    assert max(seen) > 0
+    seen.clear()
+    one = load_scenario(DEFAULT_SCENARIO)
+    result = Simulator(one, Recording(), fast_capacity(one, trace, fraction=0.05)).replay(trace)
+    assert any(k.endswith("nvme_read") for k in result.extra["link_utilisation"]) and set(seen) == {0.0}
 
 
 def test_selective_write_spares_the_nvme():

@@ -118,6 +118,34 @@ def test_a_reuse_replay_is_the_same_with_the_compiled_chain_writer_or_the_manage
     compiled = replay()
     with python_chain_writer():
         assert replay() == compiled
+    assert compiled["policy_stats"]["disk_closed_requests"] == 0  # an unqueued disk never queues
+
+
+@pytest.mark.slow
+def test_a_cluster_replay_whose_busy_disks_close_to_reuse_is_the_same_with_either_chain_writer():
+    """The 4-node scenario at about 0.85 load under the cost router: its disks load a page in
+    0.54 of a prefill while idle, so only their read queue closes them to demotions, on some
+    requests and not others; the compiled writer's demotions agree with the manager's Python
+    through every opening and closing."""
+    from kvray.policy.cluster import make_cluster_policy
+    from kvray.sim.cluster import ClusterSimulator
+    from kvray.sim.load import scaled
+    from kvray.sim.node import node_capacities
+    from kvray.sim.workloads import WorkloadSpec
+
+    whole = generate(WorkloadSpec(sessions=250, system_prompt_pages=1, document_probability=0.5), seed=0)
+    trace = scaled(whole[:600], 0.1587)
+    scenario = load_scenario("h100-4node-skewed")
+    capacities = node_capacities(scenario, whole, 0.05)
+
+    def replay() -> dict:
+        return fingerprint(ClusterSimulator(scenario, "reuse", make_cluster_policy("cost-router"), capacities).replay(trace))
+
+    compiled = replay()
+    closed = compiled["policy_stats"]["disk_closed_requests"]
+    assert 0 < closed < len(trace)
+    with python_chain_writer():
+        assert replay() == compiled
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
