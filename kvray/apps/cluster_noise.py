@@ -2,7 +2,7 @@
 where each candidate sits within that, under each cluster policy a candidate runs under.
 
 Near saturation a queued cluster replay is chaotic: on the 4- and 8-node scenarios at
-``--load 0.85`` the best heuristic's mean TTFT moves by up to 107% when one request of a
+``--load 0.85`` the best heuristic's mean TTFT moves by up to 108% when one request of a
 thousand is left out (docs/sim-eval, "A disk hit slower than recomputing"), so one replay
 cannot say whether a candidate 5% behind it is behind. Per (scenario, trace) and per cluster
 policy ``C`` that a candidate runs under, the reference is the best heuristic under ``C``
