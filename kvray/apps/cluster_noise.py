@@ -126,7 +126,7 @@ def write_noise(bands: Sequence[dict], out: Path, command: str) -> list[Path]:
         f"Reproduce: `{command}`",
         "",
         "Band: the reference's (best heuristic under that cluster policy; LRU where none runs under it)",
-        "largest mean TTFT over its least on copies of the trace each less one request, minus 1.",
+        "largest mean TTFT over its least on the whole trace and copies of it each less one request, minus 1.",
         "Per candidate: mean TTFT over the reference's on the whole trace (**bold** beyond the band, or",
         "1% where the band is narrower), the same copy by copy (median [least-largest]), and NVMe",
         "bytes written over the reference's (the reference's busiest kind of link named).",

@@ -138,6 +138,7 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         # write to disk only while a page loads from it faster than the engine recomputes it
         # (reuse_admission.disk_pays); a teacher's replays demote as they were recorded
         self.load_cost_admission = load_cost_admission and not teacher
+        self._closed_requests = 0  # requests whose demotions into disk were dropped (stats)
         self.needs_link_util = self.link_charged or promote_gate is not None or self.load_cost_admission
         self.next_use = next_use  # teacher: the trace's next use of keys after a request index (a cluster node's own is stale)
         self.needs_future = teacher  # the simulator tells a teacher the future, as it tells Belady
@@ -209,7 +210,6 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         self._tier_cost: Mapping[Tier, float] = {}
         self._load_util: Mapping[Tier, float] = {}
         self._disk_closed = False  # this request's demotions into disk are dropped (load_cost_admission)
-        self._closed_requests = 0
         self._label_now = 0.0  # teacher only: the trace's request index, the clock of the oracle's next uses
         self._queue_weight = 1.0  # teacher only: what a miss costs beyond its own request (queue_weight)
         self._next = np.full(1024, np.inf)  # teacher only: each page's next use (request index)

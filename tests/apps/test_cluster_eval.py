@@ -62,7 +62,7 @@ def test_compare_replays_the_pairs_beside_the_cost_router_only_and_reports_their
 def test_noise_places_each_pair_within_the_band_of_the_best_heuristic_under_its_cluster_policy(tmp_path):
     """--noise N: per cell and cluster policy of a pair, the best heuristic under it (LRU where
     none runs under it) and the pairs replayed on N copies less one request; the band is the
-    reference's spread over its copies, a pair equal to its reference sits at exactly 1, and the
+    reference's spread over the whole trace and its copies, a pair equal to its reference sits at exactly 1, and the
     oracle's per-node policy is not beyond the band."""
     from kvray.apps.cluster_noise import MIN_BAND, noise_bands, write_noise
     from kvray.apps.evaluate import without_one_request

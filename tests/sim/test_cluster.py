@@ -249,9 +249,10 @@ def test_a_policy_is_told_the_queue_of_its_queued_links_and_none_of_unqueued_one
     ClusterSimulator(scenario, Recording, LocalFirstRing(), node_capacities(scenario, trace, 0.05)).replay(trace)
     assert max(seen) > 0
     seen.clear()
-    one = load_scenario(DEFAULT_SCENARIO)
+    one = load_scenario(DEFAULT_SCENARIO).with_bandwidth(0.05)  # its unqueued disk busy: over half the time
     result = Simulator(one, Recording(), fast_capacity(one, trace, fraction=0.05)).replay(trace)
-    assert any(k.endswith("nvme_read") for k in result.extra["link_utilisation"]) and set(seen) == {0.0}
+    busy = {k.rsplit("/", 1)[-1]: v for k, v in result.extra["link_utilisation"].items()}
+    assert busy["nvme_read"] > 0.46 and busy["nvme_write"] > 1 and set(seen) == {0.0}
 
 
 def test_selective_write_spares_the_nvme():

@@ -142,8 +142,8 @@ def test_a_cluster_replay_whose_busy_disks_close_to_reuse_is_the_same_with_eithe
         return fingerprint(ClusterSimulator(scenario, "reuse", make_cluster_policy("cost-router"), capacities).replay(trace))
 
     compiled = replay()
-    closed = compiled["policy_stats"]["disk_closed_requests"]
-    assert 0 < closed < len(trace)
+    assert compiled["policy_stats"]["disk_closed_requests"] > 0  # closed to some requests ...
+    assert sum(v for k, v in compiled["link_bytes"].items() if k.endswith("nvme_write")) > 0  # ... open to others
     with python_chain_writer():
         assert replay() == compiled
 
