@@ -148,6 +148,19 @@ class ReplayResult:
         return json.dumps(self.as_dict(), sort_keys=True)
 
 
+def link_totals(result: ReplayResult) -> tuple[dict[str, float], dict[str, float]]:
+    """GiB per kind of link summed over nodes, and each kind's busiest node's utilisation."""
+    gib: dict[str, float] = {}
+    busiest: dict[str, float] = {}
+    for name, nbytes in result.extra["link_bytes"].items():
+        kind = name.rsplit("/", 1)[-1]
+        gib[kind] = gib.get(kind, 0.0) + nbytes / 2**30
+    for name, share in result.extra["link_utilisation"].items():
+        kind = name.rsplit("/", 1)[-1]
+        busiest[kind] = max(busiest.get(kind, 0.0), share)
+    return gib, busiest
+
+
 def policy_stats_since(before: Mapping[str, Mapping[str, int]], after: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
     """What the nodes' policies counted between two readings (:meth:`PlacementPolicy.stats`
     by node), summed over the nodes, so a replay reports its own part only. A node whose

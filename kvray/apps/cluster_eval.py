@@ -27,7 +27,7 @@ from pathlib import Path
 from kvray.apps.cluster_compare import REFERENCE, write_comparison
 from kvray.core.errors import ConfigError
 from kvray.policy.cluster import make_cluster_policy
-from kvray.report import ReplayResult
+from kvray.report import link_totals
 from kvray.scenario import Scenario
 from kvray.sim.cluster import ClusterSimulator
 from kvray.sim.load import find_load
@@ -54,19 +54,6 @@ HEURISTICS: tuple[tuple[str, str], ...] = (
 )
 LINK_KINDS = ("pcie_h2d", "pcie_d2h", "nvme_read", "nvme_write", "nic_in", "nic_out", "switch")
 SMALL_HEADROOM = 0.10
-
-
-def link_totals(result: ReplayResult) -> tuple[dict[str, float], dict[str, float]]:
-    """GiB per kind of link summed over nodes, and each kind's busiest node's utilisation."""
-    gib: dict[str, float] = {}
-    busiest: dict[str, float] = {}
-    for name, nbytes in result.extra["link_bytes"].items():
-        kind = name.rsplit("/", 1)[-1]
-        gib[kind] = gib.get(kind, 0.0) + nbytes / 2**30
-    for name, share in result.extra["link_utilisation"].items():
-        kind = name.rsplit("/", 1)[-1]
-        busiest[kind] = max(busiest.get(kind, 0.0), share)
-    return gib, busiest
 
 
 def evaluate(

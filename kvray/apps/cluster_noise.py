@@ -30,11 +30,10 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from kvray.apps.cluster_eval import link_totals
 from kvray.apps.evaluate import without_one_request
 from kvray.core.errors import ConfigError
 from kvray.policy.cluster import make_cluster_policy
-from kvray.report import ReplayResult
+from kvray.report import ReplayResult, link_totals
 from kvray.scenario import Scenario
 from kvray.sim.cluster import ClusterSimulator
 from kvray.sim.load import scaled
