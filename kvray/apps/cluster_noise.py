@@ -31,7 +31,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kvray.apps.evaluate import without_one_request
-from kvray.core.errors import ConfigError
 from kvray.policy.cluster import make_cluster_policy
 from kvray.report import ReplayResult, link_totals
 from kvray.scenario import Scenario
@@ -52,17 +51,16 @@ def noise_bands(
     progress: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """One entry per (scenario, trace, cluster policy of a candidate) of ``rows`` (what
-    :func:`~kvray.apps.cluster_eval.evaluate` returned for the same scenarios and traces)."""
+    :func:`~kvray.apps.cluster_eval.evaluate` returned for the same scenarios and traces);
+    ``copies`` >= 2, checked where the command is read (``run_cluster_eval``)."""
     out = []
-    if copies < 2:
-        raise ConfigError(f"--noise {copies}: the band needs at least 2 copies of a trace")
     for scenario_name, scenario in scenarios.items():
         for trace_name, whole in traces.items():
             cell = [r for r in rows if (r["scenario"], r["trace"]) == (scenario_name, trace_name)]
             if not any(r["candidate"] for r in cell):
                 continue
             capacities = node_capacities(scenario, whole, fraction)
-            load = cell[0].get("load") if cell else None
+            load = cell[0].get("load")
             trace = scaled(whole, load["arrival_scale"]) if load else list(whole)
             trace_copies = [without_one_request(trace, k) for k in range(copies)]
 

@@ -48,7 +48,7 @@ from kvray.core.placement import LRUPolicy, PageContext, PlacementPolicy, Reques
 from kvray.core.tiers import Tier
 from kvray.policy.page_features import FEATURES, SOURCES, PageFeatures
 from kvray.policy.promote import promote_target, promoting
-from kvray.policy.reuse_admission import DiskGate, disk_pays
+from kvray.policy.reuse_admission import DiskGate, disk_closed
 from kvray.policy.reuse_model import ReuseModel, batch_groups, log_next_use
 from kvray.policy.reuse_online import SAMPLE, DelayedLabels, RecencyLRU, ShadowTripwire
 from kvray.policy.reuse_pool import gather, gather_python
@@ -264,8 +264,8 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         self._request_pages = max(len(info.keys) * self.depth_scale, 1)
         self._tier_cost = info.tier_cost or {}
         self._load_util = info.load_util or {}
-        if self.load_cost_admission:  # as LoadCostAdmission, which the compiled hooks read (_disk_closed)
-            self._disk_closed = not disk_pays(self._tier_cost.get(Tier.DISK, 0.0), self._load_util.get(Tier.DISK, 0.0))
+        if self.load_cost_admission:  # as LoadCostAdmission; the compiled hooks read _disk_closed
+            self._disk_closed = disk_closed(info)
             self._closed_requests += self._disk_closed
         if self.queue_weighted:
             self._queue_weight = queue_weight(info.backlog_ms, info.page_prefill_ms * self._request_pages)

@@ -72,6 +72,13 @@ def disk_pays(load_cost: float, utilisation: float) -> bool:
     return load_cost / (1.0 - min(max(utilisation, 0.0), MAX_UTILISATION)) < 1.0
 
 
+def disk_closed(info: RequestInfo) -> bool:
+    """Whether ``info``'s request drops what leaves for disk: :func:`disk_pays` of the disk's
+    cost and its load path's queue as the request arrives (unknown: 0, so the disk stays open)."""
+    cost, busy = info.tier_cost or {}, info.load_util or {}
+    return not disk_pays(cost.get(Tier.DISK, 0.0), busy.get(Tier.DISK, 0.0))
+
+
 class LoadCostAdmission:
     """:func:`disk_pays` for an eviction rule that keeps no link flags of its own per instance,
     put before its class in the bases: a page leaving for disk while a disk hit would not beat
@@ -85,8 +92,7 @@ class LoadCostAdmission:
     def on_request(self, info: RequestInfo) -> None:
         """Decided once per request: the queue is read as the request arrives, as in ``reuse``."""
         super().on_request(info)  # type: ignore[misc]
-        cost, busy = info.tier_cost or {}, info.load_util or {}
-        self._disk_closed = not disk_pays(cost.get(Tier.DISK, 0.0), busy.get(Tier.DISK, 0.0))
+        self._disk_closed = disk_closed(info)
         self._closed_requests += self._disk_closed
 
     def demote_target(self, handle: int, tier: Tier) -> Tier | None:
