@@ -388,40 +388,39 @@ def test_the_command_line_names_what_cluster_training_and_evaluation_take(tmp_pa
     assert refused.exit_code == 2 and "has no disk tier" in " ".join(refused.stderr.split())
 
 
-@pytest.mark.slow
+REPLAYED_ROLLOUTS = 2  # the shipped training's first rollouts that any x86 CPU replays to the bit
+
+
 @pytest.mark.train
-@pytest.mark.timeout(1800)  # ~4 min on a quiet machine
-def test_the_shipped_router_rebuilds_byte_for_byte(tmp_path):
-    """The command docs/sim-eval/README.md gives for policies/cluster-default writes it again,
-    weights and card byte for byte (about 280 s of CPU: 245,760 PPO steps on 60 environments).
-    In a process of its own, as a user runs it: torch picks its kernels when it loads, and the
-    command asks for the portable ones (kvray.apps.train_cluster.PORTABLE_NUMERICS) only where it
-    loads torch itself; this test process has loaded it already."""
+def test_the_shipped_routers_training_replays_its_first_rollouts(tmp_path):
+    """The command docs/sim-eval/README.md gives for policies/cluster-default, stopped after its
+    first rollouts, writes the shipped card's recipe and the shipped curve's first mean rewards
+    exactly: the sixty environments, the simulator under them, the untrained actor's sampling
+    and PPO's first update are the ones the shipped weights were trained on. A change to any of
+    them moves these rewards. Not the whole run byte for byte: PPO's later updates round by CPU
+    model even on MKL's compatible path and ATen's scalar kernels (on an AMD EPYC Zen 4 the
+    fourth rollout's reward parts from the card's; docs/sim-eval/README.md, "What the rebuild
+    test checks"). In a process of its own, as a user runs it: the command asks for the portable
+    kernels (kvray.apps.train_cluster.PORTABLE_NUMERICS) only where it loads torch itself."""
     from kvray.resources import shipped_or_given
 
-    shipped = shipped_or_given("cluster-default", "policies")
+    shipped = json.loads((shipped_or_given("cluster-default", "policies") / CARD_FILE).read_text())
+    per_rollout = shipped["training"]["environments"] * shipped["training"]["n_steps"]
     out = tmp_path / "cluster-default"
-    args = [
-        "train",
-        "--cluster",
-        "--shared-disk",
-        "--bandwidth-scale",
-        "0.7",
-        "--bandwidth-scale",
-        "1",
-        "--bandwidth-scale",
-        "1.4",
-    ]
-    args += ["--capacity-fraction", "0.05", "--timesteps", "245760", "--seed", "0", "--out", str(out)]
+    args = ["train", "--cluster", "--shared-disk"]
+    args += ["--bandwidth-scale", "0.7", "--bandwidth-scale", "1", "--bandwidth-scale", "1.4"]
+    args += ["--capacity-fraction", "0.05", "--timesteps", str(REPLAYED_ROLLOUTS * per_rollout), "--seed", "0"]
     env = {k: v for k, v in os.environ.items() if k not in PORTABLE_NUMERICS}  # the command's own choice
-    result = kvray_command(*args, timeout=1500, env=env)
+    result = kvray_command(*args, "--out", str(out), timeout=600, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     card = json.loads((out / CARD_FILE).read_text())
     assert card["training"]["numerics"] == {"mkl_cbwr": "COMPATIBLE", "aten_cpu_capability": "DEFAULT"}
-    for name in (WEIGHTS_FILE, CARD_FILE):
-        assert (out / name).read_bytes() == (shipped / name).read_bytes(), (
-            f"{name} differs: the simulator or PPO changed; retrain"
-        )
+    recipe = {k: v for k, v in card["training"].items() if k not in ("timesteps", "curve")}
+    assert recipe == {k: v for k, v in shipped["training"].items() if k not in ("timesteps", "curve")}
+    assert {k: v for k, v in card.items() if k != "training"} == {k: v for k, v in shipped.items() if k != "training"}
+    assert card["training"]["curve"] == shipped["training"]["curve"][:REPLAYED_ROLLOUTS], (
+        "the shipped training's first rollouts moved: the simulator, the environment or PPO changed; retrain"
+    )
 
 
 def test_a_measured_fetch_price_moves_the_candidates_as_the_cost_router():
