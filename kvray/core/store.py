@@ -35,6 +35,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -157,9 +158,21 @@ class PageStore(RequestKV):
 
     def on_request(self, info: RequestInfo) -> None:
         """Tell the placement policy a request is arriving (before its lookup here), with
-        what the caller measured: the engine's backlog and the tiers' costs."""
+        what the caller measured (the engine's backlog, the tiers' costs) and, to a policy
+        that asks, how busy this store's drive has been lately: its reads' share of the last
+        second as the disk's ``load_util`` (``needs_link_util``), its writes' as
+        ``disk_write_util`` (``needs_disk_util``), as the simulator tells them from its links
+        (:mod:`kvray.core.busy`)."""
+        policy = self.manager.policy
+        disk = self.pools.get(Tier.DISK)
+        if isinstance(disk, DiskPool) and (policy.needs_link_util or policy.needs_disk_util):
+            info = replace(
+                info,
+                load_util={**(info.load_util or {}), Tier.DISK: disk.reads.share()} if policy.needs_link_util else info.load_util,
+                disk_write_util=disk.writes.share() if policy.needs_disk_util else info.disk_write_util,
+            )
         with self._lock:
-            self.manager.policy.on_request(info)
+            policy.on_request(info)
 
     def traffic(self) -> dict[Tier, tuple[int, int, int, int]]:
         """Per local tier: free slots, capacity, pages read out of it and pages written into it

@@ -21,6 +21,7 @@ import os
 import stat
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from kvray.core.busy import BusyShare
 from kvray.core.errors import StorageError
 from kvray.core.pages import hash_runs, runs
 
@@ -188,6 +190,10 @@ class DiskPool:
         self._map: mmap.mmap | None = None
         self._map_lock = threading.Lock()
         self.path = self.directory / f"{fingerprint.hex()}.kvpages"
+        # how busy the drive's reads and writes have been lately, told to a policy that asks
+        # (RequestInfo.load_util, disk_write_util: PageStore.on_request)
+        self.reads = BusyShare()
+        self.writes = BusyShare()
         directory_fd = _open_private_directory(self.directory)
         try:
             self._fd = _open_private_file(self.path, directory_fd)
@@ -228,6 +234,7 @@ class DiskPool:
         The header (with the checksum) goes last, so a write cut short leaves a slot
         without a valid header, which a restart ignores and a read rejects.
         """
+        started = time.monotonic()
         offset = slot * self.stride + HEADER_BYTES
         hasher = xxhash.xxh3_64()
         update, fd = hasher.update, self._fd
@@ -250,6 +257,8 @@ class DiskPool:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise StorageError(f"disk tier {self.directory}: no space left writing slot {slot}") from None
             raise StorageError(f"disk tier {self.directory}: write of slot {slot} failed: {exc.strerror}") from None
+        finally:  # a write that failed held the drive too
+            self.writes.add(started, time.monotonic())
         return digest
 
     def _cached_batches(self, chunks: list[np.ndarray]) -> list[tuple[list[np.ndarray], int]]:
@@ -288,16 +297,17 @@ class DiskPool:
         device as one request of the whole page (split only by the device's own limit),
         not a header read followed by a ramp of read-ahead; the bytes are hashed after.
         """
+        started = time.monotonic()
         header = bytearray(HEADER_BYTES)
         try:
             if not self._preadv_all([header, *chunks], slot * self.stride):
                 return None, 0
+            page = self._parse(slot, bytes(header))
+            return (None, 0) if page is None else (page, hash_runs(chunks))
         except OSError as exc:  # the device failed, not the page: the store keeps it and reports
             raise StorageError(f"disk tier {self.directory}: read of slot {slot} failed: {exc.strerror}") from None
-        page = self._parse(slot, bytes(header))
-        if page is None:
-            return None, 0
-        return page, hash_runs(chunks)
+        finally:  # a read that finds nothing held the drive too
+            self.reads.add(started, time.monotonic())
 
     def _read_cached(self, slot: int, chunks: list[np.ndarray]) -> tuple[bytes | bytearray | None, int] | None:
         """Read ``slot`` into ``chunks`` if every byte of it is in the page cache, else None
@@ -392,11 +402,14 @@ class DiskPool:
         chunk is written after.
         """
         cached: list[tuple[bytes | bytearray | None, int]] = []
+        started = time.monotonic()
         for slot, chunks in pages:
             read = self._read_cached(slot, chunks)
             if read is None:
                 break
             cached.append(read)
+        if cached:
+            self.reads.add(started, time.monotonic())
         for (slot, _), (header, digest) in zip(pages, cached):
             page = None if header is None else self._parse(slot, header)
             yield (page, digest) if page is not None else (None, 0)
@@ -443,6 +456,7 @@ class DiskPool:
         header is parsed and its bytes hashed after it, as one read of its own would."""
         if len(batch) == 1:
             return [self.read_runs(*batch[0])]
+        started = time.monotonic()
         headers = [bytearray(HEADER_BYTES) for _ in batch]
         gap = bytearray(self.stride - HEADER_BYTES - self.page_nbytes)
         views: list[memoryview] = []
@@ -459,6 +473,7 @@ class DiskPool:
         for i, ((slot, chunks), header) in enumerate(zip(batch, headers)):
             page = self._parse(slot, bytes(header)) if got >= (i * self.stride + HEADER_BYTES + self.page_nbytes) else None
             results.append((page, hash_runs(chunks)) if page is not None else (None, 0))
+        self.reads.add(started, time.monotonic())
         return results
 
     def _preadv_upto(self, views: list[memoryview], offset: int, flags: int = 0) -> int:
