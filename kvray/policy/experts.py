@@ -167,6 +167,11 @@ class ShadowCache:
             manager.store_chain(keys, _no_move)
         return cost, len(match)
 
+    def disk_writes(self) -> int:
+        """Pages written to the disk tier so far: stored there, or demoted to it."""
+        metrics = self.manager.metrics
+        return metrics.stored_by_tier["disk"] + metrics.moved_pages["host->disk"] + metrics.moved_pages["device->disk"]
+
 
 def native(policy: PlacementPolicy) -> tuple[bool, ...]:
     """The compiled chain writer's last argument: ``(True,)`` where it keeps the policy's own

@@ -129,7 +129,7 @@ class ReusePolicy(PromotionPricing, PlacementPolicy):
         self.depth_scale = depth_scale  # pages per page seen: a sampled shadow's depths and request lengths scaled back
         self.teacher = teacher
         self.disk_gate = disk_gate and model is not None  # write to disk only what predicted reuse pays for (reuse_admission)
-        self.needs_disk_util = self.disk_gate
+        self.needs_disk_util = self.disk_gate or tripwire is not None  # the gate's write cost; the tripwire's shadows' writes
         if promote not in PROMOTION:
             raise PolicyError(f"promote={promote!r}: expected one of {', '.join(PROMOTION)}")
         self.promote = promote  # which disk reads move up to host (PROMOTION)

@@ -41,6 +41,7 @@ from kvray.core.index import PrefixIndex
 from kvray.core.placement import PlacementPolicy, RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy.experts import ShadowCache
+from kvray.policy.reuse_admission import MAX_UTILISATION
 from kvray.policy.reuse_model import log_next_use
 from kvray.scenario import PrefillQueue
 
@@ -130,6 +131,12 @@ class ShadowTripwire:
     cost (a missed page 1, a hit its tier's load time relative to recomputing it). Counting
     hit pages alone missed the cells where the model lost: on agent-long@25% it hit as many
     pages as LRU (missed tokens 1.000x) but 7x as many from disk, 1.68x LRU's mean TTFT.
+    Each page a shadow writes to disk adds the wait a write causes at the drive's utilisation
+    (:func:`write_wait` of ``RequestInfo.disk_write_util``; 0 where the drive never queues, as
+    on a single node): the shadows book no links, and on a cluster node a heuristic that
+    promotes disk reads writes much more (each promoted page pushes a host page down and is
+    written again when it leaves), which their hits alone did not show (docs/sim-eval/README.md,
+    "Without hints on the fast-disk cluster cells").
     Each heuristic also runs as an *advisor* over the real cache (told of every event,
     acting only when followed), so it can name the next victim the moment it is followed.
     """
@@ -150,6 +157,7 @@ class ShadowTripwire:
         self.advisors = [build() for build in experts.values()]
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
         self.cost = np.zeros(len(self.shadows))  # decayed: the learned shadow's, then each heuristic's
+        self._writes = np.zeros(len(self.shadows))  # each shadow's disk writes so far
         self.following: int | None = None
         self.trips = 0
         self._queues: list[PrefillQueue] = []
@@ -170,6 +178,9 @@ class ShadowTripwire:
             for shadow in self.shadows:
                 shadow.manager.policy.on_request(replace(info, keys=()))
             pages = np.zeros(len(self.shadows))
+        writes = np.array([shadow.disk_writes() for shadow in self.shadows], dtype=np.float64)
+        pages = pages + (writes - self._writes) * self.sample * write_wait(tier_cost.get(Tier.DISK, 0.0), info.disk_write_util)
+        self._writes = writes
         if info.page_prefill_ms > 0:
             if not self._queues:
                 self._queues = [PrefillQueue(info.engines) for _ in pages]
@@ -191,6 +202,16 @@ class ShadowTripwire:
     def follow(self) -> PlacementPolicy | None:
         """The heuristic advisor the real cache follows now, or None (the learned policy)."""
         return None if self.following is None else self.advisors[self.following]
+
+
+def write_wait(disk_cost: float, utilisation: float) -> float:
+    """What one more page written to a drive costs what queues behind it, in page prefills: it
+    holds the drive about as long as a load (``disk_cost``), and at utilisation ``u`` a write
+    adds the M/M/1 wait ``disk_cost * u / (1 - u)`` (0 on an idle drive or one that never
+    queues: a single-node scenario's). As :class:`~kvray.policy.reuse_admission.DiskGate` prices
+    a write."""
+    u = min(max(utilisation, 0.0), MAX_UTILISATION)
+    return disk_cost * u / (1.0 - u)
 
 
 class RecencyOwner(Protocol):

@@ -128,3 +128,36 @@ def test_the_simulator_tells_reuse_its_disks_queue_and_a_slow_disk_is_never_writ
 
     assert nvme_writes("reuse", 0.5) == 0 < nvme_writes("lru", 0.5)
     assert nvme_writes("reuse", 1.0) > 0
+
+
+def test_the_tripwires_shadows_pay_for_their_disk_writes_while_the_drive_queues():
+    """A shadow's request costs its pages plus, per page it wrote to disk, the wait a write adds
+    at the drive's utilisation (``write_wait``: 0 on an idle drive, as on a single node, whose
+    links never queue). LRU promoting disk reads writes more (the promoted page pushes a host
+    page down): with the drive busy its shadow costs more than plain LRU's by that much."""
+    from kvray.core.placement import LRUPolicy
+    from kvray.policy.promote import promoting
+    from kvray.policy.reuse_online import ShadowTripwire, write_wait
+
+    assert write_wait(0.4, 0.0) == 0.0 and write_wait(0.4, 0.5) == pytest.approx(0.4)
+    assert write_wait(0.4, 2.0) == write_wait(0.4, 0.95) == pytest.approx(0.4 * 19)
+    sizes = {Tier.HOST: 2, Tier.DISK: 8}
+    costs = {Tier.HOST: 0.05, Tier.DISK: 0.4}
+    wires = {
+        u: ShadowTripwire(LRUPolicy(), {"lru-promote": promoting(LRUPolicy)}, sizes, margin=0.05, sample=1) for u in (0.0, 0.5)
+    }
+    for wire in wires.values():
+        wire.bind(CacheManager(sizes, LRUPolicy()).index, sizes)
+    gap, decay = np.zeros(2), 0.5 ** (1 / 256)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        keys = (int(rng.integers(1, 6)),)  # five pages over two host slots: reads from disk
+        before = np.array([s.disk_writes() for s in wires[0.5].shadows], dtype=float)
+        for u, wire in wires.items():
+            wire.request(RequestInfo(keys=keys, tier_cost=costs, disk_write_util=u))
+        wrote = np.array([s.disk_writes() for s in wires[0.5].shadows], dtype=float) - before
+        gap = gap * decay + wrote * write_wait(0.4, 0.5)
+        assert wires[0.5].cost - wires[0.0].cost == pytest.approx(gap)
+    plain, promoting_lru = (s.disk_writes() for s in wires[0.5].shadows)
+    assert promoting_lru > plain > 0
+    assert wires[0.5].cost[1] - wires[0.0].cost[1] > wires[0.5].cost[0] - wires[0.0].cost[0] > 0
