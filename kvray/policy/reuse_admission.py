@@ -72,6 +72,16 @@ def disk_pays(load_cost: float, utilisation: float) -> bool:
     return load_cost / (1.0 - min(max(utilisation, 0.0), MAX_UTILISATION)) < 1.0
 
 
+def write_wait(disk_cost: float, utilisation: float) -> float:
+    """What one more page written to a drive costs what queues behind it, in page prefills: it
+    holds the drive about as long as a load (``disk_cost``), and at utilisation ``u`` a write
+    adds the M/M/1 wait ``disk_cost * u / (1 - u)`` (0 on an idle drive or one that never
+    queues: a single-node scenario's): what :class:`DiskGate` weighs a write against, and what
+    the tripwire's shadows pay per page they write (:mod:`kvray.policy.reuse_online`)."""
+    u = min(max(utilisation, 0.0), MAX_UTILISATION)
+    return disk_cost * u / (1.0 - u)
+
+
 def disk_closed(info: RequestInfo) -> bool:
     """Whether ``info``'s request drops what leaves for disk: :func:`disk_pays` of the disk's
     cost and its load path's queue as the request arrives (unknown: 0, so the disk stays open)."""
@@ -162,7 +172,7 @@ class DiskGate:
         self._queue.append((now, key))
         c = self._disk_cost
         displaced = self.reused / max(self.resolved, 1)  # a demoted page's base rate of reuse
-        pays = (self.probability(x) - displaced) * (1.0 - c) > c * self._util / (1.0 - self._util)
+        pays = (self.probability(x) - displaced) * (1.0 - c) > write_wait(c, self._util)
         write = c < 1.0 and (self.labelled < WARMUP or pays)  # a disk no faster than recomputing is never written
         if write:
             self.written += 1

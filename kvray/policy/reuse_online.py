@@ -41,7 +41,7 @@ from kvray.core.index import PrefixIndex
 from kvray.core.placement import PlacementPolicy, RequestInfo
 from kvray.core.tiers import Tier
 from kvray.policy.experts import ShadowCache
-from kvray.policy.reuse_admission import MAX_UTILISATION
+from kvray.policy.reuse_admission import write_wait
 from kvray.policy.reuse_model import log_next_use
 from kvray.scenario import PrefillQueue
 
@@ -202,16 +202,6 @@ class ShadowTripwire:
     def follow(self) -> PlacementPolicy | None:
         """The heuristic advisor the real cache follows now, or None (the learned policy)."""
         return None if self.following is None else self.advisors[self.following]
-
-
-def write_wait(disk_cost: float, utilisation: float) -> float:
-    """What one more page written to a drive costs what queues behind it, in page prefills: it
-    holds the drive about as long as a load (``disk_cost``), and at utilisation ``u`` a write
-    adds the M/M/1 wait ``disk_cost * u / (1 - u)`` (0 on an idle drive or one that never
-    queues: a single-node scenario's). As :class:`~kvray.policy.reuse_admission.DiskGate` prices
-    a write."""
-    u = min(max(utilisation, 0.0), MAX_UTILISATION)
-    return disk_cost * u / (1.0 - u)
 
 
 class RecencyOwner(Protocol):

@@ -137,7 +137,8 @@ def test_the_tripwires_shadows_pay_for_their_disk_writes_while_the_drive_queues(
     page down): with the drive busy its shadow costs more than plain LRU's by that much."""
     from kvray.core.placement import LRUPolicy
     from kvray.policy.promote import promoting
-    from kvray.policy.reuse_online import ShadowTripwire, write_wait
+    from kvray.policy.reuse_admission import write_wait
+    from kvray.policy.reuse_online import ShadowTripwire
 
     assert write_wait(0.4, 0.0) == 0.0 and write_wait(0.4, 0.5) == pytest.approx(0.4)
     assert write_wait(0.4, 2.0) == write_wait(0.4, 0.95) == pytest.approx(0.4 * 19)
