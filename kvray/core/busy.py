@@ -1,17 +1,17 @@
-"""How busy a drive has been lately, measured from the operations that ran on it.
+"""How busy a drive has been lately, measured from the I/O calls that ran on it.
 
 A placement policy weighs a disk hit against recomputing the page, and a hit waits behind
 what the drive is already doing: ``reuse`` writes a page to disk only while a load from
 there, stretched by the queue on the drive's load path (``load_cost / (1 - u)``), beats
 recomputing it (:func:`kvray.policy.reuse_admission.disk_pays`). The simulator knows ``u``
 from its link model (:meth:`kvray.sim.links.Link.contention`: the busy share of the last
-window); a running store measures it. :class:`BusyShare` is that measurement, as the
-simulator counts a link's: the time taken by the operations that ended in the last
-``window_s`` seconds, over the window (the simulator: the bytes that arrived in it over what
-the link carries in that time). Operations that overlap (reads on several threads) add up,
-so a drive with several requests in flight can read above 1; the policy caps what it reads
-(:data:`~kvray.policy.reuse_admission.MAX_UTILISATION`). O(1) a call, amortised: a running
-sum over the window's operations.
+window); a running store measures it. :class:`BusyShare` is that measurement: the share of
+the last ``window_s`` seconds during which at least one of its operations was in flight (the
+union of their spans, as ``iostat``'s %util counts a device), so it never exceeds 1 however
+many threads read at once. The disk pool times only its
+``preadv``/``pwritev`` calls, not the hashing around them nor the copies it serves from the
+page cache (:class:`~kvray.core.tiers.disk.DiskPool`). O(1) a call, amortised, and bounded:
+what left the window is dropped as operations are added, whether or not anyone asks.
 
 Example::
 
@@ -19,8 +19,10 @@ Example::
 
     reads = BusyShare(window_s=1.0)
     reads.add(10.0, 10.3)      # a read from t=10.0 s to 10.3 s (time.monotonic's clock)
-    reads.share(now=10.5)      # 0.3: busy 0.3 s of the last second
-    reads.share(now=11.5)      # 0.0: the read ended before the window
+    reads.add(10.2, 10.4)      # another, overlapping it: 0.1 s more in flight
+    reads.share(now=10.5)      # 0.4: something was in flight 0.4 s of the last second
+    reads.share(now=11.2)      # 0.2: of that, 10.2-10.4 is still in the window
+    reads.share(now=11.5)      # 0.0: both ended before the window
 """
 
 from __future__ import annotations
@@ -33,31 +35,50 @@ WINDOW_S = 1.0  # the simulator's default link window (Scenario.window_ms)
 
 
 class BusyShare:
-    """The busy share of the last ``window_s`` seconds, from the operations :meth:`add` is told of."""
+    """The share of the last ``window_s`` seconds with an operation in flight, from the
+    operations :meth:`add` is told of as they end."""
 
     def __init__(self, window_s: float = WINDOW_S) -> None:
         if not window_s > 0:
             raise ValueError(f"window_s must be > 0, got {window_s!r}")
         self.window_s = window_s
-        self._ended: deque[tuple[float, float]] = deque()  # (end, duration), in the order told
-        self._busy = 0.0  # the durations in _ended
+        self._spans: deque[tuple[float, float]] = deque()  # the union of the spans told: disjoint, in order
+        self._busy = 0.0  # the lengths of _spans
         self._lock = threading.Lock()  # reads run on several threads
 
     def add(self, start: float, end: float) -> None:
-        """An operation ran from ``start`` to ``end`` (seconds of ``time.monotonic``)."""
+        """An operation ran from ``start`` to ``end`` (seconds of ``time.monotonic``), told as
+        it ends: it joins the spans it overlaps, so time two operations shared counts once.
+        (One told after another that began after it ended is joined with that one, the gap
+        between them included: operations are told as they end, so only threads' scheduling
+        reorders them, by far less than a window.)"""
+        if end <= start:
+            return
         with self._lock:
-            self._ended.append((end, end - start))
+            spans = self._spans
+            while spans and spans[-1][1] >= start:
+                first, last = spans.pop()
+                self._busy -= last - first
+                start, end = min(start, first), max(end, last)
+            spans.append((start, end))
             self._busy += end - start
+            self._forget(end - self.window_s)
 
     def share(self, now: float | None = None) -> float:
-        """The durations of the operations that ended in ``(now - window_s, now]`` over
-        ``window_s``; those that ended before are forgotten (``now`` must not go backwards)."""
+        """The time in ``(now - window_s, now]`` during which an operation was in flight, over
+        ``window_s``, of the operations told by ``now`` (which must not go backwards)."""
         now = time.monotonic() if now is None else now
         since = now - self.window_s
         with self._lock:
-            ended = self._ended
-            while ended and ended[0][0] <= since:
-                self._busy -= ended.popleft()[1]
-            if not ended:
-                self._busy = 0.0  # no drift from the running sum's roundings
-            return max(self._busy, 0.0) / self.window_s
+            self._forget(since)
+            spans = self._spans
+            busy = self._busy - max(0.0, since - spans[0][0]) if spans else 0.0  # only the first can start before
+        return min(max(busy, 0.0) / self.window_s, 1.0)
+
+    def _forget(self, since: float) -> None:
+        spans = self._spans
+        while spans and spans[0][1] <= since:
+            first, last = spans.popleft()
+            self._busy -= last - first
+        if not spans:
+            self._busy = 0.0  # no drift from the running sum's roundings

@@ -190,7 +190,8 @@ class DiskPool:
         self._map: mmap.mmap | None = None
         self._map_lock = threading.Lock()
         self.path = self.directory / f"{fingerprint.hex()}.kvpages"
-        # how busy the drive's reads and writes have been lately, told to a policy that asks
+        # how busy the drive's reads and writes have been lately (their read and write calls;
+        # copies served from the page cache are not drive time), told to a policy that asks
         # (RequestInfo.load_util, disk_write_util: PageStore.on_request)
         self.reads = BusyShare()
         self.writes = BusyShare()
@@ -234,20 +235,24 @@ class DiskPool:
         The header (with the checksum) goes last, so a write cut short leaves a slot
         without a valid header, which a restart ignores and a read rejects.
         """
-        started = time.monotonic()
         offset = slot * self.stride + HEADER_BYTES
         hasher = xxhash.xxh3_64()
-        update, fd = hasher.update, self._fd
+        update, fd, clock = hasher.update, self._fd, time.monotonic
+        io = 0.0  # time in the write calls, not in hashing
+        started = clock()
         try:
             for batch, nbytes in self._cached_batches(chunks):
                 for chunk in batch:
                     update(chunk)
+                started = clock()
                 written = os.pwritev(fd, batch, offset)  # the chunks themselves: no view per chunk
                 if written < nbytes:
                     self._pwritev_all(batch, offset, skip=written)
+                io += clock() - started
                 offset += nbytes
             digest = hasher.intdigest()
             header = self._header(key, parent_key, digest)
+            started = clock()
             if os.pwrite(fd, header, slot * self.stride) < HEADER_BYTES:
                 self._pwritev_all([np.frombuffer(header, np.uint8)], slot * self.stride)
             if self.fsync:
@@ -257,8 +262,12 @@ class DiskPool:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise StorageError(f"disk tier {self.directory}: no space left writing slot {slot}") from None
             raise StorageError(f"disk tier {self.directory}: write of slot {slot} failed: {exc.strerror}") from None
-        finally:  # a write that failed held the drive too
-            self.writes.add(started, time.monotonic())
+        finally:  # the call under way when it ended or failed (a failed write held the drive too)
+            ended = clock()
+            io += ended - started
+            # buffered writes are page-cache copies, timed all the same: the kernel makes
+            # them wait once dirty pages outrun the drive
+            self.writes.add(ended - io, ended)
         return digest
 
     def _cached_batches(self, chunks: list[np.ndarray]) -> list[tuple[list[np.ndarray], int]]:
@@ -297,17 +306,20 @@ class DiskPool:
         device as one request of the whole page (split only by the device's own limit),
         not a header read followed by a ramp of read-ahead; the bytes are hashed after.
         """
-        started = time.monotonic()
         header = bytearray(HEADER_BYTES)
+        started = time.monotonic()
         try:
-            if not self._preadv_all([header, *chunks], slot * self.stride):
-                return None, 0
-            page = self._parse(slot, bytes(header))
-            return (None, 0) if page is None else (page, hash_runs(chunks))
+            whole = self._preadv_all([header, *chunks], slot * self.stride)
         except OSError as exc:  # the device failed, not the page: the store keeps it and reports
             raise StorageError(f"disk tier {self.directory}: read of slot {slot} failed: {exc.strerror}") from None
-        finally:  # a read that finds nothing held the drive too
+        finally:  # the read call alone (not the hashing after it); one that finds nothing held the drive too
             self.reads.add(started, time.monotonic())
+        if not whole:
+            return None, 0
+        page = self._parse(slot, bytes(header))
+        if page is None:
+            return None, 0
+        return page, hash_runs(chunks)
 
     def _read_cached(self, slot: int, chunks: list[np.ndarray]) -> tuple[bytes | bytearray | None, int] | None:
         """Read ``slot`` into ``chunks`` if every byte of it is in the page cache, else None
@@ -402,14 +414,11 @@ class DiskPool:
         chunk is written after.
         """
         cached: list[tuple[bytes | bytearray | None, int]] = []
-        started = time.monotonic()
-        for slot, chunks in pages:
+        for slot, chunks in pages:  # page-cache copies: no drive time (reads)
             read = self._read_cached(slot, chunks)
             if read is None:
                 break
             cached.append(read)
-        if cached:
-            self.reads.add(started, time.monotonic())
         for (slot, _), (header, digest) in zip(pages, cached):
             page = None if header is None else self._parse(slot, header)
             yield (page, digest) if page is not None else (None, 0)
@@ -456,7 +465,6 @@ class DiskPool:
         header is parsed and its bytes hashed after it, as one read of its own would."""
         if len(batch) == 1:
             return [self.read_runs(*batch[0])]
-        started = time.monotonic()
         headers = [bytearray(HEADER_BYTES) for _ in batch]
         gap = bytearray(self.stride - HEADER_BYTES - self.page_nbytes)
         views: list[memoryview] = []
@@ -465,15 +473,17 @@ class DiskPool:
             views.extend(memoryview(c).cast("B") for c in chunks)
             if gap and i < len(batch) - 1:
                 views.append(memoryview(gap))
+        started = time.monotonic()
         try:
             got = self._preadv_upto(views, batch[0][0] * self.stride)
         except OSError as exc:  # the device failed, not the page: the store keeps it and reports
             raise StorageError(f"disk tier {self.directory}: read of slots {batch[0][0]}.. failed: {exc.strerror}") from None
+        finally:
+            self.reads.add(started, time.monotonic())
         results: list[tuple[StoredPage | None, int]] = []
         for i, ((slot, chunks), header) in enumerate(zip(batch, headers)):
             page = self._parse(slot, bytes(header)) if got >= (i * self.stride + HEADER_BYTES + self.page_nbytes) else None
             results.append((page, hash_runs(chunks)) if page is not None else (None, 0))
-        self.reads.add(started, time.monotonic())
         return results
 
     def _preadv_upto(self, views: list[memoryview], offset: int, flags: int = 0) -> int:
