@@ -179,6 +179,11 @@ class ShadowTripwire:
                 shadow.manager.policy.on_request(replace(info, keys=()))
             pages = np.zeros(len(self.shadows))
         writes = np.array([shadow.disk_writes() for shadow in self.shadows], dtype=np.float64)
+        # into the engine's queue with the hits' load times: the engine is held while its
+        # request's loads wait on the drive (ClusterSimulator.serve), so a write's wait on the
+        # loads queued behind it delays the requests queued behind those (the wait after the
+        # queue instead: 8 of the 36 cluster cells beyond the band, worst 1.136x, against 6 and
+        # 1.198x; with the hints up to 1.045x against 0.995x; docs/sim-eval/README.md)
         pages = pages + (writes - self._writes) * self.sample * write_wait(tier_cost.get(Tier.DISK, 0.0), info.disk_write_util)
         self._writes = writes
         if info.page_prefill_ms > 0:

@@ -246,7 +246,8 @@ def train_router(
             "gamma": gamma,
             "engine_weight": engine_weight,
             "head_priors": {name: HEAD_PRIORS.get(name, HEAD_PRIOR) for name, _ in ACTION_HEADS},
-            # which kernels computed it (kvray.apps.train_cluster.PORTABLE_NUMERICS): the weights rebuild byte for byte with the same
+            # which kernels computed it (kvray.apps.train_cluster.PORTABLE_NUMERICS): the weights rebuild byte for byte with
+            # the same on a CPU that rounds as the training one did
             "numerics": {"mkl_cbwr": os.environ.get("MKL_CBWR"), "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()},
             "timesteps": int(model.num_timesteps),
             "seed": seed,

@@ -141,6 +141,7 @@ def test_the_tripwires_shadows_pay_for_their_disk_writes_while_the_drive_queues(
     from kvray.policy.reuse_online import ShadowTripwire
 
     assert write_wait(0.4, 0.0) == 0.0 and write_wait(0.4, 0.5) == pytest.approx(0.4)
+    assert ReusePolicy.load().needs_disk_util and not ReusePolicy.load(tripwire=None).needs_disk_util  # told u
     assert write_wait(0.4, 2.0) == write_wait(0.4, 0.95) == pytest.approx(0.4 * 19)
     sizes = {Tier.HOST: 2, Tier.DISK: 8}
     costs = {Tier.HOST: 0.05, Tier.DISK: 0.4}
@@ -149,7 +150,7 @@ def test_the_tripwires_shadows_pay_for_their_disk_writes_while_the_drive_queues(
     }
     for wire in wires.values():
         wire.bind(CacheManager(sizes, LRUPolicy()).index, sizes)
-    gap, decay = np.zeros(2), 0.5 ** (1 / 256)
+    gap, decay = np.zeros(2), wires[0.5]._decay
     rng = np.random.default_rng(3)
     for _ in range(200):
         keys = (int(rng.integers(1, 6)),)  # five pages over two host slots: reads from disk

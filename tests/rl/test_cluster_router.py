@@ -388,10 +388,11 @@ def test_the_command_line_names_what_cluster_training_and_evaluation_take(tmp_pa
     assert refused.exit_code == 2 and "has no disk tier" in " ".join(refused.stderr.split())
 
 
-REPLAYED_ROLLOUTS = 2  # the shipped training's first rollouts that any x86 CPU replays to the bit
+REPLAYED_ROLLOUTS = 2  # of the shipped training's rollouts, the first 3 replayed to the bit on a Zen 4, 5 on a Xeon
 
 
 @pytest.mark.train
+@pytest.mark.timeout(1200)  # ~1 min alone; several times that on a loaded machine
 def test_the_shipped_routers_training_replays_its_first_rollouts(tmp_path):
     """The command docs/sim-eval/README.md gives for policies/cluster-default, stopped after its
     first rollouts, writes the shipped card's recipe and the shipped curve's first mean rewards
@@ -411,7 +412,7 @@ def test_the_shipped_routers_training_replays_its_first_rollouts(tmp_path):
     args += ["--bandwidth-scale", "0.7", "--bandwidth-scale", "1", "--bandwidth-scale", "1.4"]
     args += ["--capacity-fraction", "0.05", "--timesteps", str(REPLAYED_ROLLOUTS * per_rollout), "--seed", "0"]
     env = {k: v for k, v in os.environ.items() if k not in PORTABLE_NUMERICS}  # the command's own choice
-    result = kvray_command(*args, "--out", str(out), timeout=600, env=env)
+    result = kvray_command(*args, "--out", str(out), timeout=1100, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     card = json.loads((out / CARD_FILE).read_text())
     assert card["training"]["numerics"] == {"mkl_cbwr": "COMPATIBLE", "aten_cpu_capability": "DEFAULT"}
