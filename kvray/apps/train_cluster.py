@@ -27,8 +27,8 @@ from kvray.scenario import DEFAULT_CLUSTER_SCENARIO, load_scenario
 # PPO's weights depend on the CPU kernels MKL and ATen pick for this processor (AVX-512 variants
 # round differently from one CPU model to the next: the router shipped on 2026-12-03 did not rebuild
 # on the next day's machine, its rewards parting after five rollouts). `kvray train --cluster` asks
-# for MKL's compatible path and ATen's scalar kernels, which made the rebuild hold across the Intel
-# machines it met, but not on an AMD EPYC (Zen 4), where the fourth rollout parts even so
+# for MKL's compatible path and ATen's scalar kernels, which made the rebuild hold on the machines
+# it met until 2026-12-05, but not on an AMD EPYC (Zen 4), where the fourth rollout parts even so
 # (docs/sim-eval/README.md, "What the rebuild test checks"). Both are read when torch loads: a
 # process that loaded it already keeps its own kernels, and the card's ``training.numerics`` says
 # which were used.

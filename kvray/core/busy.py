@@ -9,8 +9,9 @@ window); a running store measures it. :class:`BusyShare` is that measurement: th
 the last ``window_s`` seconds during which at least one of its operations was in flight (the
 union of their spans, as ``iostat``'s %util counts a device), so it never exceeds 1 however
 many threads read at once. The disk pool times only its
-``preadv``/``pwritev`` calls, not the hashing around them nor the copies it serves from the
-page cache (:class:`~kvray.core.tiers.disk.DiskPool`). O(1) a call, amortised, and bounded:
+``preadv``/``pwritev`` calls, not the hashing around them nor the copies ``read_many`` serves
+from the page cache (:class:`~kvray.core.tiers.disk.DiskPool`; a ``preadv`` the page cache
+answers is counted: the pool cannot tell it from the drive's). O(1) a call, amortised, and bounded:
 what left the window is dropped as operations are added, whether or not anyone asks.
 
 Example::
@@ -48,21 +49,22 @@ class BusyShare:
 
     def add(self, start: float, end: float) -> None:
         """An operation ran from ``start`` to ``end`` (seconds of ``time.monotonic``), told as
-        it ends: it joins the spans it overlaps, so time two operations shared counts once.
-        (One told after another that began after it ended is joined with that one, the gap
-        between them included: operations are told as they end, so only threads' scheduling
-        reorders them, by far less than a window.)"""
+        it ends (threads may tell them a little out of order): it joins the spans it overlaps,
+        so time two operations shared counts once."""
         if end <= start:
             return
         with self._lock:
-            spans = self._spans
+            spans, later = self._spans, []
+            while spans and spans[-1][0] > end:  # told late: spans wholly after it stay as they are
+                later.append(spans.pop())
             while spans and spans[-1][1] >= start:
                 first, last = spans.pop()
                 self._busy -= last - first
                 start, end = min(start, first), max(end, last)
             spans.append((start, end))
+            spans.extend(reversed(later))
             self._busy += end - start
-            self._forget(end - self.window_s)
+            self._forget(spans[-1][1] - self.window_s)
 
     def share(self, now: float | None = None) -> float:
         """The time in ``(now - window_s, now]`` during which an operation was in flight, over

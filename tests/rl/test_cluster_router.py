@@ -388,7 +388,7 @@ def test_the_command_line_names_what_cluster_training_and_evaluation_take(tmp_pa
     assert refused.exit_code == 2 and "has no disk tier" in " ".join(refused.stderr.split())
 
 
-REPLAYED_ROLLOUTS = 2  # of the shipped training's rollouts, the first 3 replayed to the bit on a Zen 4, 5 on a Xeon
+REPLAYED_ROLLOUTS = 2  # of the shipped training's rollouts, the first 3 replayed to the bit on an AMD EPYC Zen 4
 
 
 @pytest.mark.train

@@ -239,7 +239,7 @@ class DiskPool:
         hasher = xxhash.xxh3_64()
         update, fd, clock = hasher.update, self._fd, time.monotonic
         io = 0.0  # time in the write calls, not in hashing
-        started = clock()
+        started: float | None = None  # the write call under way, if any
         try:
             for batch, nbytes in self._cached_batches(chunks):
                 for chunk in batch:
@@ -249,6 +249,7 @@ class DiskPool:
                 if written < nbytes:
                     self._pwritev_all(batch, offset, skip=written)
                 io += clock() - started
+                started = None
                 offset += nbytes
             digest = hasher.intdigest()
             header = self._header(key, parent_key, digest)
@@ -264,7 +265,8 @@ class DiskPool:
             raise StorageError(f"disk tier {self.directory}: write of slot {slot} failed: {exc.strerror}") from None
         finally:  # the call under way when it ended or failed (a failed write held the drive too)
             ended = clock()
-            io += ended - started
+            if started is not None:
+                io += ended - started
             # buffered writes are page-cache copies, timed all the same: the kernel makes
             # them wait once dirty pages outrun the drive
             self.writes.add(ended - io, ended)
