@@ -90,6 +90,11 @@ class CacheMetrics:
     def count_move(self, src: str, dst: str, pages: int = 1) -> None:
         self.moved_pages[_move_name(src, dst)] += pages
 
+    def written_pages(self, tier: str) -> int:
+        """Pages that went into ``tier`` (its label): stored there, or moved there from another tier."""
+        into = f"->{tier}"
+        return self.stored_by_tier[tier] + sum(pages for move, pages in self.moved_pages.items() if move.endswith(into))
+
     def observe(self, op: str, seconds: float) -> None:
         self.swap_latency.setdefault(op, LatencyHistogram()).observe(seconds)
 

@@ -169,8 +169,7 @@ class ShadowCache:
 
     def disk_writes(self) -> int:
         """Pages written to the disk tier so far: stored there, or demoted to it."""
-        metrics = self.manager.metrics
-        return metrics.stored_by_tier["disk"] + metrics.moved_pages["host->disk"] + metrics.moved_pages["device->disk"]
+        return self.manager.metrics.written_pages(Tier.DISK.label)
 
 
 def native(policy: PlacementPolicy) -> tuple[bool, ...]:

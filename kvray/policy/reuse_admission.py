@@ -149,7 +149,7 @@ class DiskGate:
         old and not read since are labelled not reused."""
         self._requests += 1
         self._disk_cost = min(max(disk_cost, 0.0), 1.0)
-        self._util = min(max(util, 0.0), 0.95)
+        self._util = util  # write_wait bounds it
         horizon = self.horizon()
         while self._queue and now - self._queue[0][0] > horizon:
             when, key = self._queue.popleft()
