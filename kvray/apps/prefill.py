@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-import torch
+import numpy as np
 
 CHUNK_ROWS = 1024
 
@@ -25,10 +25,10 @@ class PrefillWorkload:
     """A ``[rows, width] @ [width, width]`` matmul sized to ``us_per_token`` per token."""
 
     def __init__(self, us_per_token: float, width: int = 256, seed: int = 0) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.weight = torch.randn(width, width, generator=generator)
-        self.activations = torch.randn(CHUNK_ROWS, width, generator=generator)
-        self.out = torch.empty(CHUNK_ROWS, width)
+        generator = np.random.default_rng(seed)
+        self.weight = generator.standard_normal((width, width), dtype=np.float32)
+        self.activations = generator.standard_normal((CHUNK_ROWS, width), dtype=np.float32)
+        self.out = np.empty((CHUNK_ROWS, width), dtype=np.float32)
         self.rows_per_token = us_per_token * 1e-6 / self._seconds_per_row() if us_per_token > 0 else 0.0
 
     def _seconds_per_row(self) -> float:
@@ -44,7 +44,7 @@ class PrefillWorkload:
         return min(times) / CHUNK_ROWS
 
     def _matmul(self, rows: int) -> None:
-        torch.mm(self.activations[:rows], self.weight, out=self.out[:rows])
+        np.matmul(self.activations[:rows], self.weight, out=self.out[:rows])
 
     def run(self, tokens: int) -> None:
         rows = round(tokens * self.rows_per_token)

@@ -37,7 +37,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import ray
-import torch
 
 from kvray.apps.prefill import PrefillWorkload
 from kvray.cluster.checked import PagePattern
@@ -49,7 +48,6 @@ class ReplayEngine:
     """Serves requests on its node; see the module docstring."""
 
     def __init__(self, runtime_name: str, us_per_token: float, cache: bool = True) -> None:
-        torch.set_num_threads(1)
         self.cache = cache
         self.client = KvrayClient.connect(runtime_name)
         self.page_tokens = self.client.config.layout.page_tokens
