@@ -161,11 +161,11 @@ def pytest_collection_modifyitems(config, items):
     fast tier (``make check``: not ray, not slow, not train) never starts or trains one."""
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
-        if "ray_cluster" in fixtures:
-            item.add_marker(pytest.mark.ray)
         if TRAINING_FIXTURES & set(fixtures):
             item.add_marker(pytest.mark.train)
-        if item.get_closest_marker("ray"):
-            # with pytest-xdist (`make test` runs two workers), every Ray test runs on one worker,
-            # so the machine holds one test cluster while the other worker takes the rest
+        if "ray_cluster" in fixtures:
+            item.add_marker(pytest.mark.ray)
+            # with pytest-xdist (`make test` runs two workers), every test on the session's cluster
+            # runs on one worker, so the machine holds one test cluster while the other worker
+            # takes the rest, Ray tests with a Ray of their own included (tests/README.md)
             item.add_marker(pytest.mark.xdist_group("ray"))

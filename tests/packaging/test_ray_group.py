@@ -1,5 +1,5 @@
-"""``make test`` runs every Ray test on one pytest-xdist worker (``tests/conftest.py`` puts
-them in the ``ray`` group): the machine holds one test cluster, and tests that share files
+"""``make test`` runs every test on the session's Ray cluster on one pytest-xdist worker
+(``tests/conftest.py`` puts them in the ``ray`` group): the machine holds one test cluster, and tests that share files
 (the recording policies of ``tests/sim/test_features_agree.py`` write under
 ``.pytest_cache``) never run at once. Two things silently undid that before: the grouping
 hook ran after pytest-xdist had read the groups, and pytest 9.2 keeps node ids where
