@@ -109,14 +109,14 @@ ROUTE_POLICY = "cost-router"
 class Size:
     """How much to run. Both sizes' users and agents hold more than 5x vLLM's own KV space
     in all and more than kvray's host tiers, so kvray's disk and the other node serve too
-    (``serve.json`` records both figures per workload). Rates reach 8x vLLM alone's
+    (``serve.json`` records both figures per workload). The full size's rates reach 8x vLLM alone's
     saturation, past kvray's knee on this machine, so kvray's goodput is a crossing and not
     the sweep's end (kvray passed 4x, the top before, in both workloads); 1.25x and 2x sit
     about vLLM alone's knee and kvray's.
     Not 300 requests per point: a point at 0.25x saturation took 0.83 s per measured
     request in a quick run (26.5 s for 32), so 300 per point, 6 rates, 3 repeats and 5
-    contenders would take over two hours; the full size is the quick sweep twice (with
-    the 3x point and 0.25x for every contender, session-sticky added), for 25 minutes on the 2-core machine. Its 0.25x
+    contenders would take over two hours; the full size sweeps its eight rates twice
+    (session-sticky added, three measured agent steps), for 25 minutes on the 2-core machine. Its 0.25x
     point runs once: at 0.87 /s it took half the measured time of a full run (405 of 757 s
     multi-round, 10:33 UTC on 2026-12-04) and every contender passed it in both repeats
     (94-100% within the SLO); a failure there would not lower a goodput read above it."""
@@ -138,20 +138,22 @@ class Size:
 
 RATES = (0.25, 0.75, 1.25, 2.0, 3.0, 4.0, 6.0, 8.0)
 # 19 users and 25 agents: odd counts, so that round-robin moves each session to the other engine
-# every turn (18 users kept each on one engine: 0% loaded from the other node). Quick: no 3x or 6x
-# point, 0.25x only for a contender that failed every higher rate (a goodput above a passed rate
-# does not depend on the rates below it; 47 s a point at load 40), and a contender stops after two
-# failed rates, as in the full size (stopping at the first let one slow point end a sweep).
-QUICK = Size(users=19, rounds=2, agents=25, steps=3, trace_requests=48, rates=(0.75, 1.25, 2.0, 4.0, 8.0), repeats=1, once=(),
-             fallback=(0.25,), host_pages=48, disk_pages=1024, long_docs=2, stop_after_failed=2)  # fmt: skip
+# every turn (18 users kept each on one engine: 0% loaded from the other node). Quick, to finish
+# within 8 minutes (11.6-14.6 it took with five rates and three measured agent steps): three
+# rates, a factor of 2-2.7 apart, 0.25x only for a contender that failed every higher rate (a
+# goodput above a passed rate does not depend on the rates below it), a contender's sweep ends at
+# its first failed rate (on a grid this coarse a pass above a failure is not a knee), and two
+# measured agent steps (still 8x vLLM's KV space). Its goodputs read to the grid's factor.
+QUICK = Size(users=19, rounds=2, agents=25, steps=2, trace_requests=48, rates=(0.75, 2.0, 4.0), repeats=1, once=(),
+             fallback=(0.25,), host_pages=48, disk_pages=1024, long_docs=2, stop_after_failed=1)  # fmt: skip
 FULL = Size(users=19, rounds=2, agents=25, steps=3, trace_requests=64, rates=RATES, repeats=2, once=(0.25,),
             fallback=(), host_pages=48, disk_pages=1024, long_docs=3, stop_after_failed=2)  # fmt: skip
 USER_SHARED_PAGES, USER_OWN_PAGES = 2, 6  # multi-round QA: a system prompt, a user's own context longer than it
 LONG_DOC_PAGES = 10
 # an agent (agent_trajectories): a shared tool prefix, its task, then steps of a 16-token action
 # and a 48-token tool output (one page) on the whole trajectory, 50 ms apart; a 9-page warm-up
-# call, then 3 measured steps of 10-12 pages. 25 agents: 252 pages of KV (9.0x vLLM's, 2.6x
-# kvray's host); 15 could not queue kvray past the SLO in a closed loop (docs/benchmarks.md).
+# call, then 3 measured steps of 10-12 pages (2 in a quick run). 25 agents: 252 pages of KV (9.0x
+# vLLM's, 2.6x kvray's host; quick: 227, 8.1x and 2.4x); 15 could not queue kvray past the SLO in a closed loop (docs/benchmarks.md).
 AGENT_TOOL_PAGES, AGENT_TASK_PAGES, AGENT_STEPS_BEFORE = 2, 2, 5
 AGENT_ACTION_TOKENS, AGENT_OUTPUT_TOKENS, AGENT_GAP_S = 16, 48, 0.05
 
