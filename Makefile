@@ -100,8 +100,9 @@ lint: install
 check: install
 	$(PY) -m pytest -q -m "not ray and not slow and not train" --durations=10
 
-# Every test, with CI's hypothesis counts, on two workers (pytest-xdist): every Ray test on one
-# (one test cluster on the machine), the rest on the other; the slowest are printed so a regression shows.
+# Every test, with CI's hypothesis counts, on two workers (pytest-xdist): every test on the session's
+# Ray cluster on one (one test cluster on the machine), the rest wherever a worker is free; the slowest
+# are printed so a regression shows.
 test: lint vllm-env
 	$(PY) -m pytest -q -ra --hypothesis-profile=ci -n 2 --dist loadgroup --durations=25
 

@@ -108,7 +108,7 @@ RAY_OBJECT_STORE_BYTES = 150 << 20
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """Three local Ray nodes (separate raylets and object stores), shared by every ``ray`` test.
+    """Three local Ray nodes (separate raylets and object stores), shared by every test that asks for it.
 
     No dashboard (it costs ~1 GB) and no log monitor (no driver here reads workers' logs;
     it took ~6% of a core all session); metrics are reported every 5 s, so Prometheus
@@ -166,6 +166,6 @@ def pytest_collection_modifyitems(config, items):
         if "ray_cluster" in fixtures:
             item.add_marker(pytest.mark.ray)
             # with pytest-xdist (`make test` runs two workers), every test on the session's cluster
-            # runs on one worker, so the machine holds one test cluster while the other worker
-            # takes the rest, Ray tests with a Ray of their own included (tests/README.md)
+            # runs on one worker, so the machine holds one test cluster; the rest, Ray tests with
+            # a Ray of their own included, run wherever a worker is free (tests/README.md)
             item.add_marker(pytest.mark.xdist_group("ray"))

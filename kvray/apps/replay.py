@@ -69,8 +69,8 @@ ENGINE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableEr
 REQUEST_TIMEOUT_S = 600.0
 CALL_TIMEOUT_S = 120.0
 # An engine's first answer waits for its worker process: a raylet starts them one at a time
-# per CPU it has (one on the test clusters' nodes), and each imports torch, so on a loaded
-# machine starting takes minutes where a call takes seconds.
+# per CPU it has (one on the test clusters' nodes), each importing Ray and kvray, so on a
+# loaded machine starting takes minutes where a call takes seconds.
 ENGINE_START_TIMEOUT_S = 300.0
 
 

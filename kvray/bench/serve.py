@@ -140,10 +140,11 @@ RATES = (0.25, 0.75, 1.25, 2.0, 3.0, 4.0, 6.0, 8.0)
 # 19 users and 25 agents: odd counts, so that round-robin moves each session to the other engine
 # every turn (18 users kept each on one engine: 0% loaded from the other node). Quick, to finish
 # within 8 minutes (11.6-14.6 it took with five rates and three measured agent steps): three
-# rates, a factor of 2-2.7 apart, 0.25x only for a contender that failed every higher rate (a
-# goodput above a passed rate does not depend on the rates below it), a contender's sweep ends at
-# its first failed rate (on a grid this coarse a pass above a failure is not a knee), and two
-# measured agent steps (still 8x vLLM's KV space). Its goodputs read to the grid's factor.
+# rates, a factor of 2-2.7 apart, 0.25x only for a contender that failed 0.75x (a goodput above
+# a passed rate does not depend on the rates below it), a contender's sweep ends at its first
+# failed rate, and two measured agent steps (still 8x vLLM's KV space). The price, for time: its
+# goodputs read to the grid's factor, and one slow point can end a sweep or send a baseline to
+# 0.25x (docs/benchmarks.md, "Quick runs"); the full size is the measurement.
 QUICK = Size(users=19, rounds=2, agents=25, steps=2, trace_requests=48, rates=(0.75, 2.0, 4.0), repeats=1, once=(),
              fallback=(0.25,), host_pages=48, disk_pages=1024, long_docs=2, stop_after_failed=1)  # fmt: skip
 FULL = Size(users=19, rounds=2, agents=25, steps=3, trace_requests=64, rates=RATES, repeats=2, once=(0.25,),

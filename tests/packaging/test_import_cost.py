@@ -20,6 +20,7 @@ TORCH_FREE = [
     "kvray.cluster.runtime",
     "kvray.sim.simulator",
     "kvray.policy.rl",
+    "kvray.apps.replay_engine",  # a replay engine per node and run: its prefill stand-in is numpy
 ]
 
 

@@ -33,10 +33,18 @@ def test_ray(ray_cluster, i):
 @pytest.mark.parametrize("i", range(4))
 def test_plain(i):
     record(pytest.RESULTS, f"plain-{i}")
+
+@pytest.mark.ray
+def test_own_ray(request):  # a Ray test with a Ray of its own: free to run on either worker
+    record(pytest.RESULTS, "own")
+    (pytest.RESULTS / "own.nodeid").write_text(request.node.nodeid)
+
+def test_grouped_id(ray_cluster, request):
+    (pytest.RESULTS / "grouped.nodeid").write_text(request.node.nodeid)
 """
 
 
-def test_every_ray_test_runs_on_one_worker(tmp_path):
+def test_every_test_on_the_session_cluster_runs_on_one_worker(tmp_path):
     suite, results = tmp_path / "suite", tmp_path / "results"
     suite.mkdir()
     results.mkdir()
@@ -53,6 +61,10 @@ def test_every_ray_test_runs_on_one_worker(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    workers = {p.name: p.read_text() for p in results.iterdir()}
-    assert len(workers) == 8, workers
+    ids = {p.stem: p.read_text() for p in results.glob("*.nodeid")}
+    workers = {p.name: p.read_text() for p in results.iterdir() if p.suffix != ".nodeid"}
+    assert len(workers) == 9, workers
     assert len({w for name, w in workers.items() if name.startswith("ray-")}) == 1, workers
+    # pytest-xdist names a test's group in its id: the session cluster's tests are in "ray", a
+    # Ray test without that fixture in none, so it balances onto whichever worker is free
+    assert ids["grouped"].endswith("@ray") and "@" not in ids["own"], ids
