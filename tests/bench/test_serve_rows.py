@@ -22,7 +22,7 @@ from kvray.bench.serve import (
     workloads,
 )
 from kvray.bench.serve_engines import INSTANCES, MAX_PAGES, PAGE, VLLM_KV_PAGES
-from kvray.bench.serve_loop import repeat_attainments
+from kvray.bench.serve_loop import goodput, is_lower_bound, repeat_attainments
 from kvray.bench.serve_report import rows
 from kvray.bench.serve_workload import WORKLOADS_ENV, kv_pages
 from kvray.core.errors import ConfigError
@@ -120,6 +120,17 @@ def test_each_repeats_goodput_counts_a_once_rate_in_every_repeat_and_a_skipped_o
     first, second = repeat_attainments(by_rate, 2.0, FULL.repeats, FULL.once, FULL.rates)
     assert first == {0.5: 1.0, 1.5: 1.0, 2.5: 0.95, 4.0: 0.8}
     assert second == {0.5: 1.0, 1.5: 0.5, 2.5: 0.4, 4.0: 0.0}
+
+
+def test_a_quick_baseline_that_fails_its_first_rate_by_a_slow_point_keeps_the_rate_it_passes_above():
+    """The quick sweep stops at a first failure; a contender that failed its first rate runs the
+    fallback rates, one below the grid and one between its first two rates, so one slow 0.75x
+    point does not read as a goodput below 0.75x (which would inflate kvray's ratios)."""
+    first, second = QUICK.rates[:2]
+    assert any(m < first for m in QUICK.fallback) and any(first < m < second for m in QUICK.fallback)
+    between = next(m for m in QUICK.fallback if first < m < second)
+    attainment = {0.25: 1.0, first: 0.78, between: 1.0}  # the agents' vLLM alone, one quick run: 78%, then 100%
+    assert goodput(attainment) == between and is_lower_bound(attainment)
 
 
 @pytest.mark.parametrize("size", [QUICK, FULL], ids=["quick", "full"])
