@@ -102,7 +102,16 @@ from kvray.cluster.answers import SharedAnswers
 from kvray.cluster.config import RuntimeConfig
 from kvray.cluster.inflight import IN_FLIGHT, Claim
 from kvray.cluster.loading import ChainLoads
-from kvray.cluster.paths import ACTOR_ERRORS, PATHS, STORE_ERRORS, PathContext, PathSpeeds, StoreCallPath, checked_hint
+from kvray.cluster.paths import (
+    ACTOR_ERRORS,
+    PATHS,
+    STORE_ERRORS,
+    PathContext,
+    PathSpeeds,
+    StoreCallPath,
+    abandon_all,
+    checked_hint,
+)
 from kvray.cluster.protocol import LOCAL_LEASE, NO_LEASE, Loaded, Plan, Release, Request, new_lease, runs_of
 from kvray.cluster.shards import ControllerShards
 from kvray.cluster.shm import LandingBuffer
@@ -460,6 +469,24 @@ class KvrayClient(ChainLoads, ChainStores):
         if len(self._unsettled) >= UNSETTLED_KEPT:
             _, self._unsettled = ray.wait(self._unsettled, num_returns=len(self._unsettled), timeout=0)
         return ref
+
+    @contextlib.contextmanager
+    def _transfers(self) -> Iterator[list[tuple[StoreCallPath, object]]]:
+        """The transfers a verb starts, appended as ``(path, pending)``. If the verb raises,
+        those it never finished must not outlive it: each is abandoned (a peer link whose
+        answer was left unread is dropped, or the next request's read would take that answer,
+        whose pages pass their checksums, for its own), and the client moves to a fresh landing
+        buffer, keeping no rows (a store actor's call may still use the old one), before the
+        error goes on."""
+        started: list[tuple[StoreCallPath, object]] = []
+        try:
+            yield started
+        except BaseException:
+            abandon_all(started)
+            self.context.buffer_may_be_in_use()
+            with contextlib.suppress(RequestError):  # raised once renewed (a view kept): the verb's error is the one to tell
+                self._renew_if_stale(keep=0)
+            raise
 
     def _renew_if_stale(self, keep: int) -> None:
         """Move to a fresh landing buffer if a call given up on may still use this one;

@@ -60,7 +60,8 @@ class ChainLoads:
         rows loaded (see the module docstring).
         """
         self._check(keys)
-        loaded = self._load(keys, plan)
+        with self._transfers() as sent:
+            loaded = self._load(keys, plan, sent)
         self._renew_if_stale(keep=loaded.pages)
         loaded.buffer = self.buffer.name
         return loaded
@@ -84,11 +85,16 @@ class ChainLoads:
             if loaded.pages < chunk.hit_pages:
                 return
 
-    def _load(self, keys: Sequence[int], plan: Plan) -> Loaded:
+    def _load(self, keys: Sequence[int], plan: Plan, sent: list[tuple[StoreCallPath, object]]) -> Loaded:
+        """The runs' pages into the buffer; each transfer started is added to ``sent``."""
         runs = runs_of(plan.hit_nodes, 0)
         host = self._mapped_host() if self.mapped_reads else None
         # Transfers from the store actors first, so they move while this thread copies mapped pages.
-        started = {run: self._start_run(keys, run) for run in runs if not (host and run.node == self.node_id)}
+        started = {}
+        for run in runs:
+            if not (host and run.node == self.node_id):
+                started[run] = self._start_run(keys, run)
+                sent.append(started[run][:2])
         loaded = Loaded(0)
         for run in runs:
             if run in started:

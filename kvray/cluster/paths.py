@@ -34,6 +34,7 @@ import operator
 import os
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -176,6 +177,12 @@ class StoreCallPath(ABC):
         meanwhile, its report), or None if nothing was kept."""
         return self._answer(pending, self.store_maps_buffer)
 
+    def abandon(self, pending: Any) -> None:
+        """``pending`` will not be finished: an error cut its request short. A store actor's
+        call may still run and use the landing buffer, so the client moves to a fresh one
+        (:meth:`PathContext.buffer_may_be_in_use`)."""
+        self.context.buffer_may_be_in_use()
+
     def _answer(self, ref, maps_buffer: bool) -> Any:
         try:
             return ray.get(ref, timeout=self.context.timeout_s)
@@ -184,6 +191,13 @@ class StoreCallPath(ABC):
             if maps_buffer and (not isinstance(exc, ENDED) or isinstance(exc, TimeoutError)):
                 self.context.buffer_may_be_in_use()
             return None
+
+
+def abandon_all(started: Iterable[tuple[StoreCallPath, Any]]) -> None:
+    """Abandon each transfer ``(path, pending)`` that was sent (:meth:`StoreCallPath.abandon`)."""
+    for path, pending in started:
+        if pending is not None:
+            path.abandon(pending)
 
 
 class LocalPath(StoreCallPath):
@@ -289,6 +303,9 @@ class TcpPath(StoreCallPath):
 
     def finish_store(self, pending: PendingStore) -> Stored | None:
         return pending.receive()
+
+    def abandon(self, pending: PendingLoad | PendingStore) -> None:
+        pending.abandon()  # this process reads the answer into the buffer: only the link is unsafe
 
 
 def checked_hint(ends_session_from: object, pages: int) -> int:

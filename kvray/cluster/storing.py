@@ -91,7 +91,8 @@ class ChainStores:
             self._send_release(plan.shard, release)
             release = None
         try:
-            stored = self._store(keys, start, plan, parent_key, owner, release)
+            with self._transfers() as sent:
+                stored = self._store(keys, start, plan, parent_key, owner, release, sent)
         except BaseException:
             if release is not None:
                 self._send_release(owner, release)
@@ -102,8 +103,16 @@ class ChainStores:
         return stored
 
     def _store(
-        self, keys: Sequence[int], start: int, plan: Plan, parent_key: int | None, owner: int, release: Release | None
+        self,
+        keys: Sequence[int],
+        start: int,
+        plan: Plan,
+        parent_key: int | None,
+        owner: int,
+        release: Release | None,
+        sent: list[tuple[StoreCallPath, object]],
     ) -> int:
+        """Send the runs (each transfer added to ``sent``), then commit what the stores kept."""
         # Pages the plan promised but ``load`` did not deliver (lost meanwhile) go to this node.
         targets = [self.node_id] * max(plan.hit_pages - start, 0) + plan.targets[max(start - plan.hit_pages, 0) :]
         runs = runs_of(targets, start)
@@ -116,7 +125,7 @@ class ChainStores:
             self._touched = None
         # Runs to one node land in request order (the store's policy sees the chain in order):
         # a path that may run two calls at once waits for the node's previous run first.
-        pending: list = []
+        pending = sent  # (path, transfer) per run, in order
         results: dict[int, Stored | None] = {}
         unordered: dict[str, int] = {}  # node -> its latest run on such a path
         for j, run in enumerate(runs):
@@ -194,22 +203,22 @@ class ChainStores:
             ray.wait([self._touched], timeout=self.timeout_s)  # the policy sees the hits before the copies
             self._touched = None
         sub = list(keys[:upto])
-        pending = []
-        for node in targets:  # the copies move concurrently, one chain per node
-            path = self.paths[self.path_for(node, upto * self.page_nbytes)]
-            pending.append((node, path, path.start_store(self.stores[node], sub, Run(node, 0, upto), None, len(keys))))
         owner = self.shards.of(sub)
         copied, evicted, reports = {}, {}, {}
-        for node, path, transfer in pending:
-            result = _finished(path, transfer)
-            if result is None:
-                continue
-            copied[node], reports[node] = result.stored, result.report
-            dropped = {node: result.dropped} if result.dropped else {}
-            evicted.update(dropped)
-            landed = sub[: result.landed]
-            commit = self.shards.handles[owner].commit
-            self._sent(commit.remote(None, landed, [node] * len(landed), 0, dropped, {node: result.report}, None, True))
+        with self._transfers() as sent:
+            for node in targets:  # the copies move concurrently, one chain per node
+                path = self.paths[self.path_for(node, upto * self.page_nbytes)]
+                sent.append((path, path.start_store(self.stores[node], sub, Run(node, 0, upto), None, len(keys))))
+            for node, (path, transfer) in zip(targets, sent):
+                result = _finished(path, transfer)
+                if result is None:
+                    continue
+                copied[node], reports[node] = result.stored, result.report
+                dropped = {node: result.dropped} if result.dropped else {}
+                evicted.update(dropped)
+                landed = sub[: result.landed]
+                commit = self.shards.handles[owner].commit
+                self._sent(commit.remote(None, landed, [node] * len(landed), 0, dropped, {node: result.report}, None, True))
         if evicted:  # pages evicted from any chain: every other shard forgets those it indexes
             for shard, controller in enumerate(self.shards.handles):
                 if shard != owner:

@@ -408,6 +408,13 @@ class _Pending:
     link: _Link | None
     pages: int
 
+    def abandon(self) -> None:
+        """Its answer will not be read (an error cut the request short): the link is dropped,
+        or the next request's read would take this answer for its own. A load's answer names
+        no keys, and its pages pass their checksums wherever they are read."""
+        if self.link is not None:
+            self.link.broken = True
+
     def _answer(self, read: Callable[[socket.socket], object]) -> object | None:
         if self.link is None:
             return None

@@ -117,6 +117,35 @@ def roundtrip_from_another_node(runtime: Runtime, client: KvrayClient, tokens: r
     return roundtrip(client, keys, expected)
 
 
+def test_a_load_cut_short_by_an_error_leaves_no_answer_for_the_next_request(with_paths, monkeypatch):
+    """A load that raises after sending its runs to two peers' page servers (here: reading the
+    first run fails with an error no transfer path catches, as a Ray object lost with its node
+    would) abandons them: the links are dropped and the landing buffer replaced, so the next
+    request to the same peers reads exactly its own pages, not the answers left unread."""
+    runtime, client = with_paths()  # peers' pages by TCP
+    peers = [n for n in runtime.stores if n != client.node_id]
+    first, second = (client.keys_for_trace([base + i for i in range(4)]) for base in (9300, 9400))
+    expected = {}
+    for keys, seed in ((first, 61), (second, 62)):
+        expected[keys[0]] = fill(client.buffer.pages[:4], seed)
+        client.store(keys, 0, Plan.placing([peers[0], peers[0], peers[1], peers[1]]))
+    ray.get(runtime.controller.snapshot.remote())  # the commits (fire and forget) have landed
+    renewed = client.renewed_buffers
+
+    def lost(*args):
+        raise RuntimeError("an object lost with its node")
+
+    monkeypatch.setattr(client, "_finish_run", lost)
+    with pytest.raises(RuntimeError, match="lost with its node"), client.request(first):
+        pass
+    monkeypatch.undo()
+    assert client.renewed_buffers == renewed + 1
+    client.buffer.pages[:] = 0
+    with client.request(second) as r:
+        assert r.hit == 4 and r.loaded.paths.keys() == {"tcp"}
+        assert np.array_equal(r.rows[:4], expected[second[0]])
+
+
 def test_collective_path_moves_a_large_run_exactly(with_paths):
     runtime, client = with_paths(tcp=False, collective_min_bytes=1 << 20)
     _, loaded = roundtrip_from_another_node(runtime, client, range(100, 148), seed=2)

@@ -132,6 +132,18 @@ def test_pipelined_requests_return_exactly_the_cached_prefixes(requests):
         server.close()
 
 
+def test_an_answer_left_unread_is_never_read_as_the_next_requests(served):
+    """A request that raised before reading its load's answer abandons it: the link is dropped,
+    so the next load on that peer reads its own pages. A load's answer names no keys and its
+    pages pass their checksums, so without that the next read takes them for its own."""
+    server, links, store, _ = served
+    first, second = [1, 2, 3], [4, 5, 6]
+    links.load(server.address, first).abandon()
+    rows = np.zeros((len(second), PAGE), dtype=np.uint8)
+    assert links.load(server.address, second).receive(rows) == len(second)
+    assert all(np.array_equal(rows[i], page_of(key)) for i, key in enumerate(second))
+
+
 def test_a_stranger_without_the_token_gets_nothing(served):
     server, _, _, _ = served
     stranger = PeerLinks(secrets.token_bytes(TOKEN_BYTES), PAGE, timeout_s=10)
