@@ -33,12 +33,17 @@ import xxhash
 _NOT_THE_MODEL = ("_name_or_path", "transformers_version")
 
 
-def checkpoint_revision(config: Any, revision: str | None = None) -> str:
-    """``<revision or "unversioned">+config-<hash>`` for a transformers config (``to_dict``).
+def checkpoint_revision(config: Any, revision: str | None = None, quantization: str | None = None) -> str:
+    """``<revision or "unversioned">+config-<hash>`` for a transformers config (``to_dict``),
+    and ``+quant-<method>`` when the engine quantizes the weights as it loads them.
 
     The hash covers every setting of the model but not its path or the transformers
-    version, so moving a checkpoint or upgrading the library keeps its pages.
+    version, so moving a checkpoint or upgrading the library keeps its pages. A method
+    the engine applies at load (vLLM's ``quantization="fp8"`` on a bf16 checkpoint) is in
+    no config file, yet the KV it computes differs from the unquantized model's, so it is
+    named apart (without one the revision is what it was before).
     """
     settings = {k: v for k, v in config.to_dict().items() if k not in _NOT_THE_MODEL}
     text = json.dumps(settings, sort_keys=True, default=str)
-    return f"{revision or 'unversioned'}+config-{xxhash.xxh3_64_hexdigest(text.encode())}"
+    quantized = f"+quant-{quantization}" if quantization else ""
+    return f"{revision or 'unversioned'}+config-{xxhash.xxh3_64_hexdigest(text.encode())}{quantized}"

@@ -38,6 +38,14 @@ def test_the_checkpoint_revision_follows_the_model_not_its_path_or_library():
     assert checkpoint_revision(llama(), "abc123") != base and checkpoint_revision(llama(), "abc123").startswith("abc123+")
 
 
+def test_weights_quantized_at_load_are_a_checkpoint_of_their_own():
+    """vLLM's online quantization (``quantization="fp8"``) is in no config file; its KV differs."""
+    base = checkpoint_revision(llama(), "v1")
+    assert checkpoint_revision(llama(), "v1", None) == base  # unquantized: the revision as before
+    fp8 = checkpoint_revision(llama(), "v1", "fp8")
+    assert fp8 != base and fp8.startswith(base) and fp8 != checkpoint_revision(llama(), "v1", "awq")
+
+
 def test_a_checkpoint_swapped_under_its_name_gets_no_hits_from_a_persistent_disk_tier(tmp_path):
     def store(revision: str) -> PageStore:
         config = StoreConfig(

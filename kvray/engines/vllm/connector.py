@@ -104,9 +104,9 @@ def page_layout(vllm_config: VllmConfig) -> PageLayout:
 
 def model_revision(vllm_config: VllmConfig, settings: ConnectorSettings) -> str:
     """The checkpoint the pages are bound to: the hub revision vLLM loaded (or the user's
-    ``model_revision``) and a hash of the model config."""
+    ``model_revision``), a hash of the model config and the quantization vLLM applies."""
     model = vllm_config.model_config
-    return checkpoint_revision(model.hf_config, settings.model_revision or model.revision)
+    return checkpoint_revision(model.hf_config, settings.model_revision or model.revision, model.quantization)
 
 
 def open_store(vllm_config: VllmConfig, settings: ConnectorSettings) -> PageStore:
