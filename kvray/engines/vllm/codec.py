@@ -74,3 +74,11 @@ class BlockCodec:
         """Copy pages as kvray stores them (``[n, page_nbytes]`` uint8) into ``block_ids``."""
         pages = torch.from_numpy(rows).view(torch_dtype(self.layout))
         self.write(block_ids, pages.view(len(block_ids), *self.layout.page_shape))
+
+    def wait_for_writes(self) -> None:
+        """Wait until the copies this thread queued on its accelerator stream are done. On CUDA
+        vLLM runs its forward on a stream of its own, which does not wait for another thread's
+        (default) stream: a load reported done before this could be read half-written. On a
+        CPU the copies are done when ``write`` returns."""
+        if self.views[0].is_cuda:
+            torch.cuda.current_stream(self.views[0].device).synchronize()

@@ -129,6 +129,7 @@ class ConnectorWorker:
         loaded, pages = self.runtime.read(load.keys, load.plan)
         if loaded.pages:
             self.codec.write_bytes(load.block_ids[: loaded.pages], pages)
+            self.codec.wait_for_writes()  # this thread's stream: the forward's does not wait for it
         self.counters["load_us"] += int((time.perf_counter() - started) * 1e6)
         self.counters["loaded_pages"] += loaded.pages
         self.counters["lost_pages"] += len(load.keys) - loaded.pages
