@@ -35,7 +35,7 @@ def _runtime(ray_cluster):
     runtime.close()
 
 
-# Starting store actors costs seconds (each a new process importing torch): the tests that
+# Starting store actors costs seconds (each a new process): the tests that
 # leave the stores running share one runtime; every test fills the 8 slots it relies on itself.
 local = pytest.fixture(scope="module")(_runtime)
 own_runtime = pytest.fixture(_runtime)
