@@ -481,11 +481,13 @@ class KvrayClient(ChainLoads, ChainStores):
         started: list[tuple[StoreCallPath, object]] = []
         try:
             yield started
-        except BaseException:
+        except BaseException as error:
             abandon_all(started)
             self.context.buffer_may_be_in_use()
-            with contextlib.suppress(RequestError):  # raised once renewed (a view kept): the verb's error is the one to tell
+            try:
                 self._renew_if_stale(keep=0)
+            except RequestError as kept:  # raised once renewed: the verb's error is the one to raise, this its note
+                error.add_note(str(kept))
             raise
 
     def _renew_if_stale(self, keep: int) -> None:

@@ -86,7 +86,9 @@ class ChainLoads:
                 return
 
     def _load(self, keys: Sequence[int], plan: Plan, sent: list[tuple[StoreCallPath, object]]) -> Loaded:
-        """The runs' pages into the buffer; each transfer started is added to ``sent``."""
+        """The runs' pages into the buffer; each run's transfer is added to ``sent`` as it starts
+        (the rest of a run read through this node's store after a mapped copy is not: no peer
+        link carries it, and the fresh buffer an error brings covers it)."""
         runs = runs_of(plan.hit_nodes, 0)
         host = self._mapped_host() if self.mapped_reads else None
         # Transfers from the store actors first, so they move while this thread copies mapped pages.

@@ -416,8 +416,8 @@ class _Pending:
             self.link.broken = True
 
     def _answer(self, read: Callable[[socket.socket], object]) -> object | None:
-        if self.link is None:
-            return None
+        if self.link is None or self.link.broken:
+            return None  # never sent, or the link lost its framing before this answer: a miss
         try:
             return read(self.link.sock)
         except OSError as error:
@@ -425,6 +425,9 @@ class _Pending:
                 log.warning("kvray page link to %s: %s; dropping the connection", self.link.address, error)
             self.link.broken = True  # answers after this one can no longer be framed
             return None
+        except BaseException:
+            self.link.broken = True  # an answer half read (an interrupt) leaves the rest unframed too
+            raise
 
 
 def _count(sock: socket.socket) -> int:
@@ -541,6 +544,9 @@ class PeerLinks:
                 log.warning("kvray page link to %s: %s", address, error)
             self._drop(address)
             return None
+        except BaseException:
+            self._drop(address)  # a request half written (an interrupt): the server cannot frame what follows
+            raise
         return link
 
     def load(self, address: tuple[str, int], keys: Sequence[int], told: Told | None = None) -> PendingLoad:

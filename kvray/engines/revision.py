@@ -33,17 +33,22 @@ import xxhash
 _NOT_THE_MODEL = ("_name_or_path", "transformers_version")
 
 
-def checkpoint_revision(config: Any, revision: str | None = None, quantization: str | None = None) -> str:
+def checkpoint_revision(config: Any, revision: str | None = None, quantization: Any = None) -> str:
     """``<revision or "unversioned">+config-<hash>`` for a transformers config (``to_dict``),
-    and ``+quant-<method>`` when the engine quantizes the weights as it loads them.
+    and ``+quant-<hash>`` of ``quantization`` (the method the engine runs the weights with,
+    and its settings) when there is one.
 
     The hash covers every setting of the model but not its path or the transformers
     version, so moving a checkpoint or upgrading the library keeps its pages. A method
     the engine applies at load (vLLM's ``quantization="fp8"`` on a bf16 checkpoint) is in
     no config file, yet the KV it computes differs from the unquantized model's, so it is
-    named apart (without one the revision is what it was before).
+    named apart (without one the revision is what it was before). A hash, not the name, so
+    that the revision stays within its length however long the method's settings.
     """
     settings = {k: v for k, v in config.to_dict().items() if k not in _NOT_THE_MODEL}
-    text = json.dumps(settings, sort_keys=True, default=str)
-    quantized = f"+quant-{quantization}" if quantization else ""
-    return f"{revision or 'unversioned'}+config-{xxhash.xxh3_64_hexdigest(text.encode())}{quantized}"
+    quantized = f"+quant-{_digest(quantization)}" if quantization else ""
+    return f"{revision or 'unversioned'}+config-{_digest(settings)}{quantized}"
+
+
+def _digest(value: Any) -> str:
+    return xxhash.xxh3_64_hexdigest(json.dumps(value, sort_keys=True, default=str).encode())

@@ -42,8 +42,12 @@ def test_weights_quantized_at_load_are_a_checkpoint_of_their_own():
     """vLLM's online quantization (``quantization="fp8"``) is in no config file; its KV differs."""
     base = checkpoint_revision(llama(), "v1")
     assert checkpoint_revision(llama(), "v1", None) == base  # unquantized: the revision as before
-    fp8 = checkpoint_revision(llama(), "v1", "fp8")
-    assert fp8 != base and fp8.startswith(base) and fp8 != checkpoint_revision(llama(), "v1", "awq")
+    fp8 = checkpoint_revision(llama(), "v1", ("fp8", None))
+    assert fp8 != base and fp8.startswith(base + "+quant-") and fp8 == checkpoint_revision(llama(), "v1", ("fp8", None))
+    assert fp8 != checkpoint_revision(llama(), "v1", ("awq", None))
+    online = [checkpoint_revision(llama(), "v1", ("online", {"ignore": ignore})) for ignore in (["lm_head"], [])]
+    assert online[0] != online[1]  # the method's settings count too
+    assert len(checkpoint_revision(llama(), "r" * 200, ("online", {"ignore": ["x" * 500]}))) <= 256  # StoreConfig's bound
 
 
 def test_a_checkpoint_swapped_under_its_name_gets_no_hits_from_a_persistent_disk_tier(tmp_path):

@@ -104,9 +104,12 @@ def page_layout(vllm_config: VllmConfig) -> PageLayout:
 
 def model_revision(vllm_config: VllmConfig, settings: ConnectorSettings) -> str:
     """The checkpoint the pages are bound to: the hub revision vLLM loaded (or the user's
-    ``model_revision``), a hash of the model config and the quantization vLLM applies."""
+    ``model_revision``), a hash of the model config and of the quantization vLLM runs the
+    weights with (its method, which vLLM also sets for a checkpoint quantized beforehand and
+    names per platform, and the settings given with it)."""
     model = vllm_config.model_config
-    return checkpoint_revision(model.hf_config, settings.model_revision or model.revision, model.quantization)
+    quantization = (model.quantization, model.quantization_config) if model.quantization else None
+    return checkpoint_revision(model.hf_config, settings.model_revision or model.revision, quantization)
 
 
 def open_store(vllm_config: VllmConfig, settings: ConnectorSettings) -> PageStore:

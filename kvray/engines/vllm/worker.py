@@ -128,8 +128,11 @@ class ConnectorWorker:
         started = time.perf_counter()
         loaded, pages = self.runtime.read(load.keys, load.plan)
         if loaded.pages:
-            self.codec.write_bytes(load.block_ids[: loaded.pages], pages)
-            self.codec.wait_for_writes()  # this thread's stream: the forward's does not wait for it
+            try:
+                self.codec.write_bytes(load.block_ids[: loaded.pages], pages)
+            finally:  # also when a copy failed: those queued must land before vLLM recomputes the blocks
+                self.codec.wait_for_writes()  # this thread's stream: the forward's does not wait for it
+        del pages  # a view of the client's buffer: none kept while the copies below run
         self.counters["load_us"] += int((time.perf_counter() - started) * 1e6)
         self.counters["loaded_pages"] += loaded.pages
         self.counters["lost_pages"] += len(load.keys) - loaded.pages
