@@ -137,11 +137,13 @@ def test_an_answer_left_unread_is_never_read_as_the_next_requests(served):
     so the next load on that peer reads its own pages. A load's answer names no keys and its
     pages pass their checksums, so without that the next read takes them for its own."""
     server, links, store, _ = served
-    first, second = [1, 2, 3], [4, 5, 6]
-    links.load(server.address, first).abandon()
-    rows = np.zeros((len(second), PAGE), dtype=np.uint8)
-    assert links.load(server.address, second).receive(rows) == len(second)
-    assert all(np.array_equal(rows[i], page_of(key)) for i, key in enumerate(second))
+    first, second, third = [1, 2, 3], [4, 5, 6], [7, 8, 9]
+    abandoned, behind = links.load(server.address, first), links.load(server.address, second)  # one link
+    abandoned.abandon()
+    rows = np.zeros((3, PAGE), dtype=np.uint8)
+    assert behind.receive(rows) == 0  # sent on the link before it broke: a miss, not the first answer
+    assert links.load(server.address, third).receive(rows) == len(third)  # a new link
+    assert all(np.array_equal(rows[i], page_of(key)) for i, key in enumerate(third))
 
 
 def test_a_stranger_without_the_token_gets_nothing(served):
