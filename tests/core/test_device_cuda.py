@@ -7,6 +7,8 @@ the CPU stand-in's accounting and copy paths are covered by the other core tests
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -41,6 +43,37 @@ def test_more_queued_writes_than_staging_rows_each_land_intact():
         assert pool.read_into(slot, out, expected=0)
         assert np.array_equal(out, data[slot]), f"slot {slot}"
     pool.close()
+
+
+def test_reads_on_several_threads_beside_writes_each_get_their_own_page():
+    """A store copies pinned pages out outside its lock: reads run at once on several threads,
+    and beside writes, through the same staging rows, and each must return its slot's page."""
+    slots, readers, rounds = 16, 6, 200
+    pool = DevicePool(slots + 1, 8192)
+    data = np.random.default_rng(1).integers(0, 256, (slots + 1, 8192), dtype=np.uint8)
+    for slot in range(slots):
+        pool.write(slot, slot, None, data[slot])
+    wrong: list[int] = []
+
+    def read(seed: int) -> None:
+        out, rng = np.empty(8192, dtype=np.uint8), np.random.default_rng(seed)
+        for _ in range(rounds):
+            slot = int(rng.integers(slots))
+            pool.read_into(slot, out, expected=0)
+            if not np.array_equal(out, data[slot]):
+                wrong.append(slot)
+
+    def write() -> None:  # another slot rewritten all along: its rows pass through the same staging rows
+        for _ in range(rounds):
+            pool.write(slots, slots, None, data[slots])
+
+    threads = [threading.Thread(target=read, args=(seed,)) for seed in range(readers)] + [threading.Thread(target=write)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    pool.close()
+    assert not wrong, f"{len(wrong)} reads returned another slot's bytes"
 
 
 def test_rewritten_slot_reads_the_last_write():

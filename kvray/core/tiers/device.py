@@ -6,6 +6,8 @@ has no accelerator tier (a store actor on a CPU node) never loads it (kvray.lazy
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -25,7 +27,9 @@ class DevicePool(MemorySlots):
     pinned rows and issues an asynchronous copy (``cudaMemcpyAsync``) on the pool's own
     stream. A write returns once its copy is queued, so packing the next page overlaps
     it; a row is reused only after its copy's event has fired. A read waits for its copy,
-    since the caller gets the bytes. Copies on the pool's stream run in order, so a read
+    since the caller gets the bytes. The rows are the pool's own lock's: a store copies
+    pinned pages out outside its lock, so reads run on several threads at once and beside
+    writes, and a row two copies shared would hand one of them the other's page. Copies on the pool's stream run in order, so a read
     of a slot always sees the last write to it; :meth:`view` waits for queued copies, so
     the tensor it returns is current on any stream.
 
@@ -57,6 +61,7 @@ class DevicePool(MemorySlots):
             self._stream = torch.cuda.Stream(device=self.device)
             self._copied: list[torch.cuda.Event | None] = [None] * self.STAGING_PAGES
             self._next_row = 0
+            self._rows = threading.Lock()  # held from taking a staging row until its copy is queued (write) or read out
 
     def view(self, slot: int) -> np.ndarray | torch.Tensor:
         """Slot bytes: a numpy view for the CPU stand-in, a device tensor on an accelerator."""
@@ -82,23 +87,25 @@ class DevicePool(MemorySlots):
     def write(self, slot: int, key: int, parent_key: int | None, page: np.ndarray) -> int:
         if self.stand_in:
             return super().write(slot, key, parent_key, page)
-        row = self._staging_row()
-        copy_page(self._staging_rows[row], page)
-        with torch.cuda.stream(self._stream):
-            self._tensor[slot].copy_(self._staging[row], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        self._copied[row] = done
+        with self._rows:
+            row = self._staging_row()
+            copy_page(self._staging_rows[row], page)
+            with torch.cuda.stream(self._stream):
+                self._tensor[slot].copy_(self._staging[row], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            self._copied[row] = done
         return hash_page(page) if self.checksum else UNHASHED
 
     def read_into(self, slot: int, page: np.ndarray, expected: int) -> bool:
         if self.stand_in:
             return super().read_into(slot, page, expected)
-        row = self._staging_row()
-        with torch.cuda.stream(self._stream):
-            self._staging[row].copy_(self._tensor[slot], non_blocking=True)
-        self._stream.synchronize()
-        copy_page(page, self._staging_rows[row])
+        with self._rows:
+            row = self._staging_row()
+            with torch.cuda.stream(self._stream):
+                self._staging[row].copy_(self._tensor[slot], non_blocking=True)
+            self._stream.synchronize()
+            copy_page(page, self._staging_rows[row])
         return not self.checksum or hash_page(page) == expected
 
     def close(self) -> None:
