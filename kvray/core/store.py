@@ -119,13 +119,18 @@ class PageStore(RequestKV):
         self._recover(recovered)
 
     def _recover(self, pages: list[StoredPage]) -> None:
-        """Re-index pages found on disk, parents first; free those whose parent is gone."""
-        ordered, orphans = parents_first((page.key, page.parent_key, page) for page in pages)
+        """Re-index pages found on disk, parents first; free those whose parent is gone, and
+        every slot but the first of a key found twice: a slot freed (its header cleared, without
+        fsync) before the page went back to disk elsewhere can survive a crash that the
+        clear did not, and a key indexed twice would stop the store from starting at all."""
+        first: dict[int, StoredPage] = {}
+        repeats = [page for page in pages if first.setdefault(page.key, page) is not page]
+        ordered, orphans = parents_first((page.key, page.parent_key, page) for page in first.values())
         handles: dict[int, int] = {}
         for key, parent_key, page in ordered:
             parent = ROOT if parent_key is None else handles[parent_key]
             handles[key] = self.manager.restore(key, Tier.DISK, page.slot, page.checksum, parent=parent)
-        for page in orphans:
+        for page in [*orphans, *repeats]:
             self.manager.abort_store(Tier.DISK, page.slot)
 
     # -- keys ----------------------------------------------------------------------------

@@ -241,6 +241,29 @@ def test_flipped_bits_are_detected_dropped_and_never_returned(tmp_path):
     assert restarted.lookup(tokens) == 12
 
 
+def test_a_page_found_in_two_slots_after_a_crash_is_kept_once_and_the_store_starts(tmp_path):
+    """A slot freed without fsync can survive a crash beside the slot the page went to next:
+    the restart keeps one, frees the other, and serves the chain exact (it raised before)."""
+    from kvray.core.tiers.disk import HEADER_BYTES
+
+    store, tokens, path = _stored_disk(tmp_path)
+    disk = store.pools[2]
+    source = _page_offset(store, tokens, 2) - HEADER_BYTES
+    spare = disk.stride * (disk.capacity - 1)  # 6 pages in 8 slots: the last is free
+    with open(path, "r+b") as fh:
+        fh.seek(source)
+        whole = fh.read(disk.stride)
+        fh.seek(spare)
+        fh.write(whole)
+    store.close()
+    restarted = make_store(tmp_path, disk=8)
+    hit = restarted.load(tokens)
+    assert hit.tokens == 24 and torch.equal(hit.kv, prefix_kv(TINY, tokens))
+    assert len(restarted) == 6 and restarted.stats()["tiers"]["disk"]["used"] == 6
+    again = make_store(tmp_path, disk=8)  # the repeat's slot was freed: a second restart finds it once too
+    assert len(again) == 6 and again.load(tokens).tokens == 24
+
+
 def test_truncated_file_loses_only_the_cut_pages(tmp_path):
     store, tokens, path = _stored_disk(tmp_path)
     os.truncate(path, _page_offset(store, tokens, 4) + 10)
