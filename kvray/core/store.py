@@ -306,6 +306,11 @@ class PageStore(RequestKV):
             if not isinstance(view, np.ndarray) or view.dtype != np.uint8 or view.nbytes != nbytes:
                 what = f"{view.dtype} {view.shape}" if isinstance(view, np.ndarray) else type(view).__name__
                 raise LayoutError(f"target of page {i} of {pages} is {what}, not the {nbytes} bytes of one page")
+            if not view.flags.c_contiguous:
+                try:
+                    runs(view)  # a disk read writes these runs: each must be the target's own memory
+                except LayoutError as exc:
+                    raise LayoutError(f"target of page {i} of {pages}: {exc}") from None
             views.append(view)
         return views
 

@@ -324,6 +324,28 @@ def test_a_target_of_the_wrong_size_is_a_layout_error(tmp_path):
     assert store.load(tokens).tokens == 8 and store.stats()["corrupt_pages"] == 0
 
 
+@pytest.mark.parametrize("shape", ["rows-half-used", "flat-every-other-byte"])
+def test_a_strided_target_a_disk_read_could_only_fill_a_copy_of_is_a_layout_error(tmp_path, shape):
+    """Pages read from disk are written into the target's contiguous runs; a target numpy can
+    split only by copying would get its bytes into the copies while the read counted as
+    delivered (checksums pass: they cover the copies). It is refused before any page is pinned."""
+    store = make_store(tmp_path, disk=8)
+    tokens = list(range(8))
+    store.store(tokens, prefix_kv(TINY, tokens))
+    nbytes = TINY.page_nbytes
+    if shape == "rows-half-used":
+        wide = np.zeros((2, nbytes // 16, 32), np.uint8)
+        target = lambda i: wide[i, :, :16]  # noqa: E731
+    else:
+        wide = np.zeros((2, 2 * nbytes), np.uint8)
+        target = lambda i: wide[i, ::2]  # noqa: E731
+    with pytest.raises(LayoutError, match="target of page 0 of 2: a page view .* has no contiguous byte runs"):
+        store.read_pages(store.keys(tokens), target)
+    assert not wide.any() and not store.manager.index.pins.any()
+    hit = store.load(tokens)
+    assert hit.tokens == 8 and torch.equal(hit.kv, prefix_kv(TINY, tokens))
+
+
 def test_a_failing_disk_read_is_a_storage_error_and_drops_nothing(tmp_path):
     store = make_store(tmp_path, disk=8)
     tokens = list(range(12))
