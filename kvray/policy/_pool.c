@@ -105,13 +105,17 @@ static Py_ssize_t gather(int tier, const Py_ssize_t cap[3], Py_buffer cols[5], i
     const double *frequency = cols[3].buf, *hits = cols[4].buf;
     Py_ssize_t n = cols[0].len < cols[1].len / 4 ? cols[0].len : cols[1].len / 4;
     Py_ssize_t nrec = cols[2].len / 8, nfreq = cols[3].len / 8, nhits = cols[4].len / 8;
-    Py_ssize_t size[3] = {0, 0, 0}, total = cap[0] + cap[1] + cap[2];
+    Py_ssize_t size[3] = {0, 0, 0}, c[3], total;
     if (cap[0] < 0 || cap[1] < 0 || cap[2] < 0) {
         PyErr_SetString(PyExc_ValueError, "pool: negative pool size");
         return -1;
     }
+    /* A heap never holds more than the cache's pages: sizes beyond that (2**60 from a model
+     * file, say) would overflow the allocations below and change nothing. */
+    for (int o = 0; o < 3; o++) c[o] = cap[o] < n ? cap[o] : n;
+    total = c[0] + c[1] + c[2];
     for (int o = 0; o < 3; o++)
-        if ((heaps[o] = PyMem_Malloc((cap[o] ? cap[o] : 1) * sizeof(Entry))) == NULL) { PyErr_NoMemory(); goto done; }
+        if ((heaps[o] = PyMem_Malloc((c[o] ? c[o] : 1) * sizeof(Entry))) == NULL) { PyErr_NoMemory(); goto done; }
     Py_ssize_t keyed = nrec < nfreq ? nrec : nfreq; /* handles every ordering's column covers */
     if (nhits < keyed) keyed = nhits;
     for (Py_ssize_t h = keyed; h < n; h++) /* a page of the tier beyond them */
@@ -122,9 +126,9 @@ static Py_ssize_t gather(int tier, const Py_ssize_t cap[3], Py_buffer cols[5], i
     for (Py_ssize_t h = 0; h < n; h++) {
         if (where[h] != tier || pins[h] != 0) continue;
         double r = (double)recency[h];
-        if (cap[0] && (size[0] < cap[0] || r < heaps[0][0].key)) offer(heaps[0], &size[0], cap[0], (Entry){r, h});
-        if (cap[1] && (size[1] < cap[1] || frequency[h] < heaps[1][0].key)) offer(heaps[1], &size[1], cap[1], (Entry){frequency[h], h});
-        if (cap[2] && hits[h] == 0.0 && (size[2] < cap[2] || r < heaps[2][0].key)) offer(heaps[2], &size[2], cap[2], (Entry){r, h});
+        if (c[0] && (size[0] < c[0] || r < heaps[0][0].key)) offer(heaps[0], &size[0], c[0], (Entry){r, h});
+        if (c[1] && (size[1] < c[1] || frequency[h] < heaps[1][0].key)) offer(heaps[1], &size[1], c[1], (Entry){frequency[h], h});
+        if (c[2] && hits[h] == 0.0 && (size[2] < c[2] || r < heaps[2][0].key)) offer(heaps[2], &size[2], c[2], (Entry){r, h});
     }
     /* the picks deduplicated through a small open-addressing table (handle -> place in out) */
     Py_ssize_t slots = 16;

@@ -63,6 +63,19 @@ def test_the_c_pool_is_the_numpy_pool(seed, pages, pinned, pool, tier):
     assert got[1].tolist() == expected[1].tolist()
 
 
+@pytest.mark.parametrize("sizes", [(2**60, 2**60 + 1, 2**62), (300, 0, 2**61), (2**62, 2**62, 2**62)])
+def test_pool_sizes_past_the_cache_take_every_page_in_c_as_in_numpy(sizes):
+    """Sizes beyond the tier's pages (from a model file or a flag: only negatives are refused)
+    gather every page, as numpy does; the C sizes its heaps by the pages, not by the number
+    (2**60 entries of 16 bytes wrapped to a 0-byte allocation, which the offers then overran)."""
+    for tier in range(3):
+        state = columns(7, 120, 0.3)
+        state.pool = sizes
+        expected = ReusePolicy.gather_python(state, tier)
+        got = ReusePolicy._gather(state, tier)
+        assert got[0].tolist() == expected[0].tolist() and got[1].tolist() == expected[1].tolist()
+
+
 @settings(max_examples=examples(200), deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
