@@ -195,8 +195,10 @@ class CacheManager:
                 self.index.pin(np.array(held, dtype=np.int64))
                 refused.extend(held)
         finally:
-            if refused:
-                self.index.unpin(np.array(refused, dtype=np.int64))
+            if refused:  # a victim named again while refused was pinned again: each pin undone
+                handles, times = np.unique(np.array(refused, dtype=np.int64), return_counts=True)
+                for k in range(int(times.max())):
+                    self.index.unpin(handles[times > k])
 
     def _demote_target(self, handle: int, tier: Tier) -> Tier | None:
         """Where the policy would demote ``handle`` from ``tier``, if that tier exists here."""

@@ -95,6 +95,18 @@ static int relocate(State *s, long h, int dst) {
     return count(s->moved_pages, MOVE_NAME[src][dst]) < 0 ? -1 : 1;
 }
 
+/* Pin ``h`` as refused for this reservation (unpinned when make_room returns). */
+static int refuse(long **refused, long *nrefused, long *cap, State *s, long h) {
+    if (*nrefused == *cap) {
+        long *more = PyMem_Realloc(*refused, (*cap = *cap ? 2 * *cap : 64) * sizeof(long));
+        if (more == NULL) { PyErr_NoMemory(); return -1; }
+        *refused = more;
+    }
+    s->pins[h]++;
+    (*refused)[(*nrefused)++] = h;
+    return 0;
+}
+
 /* CacheManager._make_room: a slot of tier t by evicting; NO_SLOT if none can leave. */
 static long make_room(State *s, int t) {
     long *refused = NULL, nrefused = 0, cap = 0, result = NO_SLOT;
@@ -121,6 +133,7 @@ static long make_room(State *s, int t) {
          * as they are found, so a page in two lineages counts once (a generic policy's
          * demote_target must not depend on pins or on the order it is asked in: SimNode) */
         int lineages = keeps_descendant(s, victim);
+        long before = nrefused;
         for (int i = -1; i < (lineages ? s->nkept : 0); i++)
             for (long up = i < 0 ? victim : s->kept[i]; up != ROOT; up = i < 0 ? ROOT : s->parent[up]) {
                 if (s->tier[up] != t || s->pins[up] != 0) continue;
@@ -129,14 +142,11 @@ static long make_room(State *s, int t) {
                     if (dst == -2) { result = ERR; goto out; }
                     if (dst >= 0 && dst != target) continue;
                 }
-                if (nrefused == cap) {
-                    long *more = PyMem_Realloc(refused, (cap = cap ? 2 * cap : 64) * sizeof(long));
-                    if (more == NULL) { PyErr_NoMemory(); result = ERR; goto out; }
-                    refused = more;
-                }
-                s->pins[up]++;
-                refused[nrefused++] = up;
+                if (refuse(&refused, &nrefused, &cap, s, up) < 0) { result = ERR; goto out; }
             }
+        /* none held (a generic policy named a pinned page): the victim itself, as the Python
+         * path does (``held or [victim]``), so the refusals count and the loop ends */
+        if (nrefused == before && refuse(&refused, &nrefused, &cap, s, victim) < 0) { result = ERR; goto out; }
     }
 out:
     for (long i = 0; i < nrefused; i++) s->pins[refused[i]]--;
@@ -310,6 +320,10 @@ static PyObject *store_chain(PyObject *module, PyObject *args) {
     admit = (int)PyLong_AsLong(PyList_GET_ITEM(ptiers, 0));
     if (admit < 0 || admit >= NTIERS || PyErr_Occurred()) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "tier"); goto fail; }
     if (load_columns(&s) < 0) goto fail;
+    if (parent != ROOT && !indexed(&s, parent, -1)) {
+        PyErr_Format(PyExc_IndexError, "store_chain: parent handle %ld is not a page of the index", parent);
+        goto fail;
+    }
     if (native && (s.reuse = &reuse, reuse_load(&s, &reuse) < 0)) goto fail;
     if (generic && !native && (s.s3fifo = is_s3fifo(policy)) < 0) goto fail;
     ran = 1;

@@ -271,6 +271,13 @@ static int lru_remove(State *s, long h, int t) {
     return rc;
 }
 
+/* Whether h names a page of the index (and, t >= 0, of tier t): a handle that comes from
+ * Python (a policy's victim, a caller's parent) is checked before a column is indexed by it. */
+static int indexed(State *s, long h, int t) {
+    return h >= 0 && h < PyList_GET_SIZE(s->keys) && h < s->ncap && PyList_GET_ITEM(s->keys, h) != Py_None &&
+           (t < 0 || s->tier[h] == t);
+}
+
 /* LRU's victim: the first unpinned page of the tier's order; NONE when all are pinned. */
 static long lru_victim(State *s, int t) {
     long pending = s->reuse ? reuse_pending(s, t) : NONE; /* reuse's last ranking, while it lasts */
@@ -280,7 +287,12 @@ static long lru_victim(State *s, int t) {
         if (r == NULL) return ERR;
         long h = r == Py_None ? NONE : PyLong_AsLong(r);
         Py_DECREF(r);
-        return h == -1 && PyErr_Occurred() ? ERR : h;
+        if (h == -1 && PyErr_Occurred()) return ERR;
+        if (h != NONE && !indexed(s, h, t)) {
+            PyErr_Format(PyExc_IndexError, "%R.victim(%R) returned handle %ld, not a page of that tier", s->policy, TIER[t], h);
+            return ERR;
+        }
+        return h;
     }
     PyObject *it = PyObject_GetIter(s->order[t]), *key;
     if (it == NULL) return ERR;

@@ -136,3 +136,39 @@ def test_store_chain_takes_the_compiled_path_only_where_it_is_exact(monkeypatch)
     assert arc.store_chain([1, 2], arc.write) == 2 and len(taken) == 2  # the spy stored nothing: Python both
     lru.manager.keep(0)
     assert lru.store_chain([1, 2, 3], lru.write) == 3 and len(taken) == 2
+
+
+def test_a_policy_naming_no_page_of_its_tier_is_an_index_error_on_the_compiled_path():
+    """Handles from Python are checked before the C indexes a column by them: a victim out of
+    range, or of another tier, and a parent that is no page are IndexErrors naming them, never
+    a read or write past a column."""
+    compiled, _ = nodes({Tier.DEVICE: 2, Tier.HOST: 3}, queued=False, policy="arc")
+    compiled.manager.store_chain([1, 2, 3], compiled.mover, compiled.write)
+    index = compiled.manager.index
+    elsewhere = next(h for h in index._handles.values() if index.tier[h] != Tier.DEVICE)
+    for bad in (10**6, len(index._keys) + 5, elsewhere):
+        compiled.policy.victim = lambda tier, bad=bad: bad
+        with pytest.raises(IndexError, match=f"returned handle {bad}, not a page of that tier"):
+            _chain.store_chain(compiled.manager, compiled, [11, 12, 13, 14, 15], None, ROOT, 0, 5, "", True)
+    del compiled.policy.victim
+    with pytest.raises(IndexError, match="parent handle 1000000 is not a page of the index"):
+        _chain.store_chain(compiled.manager, compiled, [21], None, 10**6, 0, 1, "", True)
+
+
+def test_a_victim_named_while_pinned_is_refused_and_counted_as_in_python():
+    """A policy that keeps naming a pinned page: the page is pinned as refused each time, the
+    reserve gives up after REFUSALS_PER_RESERVE and every pin is undone, on both paths (before:
+    the compiled path looped for ever, and the Python path undid one pin of the 32)."""
+    compiled, python = nodes({Tier.DEVICE: 2, Tier.HOST: 2}, queued=False, policy="arc")
+    for node in (compiled, python):
+        node.manager.store_chain([1, 2, 3, 4], node.mover, node.write)
+        index = node.manager.index
+        pinned = min(h for h in index._handles.values() if index.tier[h] == Tier.DEVICE)
+        index.pins[pinned] += 1
+        own = node.policy.victim
+        node.policy.victim = lambda tier, pinned=pinned, own=own: pinned if tier == Tier.DEVICE else own(tier)
+    stored = _chain.store_chain(compiled.manager, compiled, [31, 32], None, ROOT, 0, 2, "", True)
+    assert stored == python.manager.store_chain([31, 32], python.mover, python.write)
+    for node in (compiled, python):
+        del node.policy.victim
+    assert state(compiled) == state(python)
