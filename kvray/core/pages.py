@@ -126,9 +126,9 @@ def request_runs(layout: PageLayout, kv_bytes: np.ndarray, pages: int) -> list[l
 
 def runs(page: np.ndarray) -> list[np.ndarray]:
     """A page view's contiguous byte runs, in order (one for a contiguous page, one per
-    layer and K/V for a page sliced out of a request). A view numpy can split only by
-    copying (strided within a block) raises :class:`LayoutError`: bytes read into a copy
-    would never reach the page."""
+    layer and K/V for a page sliced out of a request). A view whose blocks are not
+    contiguous raises :class:`LayoutError`: numpy would split it only by copying, and bytes
+    read into a copy would never reach the page."""
     if page.flags.c_contiguous:
         return [page.reshape(-1)]
     if page.ndim >= 2:  # one row per run when numpy can view it so (a request's page can): ~4x faster
@@ -136,8 +136,8 @@ def runs(page: np.ndarray) -> list[np.ndarray]:
         if rows.strides[-1] == rows.itemsize and np.may_share_memory(rows, page):
             return list(rows)
     blocks = [block.reshape(-1) for layer in page for block in layer] if page.ndim >= 3 else []
-    if not blocks or not all(np.may_share_memory(block, page) for block in blocks):
-        raise LayoutError(f"a page view of shape {page.shape}, strides {page.strides} has no contiguous byte runs")
+    if not blocks or not all(block.flags.c_contiguous and np.may_share_memory(block, page) for block in blocks):
+        raise LayoutError(f"a page view of shape {page.shape}, strides {page.strides} cannot be split into contiguous byte runs")
     return blocks
 
 

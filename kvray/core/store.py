@@ -120,11 +120,17 @@ class PageStore(RequestKV):
 
     def _recover(self, pages: list[StoredPage]) -> None:
         """Re-index pages found on disk, parents first; free those whose parent is gone, and
-        every slot but the first of a key found twice: a slot freed (its header cleared, without
-        fsync) before the page went back to disk elsewhere can survive a crash that the
-        clear did not, and a key indexed twice would stop the store from starting at all."""
+        every slot but one of a key found twice (one whose bytes verify): a slot freed (its header
+        cleared, without fsync) before the page went back to disk elsewhere can survive a crash
+        that the clear did not, and a key indexed twice would stop the store from starting at all."""
         first: dict[int, StoredPage] = {}
-        repeats = [page for page in pages if first.setdefault(page.key, page) is not page]
+        repeats: list[StoredPage] = []
+        for page in pages:
+            kept = first.setdefault(page.key, page)
+            if kept is not page:  # a key found twice: keep a copy whose bytes verify (the first if both do)
+                if not self._verifies(kept) and self._verifies(page):
+                    first[page.key], page = page, kept
+                repeats.append(page)
         ordered, orphans = parents_first((page.key, page.parent_key, page) for page in first.values())
         handles: dict[int, int] = {}
         for key, parent_key, page in ordered:
@@ -132,6 +138,10 @@ class PageStore(RequestKV):
             handles[key] = self.manager.restore(key, Tier.DISK, page.slot, page.checksum, parent=parent)
         for page in [*orphans, *repeats]:
             self.manager.abort_store(Tier.DISK, page.slot)
+
+    def _verifies(self, page: StoredPage) -> bool:
+        """Whether a disk slot's bytes carry its header's checksum (read only for a key found twice)."""
+        return self.pools[Tier.DISK].read_into(page.slot, np.empty(self.layout.page_nbytes, np.uint8), page.checksum)
 
     # -- keys ----------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray, salt: str = "") -> list[int]:
@@ -306,7 +316,7 @@ class PageStore(RequestKV):
             if not isinstance(view, np.ndarray) or view.dtype != np.uint8 or view.nbytes != nbytes:
                 what = f"{view.dtype} {view.shape}" if isinstance(view, np.ndarray) else type(view).__name__
                 raise LayoutError(f"target of page {i} of {pages} is {what}, not the {nbytes} bytes of one page")
-            if not view.flags.c_contiguous:
+            if not view.flags.c_contiguous and Tier.DISK in self.pools:
                 try:
                     runs(view)  # a disk read writes these runs: each must be the target's own memory
                 except LayoutError as exc:

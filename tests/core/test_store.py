@@ -241,9 +241,12 @@ def test_flipped_bits_are_detected_dropped_and_never_returned(tmp_path):
     assert restarted.lookup(tokens) == 12
 
 
-def test_a_page_found_in_two_slots_after_a_crash_is_kept_once_and_the_store_starts(tmp_path):
+@pytest.mark.parametrize("first_copy", ["intact", "torn"])
+def test_a_page_found_in_two_slots_after_a_crash_is_kept_once_and_the_store_starts(tmp_path, first_copy):
     """A slot freed without fsync can survive a crash beside the slot the page went to next:
-    the restart keeps one, frees the other, and serves the chain exact (it raised before)."""
+    the restart keeps one copy whose bytes verify, frees the other, and serves the chain exact
+    (it raised before). A first copy whose slot was partly rewritten before the crash is the
+    one let go."""
     from kvray.core.tiers.disk import HEADER_BYTES
 
     store, tokens, path = _stored_disk(tmp_path)
@@ -255,6 +258,9 @@ def test_a_page_found_in_two_slots_after_a_crash_is_kept_once_and_the_store_star
         whole = fh.read(disk.stride)
         fh.seek(spare)
         fh.write(whole)
+        if first_copy == "torn":
+            fh.seek(source + HEADER_BYTES + 5)
+            fh.write(b"\xff\x00")
     store.close()
     restarted = make_store(tmp_path, disk=8)
     hit = restarted.load(tokens)
@@ -324,7 +330,7 @@ def test_a_target_of_the_wrong_size_is_a_layout_error(tmp_path):
     assert store.load(tokens).tokens == 8 and store.stats()["corrupt_pages"] == 0
 
 
-@pytest.mark.parametrize("shape", ["rows-half-used", "flat-every-other-byte"])
+@pytest.mark.parametrize("shape", ["rows-half-used", "flat-every-other-byte", "blocks-every-other-byte"])
 def test_a_strided_target_a_disk_read_could_only_fill_a_copy_of_is_a_layout_error(tmp_path, shape):
     """Pages read from disk are written into the target's contiguous runs; a target numpy can
     split only by copying would get its bytes into the copies while the read counted as
@@ -336,10 +342,13 @@ def test_a_strided_target_a_disk_read_could_only_fill_a_copy_of_is_a_layout_erro
     if shape == "rows-half-used":
         wide = np.zeros((2, nbytes // 16, 32), np.uint8)
         target = lambda i: wide[i, :, :16]  # noqa: E731
-    else:
+    elif shape == "flat-every-other-byte":
         wide = np.zeros((2, 2 * nbytes), np.uint8)
         target = lambda i: wide[i, ::2]  # noqa: E731
-    with pytest.raises(LayoutError, match="target of page 0 of 2: a page view .* has no contiguous byte runs"):
+    else:  # blocks numpy views without a copy, each strided: no run of them is contiguous
+        wide = np.zeros((2, 2, 4, nbytes // 4), np.uint8)
+        target = lambda i: wide[i, :, :, ::2]  # noqa: E731
+    with pytest.raises(LayoutError, match="target of page 0 of 2: a page view .* cannot be split into contiguous byte runs"):
         store.read_pages(store.keys(tokens), target)
     assert not wide.any() and not store.manager.index.pins.any()
     hit = store.load(tokens)
